@@ -1,0 +1,226 @@
+//! The compute thread of a stage. Model work runs here, off the async
+//! runtime. The entry stage drains everything queued, plans micro-batches
+//! and runs them one after another (new arrivals wait for the next drain);
+//! each finished micro-batch goes downstream at once, so the next stage
+//! works on batch k while this one works on batch k+1.
+//!
+//! A micro-batch that fails is retried one sequence at a time, so that only
+//! the sequences that fail alone are reported failed and every other
+//! request's output is still produced.
+
+use crate::batcher::{plan, BatchLimits, Seq, ShapeInfo};
+use crate::engine::{Engine, Padded};
+use crate::fault::Fault;
+use proto::frames::{
+    ActivationBatch, ActivationMessage, BatchItem, ErrorKind, PipelineError, ResultMessage,
+};
+use proto::tensor::TensorFrame;
+use std::collections::BTreeMap;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use tokio::sync::mpsc::Sender;
+
+/// Work for the compute thread.
+pub enum Work {
+    /// Tokenized inputs (entry stage).
+    Seqs(Vec<Seq>),
+    /// A micro-batch from the previous stage.
+    Batch(ActivationBatch),
+}
+
+/// What the compute thread (or a session) sends downstream.
+pub enum Output {
+    /// To the next stage.
+    Activation(ActivationMessage),
+    /// To the gateway (exit stage).
+    Result(ResultMessage),
+}
+
+/// Builds the failure message for the right direction.
+pub fn failure(exit: bool, request_id: u64, error: PipelineError) -> Output {
+    if exit {
+        Output::Result(ResultMessage::Failed { request_id, error })
+    } else {
+        Output::Activation(ActivationMessage::Failed { request_id, error })
+    }
+}
+
+/// State of the compute thread.
+pub struct Compute {
+    engine: Arc<Engine>,
+    out: Sender<Output>,
+    limits: BatchLimits,
+    shape: ShapeInfo,
+    fault: Fault,
+    next_batch: u64,
+}
+
+enum Input<'a> {
+    Tokens(&'a [Seq]),
+    Hidden(&'a Padded),
+}
+
+impl Compute {
+    /// A compute loop for `engine` sending to `out`.
+    pub fn new(
+        engine: Arc<Engine>,
+        out: Sender<Output>,
+        limits: BatchLimits,
+        shape: ShapeInfo,
+    ) -> Self {
+        Self {
+            engine,
+            out,
+            limits,
+            shape,
+            fault: Fault::from_env(),
+            next_batch: 0,
+        }
+    }
+
+    /// Runs until the work queue closes.
+    pub fn run(mut self, rx: Receiver<Work>) {
+        while let Ok(first) = rx.recv() {
+            let mut seqs = Vec::new();
+            let mut batches = Vec::new();
+            let mut push = |w: Work| match w {
+                Work::Seqs(s) => seqs.extend(s),
+                Work::Batch(b) => batches.push(b),
+            };
+            push(first);
+            // Drain before refill: everything queued now joins this round.
+            while let Ok(w) = rx.try_recv() {
+                push(w);
+            }
+            for b in batches {
+                self.run_activation_batch(b);
+            }
+            if !seqs.is_empty() {
+                for mb in plan(seqs, &self.limits, &self.shape) {
+                    self.run_seqs(mb);
+                }
+            }
+        }
+    }
+
+    fn run_seqs(&mut self, seqs: Vec<Seq>) {
+        let items: Vec<BatchItem> = seqs.iter().map(|s| s.item).collect();
+        match self.process(&items, Input::Tokens(&seqs)) {
+            Ok(out) => self.emit(items, out),
+            Err(e) if seqs.len() > 1 => {
+                tracing::warn!(rows = seqs.len(), error = %e, "micro-batch failed; retrying its sequences one by one");
+                for s in seqs {
+                    self.run_seqs(vec![s]);
+                }
+            }
+            Err(e) => self.fail(&items, &e),
+        }
+    }
+
+    fn run_activation_batch(&mut self, b: ActivationBatch) {
+        let input = match Padded::from_frames(&b.hidden, &b.mask, self.engine.hidden_size()) {
+            Ok(p) if p.hidden.dims()[0] == b.items.len() => p,
+            Ok(_) => {
+                return self.fail(&b.items, &anyhow::anyhow!("row count does not match items"))
+            }
+            Err(e) => return self.fail(&b.items, &e),
+        };
+        self.run_padded(b.items, input);
+    }
+
+    fn run_padded(&mut self, items: Vec<BatchItem>, input: Padded) {
+        match self.process(&items, Input::Hidden(&input)) {
+            Ok(out) => self.emit(items, out),
+            Err(e) if items.len() > 1 => {
+                tracing::warn!(rows = items.len(), error = %e, "micro-batch failed; retrying its sequences one by one");
+                for (row, item) in items.iter().enumerate() {
+                    match input.rows(row, 1, item.tokens as usize) {
+                        Ok(one) => self.run_padded(vec![*item], one),
+                        Err(e) => self.fail(&[*item], &e),
+                    }
+                }
+            }
+            Err(e) => self.fail(&items, &e),
+        }
+    }
+
+    fn process(&self, items: &[BatchItem], input: Input<'_>) -> anyhow::Result<Padded> {
+        if self.fault.fires(self.engine.claims.stage_index, items) {
+            anyhow::bail!("injected fault");
+        }
+        match input {
+            Input::Tokens(seqs) => {
+                let refs: Vec<&[u32]> = seqs.iter().map(|s| s.ids.as_slice()).collect();
+                self.engine.run_tokens(&refs)
+            }
+            Input::Hidden(p) => self.engine.run_hidden(Padded {
+                hidden: p.hidden.clone(),
+                mask: p.mask.clone(),
+            }),
+        }
+    }
+
+    fn emit(&mut self, items: Vec<BatchItem>, out: Padded) {
+        let micro_batch_id = self.next_batch;
+        self.next_batch += 1;
+        if !self.engine.is_exit() {
+            match out.to_frames() {
+                Ok((hidden, mask)) => self.send(Output::Activation(ActivationMessage::Batch(
+                    ActivationBatch {
+                        micro_batch_id,
+                        items,
+                        hidden,
+                        mask,
+                    },
+                ))),
+                Err(e) => self.fail(&items, &e),
+            }
+            return;
+        }
+        let vectors = match self.engine.pool(&out) {
+            Ok(v) => v,
+            Err(e) => return self.fail(&items, &e),
+        };
+        let dim = self.engine.hidden_size();
+        let mut by_request: BTreeMap<u64, (Vec<BatchItem>, Vec<f32>)> = BTreeMap::new();
+        for (row, item) in items.iter().enumerate() {
+            let entry = by_request.entry(item.request_id).or_default();
+            entry.0.push(*item);
+            entry
+                .1
+                .extend_from_slice(&vectors[row * dim..(row + 1) * dim]);
+        }
+        for (request_id, (items, values)) in by_request {
+            let vectors = TensorFrame::from_f32(&[items.len(), dim], &values);
+            self.send(Output::Result(ResultMessage::Embeddings {
+                request_id,
+                micro_batch_id,
+                items,
+                vectors,
+            }));
+        }
+    }
+
+    fn fail(&mut self, items: &[BatchItem], error: &anyhow::Error) {
+        let mut requests: Vec<u64> = items.iter().map(|i| i.request_id).collect();
+        requests.sort_unstable();
+        requests.dedup();
+        tracing::warn!(requests = requests.len(), error = %error, "sequence failed in this stage");
+        for request_id in requests {
+            let err = PipelineError {
+                kind: ErrorKind::Internal,
+                message: format!(
+                    "stage {} failed on this request: {error}",
+                    self.engine.claims.stage_index
+                ),
+            };
+            self.send(failure(self.engine.is_exit(), request_id, err));
+        }
+    }
+
+    fn send(&self, o: Output) {
+        if self.out.blocking_send(o).is_err() {
+            tracing::error!("output queue closed; dropping output");
+        }
+    }
+}

@@ -1,0 +1,262 @@
+//! The model engine of one stage: loads its layers after checking every file
+//! against the manifest, tokenizes (entry stage), runs its layers, and pools
+//! (exit stage). Pure compute, no networking; also used in-process by the
+//! benchmark's bare-Candle baseline.
+
+use crate::bert::{mean_pool_normalize, BertConfig, BertPart};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use proto::digest::Sha256Digest;
+use proto::frames::StageClaims;
+use proto::manifest::LoadedManifest;
+use proto::tensor::TensorFrame;
+use std::ops::Range;
+use std::path::Path;
+use tokenizers::{Tokenizer, TruncationParams};
+
+/// Which part of the model a stage runs.
+#[derive(Clone, Debug)]
+pub struct StageSpec {
+    /// Position in the pipeline.
+    pub stage_index: u32,
+    /// Number of stages.
+    pub num_stages: u32,
+    /// Layers `[start, end)`.
+    pub layers: Range<usize>,
+}
+
+/// A loaded stage model.
+pub struct Engine {
+    /// The manifest the files were checked against.
+    pub manifest: LoadedManifest,
+    /// What this stage claims in its evidence.
+    pub claims: StageClaims,
+    part: BertPart,
+    tokenizer: Option<Tokenizer>,
+}
+
+/// A padded batch on its way through the stage.
+pub struct Padded {
+    /// `[batch, seq, hidden]` f32.
+    pub hidden: Tensor,
+    /// `[batch, seq]` f32 mask.
+    pub mask: Tensor,
+}
+
+impl Engine {
+    /// Loads the stage's part of the model in `model_dir`.
+    ///
+    /// Every file is checked against the manifest's SHA-256 by this process
+    /// before it is used; a mismatch is an error naming the file.
+    pub fn load(model_dir: &Path, spec: &StageSpec) -> Result<Self> {
+        let manifest = LoadedManifest::load(model_dir)?;
+        let m = &manifest.manifest;
+        if m.architecture != "bert" || m.task != "embedding" {
+            bail!(
+                "model {} is a {} {} model; this stage serves bert embedding models",
+                m.model_id,
+                m.architecture,
+                m.task
+            );
+        }
+        if spec.num_stages == 0 || spec.stage_index >= spec.num_stages {
+            bail!(
+                "stage index {} out of {} stages",
+                spec.stage_index,
+                spec.num_stages
+            );
+        }
+        let cfg_path = manifest.verified_path("config.json")?;
+        let cfg: BertConfig = serde_json::from_slice(&std::fs::read(&cfg_path)?)
+            .with_context(|| format!("parsing {}", cfg_path.display()))?;
+        let is_entry = spec.stage_index == 0;
+        let tokenizer = if is_entry {
+            let path = manifest.verified_path("tokenizer.json")?;
+            let mut t = Tokenizer::from_file(&path)
+                .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
+            t.with_truncation(Some(TruncationParams {
+                max_length: m.max_seq_len,
+                ..Default::default()
+            }))
+            .map_err(|e| anyhow::anyhow!("tokenizer truncation: {e}"))?;
+            t.with_padding(None);
+            Some(t)
+        } else {
+            None
+        };
+        let weights = manifest.verified_path("model.safetensors")?;
+        let device = Device::Cpu;
+        // SAFETY: the file was just checked against the manifest; the mapping
+        // lives only while the stage's tensors are copied out of it.
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, &device)? };
+        let part = BertPart::load(vb, cfg, spec.layers.clone(), is_entry).with_context(|| {
+            format!(
+                "loading layers {:?} from {}",
+                spec.layers,
+                weights.display()
+            )
+        })?;
+        let claims = StageClaims {
+            stage_index: spec.stage_index,
+            num_stages: spec.num_stages,
+            layer_start: spec.layers.start as u32,
+            layer_end: spec.layers.end as u32,
+            model_id: m.model_id.clone(),
+            manifest_sha256: manifest.digest,
+        };
+        Ok(Self {
+            manifest,
+            claims,
+            part,
+            tokenizer,
+        })
+    }
+
+    /// Digest of the manifest.
+    pub fn manifest_digest(&self) -> Sha256Digest {
+        self.manifest.digest
+    }
+
+    /// Whether this is the entry stage (tokenizes and embeds).
+    pub fn is_entry(&self) -> bool {
+        self.claims.stage_index == 0
+    }
+
+    /// Whether this is the exit stage (pools).
+    pub fn is_exit(&self) -> bool {
+        self.claims.is_exit()
+    }
+
+    /// Hidden width.
+    pub fn hidden_size(&self) -> usize {
+        self.part.hidden_size()
+    }
+
+    /// Tokenizes one text (with `[CLS]`/`[SEP]`, truncated to the model's
+    /// maximum length).
+    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
+        let t = self
+            .tokenizer
+            .as_ref()
+            .ok_or("this stage does not tokenize")?;
+        let enc = t
+            .encode(text, true)
+            .map_err(|e| format!("tokenizer: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Pads token sequences into a batch and runs embeddings + this stage's layers.
+    pub fn run_tokens(&self, seqs: &[&[u32]]) -> Result<Padded> {
+        let max = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
+        if max == 0 {
+            bail!("empty batch");
+        }
+        let mut ids = vec![0u32; seqs.len() * max];
+        let mut mask = vec![0f32; seqs.len() * max];
+        for (r, s) in seqs.iter().enumerate() {
+            ids[r * max..r * max + s.len()].copy_from_slice(s);
+            mask[r * max..r * max + s.len()]
+                .iter_mut()
+                .for_each(|m| *m = 1.0);
+        }
+        let dev = self.part.device();
+        let ids = Tensor::from_vec(ids, (seqs.len(), max), dev)?;
+        let mask = Tensor::from_vec(mask, (seqs.len(), max), dev)?;
+        let hidden = self.part.embed(&ids)?;
+        let hidden = self.part.forward_layers(&hidden, &mask)?;
+        Ok(Padded { hidden, mask })
+    }
+
+    /// Runs this stage's layers on a batch from the previous stage.
+    pub fn run_hidden(&self, input: Padded) -> Result<Padded> {
+        let hidden = self.part.forward_layers(&input.hidden, &input.mask)?;
+        Ok(Padded {
+            hidden,
+            mask: input.mask,
+        })
+    }
+
+    /// Mean-pools and normalises; returns `[batch, hidden]` row-major.
+    pub fn pool(&self, batch: &Padded) -> Result<Vec<f32>> {
+        Ok(mean_pool_normalize(&batch.hidden, &batch.mask)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    }
+
+    /// Embeds texts entirely in this process (requires a single-stage
+    /// engine). Used by tests and the benchmark baseline.
+    pub fn embed_texts(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
+        if !(self.is_entry() && self.is_exit()) {
+            bail!("embed_texts needs a single-stage engine");
+        }
+        let seqs: Vec<Vec<u32>> = texts
+            .iter()
+            .map(|t| self.tokenize(t).map_err(anyhow::Error::msg))
+            .collect::<Result<_>>()?;
+        let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+        let out = self.pool(&self.run_tokens(&refs)?)?;
+        Ok(out.chunks(self.hidden_size()).map(|c| c.to_vec()).collect())
+    }
+}
+
+impl Padded {
+    /// Encodes as wire frames (hidden f32, mask u32).
+    pub fn to_frames(&self) -> Result<(TensorFrame, TensorFrame)> {
+        let dims = self.hidden.dims().to_vec();
+        let hidden = TensorFrame::from_f32(&dims, &self.hidden.flatten_all()?.to_vec1::<f32>()?);
+        let mdims = self.mask.dims().to_vec();
+        let mask: Vec<u32> = self
+            .mask
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .map(|m| m as u32)
+            .collect();
+        Ok((hidden, TensorFrame::from_u32(&mdims, &mask)))
+    }
+
+    /// Decodes wire frames, checking that their shapes agree.
+    pub fn from_frames(
+        hidden: &TensorFrame,
+        mask: &TensorFrame,
+        hidden_size: usize,
+    ) -> Result<Self> {
+        let hd = hidden.dims();
+        let md = mask.dims();
+        if hd.len() != 3
+            || md.len() != 2
+            || hd[0] != md[0]
+            || hd[1] != md[1]
+            || hd[2] != hidden_size
+        {
+            bail!("activation shapes {hd:?} / mask {md:?} do not fit hidden size {hidden_size}");
+        }
+        let dev = Device::Cpu;
+        let h = Tensor::from_vec(hidden.to_f32().map_err(anyhow::Error::msg)?, hd, &dev)?;
+        let m: Vec<f32> = mask
+            .to_u32()
+            .map_err(anyhow::Error::msg)?
+            .into_iter()
+            .map(|v| if v != 0 { 1.0 } else { 0.0 })
+            .collect();
+        let m = Tensor::from_vec(m, md, &dev)?;
+        Ok(Self { hidden: h, mask: m })
+    }
+
+    /// Rows `[start, start+len)` of the batch, trimmed of padding columns
+    /// that no remaining row uses.
+    pub fn rows(&self, start: usize, len: usize, max_tokens: usize) -> Result<Self> {
+        let hidden = self
+            .hidden
+            .narrow(0, start, len)?
+            .narrow(1, 0, max_tokens)?
+            .contiguous()?;
+        let mask = self
+            .mask
+            .narrow(0, start, len)?
+            .narrow(1, 0, max_tokens)?
+            .contiguous()?;
+        Ok(Self { hidden, mask })
+    }
+}

@@ -1,0 +1,10 @@
+//! One attested pipeline stage: a layer range of a Candle model behind the
+//! stage channel. The binary (`main.rs`) wires these modules together; the
+//! engine is also used in-process by tests and the benchmark baseline.
+
+pub mod batcher;
+pub mod bert;
+pub mod compute;
+pub mod engine;
+pub mod fault;
+pub mod server;

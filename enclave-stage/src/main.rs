@@ -1,0 +1,158 @@
+//! `enclave-stage`: runs one pipeline stage. Prints `LISTENING <endpoint>`
+//! on stdout once the model is loaded and the listener is bound.
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use enclave_stage::batcher::{BatchLimits, ShapeInfo};
+use enclave_stage::compute::Compute;
+use enclave_stage::engine::{Engine, StageSpec};
+use enclave_stage::server::StageServer;
+use proto::attestation::{mock_measurement, MockProvider, MOCK_WARNING};
+use proto::digest::Sha256Digest;
+use proto::policy::Policy;
+use proto::transport::{Endpoint, Listener};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "One attested pipeline stage (a layer range of a Candle model)"
+)]
+struct Args {
+    /// Model folder with manifest.json.
+    #[arg(long)]
+    model_dir: PathBuf,
+    /// This stage's position (0 = entry stage).
+    #[arg(long, default_value_t = 0)]
+    stage_index: u32,
+    /// Number of stages in the pipeline.
+    #[arg(long, default_value_t = 1)]
+    num_stages: u32,
+    /// Layers to run, `START..END` (end exclusive).
+    #[arg(long)]
+    layers: String,
+    /// Endpoint to listen on (`tcp://127.0.0.1:0` picks a port).
+    #[arg(long, default_value = "tcp://127.0.0.1:0")]
+    listen: String,
+    /// Measurement policy used to verify neighbouring stages.
+    #[arg(long)]
+    policy: PathBuf,
+    /// Compute threads (sets RAYON_NUM_THREADS for Candle).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Padded tokens per micro-batch.
+    #[arg(long, default_value_t = 4096)]
+    token_budget: usize,
+    /// Rows per micro-batch.
+    #[arg(long, default_value_t = 64)]
+    max_batch: usize,
+    /// Activation memory per micro-batch, MiB.
+    #[arg(long, default_value_t = 192)]
+    memory_budget_mib: usize,
+    /// Exit when standard input closes (set by a supervising gateway, so the
+    /// stage never outlives it).
+    #[arg(long)]
+    exit_with_stdin: bool,
+}
+
+fn parse_layers(s: &str) -> Result<std::ops::Range<usize>> {
+    let (a, b) = s.split_once("..").context("--layers takes START..END")?;
+    let (a, b): (usize, usize) = (a.trim().parse()?, b.trim().parse()?);
+    if a >= b {
+        bail!("--layers {s}: empty range");
+    }
+    Ok(a..b)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    // Before any thread exists: Candle reads these once.
+    std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
+    std::env::set_var("CANDLE_NUM_THREADS", args.threads.to_string());
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let spec = StageSpec {
+        stage_index: args.stage_index,
+        num_stages: args.num_stages,
+        layers: parse_layers(&args.layers)?,
+    };
+    let policy = Policy::load(&args.policy).map_err(anyhow::Error::msg)?;
+    let engine = Arc::new(Engine::load(&args.model_dir, &spec).context("stage refuses to start")?);
+    let exe = std::env::current_exe()?;
+    let binary =
+        Sha256Digest::of_file(&exe).with_context(|| format!("hashing {}", exe.display()))?;
+    let measurement = mock_measurement(&binary, &engine.manifest_digest());
+    tracing::warn!("{MOCK_WARNING}");
+    tracing::warn!(
+        stage = spec.stage_index,
+        measurement = %measurement.pinned_form(),
+        "MOCK ATTESTATION in use: this stage's evidence is signed by a public mock key"
+    );
+    let provider = Arc::new(MockProvider::new(
+        format!("mock-stage-{}", spec.stage_index),
+        &measurement,
+    ));
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let (work_tx, work_rx) = std::sync::mpsc::channel();
+        let (out_tx, out_rx) = tokio::sync::mpsc::channel(8);
+        let limits = BatchLimits {
+            token_budget: args.token_budget,
+            max_rows: args.max_batch,
+            memory_budget: args.memory_budget_mib << 20,
+        };
+        let shape = ShapeInfo {
+            hidden: engine.hidden_size(),
+            intermediate: engine.hidden_size() * 4,
+            heads: 12,
+        };
+        let compute = Compute::new(engine.clone(), out_tx.clone(), limits, shape);
+        std::thread::Builder::new()
+            .name("compute".into())
+            .spawn(move || compute.run(work_rx))?;
+        let server = StageServer::new(
+            engine.clone(),
+            provider,
+            policy,
+            measurement,
+            work_tx,
+            out_tx,
+        );
+        let endpoint: Endpoint = args.listen.parse().map_err(anyhow::Error::msg)?;
+        let listener = Listener::bind(&endpoint).await?;
+        tokio::spawn(server.clone().write_outputs(out_rx));
+        println!("LISTENING {}", listener.local_endpoint()?);
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        tracing::info!(
+            stage = spec.stage_index,
+            layers = ?spec.layers,
+            model = %engine.manifest.manifest.model_id,
+            "stage ready"
+        );
+        if args.exit_with_stdin {
+            tokio::spawn(async {
+                use tokio::io::AsyncReadExt;
+                let mut buf = [0u8; 64];
+                let mut stdin = tokio::io::stdin();
+                while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
+                tracing::info!("supervisor closed stdin; exiting");
+                std::process::exit(0);
+            });
+        }
+        tokio::select! {
+            _ = server.serve(listener) => {}
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; exiting"),
+        }
+        Ok::<_, anyhow::Error>(())
+    })
+}

@@ -1,0 +1,138 @@
+//! The stage engine against the sentence-transformers reference vectors
+//! (`gateway/tests/data/embeddings_reference.json`, made by
+//! `scripts/make_reference.py`), in one process: whole model and the same
+//! model split in two stages whose activations cross the wire format.
+
+use enclave_stage::engine::{Engine, Padded, StageSpec};
+use std::path::PathBuf;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn model_dir() -> PathBuf {
+    let d = root().join("models/all-minilm-l6-v2");
+    assert!(
+        d.join("manifest.json").exists(),
+        "models/all-minilm-l6-v2 is missing: run scripts/setup.sh"
+    );
+    d
+}
+
+struct Reference {
+    texts: Vec<String>,
+    tokens: Vec<usize>,
+    vectors: Vec<Vec<f32>>,
+}
+
+fn reference() -> Reference {
+    let path = root().join("gateway/tests/data/embeddings_reference.json");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let items = v["items"].as_array().unwrap();
+    Reference {
+        texts: items
+            .iter()
+            .map(|i| i["text"].as_str().unwrap().to_string())
+            .collect(),
+        tokens: items
+            .iter()
+            .map(|i| i["tokens"].as_u64().unwrap() as usize)
+            .collect(),
+        vectors: items
+            .iter()
+            .map(|i| {
+                i["embedding"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap() as f32)
+                    .collect()
+            })
+            .collect(),
+    }
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+fn spec(index: u32, n: u32, layers: std::ops::Range<usize>) -> StageSpec {
+    StageSpec {
+        stage_index: index,
+        num_stages: n,
+        layers,
+    }
+}
+
+#[test]
+fn whole_model_matches_sentence_transformers() {
+    let r = reference();
+    assert!(r.texts.len() >= 20);
+    let engine = Engine::load(&model_dir(), &spec(0, 1, 0..6)).unwrap();
+    for (i, text) in r.texts.iter().enumerate() {
+        assert_eq!(
+            engine.tokenize(text).unwrap().len(),
+            r.tokens[i],
+            "token count of item {i}"
+        );
+    }
+    // Batched, as the stage runs them (padding must not change results).
+    let refs: Vec<&str> = r.texts.iter().map(|s| s.as_str()).collect();
+    let out = engine.embed_texts(&refs).unwrap();
+    for (i, v) in out.iter().enumerate() {
+        assert_eq!(v.len(), 384);
+        let c = cosine(v, &r.vectors[i]);
+        assert!(c >= 0.9999, "item {i}: cosine {c}");
+    }
+}
+
+#[test]
+fn two_stages_agree_with_one_stage() {
+    let r = reference();
+    let whole = Engine::load(&model_dir(), &spec(0, 1, 0..6)).unwrap();
+    let first = Engine::load(&model_dir(), &spec(0, 2, 0..3)).unwrap();
+    let second = Engine::load(&model_dir(), &spec(1, 2, 3..6)).unwrap();
+    assert!(first.tokenize("x").is_ok());
+    assert!(
+        second.tokenize("x").is_err(),
+        "only the entry stage tokenizes"
+    );
+    let seqs: Vec<Vec<u32>> = r.texts.iter().map(|t| first.tokenize(t).unwrap()).collect();
+    let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+    let mid = first.run_tokens(&refs).unwrap();
+    // Across the wire format, as between two processes.
+    let (h, m) = mid.to_frames().unwrap();
+    let mid = Padded::from_frames(&h, &m, 384).unwrap();
+    let split = second.pool(&second.run_hidden(mid).unwrap()).unwrap();
+    let texts: Vec<&str> = r.texts.iter().map(|s| s.as_str()).collect();
+    let one = whole.embed_texts(&texts).unwrap();
+    for (i, v) in one.iter().enumerate() {
+        let c = cosine(v, &split[i * 384..(i + 1) * 384]);
+        assert!(c >= 0.99999, "item {i}: cosine {c}");
+    }
+}
+
+#[test]
+fn tampered_weights_refuse_to_load() {
+    let dir = std::env::temp_dir().join(format!("tampered-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["manifest.json", "config.json", "tokenizer.json"] {
+        std::fs::copy(model_dir().join(f), dir.join(f)).unwrap();
+    }
+    let mut weights = std::fs::read(model_dir().join("model.safetensors")).unwrap();
+    let n = weights.len();
+    weights[n - 100] ^= 0x40;
+    std::fs::write(dir.join("model.safetensors"), weights).unwrap();
+    let err = Engine::load(&dir, &spec(0, 1, 0..6))
+        .err()
+        .expect("tampered weights must not load");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("does not match"),
+        "{msg}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

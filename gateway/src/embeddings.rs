@@ -1,0 +1,295 @@
+//! `POST /v1/embeddings`: request validation and response shaping, kept free
+//! of I/O so that every rule is unit-tested.
+
+use crate::openai_error::ApiError;
+use base64::Engine as _;
+use serde_json::{json, Value};
+
+/// How vectors are encoded in the response.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Encoding {
+    /// JSON float arrays.
+    Float,
+    /// Base64 of little-endian f32 bytes (what the OpenAI SDKs decode).
+    Base64,
+}
+
+/// A validated embeddings request.
+#[derive(Debug, PartialEq)]
+pub struct EmbeddingsRequest {
+    /// The model asked for.
+    pub model: String,
+    /// The texts, in order.
+    pub inputs: Vec<String>,
+    /// Response encoding.
+    pub encoding: Encoding,
+    /// Output dimensions (truncate + renormalise), if asked.
+    pub dimensions: Option<usize>,
+}
+
+const TOKEN_IDS: &str = "Token-id arrays are not supported as `input`: send the text itself \
+(a string or an array of strings). LangChain's OpenAIEmbeddings sends token ids by default; \
+set `check_embedding_ctx_length=False` (and `tiktoken_enabled=False`) to send text.";
+
+/// Parses and validates a request body.
+pub fn parse(
+    body: &[u8],
+    max_inputs: usize,
+    native_dim: usize,
+) -> Result<EmbeddingsRequest, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| ApiError::invalid(None, "The request body must be a JSON object."))?;
+    let model = match obj.get("model") {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("model"),
+                "`model` must be a non-empty string.",
+            ))
+        }
+        None => {
+            return Err(ApiError::invalid(
+                Some("model"),
+                "You must provide a model parameter.",
+            ))
+        }
+    };
+    let inputs = match obj.get("input") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid(
+                Some("input"),
+                "You must provide an `input` parameter.",
+            ))
+        }
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            if items.is_empty() {
+                return Err(ApiError::invalid(
+                    Some("input"),
+                    "`input` must not be an empty array.",
+                ));
+            }
+            if items.len() > max_inputs {
+                return Err(ApiError::invalid(
+                    Some("input"),
+                    format!(
+                        "`input` has {} items; at most {max_inputs} are allowed per request.",
+                        items.len()
+                    ),
+                ));
+            }
+            let mut out = Vec::with_capacity(items.len());
+            for (i, it) in items.iter().enumerate() {
+                match it {
+                    Value::String(s) => out.push(s.clone()),
+                    Value::Number(_) | Value::Array(_) => {
+                        return Err(ApiError::invalid(Some("input"), TOKEN_IDS))
+                    }
+                    _ => {
+                        return Err(ApiError::invalid(
+                            Some("input"),
+                            format!("`input[{i}]` must be a string."),
+                        ))
+                    }
+                }
+            }
+            out
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("input"),
+                "`input` must be a string or an array of strings.",
+            ))
+        }
+    };
+    if let Some(i) = inputs.iter().position(|s| s.is_empty()) {
+        return Err(ApiError::invalid(
+            Some("input"),
+            format!("`input[{i}]` is an empty string; every input must contain text."),
+        ));
+    }
+    let encoding = match obj.get("encoding_format") {
+        None | Some(Value::Null) => Encoding::Float,
+        Some(Value::String(s)) if s == "float" => Encoding::Float,
+        Some(Value::String(s)) if s == "base64" => Encoding::Base64,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("encoding_format"),
+                "`encoding_format` must be \"float\" or \"base64\".",
+            ))
+        }
+    };
+    let dimensions =
+        match obj.get("dimensions") {
+            None | Some(Value::Null) => None,
+            Some(Value::Number(n)) => match n.as_u64() {
+                Some(d) if d >= 1 && d as usize <= native_dim => Some(d as usize),
+                _ => return Err(ApiError::invalid(
+                    Some("dimensions"),
+                    format!(
+                        "`dimensions` must be an integer from 1 to {native_dim} for this model."
+                    ),
+                )),
+            },
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    Some("dimensions"),
+                    "`dimensions` must be an integer.",
+                ))
+            }
+        };
+    if let Some(u) = obj.get("user") {
+        if !u.is_string() {
+            return Err(ApiError::invalid(Some("user"), "`user` must be a string."));
+        }
+    }
+    Ok(EmbeddingsRequest {
+        model,
+        inputs,
+        encoding,
+        dimensions,
+    })
+}
+
+/// Truncates to `dims` and renormalises to unit length.
+pub fn shorten(v: &[f32], dims: usize) -> Vec<f32> {
+    let mut out = v[..dims.min(v.len())].to_vec();
+    let norm = out.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        out.iter_mut().for_each(|x| *x /= norm);
+    }
+    out
+}
+
+/// Builds the response body.
+pub fn response(
+    req: &EmbeddingsRequest,
+    model: &str,
+    vectors: &[Vec<f32>],
+    tokens: &[u32],
+) -> Value {
+    let data: Vec<Value> = vectors
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let v = match req.dimensions {
+                Some(d) if d < v.len() => shorten(v, d),
+                _ => v.clone(),
+            };
+            let embedding = match req.encoding {
+                Encoding::Float => json!(v),
+                Encoding::Base64 => {
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+                }
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    let total: u64 = tokens.iter().map(|&t| t as u64).sum();
+    json!({
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": total, "total_tokens": total},
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+
+    fn p(body: &str) -> Result<EmbeddingsRequest, ApiError> {
+        parse(body.as_bytes(), 4, 384)
+    }
+
+    fn param_of(body: &str) -> Option<&'static str> {
+        let e = p(body).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+        e.param
+    }
+
+    #[test]
+    fn accepts_string_and_array() {
+        let r = p(r#"{"model":"m","input":"hi"}"#).unwrap();
+        assert_eq!(r.inputs, vec!["hi"]);
+        assert_eq!(r.encoding, Encoding::Float);
+        let r = p(r#"{"model":"m","input":["a","b"],"encoding_format":"base64","dimensions":8,"user":"u"}"#).unwrap();
+        assert_eq!(r.inputs.len(), 2);
+        assert_eq!(r.encoding, Encoding::Base64);
+        assert_eq!(r.dimensions, Some(8));
+    }
+
+    #[test]
+    fn rejects_bad_input_with_the_right_param() {
+        assert_eq!(param_of("not json"), None);
+        assert_eq!(param_of("[1]"), None);
+        assert_eq!(param_of(r#"{"input":"x"}"#), Some("model"));
+        assert_eq!(param_of(r#"{"model":"m"}"#), Some("input"));
+        assert_eq!(param_of(r#"{"model":"m","input":[]}"#), Some("input"));
+        assert_eq!(param_of(r#"{"model":"m","input":""}"#), Some("input"));
+        assert_eq!(param_of(r#"{"model":"m","input":["a",""]}"#), Some("input"));
+        assert_eq!(
+            param_of(r#"{"model":"m","input":["a","b","c","d","e"]}"#),
+            Some("input")
+        );
+        assert_eq!(param_of(r#"{"model":"m","input":5}"#), Some("input"));
+        assert_eq!(
+            param_of(r#"{"model":"m","input":"a","encoding_format":"int8"}"#),
+            Some("encoding_format")
+        );
+        assert_eq!(
+            param_of(r#"{"model":"m","input":"a","dimensions":385}"#),
+            Some("dimensions")
+        );
+        assert_eq!(
+            param_of(r#"{"model":"m","input":"a","dimensions":0}"#),
+            Some("dimensions")
+        );
+        assert_eq!(
+            param_of(r#"{"model":"m","input":"a","dimensions":1.5}"#),
+            Some("dimensions")
+        );
+    }
+
+    #[test]
+    fn token_id_arrays_say_what_to_do() {
+        for body in [
+            r#"{"model":"m","input":[1,2,3]}"#,
+            r#"{"model":"m","input":[[1,2],[3]]}"#,
+        ] {
+            let e = p(body).unwrap_err();
+            assert!(
+                e.message.contains("check_embedding_ctx_length=False"),
+                "{}",
+                e.message
+            );
+        }
+    }
+
+    #[test]
+    fn base64_is_little_endian_f32_and_dimensions_renormalise() {
+        let req = EmbeddingsRequest {
+            model: "m".into(),
+            inputs: vec!["a".into()],
+            encoding: Encoding::Base64,
+            dimensions: Some(2),
+        };
+        let body = response(&req, "m", &[vec![3.0, 4.0, 12.0]], &[5]);
+        let b64 = body["data"][0]["embedding"].as_str().unwrap();
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .unwrap();
+        let vals: Vec<f32> = bytes
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(vals, vec![0.6, 0.8]);
+        assert_eq!(body["usage"]["prompt_tokens"], 5);
+        assert_eq!(body["model"], "m");
+    }
+}

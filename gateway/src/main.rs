@@ -1,0 +1,168 @@
+//! `gateway`: the host-side binary. `gateway serve` reads
+//! `config/gateway.toml`, starts (or connects to) the attested stages,
+//! verifies them against the policy and serves the OpenAI-compatible API.
+
+mod api;
+mod config;
+mod embeddings;
+mod launcher;
+mod openai_error;
+mod pipeline;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use config::{GatewayConfig, Launch};
+use pipeline::{Pipeline, StageTarget};
+use proto::manifest::LoadedManifest;
+use proto::policy::Policy;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "Confidential inference gateway (OpenAI-compatible API over attested stages)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start the stages (local launch) or connect to them, verify them, and serve the API.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args, Debug, Default)]
+struct ServeArgs {
+    /// Config file.
+    #[arg(long, default_value = "config/gateway.toml")]
+    config: PathBuf,
+    /// Override `server.listen`.
+    #[arg(long)]
+    listen: Option<String>,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let args = match cli.command {
+        Some(Command::Serve(a)) => a,
+        None => ServeArgs {
+            config: "config/gateway.toml".into(),
+            listen: None,
+        },
+    };
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(serve(args))
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let mut cfg = GatewayConfig::load(&args.config)?;
+    if let Some(l) = args.listen {
+        cfg.server.listen = l;
+    }
+    let policy = Policy::load(&cfg.pipeline.policy).map_err(anyhow::Error::msg)?;
+    let manifest = LoadedManifest::load(&cfg.pipeline.model_dir)
+        .context("model not found: run scripts/setup.sh first")?;
+    if policy.allow_mock {
+        tracing::warn!(
+            "MOCK ATTESTATION ALLOWED by policy {}: stage evidence from the public mock key is accepted; \
+             this deployment proves nothing to clients",
+            cfg.pipeline.policy.display()
+        );
+    }
+    let (stages, endpoints) = match cfg.pipeline.launch {
+        Launch::Local => {
+            let s = launcher::LocalStages::start(&cfg).await?;
+            let eps = s.endpoints.clone();
+            (Some(s), eps)
+        }
+        Launch::Remote => {
+            let eps = cfg
+                .pipeline
+                .stages
+                .iter()
+                .map(|s| s.address.as_deref().unwrap_or_default().parse())
+                .collect::<Result<Vec<_>, String>>()
+                .map_err(anyhow::Error::msg)?;
+            (None, eps)
+        }
+    };
+    let targets: Vec<StageTarget> = endpoints
+        .into_iter()
+        .zip(&cfg.pipeline.stages)
+        .map(|(endpoint, s)| StageTarget {
+            endpoint,
+            layers: s.layers,
+        })
+        .collect();
+    let stage_binary = cfg.stage_binary().ok();
+    let pipeline = Pipeline::new(targets, policy, &manifest, stage_binary.as_deref())?;
+    let connect_timeout = Duration::from_secs(cfg.pipeline.connect_timeout_secs);
+    // Wait for the first verified connection before listening.
+    let first = tokio::time::timeout(connect_timeout, async {
+        loop {
+            match pipeline.connect().await {
+                Ok(()) => return Ok(()),
+                Err(e) if e.rejected => return Err(e.reason),
+                Err(e) => {
+                    pipeline.set_not_ready(&e.reason);
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+            }
+        }
+    })
+    .await;
+    match first {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            if let Some(s) = stages {
+                s.stop().await;
+            }
+            anyhow::bail!("refusing to serve: {e}");
+        }
+        Err(_) => {
+            let reason = pipeline.status().err().unwrap_or_default();
+            if let Some(s) = stages {
+                s.stop().await;
+            }
+            anyhow::bail!("stages did not become ready in time: {reason}");
+        }
+    }
+    pipeline.log_verified();
+    tokio::spawn(pipeline.clone().supervise_after_first());
+    let state = api::AppState {
+        pipeline: pipeline.clone(),
+        limits: api::ApiLimits {
+            max_body_bytes: cfg.server.max_body_bytes,
+            max_inputs: cfg.server.max_inputs,
+            timeout: Duration::from_secs(cfg.server.request_timeout_secs),
+        },
+    };
+    let listener = tokio::net::TcpListener::bind(&cfg.server.listen)
+        .await
+        .with_context(|| format!("binding {}", cfg.server.listen))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
+    println!("GATEWAY LISTENING http://{addr}");
+    axum::serve(listener, api::router(state))
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutting down");
+        })
+        .await?;
+    if let Some(s) = stages {
+        s.stop().await;
+    }
+    tracing::info!("stopped");
+    Ok(())
+}

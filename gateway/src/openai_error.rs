@@ -1,0 +1,138 @@
+//! OpenAI-shaped error responses: `{"error":{"message","type","param","code"}}`.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// An error as the API returns it.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Human-readable message (never echoes request content).
+    pub message: String,
+    /// OpenAI error type.
+    pub kind: &'static str,
+    /// The offending parameter, if any.
+    pub param: Option<&'static str>,
+    /// Machine-readable code, if any.
+    pub code: Option<&'static str>,
+    /// Seconds to wait before retrying (503).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// 400 for a request that is malformed or asks for something unsupported.
+    pub fn invalid(param: Option<&'static str>, message: impl Into<String>) -> Self {
+        Self {
+            param,
+            ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+        }
+    }
+
+    /// 404 for an unknown model.
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            param: Some("model"),
+            code: Some("model_not_found"),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("The model `{model}` does not exist or you do not have access to it."),
+            )
+        }
+    }
+
+    /// 404 for an unknown route.
+    pub fn unknown_route(method: &str, path: &str) -> Self {
+        Self {
+            code: Some("unknown_url"),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("Unrecognized request URL ({method} {path})."),
+            )
+        }
+    }
+
+    /// 405 for a known route with the wrong method.
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            format!("Method {method} is not allowed for {path}."),
+        )
+    }
+
+    /// 413 for a body over the limit.
+    pub fn too_large(limit: usize) -> Self {
+        Self {
+            code: Some("request_too_large"),
+            ..Self::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                format!("Request body exceeds the limit of {limit} bytes."),
+            )
+        }
+    }
+
+    /// 503 when the pipeline cannot serve.
+    pub fn not_ready(reason: &str) -> Self {
+        Self {
+            code: Some("pipeline_not_ready"),
+            retry_after: Some(1),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                format!("The inference pipeline is not ready: {reason}"),
+            )
+        }
+    }
+
+    /// 504 when a request times out.
+    pub fn timeout(secs: u64) -> Self {
+        Self {
+            code: Some("timeout"),
+            ..Self::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "server_error",
+                format!("The request did not complete within {secs} s."),
+            )
+        }
+    }
+
+    /// 500 for a failure inside the pipeline.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        });
+        let mut resp = (self.status, axum::Json(body)).into_response();
+        if let Some(s) = self.retry_after {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
+    }
+}

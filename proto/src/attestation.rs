@@ -1,0 +1,313 @@
+//! Attestation evidence: the provider and verifier traits and the mock
+//! implementation used where no enclave hardware exists.
+//!
+//! A document binds three things the verifier checks against the session:
+//! `public_key` (the stage's ephemeral channel key), `nonce` (the verifier's
+//! fresh challenge) and `user_data` (the stage's claims: index, layer range,
+//! manifest digest). The mock document has the same shape as a Nitro one,
+//! is a COSE_Sign1 signed with a **publicly known** Ed25519 key, and says
+//! `mock: true` in its payload: it proves nothing and a production policy
+//! rejects it.
+
+use crate::digest::Sha256Digest;
+use coset::{iana, CborSerializable, CoseSign1, CoseSign1Builder, HeaderBuilder};
+use ed25519_dalek::{Signer, SigningKey, Verifier, VerifyingKey};
+use serde::{Deserialize, Serialize};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The kind of evidence a document is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EvidenceFormat {
+    /// Development evidence signed by the public mock key. Proves nothing.
+    Mock,
+    /// An AWS Nitro Enclaves attestation document (COSE_Sign1, ES384).
+    Nitro,
+}
+
+/// Attestation evidence as carried on the wire.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Evidence {
+    /// Which verifier understands `document`.
+    pub format: EvidenceFormat,
+    /// The raw signed document.
+    #[serde(with = "serde_bytes")]
+    pub document: Vec<u8>,
+}
+
+impl Evidence {
+    /// Digest of the evidence as it is encoded on the wire.
+    pub fn digest(&self) -> Sha256Digest {
+        Sha256Digest::of(&crate::cbor::to_vec(self))
+    }
+}
+
+/// What a stage's measurement is, by evidence format.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Measurement {
+    /// Mock: SHA-256 over the stage binary and the model manifest
+    /// (see [`mock_measurement`]).
+    Mock(Sha256Digest),
+}
+
+impl Measurement {
+    /// The form policies pin (`mock:<hex>`).
+    pub fn pinned_form(&self) -> String {
+        match self {
+            Measurement::Mock(d) => format!("mock:{}", d.hex()),
+        }
+    }
+}
+
+/// The fields of a document that verified.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifiedDocument {
+    /// Evidence format (mock documents are flagged here).
+    pub format: EvidenceFormat,
+    /// Issuer's module id.
+    pub module_id: String,
+    /// Time the document was made, Unix milliseconds.
+    pub timestamp_ms: u64,
+    /// The measurement of the attested code.
+    pub measurement: Measurement,
+    /// Bound public key.
+    pub public_key: Vec<u8>,
+    /// Bound user data.
+    pub user_data: Vec<u8>,
+    /// Bound nonce.
+    pub nonce: Vec<u8>,
+}
+
+/// Attestation errors. Each names its reason.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AttestError {
+    /// The document does not parse.
+    #[error("malformed attestation document: {0}")]
+    Malformed(String),
+    /// The signature does not verify.
+    #[error("attestation signature does not verify")]
+    BadSignature,
+    /// This verifier does not handle this format.
+    #[error("no verifier for evidence format {0:?}")]
+    UnsupportedFormat(EvidenceFormat),
+    /// The provider could not produce a document.
+    #[error("attestation provider failed: {0}")]
+    Provider(String),
+}
+
+/// Something that can produce attestation documents for this process.
+pub trait AttestationProvider: Send + Sync {
+    /// The format this provider produces.
+    fn format(&self) -> EvidenceFormat;
+    /// Produces a document binding `public_key`, `user_data` and `nonce`.
+    fn attest(
+        &self,
+        public_key: &[u8],
+        user_data: &[u8],
+        nonce: &[u8],
+    ) -> Result<Evidence, AttestError>;
+}
+
+/// Something that can check attestation documents' signatures.
+pub trait EvidenceVerifier: Send + Sync {
+    /// Verifies the document's signature chain and returns its fields.
+    /// Binding and policy checks are the caller's (see [`crate::policy`]).
+    fn verify(&self, evidence: &Evidence) -> Result<VerifiedDocument, AttestError>;
+}
+
+/// Seed of the public mock signing key. Anyone can sign mock evidence.
+const MOCK_KEY_SEED_LABEL: &[u8] = b"confidential-inference MOCK attestation key: NOT SECURE";
+
+/// Warning text carried in every mock document.
+pub const MOCK_WARNING: &str =
+    "MOCK ATTESTATION: not produced by enclave hardware; proves nothing about where code runs";
+
+fn mock_signing_key() -> SigningKey {
+    SigningKey::from_bytes(&Sha256Digest::of(MOCK_KEY_SEED_LABEL).0)
+}
+
+/// The measurement a mock provider reports: SHA-256 over the digest of the
+/// stage binary and the digest of the model manifest it serves.
+pub fn mock_measurement(binary: &Sha256Digest, manifest: &Sha256Digest) -> Measurement {
+    Measurement::Mock(Sha256Digest::of_parts(
+        "mock-measurement/v1",
+        &[&binary.0, &manifest.0],
+    ))
+}
+
+#[derive(Serialize, Deserialize)]
+struct MockPayload {
+    module_id: String,
+    mock: bool,
+    warning: String,
+    timestamp: u64,
+    #[serde(with = "serde_bytes")]
+    measurement: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    public_key: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    user_data: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    nonce: Vec<u8>,
+}
+
+/// Mock provider: signs documents with the public mock key.
+pub struct MockProvider {
+    module_id: String,
+    measurement: Sha256Digest,
+}
+
+impl MockProvider {
+    /// A provider reporting `measurement` (normally from [`mock_measurement`]).
+    pub fn new(module_id: impl Into<String>, measurement: &Measurement) -> Self {
+        let Measurement::Mock(measurement) = measurement.clone();
+        Self {
+            module_id: module_id.into(),
+            measurement,
+        }
+    }
+}
+
+impl AttestationProvider for MockProvider {
+    fn format(&self) -> EvidenceFormat {
+        EvidenceFormat::Mock
+    }
+
+    fn attest(
+        &self,
+        public_key: &[u8],
+        user_data: &[u8],
+        nonce: &[u8],
+    ) -> Result<Evidence, AttestError> {
+        let payload = MockPayload {
+            module_id: self.module_id.clone(),
+            mock: true,
+            warning: MOCK_WARNING.into(),
+            timestamp: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+            measurement: self.measurement.0.to_vec(),
+            public_key: public_key.to_vec(),
+            user_data: user_data.to_vec(),
+            nonce: nonce.to_vec(),
+        };
+        let key = mock_signing_key();
+        let sign1 = CoseSign1Builder::new()
+            .protected(
+                HeaderBuilder::new()
+                    .algorithm(iana::Algorithm::EdDSA)
+                    .build(),
+            )
+            .payload(crate::cbor::to_vec(&payload))
+            .create_signature(b"", |tbs| key.sign(tbs).to_bytes().to_vec())
+            .build();
+        let document = sign1
+            .to_vec()
+            .map_err(|e| AttestError::Provider(e.to_string()))?;
+        Ok(Evidence {
+            format: EvidenceFormat::Mock,
+            document,
+        })
+    }
+}
+
+/// Verifier for mock documents (checks the mock key's signature).
+pub struct MockVerifier;
+
+impl EvidenceVerifier for MockVerifier {
+    fn verify(&self, evidence: &Evidence) -> Result<VerifiedDocument, AttestError> {
+        if evidence.format != EvidenceFormat::Mock {
+            return Err(AttestError::UnsupportedFormat(evidence.format));
+        }
+        let sign1 = CoseSign1::from_slice(&evidence.document)
+            .map_err(|e| AttestError::Malformed(e.to_string()))?;
+        if sign1.protected.header.alg
+            != Some(coset::RegisteredLabelWithPrivate::Assigned(
+                iana::Algorithm::EdDSA,
+            ))
+        {
+            return Err(AttestError::Malformed("algorithm is not EdDSA".into()));
+        }
+        let vk: VerifyingKey = mock_signing_key().verifying_key();
+        sign1
+            .verify_signature(b"", |sig, tbs| {
+                let sig = ed25519_dalek::Signature::from_slice(sig).map_err(|_| ())?;
+                vk.verify(tbs, &sig).map_err(|_| ())
+            })
+            .map_err(|_| AttestError::BadSignature)?;
+        let payload = sign1
+            .payload
+            .as_deref()
+            .ok_or_else(|| AttestError::Malformed("no payload".into()))?;
+        let p: MockPayload = crate::cbor::from_slice(payload).map_err(AttestError::Malformed)?;
+        if !p.mock {
+            return Err(AttestError::Malformed(
+                "mock-signed document without mock flag".into(),
+            ));
+        }
+        let measurement: [u8; 32] = p
+            .measurement
+            .try_into()
+            .map_err(|_| AttestError::Malformed("measurement is not 32 bytes".into()))?;
+        Ok(VerifiedDocument {
+            format: EvidenceFormat::Mock,
+            module_id: p.module_id,
+            timestamp_ms: p.timestamp,
+            measurement: Measurement::Mock(Sha256Digest(measurement)),
+            public_key: p.public_key,
+            user_data: p.user_data,
+            nonce: p.nonce,
+        })
+    }
+}
+
+/// Verifies any supported evidence format.
+pub fn verify_any(evidence: &Evidence) -> Result<VerifiedDocument, AttestError> {
+    match evidence.format {
+        EvidenceFormat::Mock => MockVerifier.verify(evidence),
+        EvidenceFormat::Nitro => Err(AttestError::UnsupportedFormat(EvidenceFormat::Nitro)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn provider() -> MockProvider {
+        let m = mock_measurement(&Sha256Digest::of(b"bin"), &Sha256Digest::of(b"manifest"));
+        MockProvider::new("stage-0", &m)
+    }
+
+    #[test]
+    fn mock_roundtrip_binds_fields() {
+        let ev = provider().attest(b"pk", b"ud", b"nonce").unwrap();
+        let doc = MockVerifier.verify(&ev).unwrap();
+        assert_eq!(doc.public_key, b"pk");
+        assert_eq!(doc.user_data, b"ud");
+        assert_eq!(doc.nonce, b"nonce");
+        assert_eq!(doc.format, EvidenceFormat::Mock);
+        assert!(doc.measurement.pinned_form().starts_with("mock:"));
+    }
+
+    #[test]
+    fn measurement_depends_on_binary_and_manifest() {
+        let a = mock_measurement(&Sha256Digest::of(b"bin"), &Sha256Digest::of(b"m"));
+        let b = mock_measurement(&Sha256Digest::of(b"bin2"), &Sha256Digest::of(b"m"));
+        let c = mock_measurement(&Sha256Digest::of(b"bin"), &Sha256Digest::of(b"m2"));
+        assert_ne!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn every_flipped_byte_is_rejected() {
+        let ev = provider().attest(b"pk", b"ud", b"nonce").unwrap();
+        for i in 0..ev.document.len() {
+            let mut bad = ev.clone();
+            bad.document[i] ^= 0x01;
+            assert!(
+                MockVerifier.verify(&bad).is_err(),
+                "flip at byte {i} accepted"
+            );
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! Wire formats and crypto shared by the gateway and the enclave stages.
+//!
+//! Everything that crosses a process boundary is defined here and only here:
+//! the attested stage channel ([`channel`]), its pipeline messages
+//! ([`frames`]), tensor frames ([`tensor`]), attestation evidence and its
+//! verifiers ([`attestation`]), measurement policies ([`policy`]) and model
+//! manifests ([`manifest`]).
+
+pub mod attestation;
+pub mod cbor;
+pub mod channel;
+pub mod digest;
+pub mod frames;
+pub mod manifest;
+pub mod policy;
+pub mod tensor;
+pub mod transport;

