@@ -1,7 +1,9 @@
 //! Test-only fault injection. Compiled in only with the `fault-injection`
-//! Cargo feature (which also changes the binary, and so its measurement):
-//! `STAGE_FAULT_STAGE=<index>` and `STAGE_FAULT_TOKENS=<n>` make that stage
-//! fail every micro-batch containing a sequence of exactly `n` tokens.
+//! Cargo feature (which also changes the binary, and so its measurement).
+//! `STAGE_FAULT_STAGE=<index>` picks the stage; then
+//! - `STAGE_FAULT_TOKENS=<n>` fails every micro-batch containing a sequence
+//!   of exactly `n` tokens;
+//! - `STAGE_FAULT_DELAY_MS=<ms>` delays every micro-batch by `ms`.
 
 use proto::frames::BatchItem;
 
@@ -9,7 +11,11 @@ use proto::frames::BatchItem;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Fault {
     #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
-    trigger: Option<(u32, u32)>,
+    stage: Option<u32>,
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    tokens: Option<u32>,
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    delay_ms: Option<u64>,
 }
 
 impl Fault {
@@ -17,31 +23,34 @@ impl Fault {
     pub fn from_env() -> Self {
         #[cfg(feature = "fault-injection")]
         {
-            let stage = std::env::var("STAGE_FAULT_STAGE")
-                .ok()
-                .and_then(|v| v.parse().ok());
-            let tokens = std::env::var("STAGE_FAULT_TOKENS")
-                .ok()
-                .and_then(|v| v.parse().ok());
-            if let (Some(s), Some(t)) = (stage, tokens) {
-                tracing::warn!(
-                    stage = s,
-                    tokens = t,
-                    "FAULT INJECTION ENABLED (test build)"
-                );
-                return Self {
-                    trigger: Some((s, t)),
-                };
+            fn var<T: std::str::FromStr>(name: &str) -> Option<T> {
+                std::env::var(name).ok().and_then(|v| v.parse().ok())
             }
+            let f = Self {
+                stage: var("STAGE_FAULT_STAGE"),
+                tokens: var("STAGE_FAULT_TOKENS"),
+                delay_ms: var("STAGE_FAULT_DELAY_MS"),
+            };
+            if f.stage.is_some() {
+                tracing::warn!(fault = ?f, "FAULT INJECTION ENABLED (test build)");
+            }
+            f
         }
+        #[cfg(not(feature = "fault-injection"))]
         Self::default()
     }
 
-    /// Whether this stage must fail a micro-batch with these items.
+    /// Applies the fault to a micro-batch at `stage`: sleeps if a delay is
+    /// set, and returns whether the micro-batch must fail.
     pub fn fires(&self, stage: u32, items: &[BatchItem]) -> bool {
         #[cfg(feature = "fault-injection")]
-        if let Some((s, t)) = self.trigger {
-            return s == stage && items.iter().any(|i| i.tokens == t);
+        if self.stage == Some(stage) {
+            if let Some(ms) = self.delay_ms {
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
+            return self
+                .tokens
+                .is_some_and(|t| items.iter().any(|i| i.tokens == t));
         }
         let _ = (stage, items);
         false

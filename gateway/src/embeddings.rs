@@ -122,25 +122,26 @@ pub fn parse(
             ))
         }
     };
-    let dimensions =
-        match obj.get("dimensions") {
-            None | Some(Value::Null) => None,
-            Some(Value::Number(n)) => match n.as_u64() {
-                Some(d) if d >= 1 && d as usize <= native_dim => Some(d as usize),
-                _ => return Err(ApiError::invalid(
+    let dimensions = match obj.get("dimensions") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(d) if d >= 1 && d as usize <= native_dim => Some(d as usize),
+            _ => {
+                return Err(ApiError::invalid(
                     Some("dimensions"),
                     format!(
                         "`dimensions` must be an integer from 1 to {native_dim} for this model."
                     ),
-                )),
-            },
-            Some(_) => {
-                return Err(ApiError::invalid(
-                    Some("dimensions"),
-                    "`dimensions` must be an integer.",
                 ))
             }
-        };
+        },
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some("dimensions"),
+                "`dimensions` must be an integer.",
+            ))
+        }
+    };
     if let Some(u) = obj.get("user") {
         if !u.is_string() {
             return Err(ApiError::invalid(Some("user"), "`user` must be a string."));

