@@ -109,6 +109,11 @@ impl BertPart {
         })
     }
 
+    /// The model configuration.
+    pub fn config(&self) -> &BertConfig {
+        &self.cfg
+    }
+
     /// Hidden width.
     pub fn hidden_size(&self) -> usize {
         self.cfg.hidden_size

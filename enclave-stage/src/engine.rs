@@ -128,6 +128,16 @@ impl Engine {
         self.claims.is_exit()
     }
 
+    /// Shape numbers for the activation-memory estimate.
+    pub fn shape(&self) -> crate::batcher::ShapeInfo {
+        let c = self.part.config();
+        crate::batcher::ShapeInfo {
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            heads: c.num_attention_heads,
+        }
+    }
+
     /// Hidden width.
     pub fn hidden_size(&self) -> usize {
         self.part.hidden_size()

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use enclave_stage::batcher::{BatchLimits, ShapeInfo};
+use enclave_stage::batcher::BatchLimits;
 use enclave_stage::compute::Compute;
 use enclave_stage::engine::{Engine, StageSpec};
 use enclave_stage::server::StageServer;
@@ -50,6 +50,9 @@ struct Args {
     /// Activation memory per micro-batch, MiB.
     #[arg(long, default_value_t = 192)]
     memory_budget_mib: usize,
+    /// Most inputs one request may carry (entry stage).
+    #[arg(long, default_value_t = 2048)]
+    max_inputs: usize,
     /// Exit when standard input closes (set by a supervising gateway, so the
     /// stage never outlives it).
     #[arg(long)]
@@ -110,11 +113,7 @@ fn main() -> Result<()> {
             max_rows: args.max_batch,
             memory_budget: args.memory_budget_mib << 20,
         };
-        let shape = ShapeInfo {
-            hidden: engine.hidden_size(),
-            intermediate: engine.hidden_size() * 4,
-            heads: 12,
-        };
+        let shape = engine.shape();
         let compute = Compute::new(engine.clone(), out_tx.clone(), limits, shape);
         std::thread::Builder::new()
             .name("compute".into())
@@ -126,6 +125,7 @@ fn main() -> Result<()> {
             measurement,
             work_tx,
             out_tx,
+            args.max_inputs,
         );
         let endpoint: Endpoint = args.listen.parse().map_err(anyhow::Error::msg)?;
         let listener = Listener::bind(&endpoint).await?;

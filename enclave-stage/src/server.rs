@@ -25,6 +25,10 @@ type SharedSender = Arc<Mutex<ChannelSender>>;
 struct Sink {
     id: u64,
     tx: SharedSender,
+    /// The host channel that configured a next-stage sink; told when the
+    /// next stage is lost so the gateway rebuilds the pipeline instead of
+    /// waiting on outputs that can no longer arrive.
+    host: Option<SharedSender>,
 }
 
 /// Everything the connection handlers share.
@@ -50,6 +54,7 @@ impl StageServer {
         local_measurement: Measurement,
         work: std::sync::mpsc::Sender<Work>,
         out: mpsc::Sender<Output>,
+        max_inputs: usize,
     ) -> Arc<Self> {
         Arc::new(Self {
             engine,
@@ -61,7 +66,7 @@ impl StageServer {
             out,
             sink: Mutex::new(None),
             next_sink: AtomicU64::new(1),
-            max_inputs: 2048,
+            max_inputs,
         })
     }
 
@@ -148,7 +153,7 @@ impl StageServer {
         }
     }
 
-    async fn host_session(&self, tx: SharedSender, mut rx: ChannelReceiver) {
+    async fn host_session(self: &Arc<Self>, tx: SharedSender, mut rx: ChannelReceiver) {
         let mut my_sink: Option<u64> = None;
         loop {
             let msg = match rx.recv_msg::<HostMessage>().await {
@@ -195,7 +200,7 @@ impl StageServer {
 
     /// Sets the output sink: the next stage, or (exit stage) this host channel.
     async fn configure(
-        &self,
+        self: &Arc<Self>,
         next: Option<String>,
         host_tx: &SharedSender,
     ) -> Result<Option<u64>, String> {
@@ -205,6 +210,7 @@ impl StageServer {
                 *self.sink.lock().await = Some(Sink {
                     id,
                     tx: host_tx.clone(),
+                    host: None,
                 });
                 tracing::info!("configured as exit stage: output goes to the gateway");
                 Ok(Some(id))
@@ -220,8 +226,22 @@ impl StageServer {
                         .await
                         .map_err(|e| format!("next stage at {ep}: {e}"))?;
                 let tx = Arc::new(Mutex::new(tx));
-                *self.sink.lock().await = Some(Sink { id, tx });
-                tokio::spawn(watch_downstream(rx, ep.to_string()));
+                *self.sink.lock().await = Some(Sink {
+                    id,
+                    tx,
+                    host: Some(host_tx.clone()),
+                });
+                let this = self.clone();
+                let next = ep.to_string();
+                tokio::spawn(async move {
+                    let mut rx = rx;
+                    let r = rx.recv().await.map(|m| m.map(|b| b.len()));
+                    this.downstream_lost(
+                        id,
+                        format!("next stage at {next} closed its channel ({r:?})"),
+                    )
+                    .await;
+                });
                 tracing::info!(next = %ep, "connected and attested the next stage");
                 Ok(None)
             }
@@ -301,6 +321,25 @@ impl StageServer {
         let _ = self.out.send(o).await;
     }
 
+    /// Drops sink `id` (if still current) and tells the host that set it up.
+    async fn downstream_lost(&self, id: u64, reason: String) {
+        let sink = {
+            let mut s = self.sink.lock().await;
+            if s.as_ref().map(|s| s.id) != Some(id) {
+                return;
+            }
+            s.take()
+        };
+        tracing::warn!(reason = %reason, "downstream lost");
+        if let Some(host) = sink.and_then(|s| s.host) {
+            let _ = host
+                .lock()
+                .await
+                .send_msg(&ConfigureOutcome::Failed(reason))
+                .await;
+        }
+    }
+
     /// Sends compute output to the current sink, forever.
     pub async fn write_outputs(self: Arc<Self>, mut rx: mpsc::Receiver<Output>) {
         while let Some(o) = rx.recv().await {
@@ -320,11 +359,8 @@ impl StageServer {
             };
             let r = tx.lock().await.send(&bytes).await;
             if let Err(e) = r {
-                tracing::warn!(error = %e, "downstream send failed; dropping the sink");
-                let mut s = self.sink.lock().await;
-                if s.as_ref().map(|s| s.id) == Some(id) {
-                    *s = None;
-                }
+                self.downstream_lost(id, format!("sending downstream failed: {e}"))
+                    .await;
             }
         }
     }
@@ -335,10 +371,4 @@ fn bad_input(message: String) -> PipelineError {
         kind: ErrorKind::BadInput,
         message,
     }
-}
-
-/// The next stage never sends on its channel; reading it only detects close.
-async fn watch_downstream(mut rx: ChannelReceiver, ep: String) {
-    let r = rx.recv().await;
-    tracing::warn!(next = %ep, result = ?r.map(|m| m.map(|b| b.len())), "next stage channel closed");
 }

@@ -35,9 +35,6 @@ pub struct AppState {
     pub limits: ApiLimits,
 }
 
-/// Embedding width of the served model.
-const NATIVE_DIM: usize = 384;
-
 /// Builds the router.
 pub fn router(state: AppState) -> Router {
     Router::new()
@@ -121,7 +118,7 @@ async fn embed(
     let bytes = to_bytes(body, limit)
         .await
         .map_err(|_| ApiError::too_large(limit))?;
-    let req = embeddings::parse(&bytes, s.limits.max_inputs, NATIVE_DIM)?;
+    let req = embeddings::parse(&bytes, s.limits.max_inputs, s.pipeline.dimension)?;
     if req.model != s.pipeline.model_id {
         return Err(ApiError::model_not_found(&req.model));
     }

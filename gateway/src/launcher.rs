@@ -32,6 +32,7 @@ impl LocalStages {
         let n = cfg.pipeline.stages.len();
         let mut children = Vec::new();
         let mut endpoints = Vec::new();
+        let mut readers = Vec::new();
         for (i, s) in cfg.pipeline.stages.iter().enumerate() {
             let mut cmd = Command::new(&bin);
             cmd.arg("--model-dir")
@@ -44,6 +45,7 @@ impl LocalStages {
                 .arg(&cfg.pipeline.policy)
                 .args(["--threads", &cfg.pipeline.threads_per_stage.to_string()])
                 .args(["--token-budget", &cfg.pipeline.token_budget.to_string()])
+                .args(["--max-inputs", &cfg.server.max_inputs.to_string()])
                 .arg("--exit-with-stdin")
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
@@ -53,12 +55,13 @@ impl LocalStages {
                 .spawn()
                 .with_context(|| format!("starting stage {i} ({})", bin.display()))?;
             let stdout = child.stdout.take().expect("piped stdout");
-            let mut lines = BufReader::new(stdout).lines();
-            let wait = tokio::time::timeout(
-                Duration::from_secs(cfg.pipeline.connect_timeout_secs),
-                lines.next_line(),
-            );
-            let line = match wait.await {
+            children.push(child);
+            readers.push(BufReader::new(stdout).lines());
+        }
+        // All stages load their models at once; then collect their endpoints.
+        let deadline = Duration::from_secs(cfg.pipeline.connect_timeout_secs);
+        for (i, (child, mut lines)) in children.iter_mut().zip(readers).enumerate() {
+            let line = match tokio::time::timeout(deadline, lines.next_line()).await {
                 Ok(Ok(Some(l))) => l,
                 Ok(Ok(None)) | Ok(Err(_)) => {
                     let status = child.wait().await.ok();
@@ -72,7 +75,6 @@ impl LocalStages {
             let ep: Endpoint = ep.parse().map_err(anyhow::Error::msg)?;
             tracing::info!(stage = i, pid = child.id(), endpoint = %ep, "local stage started");
             tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-            children.push(child);
             endpoints.push(ep);
         }
         Ok(Self {

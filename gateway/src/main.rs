@@ -105,7 +105,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
             layers: s.layers,
         })
         .collect();
-    let stage_binary = cfg.stage_binary().ok();
+    // Only a binary the gateway launches itself can stand for "the local build".
+    let stage_binary = match cfg.pipeline.launch {
+        Launch::Local => cfg.stage_binary().ok(),
+        Launch::Remote => None,
+    };
     let pipeline = Pipeline::new(targets, policy, &manifest, stage_binary.as_deref())?;
     let connect_timeout = Duration::from_secs(cfg.pipeline.connect_timeout_secs);
     // Wait for the first verified connection before listening.

@@ -92,6 +92,9 @@ pub struct StageStatus {
 
 struct Connected {
     entry: Arc<Mutex<ChannelSender>>,
+    /// Host channels to the other stages, held open while connected and
+    /// dropped (closing them) when the pipeline breaks.
+    _others: Vec<ChannelSender>,
     stages: Vec<StageStatus>,
     epoch: u64,
 }
@@ -103,6 +106,8 @@ pub struct Pipeline {
     local_measurement: Option<Measurement>,
     /// Model id from the manifest.
     pub model_id: String,
+    /// Width of the model's output vectors (from its verified `config.json`).
+    pub dimension: usize,
     /// Manifest digest the stages must claim.
     pub manifest_digest: Sha256Digest,
     connected: StdMutex<Option<Connected>>,
@@ -130,7 +135,14 @@ impl Pipeline {
             )),
             _ => None,
         };
+        let cfg_path = manifest.verified_path("config.json")?;
+        let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path)?)?;
+        let dimension = cfg["hidden_size"]
+            .as_u64()
+            .ok_or_else(|| anyhow::anyhow!("{}: no hidden_size", cfg_path.display()))?
+            as usize;
         Ok(Arc::new(Self {
+            dimension,
             targets,
             policy,
             local_measurement,
@@ -215,6 +227,7 @@ impl Pipeline {
         }
         stages.reverse();
         let mut entry = None;
+        let mut others = Vec::new();
         for (i, ch) in channels.into_iter().enumerate() {
             let (tx, rx) = ch.expect("every stage connected");
             let this = self.clone();
@@ -223,15 +236,12 @@ impl Pipeline {
             if i == 0 {
                 entry = Some(Arc::new(Mutex::new(tx)));
             } else {
-                // Kept open: closing it would tell the stage we left.
-                tokio::spawn(async move {
-                    let _keep = tx;
-                    std::future::pending::<()>().await
-                });
+                others.push(tx);
             }
         }
         *self.connected.lock().unwrap() = Some(Connected {
             entry: entry.expect("at least one stage"),
+            _others: others,
             stages,
             epoch,
         });
@@ -426,7 +436,8 @@ impl Pipeline {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 match self.connect().await {
                     Ok(()) => {
-                        tracing::info!("pipeline reconnected and verified");
+                        tracing::info!("pipeline reconnected");
+                        self.log_verified();
                         break;
                     }
                     Err(e) => {

@@ -1,7 +1,7 @@
 //! The attested stage channel.
 //!
 //! Handshake (three length-prefixed CBOR messages, then one record):
-//! 1. initiator → responder `ClientHello { eph_i, challenge_i, role }`
+//! 1. initiator → responder `ClientHello { version, attested, eph_i, challenge_i }`
 //! 2. responder → initiator `ServerHello { eph_r, challenge_r, evidence_r }`,
 //!    where evidence_r binds `public_key = eph_r`, `nonce = challenge_i`,
 //!    `user_data = CBOR(StageClaims)`;
@@ -13,7 +13,8 @@
 //!    responder's first record says whether it accepted the initiator.
 //!
 //! Records: `u32 length ‖ u64 sequence ‖ AEAD(ciphertext)`, where the
-//! sequence is also the AEAD nonce and is authenticated as associated data.
+//! sequence is also the AEAD nonce and the 12-byte header (length and
+//! sequence) is authenticated as associated data.
 //! Sequence numbers are strictly contiguous per direction from 0: a dropped,
 //! duplicated, reordered or replayed record is an error that poisons the
 //! channel. A message is one or more records (a flag byte marks the last);
@@ -369,6 +370,14 @@ impl ChannelReceiver {
                 .map_err(|_| ChannelError::Authentication(seq))?;
             self.expected += 1;
             let flags = body[0];
+            if flags & !FLAG_FINAL != 0 {
+                return Err(ChannelError::Malformed(format!(
+                    "unknown record flags {flags:#04x}"
+                )));
+            }
+            if flags & FLAG_FINAL == 0 && body.len() == 1 {
+                return Err(ChannelError::Malformed("empty non-final record".into()));
+            }
             if msg.len() + body.len() - 1 > self.limits.max_message {
                 return Err(ChannelError::MessageTooLarge {
                     size: msg.len() + body.len() - 1,
