@@ -80,11 +80,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
             cfg.pipeline.policy.display()
         );
     }
-    let (stages, endpoints) = match cfg.pipeline.launch {
+    let (stages, endpoints, restarts) = match cfg.pipeline.launch {
         Launch::Local => {
-            let s = launcher::LocalStages::start(&cfg).await?;
+            let (s, restarts) = launcher::LocalStages::start(&cfg).await?;
             let eps = s.endpoints.clone();
-            (Some(s), eps)
+            (Some(s), eps, Some(restarts))
         }
         Launch::Remote => {
             let eps = cfg
@@ -94,7 +94,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 .map(|s| s.address.as_deref().unwrap_or_default().parse())
                 .collect::<Result<Vec<_>, String>>()
                 .map_err(anyhow::Error::msg)?;
-            (None, eps)
+            (None, eps, None)
         }
     };
     let targets: Vec<StageTarget> = endpoints
@@ -143,6 +143,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
         }
     }
     pipeline.log_verified();
+    if let Some(mut restarts) = restarts {
+        let p = pipeline.clone();
+        tokio::spawn(async move {
+            while let Some((i, ep)) = restarts.recv().await {
+                p.set_endpoint(i, ep);
+            }
+        });
+    }
     tokio::spawn(pipeline.clone().supervise_after_first());
     let state = api::AppState {
         pipeline: pipeline.clone(),

@@ -101,7 +101,7 @@ struct Connected {
 
 /// The orchestrator.
 pub struct Pipeline {
-    targets: Vec<StageTarget>,
+    targets: StdMutex<Vec<StageTarget>>,
     policy: Policy,
     local_measurement: Option<Measurement>,
     /// Model id from the manifest.
@@ -143,7 +143,7 @@ impl Pipeline {
             as usize;
         Ok(Arc::new(Self {
             dimension,
-            targets,
+            targets: StdMutex::new(targets),
             policy,
             local_measurement,
             model_id: manifest.manifest.model_id.clone(),
@@ -156,6 +156,14 @@ impl Pipeline {
             broken: Notify::new(),
             limits: ChannelLimits::default(),
         }))
+    }
+
+    /// A stage now listens at `endpoint` (a restarted local stage).
+    pub fn set_endpoint(&self, index: usize, endpoint: Endpoint) {
+        if let Some(t) = self.targets.lock().unwrap().get_mut(index) {
+            tracing::info!(stage = index, endpoint = %endpoint, "stage endpoint changed");
+            t.endpoint = endpoint;
+        }
     }
 
     /// Records why the pipeline is not serving.
@@ -175,17 +183,18 @@ impl Pipeline {
     /// stage was reached but refused by policy (`rejected`).
     pub async fn connect(self: &Arc<Self>) -> Result<(), ConnectError> {
         let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
-        let n = self.targets.len();
+        let targets = self.targets.lock().unwrap().clone();
+        let n = targets.len();
         let mut channels: Vec<Option<(ChannelSender, ChannelReceiver)>> =
             (0..n).map(|_| None).collect();
         let mut stages = Vec::new();
         // Exit stage first, so that each stage's next hop is already configured.
         for i in (0..n).rev() {
-            let t = &self.targets[i];
+            let t = &targets[i];
             let stream = transport::connect(&t.endpoint).await.map_err(|e| {
                 ConnectError::unreachable(format!("stage {i} at {}: {e}", t.endpoint))
             })?;
-            let check = |p: &PeerInfo| self.check_stage(i as u32, t, p);
+            let check = |p: &PeerInfo| self.check_stage(i as u32, n, t, p);
             let (mut tx, mut rx, peer) =
                 channel::initiate(stream, &LocalIdentity::host(), self.limits, &check)
                     .await
@@ -193,7 +202,7 @@ impl Pipeline {
                         rejected: matches!(e, ChannelError::PeerRejected(_)),
                         reason: format!("stage {i} at {}: {e}", t.endpoint),
                     })?;
-            let next = (i + 1 < n).then(|| self.targets[i + 1].endpoint.to_string());
+            let next = (i + 1 < n).then(|| targets[i + 1].endpoint.to_string());
             tx.send_msg(&HostMessage::Configure { next })
                 .await
                 .map_err(|e| ConnectError::unreachable(format!("stage {i}: {e}")))?;
@@ -248,19 +257,23 @@ impl Pipeline {
         Ok(())
     }
 
-    fn check_stage(&self, index: u32, t: &StageTarget, p: &PeerInfo) -> Result<(), String> {
+    fn check_stage(
+        &self,
+        index: u32,
+        n: usize,
+        t: &StageTarget,
+        p: &PeerInfo,
+    ) -> Result<(), String> {
         let (Some(doc), Some(c)) = (&p.document, &p.claims) else {
             return Err("stage presented no evidence".into());
         };
         self.policy
             .check(doc, c, self.local_measurement.as_ref())
             .map_err(|e| e.to_string())?;
-        if c.stage_index != index || c.num_stages as usize != self.targets.len() {
+        if c.stage_index != index || c.num_stages as usize != n {
             return Err(format!(
                 "stage {index}: claims to be stage {} of {}, expected {index} of {}",
-                c.stage_index,
-                c.num_stages,
-                self.targets.len()
+                c.stage_index, c.num_stages, n
             ));
         }
         if [c.layer_start, c.layer_end] != t.layers {

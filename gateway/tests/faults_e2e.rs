@@ -115,7 +115,7 @@ async fn slow_pipeline_gives_504() {
 }
 
 #[tokio::test]
-async fn killed_stage_gives_503_not_a_hang() {
+async fn killed_stage_gives_503_then_recovers() {
     let gw = Gateway::start(Options {
         env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", "1500")]),
         ..Options::default()
@@ -144,4 +144,30 @@ async fn killed_stage_gives_503_not_a_hang() {
         .unwrap();
     assert_eq!(r.status(), 503);
     assert!(r.headers().contains_key("retry-after"));
+
+    // The gateway restarts the stage and rebuilds the pipeline by itself.
+    let mut ready = false;
+    for _ in 0..120 {
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        let r = client()
+            .get(format!("{}/readyz", gw.url))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 200 {
+            ready = true;
+            break;
+        }
+    }
+    assert!(ready, "pipeline did not recover:\n{}", gw.log());
+    let new_stages = gw.stage_pids();
+    assert_eq!(new_stages.len(), 2);
+    assert!(
+        !new_stages.contains(&stages[1]),
+        "stage 1 must be a new process"
+    );
+    let (texts, _, refs) = reference();
+    let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": texts[0]})).await;
+    assert_eq!(s, 200, "{b}");
+    assert!(cosine(&vectors(&b)[0], &refs[0]) >= 0.9999);
 }

@@ -3,8 +3,9 @@
 //! Everything that crosses a process boundary is defined here and only here:
 //! the attested stage channel ([`channel`]), its pipeline messages
 //! ([`frames`]), tensor frames ([`tensor`]), attestation evidence and its
-//! verifiers ([`attestation`]), measurement policies ([`policy`]) and model
-//! manifests ([`manifest`]).
+//! verifiers ([`attestation`]), measurement policies ([`policy`]), model
+//! manifests ([`manifest`]), HPKE body sealing for client requests and
+//! responses ([`sealing`]) and signed receipts ([`receipt`]).
 
 pub mod attestation;
 pub mod cbor;
@@ -13,5 +14,7 @@ pub mod digest;
 pub mod frames;
 pub mod manifest;
 pub mod policy;
+pub mod receipt;
+pub mod sealing;
 pub mod tensor;
 pub mod transport;

@@ -33,35 +33,24 @@ pub struct TensorFrame {
 impl TensorFrame {
     /// Builds an f32 frame.
     pub fn from_f32(shape: &[usize], values: &[f32]) -> Self {
-        assert_eq!(
-            shape.iter().product::<usize>(),
-            values.len(),
-            "shape mismatch"
-        );
-        let mut data = Vec::with_capacity(values.len() * 4);
-        for v in values {
-            data.extend_from_slice(&v.to_le_bytes());
-        }
-        Self {
-            dtype: DType::F32,
-            shape: shape.iter().map(|&d| d as u32).collect(),
-            data,
-        }
+        Self::build(DType::F32, shape, values.iter().map(|v| v.to_le_bytes()))
     }
 
     /// Builds a u32 frame.
     pub fn from_u32(shape: &[usize], values: &[u32]) -> Self {
+        Self::build(DType::U32, shape, values.iter().map(|v| v.to_le_bytes()))
+    }
+
+    fn build(dtype: DType, shape: &[usize], elems: impl ExactSizeIterator<Item = [u8; 4]>) -> Self {
         assert_eq!(
             shape.iter().product::<usize>(),
-            values.len(),
+            elems.len(),
             "shape mismatch"
         );
-        let mut data = Vec::with_capacity(values.len() * 4);
-        for v in values {
-            data.extend_from_slice(&v.to_le_bytes());
-        }
+        let mut data = Vec::with_capacity(elems.len() * 4);
+        elems.for_each(|e| data.extend_from_slice(&e));
         Self {
-            dtype: DType::U32,
+            dtype,
             shape: shape.iter().map(|&d| d as u32).collect(),
             data,
         }
