@@ -55,9 +55,27 @@ impl ShapeInfo {
     }
 }
 
+/// Fewest rows worth a micro-batch of its own when splitting for pipelining.
+const MIN_SPLIT_ROWS: usize = 4;
+
 /// Cuts `seqs` into micro-batches. Every sequence ends in exactly one batch;
 /// a sequence that alone exceeds a budget gets a batch of its own.
-pub fn plan(mut seqs: Vec<Seq>, limits: &BatchLimits, shape: &ShapeInfo) -> Vec<Vec<Seq>> {
+///
+/// With `stages > 1` and enough sequences, at least `stages` micro-batches
+/// are made, so that the next stage can start on the first while this stage
+/// computes the next (a single large micro-batch would make the stages take
+/// turns instead of working at once).
+pub fn plan(
+    mut seqs: Vec<Seq>,
+    limits: &BatchLimits,
+    shape: &ShapeInfo,
+    stages: usize,
+) -> Vec<Vec<Seq>> {
+    let mut limits = *limits;
+    if stages > 1 && seqs.len() >= stages * MIN_SPLIT_ROWS {
+        limits.max_rows = limits.max_rows.min(seqs.len().div_ceil(stages));
+    }
+    let limits = &limits;
     seqs.sort_by_key(|s| s.ids.len());
     let mut out: Vec<Vec<Seq>> = Vec::new();
     let mut cur: Vec<Seq> = Vec::new();
@@ -108,7 +126,7 @@ mod tests {
             memory_budget: usize::MAX,
         };
         let seqs: Vec<Seq> = (0..10).map(|i| seq(i, 5 + (i as usize * 7) % 40)).collect();
-        let batches = plan(seqs, &limits, &SHAPE);
+        let batches = plan(seqs, &limits, &SHAPE, 1);
         let mut ids: Vec<u64> = batches
             .iter()
             .flatten()
@@ -135,10 +153,26 @@ mod tests {
             max_rows: 8,
             memory_budget: usize::MAX,
         };
-        let batches = plan(vec![seq(1, 3), seq(2, 50), seq(3, 2)], &limits, &SHAPE);
+        let batches = plan(vec![seq(1, 3), seq(2, 50), seq(3, 2)], &limits, &SHAPE, 1);
         assert_eq!(batches.len(), 2);
         assert_eq!(batches[1].len(), 1);
         assert_eq!(batches[1][0].item.request_id, 2);
+    }
+
+    #[test]
+    fn splits_for_pipelining_when_worth_it() {
+        let limits = BatchLimits::default();
+        let many: Vec<Seq> = (0..64).map(|i| seq(i, 12)).collect();
+        assert_eq!(plan(many.clone(), &limits, &SHAPE, 1).len(), 1);
+        let split = plan(many, &limits, &SHAPE, 2);
+        assert_eq!(split.len(), 2);
+        assert!(split.iter().all(|b| b.len() == 32));
+        let few: Vec<Seq> = (0..5).map(|i| seq(i, 12)).collect();
+        assert_eq!(
+            plan(few, &limits, &SHAPE, 2).len(),
+            1,
+            "too few rows to split"
+        );
     }
 
     #[test]
@@ -149,7 +183,7 @@ mod tests {
             max_rows: 64,
             memory_budget: one * 2,
         };
-        let batches = plan((0..6).map(|i| seq(i, 256)).collect(), &limits, &SHAPE);
+        let batches = plan((0..6).map(|i| seq(i, 256)).collect(), &limits, &SHAPE, 1);
         assert!(batches.iter().all(|b| b.len() <= 2));
     }
 }

@@ -96,7 +96,8 @@ impl Compute {
                 self.run_activation_batch(b);
             }
             if !seqs.is_empty() {
-                for mb in plan(seqs, &self.limits, &self.shape) {
+                let stages = self.engine.claims.num_stages as usize;
+                for mb in plan(seqs, &self.limits, &self.shape, stages) {
                     self.run_seqs(mb);
                 }
             }

@@ -21,6 +21,9 @@ use tokio::sync::{mpsc, Mutex};
 
 type SharedSender = Arc<Mutex<ChannelSender>>;
 
+/// Requests with at most this many bytes of text are tokenized inline.
+const INLINE_TOKENIZE_BYTES: usize = 2048;
+
 /// Where this stage's output currently goes.
 struct Sink {
     id: u64,
@@ -256,8 +259,9 @@ impl StageServer {
             let e = bad_input(format!("a request carries 1 to {} inputs", self.max_inputs));
             return self.emit(failure(exit, request_id, e)).await;
         }
+        let total_bytes: usize = inputs.iter().map(|t| t.len()).sum();
         let engine = self.engine.clone();
-        let tokenized = tokio::task::spawn_blocking(move || {
+        let tokenize = move || {
             inputs
                 .iter()
                 .enumerate()
@@ -273,8 +277,14 @@ impl StageServer {
                     })
                 })
                 .collect::<Result<Vec<_>, String>>()
-        })
-        .await;
+        };
+        // Small inputs tokenize in microseconds: do it here rather than pay a
+        // thread hand-off; large ones go to the blocking pool.
+        let tokenized = if total_bytes <= INLINE_TOKENIZE_BYTES {
+            Ok(tokenize())
+        } else {
+            tokio::task::spawn_blocking(tokenize).await
+        };
         match tokenized {
             Ok(Ok(seqs)) => {
                 if self.work.send(Work::Seqs(seqs)).is_err() {

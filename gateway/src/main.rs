@@ -164,11 +164,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
         .await
         .with_context(|| format!("binding {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;
+    // Registered before we announce ourselves, so an early Ctrl-C or SIGTERM
+    // is a clean shutdown rather than the default kill.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
     tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
     println!("GATEWAY LISTENING http://{addr}");
     axum::serve(listener, api::router(state))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
+        .with_graceful_shutdown(async move {
+            tokio::select! {
+                _ = sigint.recv() => {}
+                _ = sigterm.recv() => {}
+            }
             tracing::info!("shutting down");
         })
         .await?;
