@@ -4,6 +4,11 @@
 //! each finished micro-batch goes downstream at once, so the next stage
 //! works on batch k while this one works on batch k+1.
 //!
+//! Requests are announced (`Begin`) before their rows and closed by the
+//! previous stage's receipt links; the [`Tracker`] turns a request that is
+//! complete here into this stage's signed link (or, at the exit stage, the
+//! sealed response and its receipt).
+//!
 //! A micro-batch that fails is retried one sequence at a time, so that only
 //! the sequences that fail alone are reported failed and every other
 //! request's output is still produced.
@@ -11,21 +16,39 @@
 use crate::batcher::{plan, BatchLimits, Seq, ShapeInfo};
 use crate::engine::{Engine, Padded};
 use crate::fault::Fault;
+use crate::keys::StageKeys;
+use crate::tracker::{row_digest, Finished, Tracker};
 use proto::frames::{
-    ActivationBatch, ActivationMessage, BatchItem, ErrorKind, PipelineError, ResultMessage,
+    ActivationBatch, ActivationMessage, BatchItem, ErrorKind, PipelineError, RequestContext,
+    ResultMessage,
 };
-use proto::tensor::TensorFrame;
-use std::collections::BTreeMap;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::Sender;
 
-/// Work for the compute thread.
+/// Work for the compute thread, in arrival order.
 pub enum Work {
+    /// A request begins (its context precedes its rows).
+    Begin(Box<RequestContext>),
     /// Tokenized inputs (entry stage).
     Seqs(Vec<Seq>),
     /// A micro-batch from the previous stage.
     Batch(ActivationBatch),
+    /// The previous stages' receipt links for a request.
+    Links {
+        /// The request.
+        request_id: u64,
+        /// Links in stage order.
+        links: Vec<Vec<u8>>,
+    },
+    /// A request failed upstream.
+    Failed {
+        /// The request.
+        request_id: u64,
+        /// Why.
+        error: PipelineError,
+    },
 }
 
 /// What the compute thread (or a session) sends downstream.
@@ -48,11 +71,13 @@ pub fn failure(exit: bool, request_id: u64, error: PipelineError) -> Output {
 /// State of the compute thread.
 pub struct Compute {
     engine: Arc<Engine>,
+    keys: Arc<StageKeys>,
     out: Sender<Output>,
     limits: BatchLimits,
     shape: ShapeInfo,
     fault: Fault,
     next_batch: u64,
+    tracker: Tracker,
 }
 
 enum Input<'a> {
@@ -64,11 +89,14 @@ impl Compute {
     /// A compute loop for `engine` sending to `out`.
     pub fn new(
         engine: Arc<Engine>,
+        keys: Arc<StageKeys>,
         out: Sender<Output>,
         limits: BatchLimits,
         shape: ShapeInfo,
     ) -> Self {
         Self {
+            tracker: Tracker::new(engine.claims.clone()),
+            keys,
             engine,
             out,
             limits,
@@ -82,18 +110,27 @@ impl Compute {
     pub fn run(mut self, rx: Receiver<Work>) {
         while let Ok(first) = rx.recv() {
             let mut seqs = Vec::new();
-            let mut batches = Vec::new();
-            let mut push = |w: Work| match w {
-                Work::Seqs(s) => seqs.extend(s),
-                Work::Batch(b) => batches.push(b),
-            };
-            push(first);
             // Drain before refill: everything queued now joins this round.
-            while let Ok(w) = rx.try_recv() {
-                push(w);
-            }
-            for b in batches {
-                self.run_activation_batch(b);
+            let mut next = Some(first);
+            while let Some(w) = next.take().or_else(|| rx.try_recv().ok()) {
+                match w {
+                    Work::Begin(ctx) => {
+                        if !self.engine.is_exit() {
+                            self.send(Output::Activation(ActivationMessage::Begin(ctx.clone())));
+                        }
+                        self.tracker.begin(*ctx);
+                    }
+                    Work::Seqs(s) => seqs.extend(s),
+                    Work::Batch(b) => self.run_activation_batch(b),
+                    Work::Links { request_id, links } => {
+                        self.tracker.upstream_links(request_id, links);
+                        self.try_finish(request_id);
+                    }
+                    Work::Failed { request_id, error } => {
+                        self.tracker.forget(request_id);
+                        self.send(failure(self.engine.is_exit(), request_id, error));
+                    }
+                }
             }
             if !seqs.is_empty() {
                 let stages = self.engine.claims.num_stages as usize;
@@ -119,6 +156,10 @@ impl Compute {
     }
 
     fn run_activation_batch(&mut self, b: ActivationBatch) {
+        for (row, item) in b.items.iter().enumerate() {
+            self.tracker
+                .received_row(item, row_digest(&b.hidden, row, item));
+        }
         let input = match Padded::from_frames(&b.hidden, &b.mask, self.engine.hidden_size()) {
             Ok(p) if p.hidden.dims()[0] == b.items.len() => p,
             Ok(_) => {
@@ -165,40 +206,51 @@ impl Compute {
         let micro_batch_id = self.next_batch;
         self.next_batch += 1;
         if !self.engine.is_exit() {
-            match out.to_frames() {
-                Ok((hidden, mask)) => self.send(Output::Activation(ActivationMessage::Batch(
-                    ActivationBatch {
-                        micro_batch_id,
-                        items,
-                        hidden,
-                        mask,
-                    },
-                ))),
-                Err(e) => self.fail(&items, &e),
+            let (hidden, mask) = match out.to_frames() {
+                Ok(f) => f,
+                Err(e) => return self.fail(&items, &e),
+            };
+            for (row, item) in items.iter().enumerate() {
+                self.tracker
+                    .finished_row(item, row_digest(&hidden, row, item), None);
             }
-            return;
+            self.send(Output::Activation(ActivationMessage::Batch(
+                ActivationBatch {
+                    micro_batch_id,
+                    items: items.clone(),
+                    hidden,
+                    mask,
+                },
+            )));
+        } else {
+            let vectors = match self.engine.pool(&out) {
+                Ok(v) => v,
+                Err(e) => return self.fail(&items, &e),
+            };
+            let dim = self.engine.hidden_size();
+            for (row, item) in items.iter().enumerate() {
+                let v = vectors[row * dim..(row + 1) * dim].to_vec();
+                self.tracker.finished_row(item, None, Some(v));
+            }
         }
-        let vectors = match self.engine.pool(&out) {
-            Ok(v) => v,
-            Err(e) => return self.fail(&items, &e),
-        };
-        let dim = self.engine.hidden_size();
-        let mut by_request: BTreeMap<u64, (Vec<BatchItem>, Vec<f32>)> = BTreeMap::new();
-        for (row, item) in items.iter().enumerate() {
-            let entry = by_request.entry(item.request_id).or_default();
-            entry.0.push(*item);
-            entry
-                .1
-                .extend_from_slice(&vectors[row * dim..(row + 1) * dim]);
+        let mut requests: Vec<u64> = items.iter().map(|i| i.request_id).collect();
+        requests.sort_unstable();
+        requests.dedup();
+        for request_id in requests {
+            self.try_finish(request_id);
         }
-        for (request_id, (items, values)) in by_request {
-            let vectors = TensorFrame::from_f32(&[items.len(), dim], &values);
-            self.send(Output::Result(ResultMessage::Embeddings {
-                request_id,
-                micro_batch_id,
-                items,
-                vectors,
-            }));
+    }
+
+    fn try_finish(&mut self, request_id: u64) {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        match self.tracker.try_finish(request_id, &self.keys, now) {
+            None => {}
+            Some(Ok(Finished::Links(m))) => self.send(Output::Activation(m)),
+            Some(Ok(Finished::Response(m))) => self.send(Output::Result(m)),
+            Some(Err(e)) => self.send(failure(self.engine.is_exit(), request_id, e)),
         }
     }
 
@@ -208,13 +260,14 @@ impl Compute {
         requests.dedup();
         tracing::warn!(requests = requests.len(), error = %error, "sequence failed in this stage");
         for request_id in requests {
-            let err = PipelineError {
-                kind: ErrorKind::Internal,
-                message: format!(
-                    "stage {} failed on this request: {error}",
-                    self.engine.claims.stage_index
-                ),
-            };
+            if !self.tracker.knows(request_id) {
+                continue;
+            }
+            let message = format!(
+                "stage {} failed on this request: {error}",
+                self.engine.claims.stage_index
+            );
+            let err = self.tracker.fail(request_id, ErrorKind::Internal, message);
             self.send(failure(self.engine.is_exit(), request_id, err));
         }
     }

@@ -30,7 +30,8 @@ pub struct StageSpec {
 pub struct Engine {
     /// The manifest the files were checked against.
     pub manifest: LoadedManifest,
-    /// What this stage claims in its evidence.
+    /// What this stage claims in its evidence (keys are filled in by the
+    /// binary once it has generated them).
     pub claims: StageClaims,
     part: BertPart,
     tokenizer: Option<Tokenizer>,
@@ -104,6 +105,8 @@ impl Engine {
             layer_end: spec.layers.end as u32,
             model_id: m.model_id.clone(),
             manifest_sha256: manifest.digest,
+            receipt_key: [0; 32],
+            hpke_keys: Vec::new(),
         };
         Ok(Self {
             manifest,

@@ -7,4 +7,6 @@ pub mod bert;
 pub mod compute;
 pub mod engine;
 pub mod fault;
+pub mod keys;
 pub mod server;
+pub mod tracker;

@@ -6,8 +6,9 @@ use clap::Parser;
 use enclave_stage::batcher::BatchLimits;
 use enclave_stage::compute::Compute;
 use enclave_stage::engine::{Engine, StageSpec};
-use enclave_stage::server::StageServer;
-use proto::attestation::{mock_measurement, MockProvider, MOCK_WARNING};
+use enclave_stage::keys::StageKeys;
+use enclave_stage::server::{StageServer, StageSetup};
+use proto::attestation::{mock_measurement, AttestationProvider, MockProvider, MOCK_WARNING};
 use proto::digest::Sha256Digest;
 use proto::policy::Policy;
 use proto::transport::{Endpoint, Listener};
@@ -85,7 +86,7 @@ fn main() -> Result<()> {
         layers: parse_layers(&args.layers)?,
     };
     let policy = Policy::load(&args.policy).map_err(anyhow::Error::msg)?;
-    let engine = Arc::new(Engine::load(&args.model_dir, &spec).context("stage refuses to start")?);
+    let mut engine = Engine::load(&args.model_dir, &spec).context("stage refuses to start")?;
     let exe = std::env::current_exe()?;
     let binary =
         Sha256Digest::of_file(&exe).with_context(|| format!("hashing {}", exe.display()))?;
@@ -96,10 +97,12 @@ fn main() -> Result<()> {
         measurement = %measurement.pinned_form(),
         "MOCK ATTESTATION in use: this stage's evidence is signed by a public mock key"
     );
-    let provider = Arc::new(MockProvider::new(
+    let provider: Arc<dyn AttestationProvider> = Arc::new(MockProvider::new(
         format!("mock-stage-{}", spec.stage_index),
         &measurement,
     ));
+    let keys = Arc::new(StageKeys::generate(&mut engine.claims, provider.as_ref())?);
+    let engine = Arc::new(engine);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -114,19 +117,19 @@ fn main() -> Result<()> {
             memory_budget: args.memory_budget_mib << 20,
         };
         let shape = engine.shape();
-        let compute = Compute::new(engine.clone(), out_tx.clone(), limits, shape);
+        let compute = Compute::new(engine.clone(), keys.clone(), out_tx.clone(), limits, shape);
         std::thread::Builder::new()
             .name("compute".into())
             .spawn(move || compute.run(work_rx))?;
-        let server = StageServer::new(
-            engine.clone(),
+        let setup = StageSetup {
+            engine: engine.clone(),
+            keys,
             provider,
             policy,
-            measurement,
-            work_tx,
-            out_tx,
-            args.max_inputs,
-        );
+            local_measurement: measurement,
+            max_inputs: args.max_inputs,
+        };
+        let server = StageServer::new(setup, work_tx, out_tx);
         let endpoint: Endpoint = args.listen.parse().map_err(anyhow::Error::msg)?;
         let listener = Listener::bind(&endpoint).await?;
         tokio::spawn(server.clone().write_outputs(out_rx));

@@ -5,19 +5,48 @@
 use crate::batcher::Seq;
 use crate::compute::{failure, Output, Work};
 use crate::engine::Engine;
+use crate::keys::StageKeys;
 use proto::attestation::{AttestationProvider, Measurement};
 use proto::channel::{
     self, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
 };
+use proto::digest::Sha256Digest;
 use proto::frames::{
-    ActivationMessage, BatchItem, ConfigureOutcome, ErrorKind, HostMessage, PipelineError,
-    StageClaims,
+    ActivationMessage, BatchItem, ErrorKind, HostMessage, PipelineError, RequestContext,
+    SealedRequest, StageClaims, StageReply,
 };
+use proto::openai::{parse_embeddings, ApiError};
 use proto::policy::Policy;
+use proto::sealing::{open_request, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
 use proto::transport::{self, Endpoint, Listener};
+use rand::RngCore;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, Mutex};
+
+/// How long an encapsulated key is remembered to refuse replays.
+const REPLAY_WINDOW: Duration = Duration::from_secs(600);
+/// Most encapsulated keys remembered at once.
+const REPLAY_CAPACITY: usize = 1 << 20;
+/// Longest nonce accepted in an attestation request.
+const MAX_NONCE: usize = 64;
+
+/// What a stage serves with, besides its queues.
+pub struct StageSetup {
+    /// The loaded model part.
+    pub engine: Arc<Engine>,
+    /// The stage's keys and boot evidence.
+    pub keys: Arc<StageKeys>,
+    /// Attestation provider (mock or Nitro).
+    pub provider: Arc<dyn AttestationProvider>,
+    /// Policy for neighbouring stages.
+    pub policy: Policy,
+    /// This binary's own measurement (for `trust_local_build`).
+    pub local_measurement: Measurement,
+    /// Most inputs per request.
+    pub max_inputs: usize,
+}
 
 type SharedSender = Arc<Mutex<ChannelSender>>;
 
@@ -37,9 +66,11 @@ struct Sink {
 /// Everything the connection handlers share.
 pub struct StageServer {
     engine: Arc<Engine>,
+    keys: Arc<StageKeys>,
     provider: Arc<dyn AttestationProvider>,
     policy: Policy,
     local_measurement: Measurement,
+    replay: std::sync::Mutex<ReplayGuard>,
     limits: ChannelLimits,
     work: std::sync::mpsc::Sender<Work>,
     out: mpsc::Sender<Output>,
@@ -51,25 +82,23 @@ pub struct StageServer {
 impl StageServer {
     /// A server for `engine`; `work` feeds the compute thread, `out` is its output queue.
     pub fn new(
-        engine: Arc<Engine>,
-        provider: Arc<dyn AttestationProvider>,
-        policy: Policy,
-        local_measurement: Measurement,
+        setup: StageSetup,
         work: std::sync::mpsc::Sender<Work>,
         out: mpsc::Sender<Output>,
-        max_inputs: usize,
     ) -> Arc<Self> {
         Arc::new(Self {
-            engine,
-            provider,
-            policy,
-            local_measurement,
+            engine: setup.engine,
+            keys: setup.keys,
+            provider: setup.provider,
+            policy: setup.policy,
+            local_measurement: setup.local_measurement,
+            replay: std::sync::Mutex::new(ReplayGuard::new(REPLAY_WINDOW, REPLAY_CAPACITY)),
             limits: ChannelLimits::default(),
             work,
             out,
             sink: Mutex::new(None),
             next_sink: AtomicU64::new(1),
-            max_inputs,
+            max_inputs: setup.max_inputs,
         })
     }
 
@@ -167,30 +196,50 @@ impl StageServer {
                     break;
                 }
             };
-            match msg {
-                HostMessage::Configure { next } => {
-                    let outcome = match self.configure(next, &tx).await {
-                        Ok(id) => {
-                            if id.is_some() {
-                                my_sink = id;
-                            }
-                            ConfigureOutcome::Configured
+            let reply = match msg {
+                HostMessage::Configure { next } => match self.configure(next, &tx).await {
+                    Ok(id) => {
+                        if id.is_some() {
+                            my_sink = id;
                         }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "configuration failed");
-                            ConfigureOutcome::Failed(e)
-                        }
-                    };
-                    if tx.lock().await.send_msg(&outcome).await.is_err() {
+                        Some(StageReply::Configured {
+                            boot_evidence: self.keys.boot_evidence.clone(),
+                        })
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "configuration failed");
+                        Some(StageReply::ConfigureFailed(e))
+                    }
+                },
+                HostMessage::Request(req) => {
+                    if !self.engine.is_entry() {
+                        tracing::warn!("request sent to a non-entry stage; closing");
                         break;
+                    }
+                    self.accept_request(req).await;
+                    None
+                }
+                HostMessage::Attest { nonce } => {
+                    if nonce.len() > MAX_NONCE {
+                        tracing::warn!("attestation nonce too long; closing");
+                        break;
+                    }
+                    let claims = proto::cbor::to_vec(self.claims());
+                    match self
+                        .provider
+                        .attest(&self.claims().receipt_key, &claims, &nonce)
+                    {
+                        Ok(evidence) => Some(StageReply::Evidence { nonce, evidence }),
+                        Err(e) => {
+                            tracing::error!(error = %e, "attestation failed");
+                            break;
+                        }
                     }
                 }
-                HostMessage::Embed(req) => {
-                    if !self.engine.is_entry() {
-                        tracing::warn!("embed request sent to a non-entry stage; closing");
-                        break;
-                    }
-                    self.accept_request(req.request_id, req.inputs).await;
+            };
+            if let Some(reply) = reply {
+                if tx.lock().await.send_msg(&reply).await.is_err() {
+                    break;
                 }
             }
         }
@@ -253,12 +302,129 @@ impl StageServer {
         }
     }
 
-    async fn accept_request(&self, request_id: u64, inputs: Vec<String>) {
+    /// Opens, validates and tokenizes a sealed request, then hands its
+    /// context and sequences to the compute thread. Errors after the body is
+    /// open are sealed to the client.
+    async fn accept_request(&self, req: SealedRequest) {
         let exit = self.engine.is_exit();
-        if inputs.is_empty() || inputs.len() > self.max_inputs {
-            let e = bad_input(format!("a request carries 1 to {} inputs", self.max_inputs));
-            return self.emit(failure(exit, request_id, e)).await;
+        let request_id = req.request_id;
+        let (plaintext, key) = match self.open(&req) {
+            Ok(v) => v,
+            Err(e) => return self.emit(failure(exit, request_id, e)).await,
+        };
+        let sealed_error = |api: ApiError, kind: ErrorKind| PipelineError {
+            kind,
+            status: api.status,
+            message: api.message.clone(),
+            sealed_body: seal_response(&key, &api.body_bytes()).ok(),
+        };
+        if req.endpoint != "/v1/embeddings" {
+            let api = ApiError {
+                status: 404,
+                message: format!("This model does not serve {}.", req.endpoint),
+                kind: "invalid_request_error".into(),
+                param: None,
+                code: Some("unknown_url".into()),
+            };
+            return self
+                .emit(failure(
+                    exit,
+                    request_id,
+                    sealed_error(api, ErrorKind::BadInput),
+                ))
+                .await;
         }
+        let parsed = parse_embeddings(&plaintext, self.max_inputs, self.engine.hidden_size())
+            .and_then(|r| {
+                if r.model == self.claims().model_id {
+                    Ok(r)
+                } else {
+                    Err(ApiError::model_not_found(&r.model))
+                }
+            });
+        let mut request = match parsed {
+            Ok(r) => r,
+            Err(api) => {
+                return self
+                    .emit(failure(
+                        exit,
+                        request_id,
+                        sealed_error(api, ErrorKind::BadInput),
+                    ))
+                    .await
+            }
+        };
+        let inputs = std::mem::take(&mut request.inputs);
+        let n_inputs = inputs.len() as u32;
+        let seqs = match self.tokenize(request_id, inputs).await {
+            Ok(s) => s,
+            Err(e) => {
+                let api = ApiError::invalid(Some("input"), e);
+                return self
+                    .emit(failure(
+                        exit,
+                        request_id,
+                        sealed_error(api, ErrorKind::BadInput),
+                    ))
+                    .await;
+            }
+        };
+        let mut receipt_id = [0u8; 16];
+        rand::rngs::OsRng.fill_bytes(&mut receipt_id);
+        let ctx = RequestContext {
+            request_id,
+            receipt_id,
+            endpoint: req.endpoint,
+            request,
+            n_inputs,
+            request_digest: Sha256Digest::of(&plaintext),
+            client_nonce: req.client_nonce,
+            sealing: req.sealing,
+            response_key: key,
+        };
+        let sent = self
+            .work
+            .send(Work::Begin(Box::new(ctx)))
+            .and_then(|_| self.work.send(Work::Seqs(seqs)));
+        if sent.is_err() {
+            tracing::error!("compute thread is gone");
+        }
+    }
+
+    /// Checks the key id, refuses replays, and opens the body.
+    fn open(&self, req: &SealedRequest) -> Result<(Vec<u8>, ResponseKeyMaterial), PipelineError> {
+        let sealing_error = |status: u16, message: String| PipelineError {
+            kind: ErrorKind::Sealing,
+            status,
+            message,
+            sealed_body: None,
+        };
+        let key = self
+            .keys
+            .hpke
+            .as_ref()
+            .filter(|k| k.key_id() == req.headers.key_id)
+            .ok_or_else(|| {
+                sealing_error(
+                    400,
+                    format!(
+                        "{}; fetch the current keys from /.well-known/hpke-keys",
+                        SealError::UnknownKeyId(req.headers.key_id)
+                    ),
+                )
+            })?;
+        let (plaintext, material) = open_request(key, &req.headers, &req.body)
+            .map_err(|e| sealing_error(400, format!("the sealed request cannot be opened: {e}")))?;
+        // Only an authenticated body counts against the replay window.
+        self.replay
+            .lock()
+            .expect("replay guard lock")
+            .check_and_insert(&req.headers.enc, Instant::now())
+            .map_err(|e| sealing_error(400, format!("refused: {e}")))?;
+        Ok((plaintext, material))
+    }
+
+    async fn tokenize(&self, request_id: u64, inputs: Vec<String>) -> Result<Vec<Seq>, String> {
         let total_bytes: usize = inputs.iter().map(|t| t.len()).sum();
         let engine = self.engine.clone();
         let tokenize = move || {
@@ -280,40 +446,26 @@ impl StageServer {
         };
         // Small inputs tokenize in microseconds: do it here rather than pay a
         // thread hand-off; large ones go to the blocking pool.
-        let tokenized = if total_bytes <= INLINE_TOKENIZE_BYTES {
-            Ok(tokenize())
+        if total_bytes <= INLINE_TOKENIZE_BYTES {
+            tokenize()
         } else {
-            tokio::task::spawn_blocking(tokenize).await
-        };
-        match tokenized {
-            Ok(Ok(seqs)) => {
-                if self.work.send(Work::Seqs(seqs)).is_err() {
-                    tracing::error!("compute thread is gone");
-                }
-            }
-            Ok(Err(e)) => self.emit(failure(exit, request_id, bad_input(e))).await,
-            Err(e) => {
-                let err = PipelineError {
-                    kind: ErrorKind::Internal,
-                    message: format!("tokenizer task failed: {e}"),
-                };
-                self.emit(failure(exit, request_id, err)).await
-            }
+            tokio::task::spawn_blocking(tokenize)
+                .await
+                .map_err(|e| format!("tokenizer task failed: {e}"))?
         }
     }
 
     async fn upstream_session(&self, mut rx: ChannelReceiver) {
         loop {
-            match rx.recv_msg::<ActivationMessage>().await {
-                Ok(Some(ActivationMessage::Batch(b))) => {
-                    if self.work.send(Work::Batch(b)).is_err() {
-                        tracing::error!("compute thread is gone");
-                        return;
-                    }
-                }
+            let work = match rx.recv_msg::<ActivationMessage>().await {
+                Ok(Some(ActivationMessage::Begin(ctx))) => Work::Begin(ctx),
+                Ok(Some(ActivationMessage::Batch(b))) => Work::Batch(b),
+                Ok(Some(ActivationMessage::Links { request_id, links })) => Work::Links {
+                    request_id,
+                    links: links.into_iter().map(|l| l.into_vec()).collect(),
+                },
                 Ok(Some(ActivationMessage::Failed { request_id, error })) => {
-                    self.emit(failure(self.engine.is_exit(), request_id, error))
-                        .await
+                    Work::Failed { request_id, error }
                 }
                 Ok(None) => {
                     tracing::info!("upstream stage closed the channel");
@@ -323,6 +475,10 @@ impl StageServer {
                     tracing::warn!(error = %e, "upstream channel error");
                     return;
                 }
+            };
+            if self.work.send(work).is_err() {
+                tracing::error!("compute thread is gone");
+                return;
             }
         }
     }
@@ -345,7 +501,7 @@ impl StageServer {
             let _ = host
                 .lock()
                 .await
-                .send_msg(&ConfigureOutcome::Failed(reason))
+                .send_msg(&StageReply::DownstreamLost(reason))
                 .await;
         }
     }
@@ -353,9 +509,9 @@ impl StageServer {
     /// Sends compute output to the current sink, forever.
     pub async fn write_outputs(self: Arc<Self>, mut rx: mpsc::Receiver<Output>) {
         while let Some(o) = rx.recv().await {
-            let bytes = match &o {
-                Output::Activation(m) => proto::cbor::to_vec(m),
-                Output::Result(m) => proto::cbor::to_vec(m),
+            let bytes = match o {
+                Output::Activation(m) => proto::cbor::to_vec(&m),
+                Output::Result(m) => proto::cbor::to_vec(&StageReply::Result(m)),
             };
             let sink = self
                 .sink
@@ -373,12 +529,5 @@ impl StageServer {
                     .await;
             }
         }
-    }
-}
-
-fn bad_input(message: String) -> PipelineError {
-    PipelineError {
-        kind: ErrorKind::BadInput,
-        message,
     }
 }

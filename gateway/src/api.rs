@@ -1,27 +1,40 @@
-//! The HTTP API: routes, body limits, and mapping pipeline failures to
-//! OpenAI-shaped errors.
+//! The HTTP API: routes, body limits, sealing for plain clients, relaying
+//! for sealed clients, receipts, evidence and published keys.
 
-use crate::embeddings;
 use crate::openai_error::ApiError;
-use crate::pipeline::{Failure, Pipeline};
-use axum::body::{to_bytes, Body};
-use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
+use crate::pipeline::{Failure, Pipeline, Reply};
+use crate::receipts::ReceiptStore;
+use axum::body::{to_bytes, Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use proto::frames::ErrorKind;
+use base64::Engine as _;
+use proto::bundle::{EvidenceBundle, StageEvidence};
+use proto::receipt::Sealing;
+use proto::sealing::{
+    open_response, seal_request, Aead, KeyConfig, SealedHeaders, HEADER_KEY_ID, KEYS_MEDIA_TYPE,
+};
 use serde_json::json;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Response header carrying the receipt id (hex).
+pub const HEADER_RECEIPT_ID: &str = "receipt-id";
+/// Response header carrying the receipt itself (base64url), when it fits.
+pub const HEADER_RECEIPT: &str = "receipt";
+/// Request header with the client's receipt nonce (hex, at most 64 bytes).
+pub const HEADER_RECEIPT_NONCE: &str = "receipt-nonce";
+/// Largest receipt sent in a header.
+const MAX_RECEIPT_HEADER: usize = 8 * 1024;
 
 /// Settings the handlers need.
 #[derive(Clone, Debug)]
 pub struct ApiLimits {
     /// Largest request body.
     pub max_body_bytes: usize,
-    /// Most inputs per request.
-    pub max_inputs: usize,
     /// Per-request deadline.
     pub timeout: Duration,
 }
@@ -33,6 +46,8 @@ pub struct AppState {
     pub pipeline: Arc<Pipeline>,
     /// Limits.
     pub limits: ApiLimits,
+    /// Recent receipts.
+    pub receipts: Arc<ReceiptStore>,
 }
 
 /// Builds the router.
@@ -41,6 +56,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/embeddings", post(embeddings_handler))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
+        .route("/v1/receipts/{id}", get(get_receipt))
+        .route("/v1/attestation", get(attestation))
+        .route("/.well-known/hpke-keys", get(hpke_keys))
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/readyz", get(readyz))
         .fallback(|method: Method, uri: Uri| async move {
@@ -83,30 +101,155 @@ async fn readyz(State(s): State<AppState>) -> Response {
     }
 }
 
-async fn embeddings_handler(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let started = Instant::now();
-    let result = embed(&s, &headers, body).await;
-    let status = match &result {
-        Ok(_) => StatusCode::OK,
-        Err(e) => e.status,
-    };
-    tracing::info!(
-        endpoint = "/v1/embeddings",
-        status = status.as_u16(),
-        latency_ms = started.elapsed().as_secs_f64() * 1e3,
-        "request"
-    );
-    match result {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
+async fn get_receipt(State(s): State<AppState>, Path(id): Path<String>) -> Response {
+    let found = hex::decode(&id)
+        .ok()
+        .and_then(|b| <[u8; 16]>::try_from(b).ok())
+        .and_then(|id| s.receipts.get(&id));
+    match found {
+        Some(r) => ([(header::CONTENT_TYPE, "application/cose")], r).into_response(),
+        None => ApiError {
+            code: Some("receipt_not_found"),
+            ..ApiError::from_stage(404, format!("No receipt {id} is retained here."))
+        }
+        .into_response(),
     }
 }
 
-async fn embed(
-    s: &AppState,
-    headers: &HeaderMap,
-    body: Body,
-) -> Result<serde_json::Value, ApiError> {
+async fn hpke_keys(
+    State(s): State<AppState>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let keys = match s.pipeline.entry_keys() {
+        Ok(k) => k,
+        Err(reason) => return ApiError::not_ready(&reason).into_response(),
+    };
+    if q.get("format").map(String::as_str) == Some("json") {
+        let list: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                json!({
+                    "key_id": k.key_id,
+                    "public_key": hex::encode(k.public_key),
+                    "kem": "DHKEM(X25519, HKDF-SHA256)",
+                    "aeads": k.aeads.iter().map(|a| format!("{a:?}")).collect::<Vec<_>>(),
+                    "held_by": "enclave",
+                    "stage": 0,
+                })
+            })
+            .collect();
+        return Json(json!({"keys": list})).into_response();
+    }
+    (
+        [(header::CONTENT_TYPE, KEYS_MEDIA_TYPE)],
+        KeyConfig::encode_list(&keys),
+    )
+        .into_response()
+}
+
+async fn attestation(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let nonce = match q.get("nonce").map(|n| hex::decode(n)) {
+        None => Vec::new(),
+        Some(Ok(n)) if n.len() <= 64 => n,
+        Some(_) => {
+            return ApiError::invalid(Some("nonce"), "`nonce` must be hex, at most 64 bytes.")
+                .into_response()
+        }
+    };
+    let stages = match s.pipeline.attest(&nonce, Duration::from_secs(10)).await {
+        Ok(v) => v,
+        Err(f) => return failure_response(&s, f),
+    };
+    let bundle = EvidenceBundle {
+        nonce,
+        manifest: s.pipeline.manifest_bytes.clone(),
+        stages: stages
+            .into_iter()
+            .map(|(st, evidence)| StageEvidence {
+                index: st.index,
+                claims: st.claims,
+                boot_evidence: st.boot_evidence,
+                evidence,
+            })
+            .collect(),
+    };
+    let wants_cbor = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/cbor"));
+    if wants_cbor {
+        return (
+            [(header::CONTENT_TYPE, "application/cbor")],
+            proto::cbor::to_vec(&bundle),
+        )
+            .into_response();
+    }
+    Json(bundle_json(&bundle)).into_response()
+}
+
+/// The bundle for people: the same content, bytes as hex/base64, plus the
+/// CBOR form (base64) that `gateway verify evidence` reads.
+fn bundle_json(b: &EvidenceBundle) -> serde_json::Value {
+    let b64 = |v: &[u8]| base64::engine::general_purpose::STANDARD.encode(v);
+    let stages: Vec<_> = b
+        .stages
+        .iter()
+        .map(|s| {
+            let doc = proto::attestation::verify_any(&s.evidence).ok();
+            json!({
+                "index": s.index,
+                "layers": [s.claims.layer_start, s.claims.layer_end],
+                "evidence_format": format!("{:?}", s.evidence.format).to_lowercase(),
+                "measurement": doc.as_ref().map(|d| d.measurement.pinned_form()),
+                "receipt_key": hex::encode(s.claims.receipt_key),
+                "hpke_keys": b64(&s.claims.hpke_keys),
+                "boot_evidence_sha256": s.boot_evidence.digest().hex(),
+                "evidence": b64(&s.evidence.document),
+                "boot_evidence": b64(&s.boot_evidence.document),
+            })
+        })
+        .collect();
+    let mock = b
+        .stages
+        .iter()
+        .any(|s| s.evidence.format == proto::attestation::EvidenceFormat::Mock);
+    let mut out = json!({
+        "nonce": hex::encode(&b.nonce),
+        "manifest_sha256": proto::digest::Sha256Digest::of(&b.manifest).hex(),
+        "manifest": serde_json::from_slice::<serde_json::Value>(&b.manifest).unwrap_or_default(),
+        "stages": stages,
+        "bundle_cbor": b64(&proto::cbor::to_vec(b)),
+    });
+    if mock {
+        out["warning"] = json!(proto::attestation::MOCK_WARNING);
+    }
+    out
+}
+
+fn failure_response(s: &AppState, f: Failure) -> Response {
+    match f {
+        Failure::NotReady(r) => ApiError::not_ready(&r).into_response(),
+        Failure::Timeout => ApiError::timeout(s.limits.timeout.as_secs()).into_response(),
+    }
+}
+
+async fn embeddings_handler(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let started = Instant::now();
+    let resp = relay(&s, "/v1/embeddings", &headers, body).await;
+    tracing::info!(
+        endpoint = "/v1/embeddings",
+        status = resp.status().as_u16(),
+        latency_ms = started.elapsed().as_secs_f64() * 1e3,
+        "request"
+    );
+    resp
+}
+
+async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     let limit = s.limits.max_body_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -115,30 +258,166 @@ async fn embed(
     if declared.is_some_and(|n| n > limit) {
         return Err(ApiError::too_large(limit));
     }
-    let bytes = to_bytes(body, limit)
+    to_bytes(body, limit)
         .await
-        .map_err(|_| ApiError::too_large(limit))?;
-    let req = embeddings::parse(&bytes, s.limits.max_inputs, s.pipeline.dimension)?;
-    if req.model != s.pipeline.model_id {
-        return Err(ApiError::model_not_found(&req.model));
+        .map_err(|_| ApiError::too_large(limit))
+}
+
+/// Seals (plain clients) or relays (sealed clients) one API request.
+async fn relay(s: &AppState, endpoint: &str, headers: &HeaderMap, body: Body) -> Response {
+    match relay_inner(s, endpoint, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
     }
-    let out = s
+}
+
+async fn relay_inner(
+    s: &AppState,
+    endpoint: &str,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let bytes = read_body(s, headers, body).await?;
+    let nonce = match headers
+        .get(HEADER_RECEIPT_NONCE)
+        .map(|v| v.to_str().map(hex::decode))
+    {
+        None => None,
+        Some(Ok(Ok(n))) if n.len() <= 64 => Some(n),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some(HEADER_RECEIPT_NONCE),
+                "The receipt-nonce header must be hex, at most 64 bytes.",
+            ))
+        }
+    };
+    let keys = s
         .pipeline
-        .embed(req.inputs.clone(), s.limits.timeout)
-        .await
-        .map_err(|f| match f {
-            Failure::NotReady(r) => ApiError::not_ready(&r),
-            Failure::Timeout => ApiError::timeout(s.limits.timeout.as_secs()),
-            Failure::Stage(e) => match e.kind {
-                ErrorKind::BadInput => ApiError::invalid(Some("input"), e.message),
-                ErrorKind::Overloaded => ApiError::not_ready(&e.message),
-                ErrorKind::Internal => ApiError::internal(e.message),
+        .entry_keys()
+        .map_err(|r| ApiError::not_ready(&r))?;
+    let not_ready = |f| match f {
+        Failure::NotReady(r) => ApiError::not_ready(&r),
+        Failure::Timeout => ApiError::timeout(s.limits.timeout.as_secs()),
+    };
+    if headers.contains_key(HEADER_KEY_ID) {
+        // Sealed by the client to the enclave key: relay ciphertext only.
+        let sealed = SealedHeaders::from_header_values(|name| {
+            headers.get(name).and_then(|v| v.to_str().ok())
+        })
+        .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("Bad sealing headers: {e}")))?;
+        if !keys
+            .iter()
+            .any(|k| k.key_id == sealed.key_id && k.supports(sealed.aead))
+        {
+            return Err(ApiError::unknown_key(sealed.key_id));
+        }
+        let reply = s
+            .pipeline
+            .submit(
+                endpoint,
+                sealed,
+                bytes.to_vec(),
+                nonce,
+                Sealing::Enclave,
+                s.limits.timeout,
+            )
+            .await
+            .map_err(not_ready)?;
+        return Ok(match reply {
+            Reply::Response {
+                status,
+                body,
+                receipt,
+                receipt_id,
+            } => {
+                let mut r = sealed_response(status, body);
+                attach_receipt(s, &mut r, receipt_id, receipt);
+                r
+            }
+            Reply::Failed(e) => match e.sealed_body {
+                Some(body) => sealed_response(e.status, body),
+                None => ApiError::from_stage(e.status, e.message).into_response(),
             },
-        })?;
-    Ok(embeddings::response(
-        &req,
-        &s.pipeline.model_id,
-        &out.vectors,
-        &out.tokens,
-    ))
+        });
+    }
+    // A plain OpenAI client: the gateway seals to the entry stage itself.
+    let key = &keys[0];
+    let aead = if key.supports(Aead::Aes128Gcm) {
+        Aead::Aes128Gcm
+    } else {
+        key.aeads[0]
+    };
+    let (sealed, body, client_key) = seal_request(key, aead, &bytes)
+        .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
+    let reply = s
+        .pipeline
+        .submit(
+            endpoint,
+            sealed,
+            body,
+            nonce,
+            Sealing::Plain,
+            s.limits.timeout,
+        )
+        .await
+        .map_err(not_ready)?;
+    let open = |body: &[u8]| {
+        open_response(&client_key, body)
+            .map_err(|e| ApiError::internal(format!("the stage's response does not open: {e}")))
+    };
+    Ok(match reply {
+        Reply::Response {
+            status,
+            body,
+            receipt,
+            receipt_id,
+        } => {
+            let mut r = json_response(status, open(&body)?);
+            attach_receipt(s, &mut r, receipt_id, receipt);
+            r
+        }
+        Reply::Failed(e) => match e.sealed_body {
+            Some(body) => json_response(e.status, open(&body)?),
+            None => ApiError::from_stage(e.status, e.message).into_response(),
+        },
+    })
+}
+
+fn status_of(code: u16) -> StatusCode {
+    StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+fn json_response(status: u16, body: Vec<u8>) -> Response {
+    (
+        status_of(status),
+        [(header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response()
+}
+
+fn sealed_response(status: u16, body: Vec<u8>) -> Response {
+    (
+        status_of(status),
+        [
+            (header::CONTENT_TYPE, "application/octet-stream"),
+            (header::HeaderName::from_static("hpke-sealed"), "response"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+fn attach_receipt(s: &AppState, r: &mut Response, id: [u8; 16], receipt: Vec<u8>) {
+    let h = r.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&hex::encode(id)) {
+        h.insert(HEADER_RECEIPT_ID, v);
+    }
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&receipt);
+    if b64.len() <= MAX_RECEIPT_HEADER {
+        if let Ok(v) = HeaderValue::from_str(&b64) {
+            h.insert(HEADER_RECEIPT, v);
+        }
+    }
+    s.receipts.insert(id, receipt);
 }

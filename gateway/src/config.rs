@@ -32,6 +32,9 @@ pub struct ServerConfig {
     /// Time a request may take before it gets 504.
     #[serde(default = "default_timeout")]
     pub request_timeout_secs: u64,
+    /// How many recent receipts `GET /v1/receipts/{id}` keeps.
+    #[serde(default = "default_receipt_retention")]
+    pub receipt_retention: usize,
 }
 
 /// How the gateway reaches the stages.
@@ -89,6 +92,9 @@ fn default_max_inputs() -> usize {
 }
 fn default_timeout() -> u64 {
     60
+}
+fn default_receipt_retention() -> usize {
+    10_000
 }
 fn default_threads() -> usize {
     1

@@ -4,10 +4,10 @@
 
 mod api;
 mod config;
-mod embeddings;
 mod launcher;
 mod openai_error;
 mod pipeline;
+mod receipts;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -156,9 +156,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         pipeline: pipeline.clone(),
         limits: api::ApiLimits {
             max_body_bytes: cfg.server.max_body_bytes,
-            max_inputs: cfg.server.max_inputs,
             timeout: Duration::from_secs(cfg.server.request_timeout_secs),
         },
+        receipts: std::sync::Arc::new(receipts::ReceiptStore::new(cfg.server.receipt_retention)),
     };
     let listener = tokio::net::TcpListener::bind(&cfg.server.listen)
         .await

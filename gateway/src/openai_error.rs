@@ -112,6 +112,33 @@ impl ApiError {
         }
     }
 
+    /// 400 for a sealed request to a key that is not (or no longer) published.
+    pub fn unknown_key(key_id: u8) -> Self {
+        Self {
+            param: Some("hpke-key-id"),
+            code: Some("hpke_key_unknown"),
+            ..Self::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                format!(
+                    "HPKE key id {key_id} is not a current key: fetch the current keys from \
+                     /.well-known/hpke-keys (or /v1/attestation) and seal again."
+                ),
+            )
+        }
+    }
+
+    /// A failure reported by a stage without a sealed body.
+    pub fn from_stage(status: u16, message: String) -> Self {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let kind = if status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        Self::new(status, kind, message)
+    }
+
     /// 500 for a failure inside the pipeline.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)

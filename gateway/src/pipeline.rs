@@ -1,19 +1,24 @@
 //! The pipeline orchestrator: attests every stage against the policy,
 //! builds the data path gateway → stage 0 → … → exit stage → gateway,
-//! dispatches requests and routes results back to their callers. When any
-//! stage channel breaks, pending requests fail with 503 and the pipeline is
-//! rebuilt as soon as the stages answer again.
+//! relays sealed requests and routes sealed responses back to their callers.
+//! When any stage channel breaks, pending requests fail with 503 and the
+//! pipeline is rebuilt as soon as the stages answer again.
+//!
+//! The gateway never sees plaintext on this path unless it sealed the request
+//! itself (plain OpenAI clients): it holds no key of the stages.
 
-use proto::attestation::{mock_measurement, EvidenceFormat, Measurement};
+use proto::attestation::{mock_measurement, verify_any, Evidence, EvidenceFormat, Measurement};
 use proto::channel::{
     self, ChannelError, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
 };
 use proto::digest::Sha256Digest;
 use proto::frames::{
-    BatchItem, ConfigureOutcome, EmbedRequest, ErrorKind, HostMessage, PipelineError, ResultMessage,
+    HostMessage, PipelineError, ResultMessage, SealedRequest, StageClaims, StageReply,
 };
 use proto::manifest::LoadedManifest;
 use proto::policy::Policy;
+use proto::receipt::{ReceiptId, Sealing};
+use proto::sealing::{KeyConfig, SealedHeaders};
 use proto::transport::{self, Endpoint};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,15 +33,6 @@ pub struct StageTarget {
     pub endpoint: Endpoint,
     /// Layers it must claim.
     pub layers: [u32; 2],
-}
-
-/// Embeddings of one request, in input order.
-#[derive(Debug)]
-pub struct EmbedOutput {
-    /// One vector per input.
-    pub vectors: Vec<Vec<f32>>,
-    /// Tokens per input, from the entry stage's tokenizer.
-    pub tokens: Vec<u32>,
 }
 
 /// Why connecting the pipeline failed.
@@ -57,25 +53,34 @@ impl ConnectError {
     }
 }
 
-/// Why a request failed.
+/// Why a request failed before any stage answered it.
 #[derive(Debug, Clone)]
 pub enum Failure {
     /// The pipeline is not ready (503).
     NotReady(String),
     /// The request took too long (504).
     Timeout,
-    /// A stage reported an error for this request.
-    Stage(PipelineError),
 }
 
-struct Pending {
-    vectors: Vec<Option<Vec<f32>>>,
-    tokens: Vec<u32>,
-    remaining: usize,
-    done: oneshot::Sender<Result<EmbedOutput, Failure>>,
+/// The exit stage's answer to a request.
+#[derive(Debug)]
+pub enum Reply {
+    /// A response sealed to the client, with its receipt.
+    Response {
+        /// HTTP status.
+        status: u16,
+        /// Sealed body.
+        body: Vec<u8>,
+        /// Signed receipt.
+        receipt: Vec<u8>,
+        /// Receipt id.
+        receipt_id: ReceiptId,
+    },
+    /// A stage refused or failed the request.
+    Failed(PipelineError),
 }
 
-/// Attestation summary of one connected stage.
+/// A connected, verified stage.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct StageStatus {
     /// Stage index.
@@ -88,16 +93,23 @@ pub struct StageStatus {
     pub measurement: String,
     /// Endpoint.
     pub endpoint: String,
+    /// Its claims (keys, layers, manifest), bound in its evidence.
+    #[serde(skip)]
+    pub claims: StageClaims,
+    /// Its boot evidence (receipt links name its digest).
+    #[serde(skip)]
+    pub boot_evidence: Evidence,
 }
 
 struct Connected {
-    entry: Arc<Mutex<ChannelSender>>,
-    /// Host channels to the other stages, held open while connected and
-    /// dropped (closing them) when the pipeline breaks.
-    _others: Vec<ChannelSender>,
+    /// Host channels, entry stage first; dropping them closes the channels.
+    senders: Vec<Arc<Mutex<ChannelSender>>>,
     stages: Vec<StageStatus>,
+    entry_keys: Vec<KeyConfig>,
     epoch: u64,
 }
+
+type AttestWaiters = HashMap<(usize, Vec<u8>), Vec<oneshot::Sender<Evidence>>>;
 
 /// The orchestrator.
 pub struct Pipeline {
@@ -106,13 +118,14 @@ pub struct Pipeline {
     local_measurement: Option<Measurement>,
     /// Model id from the manifest.
     pub model_id: String,
-    /// Width of the model's output vectors (from its verified `config.json`).
-    pub dimension: usize,
-    /// Manifest digest the stages must claim.
-    pub manifest_digest: Sha256Digest,
+    /// The model manifest.
+    pub manifest: LoadedManifest,
+    /// The manifest's exact bytes (served in the evidence bundle).
+    pub manifest_bytes: Vec<u8>,
     connected: StdMutex<Option<Connected>>,
     not_ready_reason: StdMutex<String>,
-    pending: StdMutex<HashMap<u64, Pending>>,
+    pending: StdMutex<HashMap<u64, oneshot::Sender<Reply>>>,
+    attest_waiters: StdMutex<AttestWaiters>,
     next_id: AtomicU64,
     epoch: AtomicU64,
     broken: Notify,
@@ -135,22 +148,17 @@ impl Pipeline {
             )),
             _ => None,
         };
-        let cfg_path = manifest.verified_path("config.json")?;
-        let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path)?)?;
-        let dimension = cfg["hidden_size"]
-            .as_u64()
-            .ok_or_else(|| anyhow::anyhow!("{}: no hidden_size", cfg_path.display()))?
-            as usize;
         Ok(Arc::new(Self {
-            dimension,
             targets: StdMutex::new(targets),
             policy,
             local_measurement,
             model_id: manifest.manifest.model_id.clone(),
-            manifest_digest: manifest.digest,
+            manifest: manifest.clone(),
+            manifest_bytes: manifest.bytes.clone(),
             connected: StdMutex::new(None),
             not_ready_reason: StdMutex::new("pipeline is starting".into()),
             pending: StdMutex::new(HashMap::new()),
+            attest_waiters: StdMutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             epoch: AtomicU64::new(0),
             broken: Notify::new(),
@@ -175,6 +183,14 @@ impl Pipeline {
     pub fn status(&self) -> Result<Vec<StageStatus>, String> {
         match &*self.connected.lock().unwrap() {
             Some(c) => Ok(c.stages.clone()),
+            None => Err(self.not_ready_reason.lock().unwrap().clone()),
+        }
+    }
+
+    /// The entry stage's published HPKE key configurations (enclave-held).
+    pub fn entry_keys(&self) -> Result<Vec<KeyConfig>, String> {
+        match &*self.connected.lock().unwrap() {
+            Some(c) => Ok(c.entry_keys.clone()),
             None => Err(self.not_ready_reason.lock().unwrap().clone()),
         }
     }
@@ -206,13 +222,18 @@ impl Pipeline {
             tx.send_msg(&HostMessage::Configure { next })
                 .await
                 .map_err(|e| ConnectError::unreachable(format!("stage {i}: {e}")))?;
-            match rx.recv_msg::<ConfigureOutcome>().await {
-                Ok(Some(ConfigureOutcome::Configured)) => {}
-                Ok(Some(ConfigureOutcome::Failed(why))) => {
+            let boot = match rx.recv_msg::<StageReply>().await {
+                Ok(Some(StageReply::Configured { boot_evidence })) => boot_evidence,
+                Ok(Some(StageReply::ConfigureFailed(why))) => {
                     return Err(ConnectError {
                         rejected: why.contains("not accepted"),
                         reason: format!("stage {i}: {why}"),
                     })
+                }
+                Ok(Some(_)) => {
+                    return Err(ConnectError::unreachable(format!(
+                        "stage {i} answered configuration with something else"
+                    )))
                 }
                 Ok(None) => {
                     return Err(ConnectError::unreachable(format!(
@@ -220,8 +241,13 @@ impl Pipeline {
                     )))
                 }
                 Err(e) => return Err(ConnectError::unreachable(format!("stage {i}: {e}"))),
-            }
+            };
             let doc = peer.document.as_ref().expect("stages are attested");
+            let claims = peer.claims.clone().expect("stages make claims");
+            check_boot_evidence(&boot, &claims, &doc.measurement).map_err(|why| ConnectError {
+                rejected: true,
+                reason: format!("stage {i}: boot evidence refused: {why}"),
+            })?;
             stages.push(StageStatus {
                 index: i as u32,
                 layers: t.layers,
@@ -231,27 +257,34 @@ impl Pipeline {
                 },
                 measurement: doc.measurement.pinned_form(),
                 endpoint: t.endpoint.to_string(),
+                claims,
+                boot_evidence: boot,
             });
             channels[i] = Some((tx, rx));
         }
         stages.reverse();
-        let mut entry = None;
-        let mut others = Vec::new();
+        let entry_keys =
+            KeyConfig::decode_list(&stages[0].claims.hpke_keys).map_err(|e| ConnectError {
+                rejected: true,
+                reason: format!("stage 0: its HPKE key configuration is unusable: {e}"),
+            })?;
+        if entry_keys.is_empty() {
+            return Err(ConnectError {
+                rejected: true,
+                reason: "stage 0 publishes no HPKE key".into(),
+            });
+        }
+        let mut senders = Vec::new();
         for (i, ch) in channels.into_iter().enumerate() {
             let (tx, rx) = ch.expect("every stage connected");
             let this = self.clone();
-            let exit = i + 1 == n;
-            tokio::spawn(async move { this.read_stage(i, rx, exit, epoch).await });
-            if i == 0 {
-                entry = Some(Arc::new(Mutex::new(tx)));
-            } else {
-                others.push(tx);
-            }
+            tokio::spawn(async move { this.read_stage(i, rx, epoch).await });
+            senders.push(Arc::new(Mutex::new(tx)));
         }
         *self.connected.lock().unwrap() = Some(Connected {
-            entry: entry.expect("at least one stage"),
-            _others: others,
+            senders,
             stages,
+            entry_keys,
             epoch,
         });
         Ok(())
@@ -282,42 +315,36 @@ impl Pipeline {
                 c.layer_start, c.layer_end, t.layers[0], t.layers[1]
             ));
         }
-        if c.manifest_sha256 != self.manifest_digest {
+        if c.manifest_sha256 != self.manifest.digest {
             return Err(format!(
                 "stage {index}: serves manifest {}, the gateway's is {}",
-                c.manifest_sha256, self.manifest_digest
+                c.manifest_sha256, self.manifest.digest
             ));
         }
         Ok(())
     }
 
-    async fn read_stage(
-        self: Arc<Self>,
-        index: usize,
-        mut rx: ChannelReceiver,
-        exit: bool,
-        epoch: u64,
-    ) {
-        loop {
-            if !exit {
-                // Non-exit stages send nothing after configuration; wait for close.
-                let r = rx.recv().await;
-                tracing::warn!(stage = index, result = ?r.map(|m| m.map(|b| b.len())), "stage channel closed");
-                break;
-            }
-            match rx.recv_msg::<ResultMessage>().await {
-                Ok(Some(m)) => self.on_result(m),
-                Ok(None) => {
-                    tracing::warn!(stage = index, "exit stage closed its channel");
-                    break;
+    async fn read_stage(self: Arc<Self>, index: usize, mut rx: ChannelReceiver, epoch: u64) {
+        let reason = loop {
+            match rx.recv_msg::<StageReply>().await {
+                Ok(Some(StageReply::Result(m))) => self.on_result(m),
+                Ok(Some(StageReply::Evidence { nonce, evidence })) => {
+                    let waiters = self.attest_waiters.lock().unwrap().remove(&(index, nonce));
+                    for w in waiters.into_iter().flatten() {
+                        let _ = w.send(evidence.clone());
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(stage = index, error = %e, "exit stage channel failed");
-                    break;
+                Ok(Some(StageReply::DownstreamLost(why))) => {
+                    break format!("stage {index} lost its next stage: {why}")
                 }
+                Ok(Some(other)) => {
+                    break format!("stage {index} sent an unexpected message: {other:?}")
+                }
+                Ok(None) => break format!("stage {index} disconnected"),
+                Err(e) => break format!("stage {index} channel failed: {e}"),
             }
-        }
-        self.mark_broken(epoch, format!("stage {index} disconnected"));
+        };
+        self.mark_broken(epoch, reason);
     }
 
     fn mark_broken(&self, epoch: u64, reason: String) {
@@ -329,114 +356,127 @@ impl Pipeline {
             *c = None;
         }
         *self.not_ready_reason.lock().unwrap() = reason.clone();
-        let drained: Vec<Pending> = self
-            .pending
-            .lock()
-            .unwrap()
-            .drain()
-            .map(|(_, p)| p)
-            .collect();
-        tracing::warn!(reason = %reason, failed_requests = drained.len(), "pipeline broken");
-        for p in drained {
-            let _ = p.done.send(Err(Failure::NotReady(reason.clone())));
-        }
+        // Dropping the waiters' senders fails every pending request with 503.
+        let failed = self.pending.lock().unwrap().drain().count();
+        self.attest_waiters.lock().unwrap().clear();
+        tracing::warn!(reason = %reason, failed_requests = failed, "pipeline broken");
         self.broken.notify_one();
     }
 
     fn on_result(&self, m: ResultMessage) {
-        match m {
-            ResultMessage::Embeddings {
+        let (request_id, reply) = match m {
+            ResultMessage::Response {
                 request_id,
-                items,
-                vectors,
-                ..
-            } => {
-                let mut pending = self.pending.lock().unwrap();
-                let Some(p) = pending.get_mut(&request_id) else {
-                    tracing::debug!(
-                        request_id,
-                        "result for a request no longer waiting; dropped"
-                    );
-                    return;
-                };
-                let values = match vectors.to_f32() {
-                    Ok(v) => v,
-                    Err(e) => {
-                        let p = pending.remove(&request_id).expect("present");
-                        let _ = p.done.send(Err(Failure::Stage(internal(format!(
-                            "bad result frame: {e}"
-                        )))));
-                        return;
-                    }
-                };
-                let dim = if items.is_empty() {
-                    0
-                } else {
-                    values.len() / items.len()
-                };
-                if !fill(p, &items, &values, dim) {
-                    let p = pending.remove(&request_id).expect("present");
-                    let _ = p.done.send(Err(Failure::Stage(internal(
-                        "inconsistent result frame".into(),
-                    ))));
-                    return;
-                }
-                if p.remaining == 0 {
-                    let p = pending.remove(&request_id).expect("present");
-                    let out = EmbedOutput {
-                        vectors: p.vectors.into_iter().map(|v| v.expect("filled")).collect(),
-                        tokens: p.tokens,
-                    };
-                    let _ = p.done.send(Ok(out));
-                }
+                status,
+                body,
+                receipt,
+                receipt_id,
+            } => (
+                request_id,
+                Reply::Response {
+                    status,
+                    body,
+                    receipt,
+                    receipt_id,
+                },
+            ),
+            ResultMessage::Failed { request_id, error } => (request_id, Reply::Failed(error)),
+        };
+        match self.pending.lock().unwrap().remove(&request_id) {
+            Some(w) => {
+                let _ = w.send(reply);
             }
-            ResultMessage::Failed { request_id, error } => {
-                if let Some(p) = self.pending.lock().unwrap().remove(&request_id) {
-                    let _ = p.done.send(Err(Failure::Stage(error)));
-                }
-            }
+            None => tracing::debug!(
+                request_id,
+                "answer for a request no longer waiting; dropped"
+            ),
         }
     }
 
-    /// Embeds `inputs` through the pipeline.
-    pub async fn embed(
+    /// Relays a sealed request to the entry stage and waits for its answer.
+    pub async fn submit(
         &self,
-        inputs: Vec<String>,
+        endpoint: &str,
+        headers: SealedHeaders,
+        body: Vec<u8>,
+        client_nonce: Option<Vec<u8>>,
+        sealing: Sealing,
         timeout: Duration,
-    ) -> Result<EmbedOutput, Failure> {
-        let entry = match &*self.connected.lock().unwrap() {
-            Some(c) => c.entry.clone(),
-            None => {
-                return Err(Failure::NotReady(
-                    self.not_ready_reason.lock().unwrap().clone(),
-                ))
-            }
-        };
+    ) -> Result<Reply, Failure> {
+        let entry = self.sender(0)?;
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let n = inputs.len();
         let (done, wait) = oneshot::channel();
-        self.pending.lock().unwrap().insert(
-            request_id,
-            Pending {
-                vectors: vec![None; n],
-                tokens: vec![0; n],
-                remaining: n,
-                done,
-            },
-        );
+        self.pending.lock().unwrap().insert(request_id, done);
         let _guard = PendingGuard {
             pipeline: self,
             request_id,
         };
-        let msg = HostMessage::Embed(EmbedRequest { request_id, inputs });
+        let msg = HostMessage::Request(SealedRequest {
+            request_id,
+            endpoint: endpoint.to_string(),
+            headers,
+            body,
+            client_nonce,
+            sealing,
+        });
         if let Err(e) = entry.lock().await.send_msg(&msg).await {
             return Err(Failure::NotReady(format!("entry stage channel: {e}")));
         }
         match tokio::time::timeout(timeout, wait).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(Failure::NotReady("pipeline dropped the request".into())),
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(_)) => Err(Failure::NotReady(
+                self.not_ready_reason.lock().unwrap().clone(),
+            )),
             Err(_) => Err(Failure::Timeout),
         }
+    }
+
+    fn sender(&self, index: usize) -> Result<Arc<Mutex<ChannelSender>>, Failure> {
+        match &*self.connected.lock().unwrap() {
+            Some(c) => Ok(c.senders[index].clone()),
+            None => Err(Failure::NotReady(
+                self.not_ready_reason.lock().unwrap().clone(),
+            )),
+        }
+    }
+
+    /// Fresh evidence of every stage bound to `nonce`, with each stage's status.
+    pub async fn attest(
+        &self,
+        nonce: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<(StageStatus, Evidence)>, Failure> {
+        let stages = self.status().map_err(Failure::NotReady)?;
+        let mut waits = Vec::new();
+        for s in &stages {
+            let i = s.index as usize;
+            let (tx, rx) = oneshot::channel();
+            self.attest_waiters
+                .lock()
+                .unwrap()
+                .entry((i, nonce.to_vec()))
+                .or_default()
+                .push(tx);
+            let sender = self.sender(i)?;
+            let msg = HostMessage::Attest {
+                nonce: nonce.to_vec(),
+            };
+            if let Err(e) = sender.lock().await.send_msg(&msg).await {
+                return Err(Failure::NotReady(format!("stage {i}: {e}")));
+            }
+            waits.push(rx);
+        }
+        let mut out = Vec::new();
+        for (s, w) in stages.into_iter().zip(waits) {
+            match tokio::time::timeout(timeout, w).await {
+                Ok(Ok(ev)) => out.push((s, ev)),
+                Ok(Err(_)) => {
+                    return Err(Failure::NotReady("pipeline broke while attesting".into()))
+                }
+                Err(_) => return Err(Failure::Timeout),
+            }
+        }
+        Ok(out)
     }
 
     /// After the first connection: waits for a break, then reconnects until
@@ -465,7 +505,7 @@ impl Pipeline {
         }
     }
 
-    /// Logs what was verified (called once the pipeline is up).
+    /// Logs what was verified (called whenever the pipeline comes up).
     pub fn log_verified(&self) {
         let st = self.status().unwrap_or_default();
         for s in &st {
@@ -483,6 +523,27 @@ impl Pipeline {
     }
 }
 
+/// Checks that a stage's boot evidence verifies, binds its receipt key and
+/// the same claims as its channel evidence, and has the same measurement.
+pub fn check_boot_evidence(
+    boot: &Evidence,
+    claims: &StageClaims,
+    measurement: &Measurement,
+) -> Result<(), String> {
+    let doc = verify_any(boot).map_err(|e| e.to_string())?;
+    if &doc.measurement != measurement {
+        return Err("its measurement differs from the channel evidence".into());
+    }
+    if doc.public_key != claims.receipt_key {
+        return Err("it is not bound to the stage's receipt key".into());
+    }
+    let bound: StageClaims = proto::cbor::from_slice(&doc.user_data)?;
+    if &bound != claims {
+        return Err("its claims differ from the channel evidence".into());
+    }
+    Ok(())
+}
+
 /// Removes a request's pending entry when its caller stops waiting.
 struct PendingGuard<'a> {
     pipeline: &'a Pipeline,
@@ -497,29 +558,4 @@ impl Drop for PendingGuard<'_> {
             .unwrap()
             .remove(&self.request_id);
     }
-}
-
-fn internal(message: String) -> PipelineError {
-    PipelineError {
-        kind: ErrorKind::Internal,
-        message,
-    }
-}
-
-fn fill(p: &mut Pending, items: &[BatchItem], values: &[f32], dim: usize) -> bool {
-    if dim == 0 || values.len() != dim * items.len() {
-        return false;
-    }
-    for (row, item) in items.iter().enumerate() {
-        let Some(slot) = p.vectors.get_mut(item.index as usize) else {
-            return false;
-        };
-        if slot.is_some() {
-            return false;
-        }
-        *slot = Some(values[row * dim..(row + 1) * dim].to_vec());
-        p.tokens[item.index as usize] = item.tokens;
-        p.remaining -= 1;
-    }
-    true
 }

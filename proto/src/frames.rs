@@ -10,7 +10,11 @@
 //! belongs to, so a failure is always attributed to exactly the requests it
 //! touched.
 
+use crate::attestation::Evidence;
 use crate::digest::Sha256Digest;
+use crate::openai::EmbeddingsRequest;
+use crate::receipt::{ReceiptId, Sealing};
+use crate::sealing::{ResponseKeyMaterial, SealedHeaders};
 use crate::tensor::TensorFrame;
 use serde::{Deserialize, Serialize};
 
@@ -30,6 +34,13 @@ pub struct StageClaims {
     pub model_id: String,
     /// Digest of the model manifest the stage loaded.
     pub manifest_sha256: Sha256Digest,
+    /// The stage's Ed25519 receipt-signing public key.
+    #[serde(with = "serde_bytes")]
+    pub receipt_key: [u8; 32],
+    /// The entry stage's HPKE key configurations (RFC 9458 list format);
+    /// empty for other stages.
+    #[serde(with = "serde_bytes")]
+    pub hpke_keys: Vec<u8>,
 }
 
 impl StageClaims {
@@ -44,19 +55,25 @@ impl StageClaims {
 pub struct PipelineError {
     /// Class of failure.
     pub kind: ErrorKind,
+    /// HTTP status the client gets.
+    pub status: u16,
     /// Human-readable reason (never contains request content).
     pub message: String,
+    /// The OpenAI error body sealed to the client's response key, when the
+    /// entry stage could open the request (so the host cannot read it).
+    #[serde(with = "serde_bytes")]
+    pub sealed_body: Option<Vec<u8>>,
 }
 
-/// Class of a pipeline failure; decides the HTTP status the gateway returns.
+/// Class of a pipeline failure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ErrorKind {
-    /// The request's input is unusable (400).
+    /// The request's input is unusable (4xx).
     BadInput,
+    /// The sealed body could not be opened or its key is unknown (4xx).
+    Sealing,
     /// The stage failed on this request (500).
     Internal,
-    /// The stage is out of capacity (503).
-    Overloaded,
 }
 
 /// Gateway → stage.
@@ -69,26 +86,59 @@ pub enum HostMessage {
         /// Next stage's endpoint, as `tcp://host:port`.
         next: Option<String>,
     },
-    /// An embedding request for the entry stage.
-    Embed(EmbedRequest),
+    /// A sealed API request for the entry stage.
+    Request(SealedRequest),
+    /// Asks for fresh evidence bound to a verifier's nonce.
+    Attest {
+        /// The verifier's nonce (at most 64 bytes).
+        #[serde(with = "serde_bytes")]
+        nonce: Vec<u8>,
+    },
 }
 
-/// An embeddings request as stage 0 receives it.
+/// An API request as the entry stage receives it: always HPKE-sealed (by the
+/// client, or by the gateway for plain OpenAI clients).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EmbedRequest {
+pub struct SealedRequest {
     /// Gateway-assigned request id.
     pub request_id: u64,
-    /// The texts to embed.
-    pub inputs: Vec<String>,
+    /// The API path (`/v1/embeddings`).
+    pub endpoint: String,
+    /// Key id, AEAD and encapsulated key from the request headers.
+    pub headers: SealedHeaders,
+    /// The sealed body (chunk framing of [`crate::sealing`]).
+    #[serde(with = "serde_bytes")]
+    pub body: Vec<u8>,
+    /// The client's receipt nonce, if it sent one.
+    #[serde(with = "serde_bytes")]
+    pub client_nonce: Option<Vec<u8>>,
+    /// Who sealed the body, as the gateway reports it (recorded in the receipt).
+    pub sealing: Sealing,
 }
 
-/// Stage → gateway on the host channel, in answer to `Configure`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ConfigureOutcome {
-    /// Downstream is connected and attested (or this is the exit stage).
-    Configured,
+/// Stage → gateway on the host channel.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum StageReply {
+    /// Configuration done; carries the stage's boot evidence (bound to its
+    /// receipt key and claims, empty nonce), which receipts refer to.
+    Configured {
+        /// The boot evidence.
+        boot_evidence: Evidence,
+    },
     /// Configuration failed; the reason names the peer and check.
-    Failed(String),
+    ConfigureFailed(String),
+    /// Fresh evidence for an `Attest` request.
+    Evidence {
+        /// The nonce it binds.
+        #[serde(with = "serde_bytes")]
+        nonce: Vec<u8>,
+        /// The document.
+        evidence: Evidence,
+    },
+    /// A finished or failed request (exit stage).
+    Result(ResultMessage),
+    /// The next stage was lost; the pipeline must be rebuilt.
+    DownstreamLost(String),
 }
 
 /// One sequence's place in a micro-batch.
@@ -115,11 +165,46 @@ pub struct ActivationBatch {
     pub mask: TensorFrame,
 }
 
+/// What later stages need to know about a request; sent by the entry stage
+/// ahead of the request's activations, inside the attested channel.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RequestContext {
+    /// Gateway-assigned request id.
+    pub request_id: u64,
+    /// The receipt id chosen by the entry stage.
+    pub receipt_id: ReceiptId,
+    /// The API path.
+    pub endpoint: String,
+    /// The validated request with `inputs` emptied (texts stay in stage 0).
+    pub request: EmbeddingsRequest,
+    /// Number of inputs.
+    pub n_inputs: u32,
+    /// SHA-256 of the exact plaintext request bytes.
+    pub request_digest: Sha256Digest,
+    /// The client's receipt nonce.
+    #[serde(with = "serde_bytes")]
+    pub client_nonce: Option<Vec<u8>>,
+    /// Who sealed the request.
+    pub sealing: Sealing,
+    /// Key material that seals the response to the client.
+    pub response_key: ResponseKeyMaterial,
+}
+
 /// Stage → next stage.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ActivationMessage {
+    /// A request begins (precedes its micro-batches).
+    Begin(Box<RequestContext>),
     /// A micro-batch to continue.
     Batch(ActivationBatch),
+    /// The sending stage's signed receipt links for a request (all earlier
+    /// stages' links, its own last), after its last micro-batch.
+    Links {
+        /// The request.
+        request_id: u64,
+        /// COSE_Sign1 links in stage order.
+        links: Vec<serde_bytes::ByteBuf>,
+    },
     /// A request failed upstream; pass it on.
     Failed {
         /// The request.
@@ -132,16 +217,20 @@ pub enum ActivationMessage {
 /// Exit stage → gateway.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ResultMessage {
-    /// Finished embeddings of (part of) one request.
-    Embeddings {
+    /// The finished response, sealed to the client, with its receipt.
+    Response {
         /// The request.
         request_id: u64,
-        /// Micro-batch they came from.
-        micro_batch_id: u64,
-        /// Which inputs, in row order of `vectors`.
-        items: Vec<BatchItem>,
-        /// `[items, dim]`, f32, L2-normalised.
-        vectors: TensorFrame,
+        /// HTTP status.
+        status: u16,
+        /// The response body sealed to the client's response key.
+        #[serde(with = "serde_bytes")]
+        body: Vec<u8>,
+        /// The signed receipt (COSE_Sign1).
+        #[serde(with = "serde_bytes")]
+        receipt: Vec<u8>,
+        /// Its id.
+        receipt_id: ReceiptId,
     },
     /// A request failed somewhere in the pipeline.
     Failed {

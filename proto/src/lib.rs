@@ -8,11 +8,13 @@
 //! responses ([`sealing`]) and signed receipts ([`receipt`]).
 
 pub mod attestation;
+pub mod bundle;
 pub mod cbor;
 pub mod channel;
 pub mod digest;
 pub mod frames;
 pub mod manifest;
+pub mod openai;
 pub mod policy;
 pub mod receipt;
 pub mod sealing;

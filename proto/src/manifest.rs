@@ -44,6 +44,8 @@ pub struct LoadedManifest {
     pub manifest: ModelManifest,
     /// SHA-256 of the manifest file's exact bytes.
     pub digest: Sha256Digest,
+    /// The manifest file's exact bytes.
+    pub bytes: Vec<u8>,
     /// The model folder (the manifest's parent).
     pub dir: PathBuf,
 }
@@ -104,6 +106,7 @@ impl LoadedManifest {
         Ok(Self {
             manifest,
             digest: Sha256Digest::of(&bytes),
+            bytes,
             dir: dir.to_path_buf(),
         })
     }

@@ -202,6 +202,8 @@ mod tests {
             layer_end: end,
             model_id: "m".into(),
             manifest_sha256: Sha256Digest::of(b"manifest"),
+            receipt_key: [7; 32],
+            hpke_keys: Vec::new(),
         }
     }
 

@@ -453,13 +453,14 @@ pub fn request_info(key_id: u8, aead: Aead) -> Vec<u8> {
 }
 
 /// The sealing parameters that travel in HTTP headers.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SealedHeaders {
     /// Id of the key the body is sealed to ([`HEADER_KEY_ID`]).
     pub key_id: u8,
     /// AEAD of the chunks ([`HEADER_AEAD`]).
     pub aead: Aead,
     /// The HPKE encapsulated key ([`HEADER_ENCAPSULATED_KEY`]).
+    #[serde(with = "serde_bytes")]
     pub enc: [u8; KEY_LEN],
 }
 

@@ -55,6 +55,8 @@ fn claims(index: u32) -> StageClaims {
         layer_end: index * 4 + 4,
         model_id: "test-model".into(),
         manifest_sha256: Sha256Digest::of(b"test manifest"),
+        receipt_key: [7; 32],
+        hpke_keys: Vec::new(),
     }
 }
 

@@ -1,12 +1,75 @@
-//! `POST /v1/embeddings`: request validation and response shaping, kept free
-//! of I/O so that every rule is unit-tested.
+//! The OpenAI API's wire format as the entry and exit stages speak it:
+//! request validation, response bodies and error bodies. It lives in
+//! `proto` because the stages, not the host, read the (sealed) requests and
+//! write the (sealed) responses. Kept free of I/O so every rule is unit-tested.
 
-use crate::openai_error::ApiError;
 use base64::Engine as _;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+/// An OpenAI-shaped error: HTTP status plus
+/// `{"error":{"message","type","param","code"}}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: u16,
+    /// Human-readable message (never echoes request content).
+    pub message: String,
+    /// OpenAI error type (`invalid_request_error`, `server_error`).
+    pub kind: String,
+    /// The offending parameter, if any.
+    pub param: Option<String>,
+    /// Machine-readable code, if any.
+    pub code: Option<String>,
+}
+
+impl ApiError {
+    /// 400 for a malformed or unsupported request.
+    pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
+        Self {
+            status: 400,
+            message: message.into(),
+            kind: "invalid_request_error".into(),
+            param: param.map(str::to_string),
+            code: None,
+        }
+    }
+
+    /// 404 for an unknown model.
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            status: 404,
+            message: format!("The model `{model}` does not exist or you do not have access to it."),
+            kind: "invalid_request_error".into(),
+            param: Some("model".into()),
+            code: Some("model_not_found".into()),
+        }
+    }
+
+    /// 500 for a failure inside the pipeline.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: 500,
+            message: message.into(),
+            kind: "server_error".into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+
+    /// The JSON body as bytes.
+    pub fn body_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(&self.body()).expect("JSON of a JSON value")
+    }
+}
+
 /// How vectors are encoded in the response.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Encoding {
     /// JSON float arrays.
     Float,
@@ -15,7 +78,7 @@ pub enum Encoding {
 }
 
 /// A validated embeddings request.
-#[derive(Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EmbeddingsRequest {
     /// The model asked for.
     pub model: String,
@@ -32,7 +95,7 @@ const TOKEN_IDS: &str = "Token-id arrays are not supported as `input`: send the 
 set `check_embedding_ctx_length=False` (and `tiktoken_enabled=False`) to send text.";
 
 /// Parses and validates a request body.
-pub fn parse(
+pub fn parse_embeddings(
     body: &[u8],
     max_inputs: usize,
     native_dim: usize,
@@ -166,7 +229,7 @@ pub fn shorten(v: &[f32], dims: usize) -> Vec<f32> {
 }
 
 /// Builds the response body.
-pub fn response(
+pub fn embeddings_response(
     req: &EmbeddingsRequest,
     model: &str,
     vectors: &[Vec<f32>],
@@ -202,16 +265,15 @@ pub fn response(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::http::StatusCode;
 
     fn p(body: &str) -> Result<EmbeddingsRequest, ApiError> {
-        parse(body.as_bytes(), 4, 384)
+        parse_embeddings(body.as_bytes(), 4, 384)
     }
 
     fn param_of(body: &str) -> Option<&'static str> {
         let e = p(body).unwrap_err();
-        assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
-        e.param
+        assert_eq!(e.status, 400, "{body}");
+        e.param.map(|p| &*Box::leak(p.into_boxed_str()))
     }
 
     #[test]
@@ -280,7 +342,7 @@ mod tests {
             encoding: Encoding::Base64,
             dimensions: Some(2),
         };
-        let body = response(&req, "m", &[vec![3.0, 4.0, 12.0]], &[5]);
+        let body = embeddings_response(&req, "m", &[vec![3.0, 4.0, 12.0]], &[5]);
         let b64 = body["data"][0]["embedding"].as_str().unwrap();
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(b64)

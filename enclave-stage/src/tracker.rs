@@ -1,0 +1,255 @@
+//! Per-request bookkeeping in a stage: which rows of a request have passed,
+//! the digests of what the stage received and sent for it, the receipt links
+//! of earlier stages, and, once the request is complete here, this stage's
+//! signed link (and at the exit stage the response, its receipt and its
+//! sealing to the client).
+//!
+//! Row digests make "what a stage received and sent for this request"
+//! well defined although micro-batches mix requests: each row's digest
+//! covers its input index, token count and the unpadded bytes of its hidden
+//! states exactly as they travel; a request's digest combines its rows in
+//! index order. Stage *i*'s sent digest therefore equals stage *i+1*'s
+//! received digest when nothing was changed in between.
+
+use crate::keys::StageKeys;
+use proto::digest::Sha256Digest;
+use proto::frames::{
+    ActivationMessage, BatchItem, ErrorKind, PipelineError, RequestContext, ResultMessage,
+    StageClaims,
+};
+use proto::openai::{embeddings_response, ApiError};
+use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody};
+use proto::sealing::seal_response;
+use proto::tensor::TensorFrame;
+use std::collections::HashMap;
+
+/// Digest of one row of a `[batch, seq, hidden]` f32 frame: index, token
+/// count and the first `tokens` positions of the row.
+pub fn row_digest(frame: &TensorFrame, row: usize, item: &BatchItem) -> Option<Sha256Digest> {
+    let d = frame.dims();
+    if d.len() != 3 || row >= d[0] || item.tokens as usize > d[1] {
+        return None;
+    }
+    let start = row * d[1] * d[2] * 4;
+    let len = item.tokens as usize * d[2] * 4;
+    let bytes = frame.data.get(start..start + len)?;
+    Some(Sha256Digest::of_parts(
+        "row/v1",
+        &[&item.index.to_be_bytes(), &item.tokens.to_be_bytes(), bytes],
+    ))
+}
+
+fn combine(rows: &[Option<Sha256Digest>]) -> Option<Sha256Digest> {
+    let parts: Option<Vec<[u8; 32]>> = rows.iter().map(|r| r.map(|d| d.0)).collect();
+    let parts = parts?;
+    let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+    Some(Sha256Digest::of_parts("rows/v1", &refs))
+}
+
+struct Request {
+    ctx: RequestContext,
+    remaining: u32,
+    received: Vec<Option<Sha256Digest>>,
+    sent: Vec<Option<Sha256Digest>>,
+    vectors: Vec<Option<Vec<f32>>>,
+    tokens: Vec<u32>,
+    upstream_links: Option<Vec<Vec<u8>>>,
+}
+
+/// What a finished request produces.
+pub enum Finished {
+    /// Links to send to the next stage.
+    Links(ActivationMessage),
+    /// The sealed response and receipt for the gateway.
+    Response(ResultMessage),
+}
+
+/// All requests in flight in this stage.
+pub struct Tracker {
+    requests: HashMap<u64, Request>,
+    claims: StageClaims,
+}
+
+impl Tracker {
+    /// A tracker for a stage with these claims.
+    pub fn new(claims: StageClaims) -> Self {
+        Self {
+            requests: HashMap::new(),
+            claims,
+        }
+    }
+
+    fn is_entry(&self) -> bool {
+        self.claims.stage_index == 0
+    }
+
+    /// Starts tracking a request.
+    pub fn begin(&mut self, ctx: RequestContext) {
+        let n = ctx.n_inputs as usize;
+        let entry = self.is_entry();
+        self.requests.insert(
+            ctx.request_id,
+            Request {
+                ctx,
+                remaining: n as u32,
+                received: vec![None; n],
+                sent: vec![None; n],
+                vectors: vec![None; n],
+                tokens: vec![0; n],
+                upstream_links: entry.then(Vec::new),
+            },
+        );
+    }
+
+    /// Whether a request is being tracked (rows of failed requests are ignored).
+    pub fn knows(&self, request_id: u64) -> bool {
+        self.requests.contains_key(&request_id)
+    }
+
+    /// Records the digest of a received row (stages after the first).
+    pub fn received_row(&mut self, item: &BatchItem, digest: Option<Sha256Digest>) {
+        if let Some(r) = self.requests.get_mut(&item.request_id) {
+            if let Some(slot) = r.received.get_mut(item.index as usize) {
+                *slot = digest;
+            }
+        }
+    }
+
+    /// Records a row this stage finished: the digest of what it sends on, or
+    /// (exit stage) the pooled vector.
+    pub fn finished_row(
+        &mut self,
+        item: &BatchItem,
+        sent: Option<Sha256Digest>,
+        vector: Option<Vec<f32>>,
+    ) {
+        if let Some(r) = self.requests.get_mut(&item.request_id) {
+            let i = item.index as usize;
+            if i < r.sent.len() && r.sent[i].is_none() && r.vectors[i].is_none() {
+                r.sent[i] = sent;
+                r.vectors[i] = vector;
+                r.tokens[i] = item.tokens;
+                r.remaining = r.remaining.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Records the earlier stages' links.
+    pub fn upstream_links(&mut self, request_id: u64, links: Vec<Vec<u8>>) {
+        if let Some(r) = self.requests.get_mut(&request_id) {
+            r.upstream_links = Some(links);
+        }
+    }
+
+    /// Stops tracking a failed request; returns the failure to send on,
+    /// with the error body sealed to the client when its key is known.
+    pub fn fail(&mut self, request_id: u64, kind: ErrorKind, message: String) -> PipelineError {
+        let api = ApiError::internal(message.clone());
+        let sealed_body = self
+            .requests
+            .remove(&request_id)
+            .and_then(|r| seal_response(&r.ctx.response_key, &api.body_bytes()).ok());
+        PipelineError {
+            kind,
+            status: api.status,
+            message,
+            sealed_body,
+        }
+    }
+
+    /// Forgets a request that failed upstream.
+    pub fn forget(&mut self, request_id: u64) {
+        self.requests.remove(&request_id);
+    }
+
+    /// If the request is complete in this stage, signs this stage's link and
+    /// returns what to send on.
+    pub fn try_finish(
+        &mut self,
+        request_id: u64,
+        keys: &StageKeys,
+        issued_at_ms: u64,
+    ) -> Option<Result<Finished, PipelineError>> {
+        let r = self.requests.get(&request_id)?;
+        if r.remaining > 0 || r.upstream_links.is_none() {
+            return None;
+        }
+        let r = self.requests.remove(&request_id)?;
+        Some(self.finish(r, keys, issued_at_ms))
+    }
+
+    fn finish(
+        &self,
+        r: Request,
+        keys: &StageKeys,
+        issued_at_ms: u64,
+    ) -> Result<Finished, PipelineError> {
+        let fail = |m: &str| PipelineError {
+            kind: ErrorKind::Internal,
+            status: 500,
+            message: m.to_string(),
+            sealed_body: seal_response(&r.ctx.response_key, &ApiError::internal(m).body_bytes())
+                .ok(),
+        };
+        let upstream = r.upstream_links.clone().unwrap_or_default();
+        let received = if self.is_entry() {
+            r.ctx.request_digest
+        } else {
+            combine(&r.received).ok_or_else(|| fail("a received row is missing its digest"))?
+        };
+        let c = &self.claims;
+        let mut link = Link {
+            receipt_id: r.ctx.receipt_id,
+            stage_index: c.stage_index,
+            layers: [c.layer_start, c.layer_end],
+            evidence_digest: keys.evidence_digest,
+            received_digest: received,
+            sent_digest: received,
+            prev_link_digest: upstream.last().map(|l| link_digest(l)),
+        };
+        if !c.is_exit() {
+            link.sent_digest =
+                combine(&r.sent).ok_or_else(|| fail("a sent row is missing its digest"))?;
+            let mut links = upstream;
+            links.push(sign_link(&keys.receipt, &link));
+            return Ok(Finished::Links(ActivationMessage::Links {
+                request_id: r.ctx.request_id,
+                links: links.into_iter().map(serde_bytes::ByteBuf::from).collect(),
+            }));
+        }
+        let vectors: Option<Vec<Vec<f32>>> = r.vectors.into_iter().collect();
+        let vectors = vectors.ok_or_else(|| fail("a row is missing its vector"))?;
+        let body = embeddings_response(&r.ctx.request, &c.model_id, &vectors, &r.tokens);
+        let body = serde_json::to_vec(&body).map_err(|_| fail("response encoding failed"))?;
+        let response_digest = Sha256Digest::of(&body);
+        link.sent_digest = response_digest;
+        let mut chain = upstream;
+        chain.push(sign_link(&keys.receipt, &link));
+        let receipt = sign_receipt(
+            &keys.receipt,
+            &ReceiptBody {
+                receipt_id: r.ctx.receipt_id,
+                issued_at_ms,
+                endpoint: r.ctx.endpoint.clone(),
+                model_id: c.model_id.clone(),
+                manifest_digest: c.manifest_sha256,
+                request_digest: r.ctx.request_digest,
+                response_digest,
+                client_nonce: r.ctx.client_nonce.clone(),
+                sequence: keys.next_sequence(),
+                mock: keys.mock,
+                sealing: r.ctx.sealing,
+                chain,
+            },
+        );
+        let sealed = seal_response(&r.ctx.response_key, &body)
+            .map_err(|_| fail("sealing the response failed"))?;
+        Ok(Finished::Response(ResultMessage::Response {
+            request_id: r.ctx.request_id,
+            status: 200,
+            body: sealed,
+            receipt,
+            receipt_id: r.ctx.receipt_id,
+        }))
+    }
+}

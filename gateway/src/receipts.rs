@@ -1,0 +1,59 @@
+//! Bounded retention of receipts for `GET /v1/receipts/{id}`: the newest
+//! `capacity` receipts are kept; older ones are dropped first.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+/// The receipt store.
+pub struct ReceiptStore {
+    capacity: usize,
+    inner: Mutex<(HashMap<[u8; 16], Vec<u8>>, VecDeque<[u8; 16]>)>,
+}
+
+impl ReceiptStore {
+    /// A store keeping at most `capacity` receipts (0 keeps none).
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            inner: Mutex::new((HashMap::new(), VecDeque::new())),
+        }
+    }
+
+    /// Keeps a receipt.
+    pub fn insert(&self, id: [u8; 16], receipt: Vec<u8>) {
+        if self.capacity == 0 {
+            return;
+        }
+        let mut g = self.inner.lock().unwrap();
+        let (map, order) = &mut *g;
+        if map.insert(id, receipt).is_none() {
+            order.push_back(id);
+        }
+        while order.len() > self.capacity {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+    }
+
+    /// A kept receipt.
+    pub fn get(&self, id: &[u8; 16]) -> Option<Vec<u8>> {
+        self.inner.lock().unwrap().0.get(id).cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeps_the_newest() {
+        let s = ReceiptStore::new(2);
+        s.insert([1; 16], vec![1]);
+        s.insert([2; 16], vec![2]);
+        s.insert([3; 16], vec![3]);
+        assert_eq!(s.get(&[1; 16]), None);
+        assert_eq!(s.get(&[3; 16]), Some(vec![3]));
+        assert_eq!(ReceiptStore::new(0).get(&[1; 16]), None);
+    }
+}

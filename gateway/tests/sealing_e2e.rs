@@ -1,0 +1,265 @@
+//! End to end: sealed requests (client HPKE to the enclave key), receipts
+//! from the real stages verified offline against a verified evidence bundle.
+
+mod common;
+
+use base64::Engine as _;
+use common::*;
+use proto::bundle::EvidenceBundle;
+use proto::policy::Policy;
+use proto::receipt::{verify_receipt, VerifyInputs};
+use proto::sealing::{open_response, seal_request, Aead, KeyConfig};
+use serde_json::json;
+
+const MODEL: &str = "all-MiniLM-L6-v2";
+
+/// A client's policy: the measurements the gateway reports, pinned, mock allowed.
+async fn client_policy(url: &str) -> Policy {
+    let ready: serde_json::Value = client()
+        .get(format!("{url}/readyz"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut text = String::from("allow_mock = true\n");
+    for s in ready["stages"].as_array().unwrap() {
+        text += &format!(
+            "[[stages]]\nindex = {}\nlayers = [{}, {}]\nmeasurements = [\"{}\"]\n",
+            s["index"],
+            s["layers"][0],
+            s["layers"][1],
+            s["measurement"].as_str().unwrap()
+        );
+    }
+    Policy::from_toml(&text).unwrap()
+}
+
+async fn bundle(url: &str, nonce: &[u8]) -> EvidenceBundle {
+    let r = client()
+        .get(format!("{url}/v1/attestation?nonce={}", hex::encode(nonce)))
+        .header("accept", "application/cbor")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    proto::cbor::from_slice(&r.bytes().await.unwrap()).unwrap()
+}
+
+#[tokio::test]
+async fn plain_request_gets_a_receipt_that_verifies() {
+    let gw = Gateway::start(Options::default());
+    let policy = client_policy(&gw.url).await;
+    let nonce = b"client-chosen-nonce-1";
+    let b = bundle(&gw.url, nonce).await;
+    let (lines, verified) = b.verify(&policy, nonce);
+    let verified = verified.unwrap_or_else(|| panic!("bundle must verify: {lines:#?}"));
+    assert!(verified.mock);
+    // The same bundle with another nonce is stale.
+    assert!(b.verify(&policy, b"other").1.is_none());
+
+    let request =
+        serde_json::to_vec(&json!({"model": MODEL, "input": ["receipts bind bytes", "second"]}))
+            .unwrap();
+    let receipt_nonce = b"per-request nonce";
+    let r = client()
+        .post(format!("{}/v1/embeddings", gw.url))
+        .header("content-type", "application/json")
+        .header("receipt-nonce", hex::encode(receipt_nonce))
+        .body(request.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let id = r.headers()["receipt-id"].to_str().unwrap().to_string();
+    let header_receipt = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(r.headers()["receipt"].to_str().unwrap())
+        .unwrap();
+    let response = r.bytes().await.unwrap().to_vec();
+    let body: serde_json::Value = serde_json::from_slice(&response).unwrap();
+    assert_eq!(body["data"].as_array().unwrap().len(), 2);
+
+    let stored = client()
+        .get(format!("{}/v1/receipts/{id}", gw.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stored.status(), 200);
+    let stored = stored.bytes().await.unwrap().to_vec();
+    assert_eq!(stored, header_receipt);
+
+    let verify = |req: &[u8], resp: &[u8], nonce: Option<&[u8]>| {
+        let mut inputs = VerifyInputs::new(&stored, &verified.stage_keys);
+        inputs.request = Some(req);
+        inputs.response = Some(resp);
+        inputs.expected_nonce = nonce;
+        inputs.expected_manifest = Some(verified.manifest_digest);
+        inputs.allow_mock = true;
+        verify_receipt(&inputs)
+    };
+    let report = verify(&request, &response, Some(receipt_nonce));
+    assert!(report.ok(), "{:#?}", report.checks);
+    let receipt = report.receipt.as_ref().unwrap();
+    assert_eq!(receipt.chain.len(), 2, "one link per stage");
+    assert!(receipt.mock);
+    assert_eq!(receipt.sealing.as_str(), "plain");
+
+    let mut other = response.clone();
+    other[10] ^= 1;
+    assert_eq!(
+        verify(&request, &other, Some(receipt_nonce))
+            .verdict()
+            .unwrap_err()
+            .code(),
+        "response_mismatch"
+    );
+    assert_eq!(
+        verify(b"{}", &response, Some(receipt_nonce))
+            .verdict()
+            .unwrap_err()
+            .code(),
+        "request_mismatch"
+    );
+    assert_eq!(
+        verify(&request, &response, Some(b"wrong"))
+            .verdict()
+            .unwrap_err()
+            .code(),
+        "nonce_mismatch"
+    );
+
+    let missing = client()
+        .get(format!("{}/v1/receipts/{}", gw.url, "00".repeat(16)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+}
+
+#[tokio::test]
+async fn sealed_request_round_trip_replay_and_unknown_key() {
+    let gw = Gateway::start(Options::default());
+    let keys = client()
+        .get(format!("{}/.well-known/hpke-keys", gw.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(keys.headers()["content-type"], "application/ohttp-keys");
+    let keys = KeyConfig::decode_list(&keys.bytes().await.unwrap()).unwrap();
+    assert_eq!(keys.len(), 1);
+    let nonce = b"n";
+    let b = bundle(&gw.url, nonce).await;
+    let verified = b
+        .verify(&client_policy(&gw.url).await, nonce)
+        .1
+        .expect("bundle verifies");
+    assert_eq!(
+        verified.entry_keys, keys,
+        "published keys are the attested ones"
+    );
+
+    for aead in [Aead::Aes128Gcm, Aead::ChaCha20Poly1305] {
+        let request =
+            serde_json::to_vec(&json!({"model": MODEL, "input": "sealed end to end"})).unwrap();
+        let (headers, body, client_key) = seal_request(&keys[0], aead, &request).unwrap();
+        let send = |body: Vec<u8>| {
+            let mut rb = client()
+                .post(format!("{}/v1/embeddings", gw.url))
+                .body(body);
+            for (k, v) in headers.to_header_values() {
+                rb = rb.header(k, v);
+            }
+            rb.send()
+        };
+        let r = send(body.clone()).await.unwrap();
+        assert_eq!(r.status(), 200);
+        let receipt = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(r.headers()["receipt"].to_str().unwrap())
+            .unwrap();
+        let sealed = r.bytes().await.unwrap().to_vec();
+        assert!(
+            serde_json::from_slice::<serde_json::Value>(&sealed).is_err(),
+            "the host relays ciphertext"
+        );
+        let plain = open_response(&client_key, &sealed).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&plain).unwrap();
+        assert_eq!(v["data"][0]["embedding"].as_array().unwrap().len(), 384);
+        let mut inputs = VerifyInputs::new(&receipt, &verified.stage_keys);
+        inputs.request = Some(&request);
+        inputs.response = Some(&plain);
+        inputs.allow_mock = true;
+        let report = verify_receipt(&inputs);
+        assert!(report.ok(), "{:#?}", report.checks);
+        assert_eq!(report.receipt.unwrap().sealing.as_str(), "enclave");
+
+        // The same sealed request again is a replay.
+        let again = send(body).await.unwrap();
+        assert_eq!(again.status(), 400);
+        let e: serde_json::Value = again.json().await.unwrap();
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains("replay"),
+            "{e}"
+        );
+    }
+
+    // A key id that is not published: a distinct error telling the client to refetch.
+    let mut stale = keys[0].clone();
+    stale.key_id = 9;
+    let (headers, body, _) = seal_request(&stale, Aead::Aes128Gcm, b"{}").unwrap();
+    let mut rb = client()
+        .post(format!("{}/v1/embeddings", gw.url))
+        .body(body);
+    for (k, v) in headers.to_header_values() {
+        rb = rb.header(k, v);
+    }
+    let r = rb.send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let e: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "hpke_key_unknown");
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("/.well-known/hpke-keys"));
+
+    // A tampered sealed body does not open in the enclave.
+    let (headers, mut body, _) =
+        seal_request(&keys[0], Aead::Aes128Gcm, b"{\"model\":\"x\"}").unwrap();
+    let n = body.len();
+    body[n - 1] ^= 1;
+    let mut rb = client()
+        .post(format!("{}/v1/embeddings", gw.url))
+        .body(body);
+    for (k, v) in headers.to_header_values() {
+        rb = rb.header(k, v);
+    }
+    let r = rb.send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let e: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("cannot be opened"),
+        "{e}"
+    );
+
+    // An invalid request inside a sealed body gets a sealed error.
+    let (headers, body, client_key) = seal_request(
+        &keys[0],
+        Aead::Aes128Gcm,
+        b"{\"model\":\"nope\",\"input\":\"x\"}",
+    )
+    .unwrap();
+    let mut rb = client()
+        .post(format!("{}/v1/embeddings", gw.url))
+        .body(body);
+    for (k, v) in headers.to_header_values() {
+        rb = rb.header(k, v);
+    }
+    let r = rb.send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let plain = open_response(&client_key, &r.bytes().await.unwrap()).unwrap();
+    let e: serde_json::Value = serde_json::from_slice(&plain).unwrap();
+    assert_eq!(e["error"]["code"], "model_not_found");
+}
