@@ -14,7 +14,8 @@ use base64::Engine as _;
 use proto::bundle::{EvidenceBundle, StageEvidence};
 use proto::receipt::Sealing;
 use proto::sealing::{
-    open_response, seal_request, Aead, KeyConfig, SealedHeaders, HEADER_KEY_ID, KEYS_MEDIA_TYPE,
+    open_request, open_response, seal_request, seal_response, Aead, KeyConfig, ReplayGuard,
+    SealedHeaders, ServerKey, HEADER_KEY_ID, KEYS_MEDIA_TYPE,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -48,6 +49,57 @@ pub struct AppState {
     pub limits: ApiLimits,
     /// Recent receipts.
     pub receipts: Arc<ReceiptStore>,
+    /// The gateway's own HPKE key (published as gateway-held).
+    pub gateway_key: Arc<GatewayKey>,
+}
+
+/// Key id of the gateway-held HPKE key.
+pub const GATEWAY_HPKE_KEY_ID: u8 = 0x80;
+
+/// The gateway's own HPKE key: clients that seal to it trust the host with
+/// their plaintext (the receipt records `sealing = gateway`).
+pub struct GatewayKey {
+    key: ServerKey,
+    replay: std::sync::Mutex<ReplayGuard>,
+}
+
+impl GatewayKey {
+    /// A fresh key.
+    pub fn generate() -> Self {
+        Self {
+            key: ServerKey::generate(GATEWAY_HPKE_KEY_ID),
+            replay: std::sync::Mutex::new(ReplayGuard::new(Duration::from_secs(600), 1 << 20)),
+        }
+    }
+
+    /// Its key id.
+    pub fn key_id(&self) -> u8 {
+        self.key.key_id()
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> KeyConfig {
+        self.key.config()
+    }
+
+    fn open(
+        &self,
+        sealed: &SealedHeaders,
+        body: &[u8],
+    ) -> Result<(Vec<u8>, proto::sealing::ResponseKeyMaterial), ApiError> {
+        let (plaintext, material) = open_request(&self.key, sealed, body).map_err(|e| {
+            ApiError::invalid(
+                Some(HEADER_KEY_ID),
+                format!("the sealed request cannot be opened: {e}"),
+            )
+        })?;
+        self.replay
+            .lock()
+            .unwrap()
+            .check_and_insert(&sealed.enc, Instant::now())
+            .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("refused: {e}")))?;
+        Ok((plaintext, material))
+    }
 }
 
 /// Builds the router.
@@ -120,21 +172,27 @@ async fn hpke_keys(
     State(s): State<AppState>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let keys = match s.pipeline.entry_keys() {
+    let mut keys = match s.pipeline.entry_keys() {
         Ok(k) => k,
         Err(reason) => return ApiError::not_ready(&reason).into_response(),
     };
+    keys.push(s.gateway_key.config());
     if q.get("format").map(String::as_str) == Some("json") {
         let list: Vec<_> = keys
             .iter()
             .map(|k| {
+                let gateway = k.key_id == s.gateway_key.key_id();
                 json!({
                     "key_id": k.key_id,
                     "public_key": hex::encode(k.public_key),
                     "kem": "DHKEM(X25519, HKDF-SHA256)",
                     "aeads": k.aeads.iter().map(|a| format!("{a:?}")).collect::<Vec<_>>(),
-                    "held_by": "enclave",
-                    "stage": 0,
+                    "held_by": if gateway { "gateway" } else { "enclave" },
+                    "note": if gateway {
+                        "held by the untrusted host: it opens your request and re-seals it to the entry stage"
+                    } else {
+                        "held by the attested entry stage (stage 0); bound in its evidence at /v1/attestation"
+                    },
                 })
             })
             .collect();
@@ -295,16 +353,15 @@ async fn relay_inner(
         .pipeline
         .entry_keys()
         .map_err(|r| ApiError::not_ready(&r))?;
-    let not_ready = |f| match f {
-        Failure::NotReady(r) => ApiError::not_ready(&r),
-        Failure::Timeout => ApiError::timeout(s.limits.timeout.as_secs()),
-    };
     if headers.contains_key(HEADER_KEY_ID) {
         // Sealed by the client to the enclave key: relay ciphertext only.
         let sealed = SealedHeaders::from_header_values(|name| {
             headers.get(name).and_then(|v| v.to_str().ok())
         })
         .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("Bad sealing headers: {e}")))?;
+        if sealed.key_id == s.gateway_key.key_id() {
+            return via_gateway_key(s, endpoint, &keys, &sealed, &bytes, nonce).await;
+        }
         if !keys
             .iter()
             .any(|k| k.key_id == sealed.key_id && k.supports(sealed.aead))
@@ -322,7 +379,7 @@ async fn relay_inner(
                 s.limits.timeout,
             )
             .await
-            .map_err(not_ready)?;
+            .map_err(|f| failure_error(s, f))?;
         return Ok(match reply {
             Reply::Response {
                 status,
@@ -341,26 +398,38 @@ async fn relay_inner(
         });
     }
     // A plain OpenAI client: the gateway seals to the entry stage itself.
+    let (status, body, receipt) =
+        seal_to_entry(s, endpoint, &keys, &bytes, nonce, Sealing::Plain).await?;
+    let mut r = json_response(status, body);
+    if let Some((id, receipt)) = receipt {
+        attach_receipt(s, &mut r, id, receipt);
+    }
+    Ok(r)
+}
+
+/// Seals `plaintext` to the entry stage, waits, and opens the answer:
+/// `(status, plaintext body, receipt)`.
+async fn seal_to_entry(
+    s: &AppState,
+    endpoint: &str,
+    keys: &[KeyConfig],
+    plaintext: &[u8],
+    nonce: Option<Vec<u8>>,
+    sealing: Sealing,
+) -> Result<(u16, Vec<u8>, Option<([u8; 16], Vec<u8>)>), ApiError> {
     let key = &keys[0];
     let aead = if key.supports(Aead::Aes128Gcm) {
         Aead::Aes128Gcm
     } else {
         key.aeads[0]
     };
-    let (sealed, body, client_key) = seal_request(key, aead, &bytes)
+    let (sealed, body, client_key) = seal_request(key, aead, plaintext)
         .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
     let reply = s
         .pipeline
-        .submit(
-            endpoint,
-            sealed,
-            body,
-            nonce,
-            Sealing::Plain,
-            s.limits.timeout,
-        )
+        .submit(endpoint, sealed, body, nonce, sealing, s.limits.timeout)
         .await
-        .map_err(not_ready)?;
+        .map_err(|f| failure_error(s, f))?;
     let open = |body: &[u8]| {
         open_response(&client_key, body)
             .map_err(|e| ApiError::internal(format!("the stage's response does not open: {e}")))
@@ -371,16 +440,45 @@ async fn relay_inner(
             body,
             receipt,
             receipt_id,
-        } => {
-            let mut r = json_response(status, open(&body)?);
-            attach_receipt(s, &mut r, receipt_id, receipt);
-            r
-        }
+        } => (status, open(&body)?, Some((receipt_id, receipt))),
         Reply::Failed(e) => match e.sealed_body {
-            Some(body) => json_response(e.status, open(&body)?),
-            None => ApiError::from_stage(e.status, e.message).into_response(),
+            Some(body) => (e.status, open(&body)?, None),
+            None => {
+                let api = ApiError::from_stage(e.status, e.message);
+                (api.status.as_u16(), api.body_bytes(), None)
+            }
         },
     })
+}
+
+/// Opens a request sealed to the gateway's own key, runs it as a plain
+/// request (sealed on to the entry stage), and seals the answer back to the
+/// client. The gateway sees this request's plaintext; the receipt says so.
+async fn via_gateway_key(
+    s: &AppState,
+    endpoint: &str,
+    keys: &[KeyConfig],
+    sealed: &SealedHeaders,
+    bytes: &[u8],
+    nonce: Option<Vec<u8>>,
+) -> Result<Response, ApiError> {
+    let (plaintext, material) = s.gateway_key.open(sealed, bytes)?;
+    let (status, body, receipt) =
+        seal_to_entry(s, endpoint, keys, &plaintext, nonce, Sealing::Gateway).await?;
+    let sealed_body = seal_response(&material, &body)
+        .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
+    let mut r = sealed_response(status, sealed_body);
+    if let Some((id, receipt)) = receipt {
+        attach_receipt(s, &mut r, id, receipt);
+    }
+    Ok(r)
+}
+
+fn failure_error(s: &AppState, f: Failure) -> ApiError {
+    match f {
+        Failure::NotReady(r) => ApiError::not_ready(&r),
+        Failure::Timeout => ApiError::timeout(s.limits.timeout.as_secs()),
+    }
 }
 
 fn status_of(code: u16) -> StatusCode {

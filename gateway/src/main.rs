@@ -159,6 +159,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             timeout: Duration::from_secs(cfg.server.request_timeout_secs),
         },
         receipts: std::sync::Arc::new(receipts::ReceiptStore::new(cfg.server.receipt_retention)),
+        gateway_key: std::sync::Arc::new(api::GatewayKey::generate()),
     };
     let listener = tokio::net::TcpListener::bind(&cfg.server.listen)
         .await

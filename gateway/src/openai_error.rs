@@ -2,7 +2,6 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
 
 /// An error as the API returns it.
 #[derive(Debug, Clone)]
@@ -143,19 +142,27 @@ impl ApiError {
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }
+
+    /// The same error in the wire form the stages also use (one body shape).
+    pub fn wire(&self) -> proto::openai::ApiError {
+        proto::openai::ApiError {
+            status: self.status.as_u16(),
+            message: self.message.clone(),
+            kind: self.kind.to_string(),
+            param: self.param.map(str::to_string),
+            code: self.code.map(str::to_string),
+        }
+    }
+
+    /// The JSON body as bytes.
+    pub fn body_bytes(&self) -> Vec<u8> {
+        self.wire().body_bytes()
+    }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        });
-        let mut resp = (self.status, axum::Json(body)).into_response();
+        let mut resp = (self.status, axum::Json(self.wire().body())).into_response();
         if let Some(s) = self.retry_after {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));

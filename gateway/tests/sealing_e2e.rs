@@ -146,8 +146,14 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
         .await
         .unwrap();
     assert_eq!(keys.headers()["content-type"], "application/ohttp-keys");
-    let keys = KeyConfig::decode_list(&keys.bytes().await.unwrap()).unwrap();
-    assert_eq!(keys.len(), 1);
+    let all_keys = KeyConfig::decode_list(&keys.bytes().await.unwrap()).unwrap();
+    assert_eq!(
+        all_keys.len(),
+        2,
+        "the enclave key and the gateway-held key"
+    );
+    let (keys, gateway_keys): (Vec<_>, Vec<_>) =
+        all_keys.into_iter().partition(|k| k.key_id != 0x80);
     let nonce = b"n";
     let b = bundle(&gw.url, nonce).await;
     let verified = b
@@ -202,6 +208,32 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
             "{e}"
         );
     }
+
+    // Sealed to the gateway-held key: the gateway opens and re-seals; the
+    // receipt says so.
+    let request =
+        serde_json::to_vec(&json!({"model": MODEL, "input": "via the gateway key"})).unwrap();
+    let (headers, body, client_key) =
+        seal_request(&gateway_keys[0], Aead::ChaCha20Poly1305, &request).unwrap();
+    let mut rb = client()
+        .post(format!("{}/v1/embeddings", gw.url))
+        .body(body);
+    for (k, v) in headers.to_header_values() {
+        rb = rb.header(k, v);
+    }
+    let r = rb.send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let receipt = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(r.headers()["receipt"].to_str().unwrap())
+        .unwrap();
+    let plain = open_response(&client_key, &r.bytes().await.unwrap()).unwrap();
+    let mut inputs = VerifyInputs::new(&receipt, &verified.stage_keys);
+    inputs.request = Some(&request);
+    inputs.response = Some(&plain);
+    inputs.allow_mock = true;
+    let report = verify_receipt(&inputs);
+    assert!(report.ok(), "{:#?}", report.checks);
+    assert_eq!(report.receipt.unwrap().sealing.as_str(), "gateway");
 
     // A key id that is not published: a distinct error telling the client to refetch.
     let mut stale = keys[0].clone();
