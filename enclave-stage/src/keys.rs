@@ -9,8 +9,10 @@ use proto::frames::StageClaims;
 use proto::sealing::{KeyConfig, ServerKey};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Key id of the entry stage's (enclave-held) HPKE key.
-pub const ENCLAVE_HPKE_KEY_ID: u8 = 1;
+/// Enclave-held HPKE key ids are drawn from this range at every start, so a
+/// client holding a restarted stage's old key is told to refetch (unknown key
+/// id) rather than failing to open; ids from 0x80 are the gateway's.
+pub const ENCLAVE_HPKE_KEY_IDS: std::ops::RangeInclusive<u8> = 1..=0x7f;
 
 /// Keys and boot evidence of one stage.
 pub struct StageKeys {
@@ -35,7 +37,10 @@ impl StageKeys {
         provider: &dyn AttestationProvider,
     ) -> Result<Self, AttestError> {
         let receipt = SigningKey::generate(&mut rand::rngs::OsRng);
-        let hpke = (claims.stage_index == 0).then(|| ServerKey::generate(ENCLAVE_HPKE_KEY_ID));
+        let hpke = (claims.stage_index == 0).then(|| {
+            use rand::Rng;
+            ServerKey::generate(rand::rngs::OsRng.gen_range(ENCLAVE_HPKE_KEY_IDS))
+        });
         claims.receipt_key = receipt.verifying_key().to_bytes();
         claims.hpke_keys = hpke
             .as_ref()

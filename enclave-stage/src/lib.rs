@@ -8,5 +8,7 @@ pub mod compute;
 pub mod engine;
 pub mod fault;
 pub mod keys;
+pub mod llama;
+pub mod sampling;
 pub mod server;
 pub mod tracker;

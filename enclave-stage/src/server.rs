@@ -312,10 +312,15 @@ impl StageServer {
             Ok(v) => v,
             Err(e) => return self.emit(failure(exit, request_id, e)).await,
         };
+        // The details (which may echo request content, e.g. a model name) go
+        // only into the sealed body; the host sees the status and a generic line.
         let sealed_error = |api: ApiError, kind: ErrorKind| PipelineError {
             kind,
             status: api.status,
-            message: api.message.clone(),
+            message: format!(
+                "request rejected with status {} (details sealed to the client)",
+                api.status
+            ),
             sealed_body: seal_response(&key, &api.body_bytes()).ok(),
         };
         if req.endpoint != "/v1/embeddings" {
@@ -382,11 +387,9 @@ impl StageServer {
             sealing: req.sealing,
             response_key: key,
         };
-        let sent = self
-            .work
-            .send(Work::Begin(Box::new(ctx)))
-            .and_then(|_| self.work.send(Work::Seqs(seqs)));
-        if sent.is_err() {
+        if self.work.send(Work::Begin(Box::new(ctx))).is_err()
+            || self.work.send(Work::Seqs(seqs)).is_err()
+        {
             tracing::error!("compute thread is gone");
         }
     }

@@ -210,7 +210,7 @@ async fn attestation(
     headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let nonce = match q.get("nonce").map(|n| hex::decode(n)) {
+    let nonce = match q.get("nonce").map(hex::decode) {
         None => Vec::new(),
         Some(Ok(n)) if n.len() <= 64 => n,
         Some(_) => {

@@ -4,10 +4,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
+/// Receipts by id, and their ids oldest first.
+type Kept = (HashMap<[u8; 16], Vec<u8>>, VecDeque<[u8; 16]>);
+
 /// The receipt store.
 pub struct ReceiptStore {
     capacity: usize,
-    inner: Mutex<(HashMap<[u8; 16], Vec<u8>>, VecDeque<[u8; 16]>)>,
+    inner: Mutex<Kept>,
 }
 
 impl ReceiptStore {

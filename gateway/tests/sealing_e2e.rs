@@ -237,7 +237,7 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
 
     // A key id that is not published: a distinct error telling the client to refetch.
     let mut stale = keys[0].clone();
-    stale.key_id = 9;
+    stale.key_id = (1..=0x7f).find(|id| *id != keys[0].key_id).unwrap();
     let (headers, body, _) = seal_request(&stale, Aead::Aes128Gcm, b"{}").unwrap();
     let mut rb = client()
         .post(format!("{}/v1/embeddings", gw.url))
