@@ -1,8 +1,10 @@
 //! `gateway`: the host-side binary. `gateway serve` reads
 //! `config/gateway.toml`, starts (or connects to) the attested stages,
 //! verifies them against the policy and serves the OpenAI-compatible API.
+//! The client verbs (`verify`, `seal`, `open`, `proxy`) are in [`cli`].
 
 mod api;
+mod cli;
 mod config;
 mod launcher;
 mod openai_error;
@@ -29,9 +31,12 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once at start
 enum Command {
     /// Start the stages (local launch) or connect to them, verify them, and serve the API.
     Serve(ServeArgs),
+    #[command(flatten)]
+    Client(cli::ClientCommand),
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -54,6 +59,7 @@ fn main() -> Result<()> {
         .init();
     let args = match cli.command {
         Some(Command::Serve(a)) => a,
+        Some(Command::Client(c)) => std::process::exit(cli::run(c)),
         None => ServeArgs {
             config: "config/gateway.toml".into(),
             listen: None,

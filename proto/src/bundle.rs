@@ -131,6 +131,9 @@ impl EvidenceBundle {
                     keys.push(k);
                 }
                 Err(e) => {
+                    // Judge the next stage against this one's claimed range,
+                    // so one bad stage is not reported twice.
+                    next_layer = s.claims.layer_end;
                     all = false;
                     check(&mut lines, name("evidence"), Err(e));
                 }

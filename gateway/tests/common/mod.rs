@@ -44,6 +44,8 @@ pub struct Options {
     pub server_extra: String,
     /// Environment for the gateway (inherited by its stages).
     pub env: Vec<(String, String)>,
+    /// Stage addresses for `launch = "remote"` (`None`: local launch).
+    pub remote: Option<Vec<String>>,
 }
 
 impl Default for Options {
@@ -54,6 +56,7 @@ impl Default for Options {
             model_dir: model_dir(),
             server_extra: String::new(),
             env: Vec::new(),
+            remote: None,
         }
     }
 }
@@ -93,14 +96,18 @@ fn write_config(opts: &Options, dir: &Path) -> PathBuf {
         stage_bin.display()
     );
     let mut cfg = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n{}\n[pipeline]\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"local\"\nstage_binary = {:?}\nconnect_timeout_secs = 60\n",
+        "[server]\nlisten = \"127.0.0.1:0\"\n{}\n[pipeline]\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"{}\"\nstage_binary = {:?}\nconnect_timeout_secs = 60\n",
         opts.server_extra,
         dir.join("policy.toml"),
         opts.model_dir,
+        if opts.remote.is_some() { "remote" } else { "local" },
         stage_bin
     );
-    for s in &opts.stages {
+    for (i, s) in opts.stages.iter().enumerate() {
         cfg += &format!("[[pipeline.stages]]\nlayers = [{}, {}]\n", s[0], s[1]);
+        if let Some(addrs) = &opts.remote {
+            cfg += &format!("address = {:?}\n", addrs[i]);
+        }
     }
     let path = dir.join("gateway.toml");
     std::fs::write(&path, cfg).unwrap();
@@ -232,6 +239,110 @@ pub fn children_of(pid: u32) -> Vec<u32> {
     }
     out.sort();
     out
+}
+
+/// The stage binary next to the gateway binary.
+pub fn stage_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gateway")).with_file_name("enclave-stage")
+}
+
+/// A stage process started by the test itself (for `launch = "remote"`).
+pub struct StageProc {
+    pub child: Child,
+    pub endpoint: String,
+}
+
+impl StageProc {
+    /// Starts stage `index` of `n` on `layers` with `policy`; waits for LISTENING.
+    pub fn start(index: u32, n: u32, layers: [u32; 2], policy: &Path, dir: &Path) -> StageProc {
+        let mut child = Command::new(stage_binary())
+            .arg("--model-dir")
+            .arg(model_dir())
+            .args([
+                "--stage-index",
+                &index.to_string(),
+                "--num-stages",
+                &n.to_string(),
+            ])
+            .args(["--layers", &format!("{}..{}", layers[0], layers[1])])
+            .arg("--policy")
+            .arg(policy)
+            .arg("--exit-with-stdin")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(dir.join(format!("stage{index}.log"))).unwrap())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = lines.next().unwrap().unwrap();
+        let endpoint = line.strip_prefix("LISTENING ").unwrap().to_string();
+        std::thread::spawn(move || for _ in lines {});
+        StageProc { child, endpoint }
+    }
+}
+
+impl Drop for StageProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A TCP relay that forwards to `target` and records every byte both ways.
+pub struct CaptureRelay {
+    pub endpoint: String,
+    pub captured: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl CaptureRelay {
+    /// Starts a relay in front of `target` (`tcp://host:port`).
+    pub fn start(target: &str) -> CaptureRelay {
+        use std::io::{Read as _, Write as _};
+        let target = target.strip_prefix("tcp://").unwrap().to_string();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+        let captured = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let cap = captured.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let Ok(upstream) = std::net::TcpStream::connect(&target) else {
+                    continue;
+                };
+                for (mut from, mut to) in [
+                    (conn.try_clone().unwrap(), upstream.try_clone().unwrap()),
+                    (upstream, conn),
+                ] {
+                    let cap = cap.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = vec![0u8; 65536];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 || to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                            cap.lock().unwrap().extend_from_slice(&buf[..n]);
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        CaptureRelay { endpoint, captured }
+    }
+
+    /// Whether `needle` occurs anywhere in what passed.
+    pub fn saw(&self, needle: &[u8]) -> bool {
+        self.captured
+            .lock()
+            .unwrap()
+            .windows(needle.len())
+            .any(|w| w == needle)
+    }
+
+    /// Bytes captured so far.
+    pub fn len(&self) -> usize {
+        self.captured.lock().unwrap().len()
+    }
 }
 
 /// An HTTP client for tests.

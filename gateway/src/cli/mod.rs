@@ -1,0 +1,181 @@
+//! The client-side verbs of the `gateway` binary: everything a client that
+//! does not trust the host needs, in its own trust domain.
+//!
+//! - `gateway verify evidence` / `gateway verify receipt`: offline checks of
+//!   an evidence bundle against a measurement policy, and of a receipt
+//!   against verified evidence and the request/response bytes the client
+//!   kept ([`verify`]);
+//! - `gateway seal` / `gateway open`: HPKE-seal a request body for `curl`
+//!   and open the sealed response ([`seal`]);
+//! - `gateway proxy`: a local OpenAI-compatible endpoint that verifies the
+//!   upstream's evidence, seals every request to the attested entry stage
+//!   and verifies every receipt ([`proxy`]).
+//!
+//! Exit codes: 0 when everything holds, 1 when a verification fails (or the
+//! proxy refuses to start), 2 for usage and I/O errors.
+//! The walkthrough is `docs/curl.md`.
+
+pub mod proxy;
+pub mod seal;
+pub mod verify;
+
+use anyhow::{anyhow, bail, Context, Result};
+use base64::Engine as _;
+use clap::Subcommand;
+use proto::bundle::EvidenceBundle;
+use std::io::{Read, Write};
+use std::path::Path;
+use std::time::Duration;
+
+/// Exit code: everything verified / the command succeeded.
+pub const EXIT_OK: i32 = 0;
+/// Exit code: a verification failed.
+pub const EXIT_FAILED: i32 = 1;
+/// Exit code: bad usage, unreadable input, network error.
+pub const EXIT_ERROR: i32 = 2;
+
+/// The client verbs (flattened into the binary's subcommands).
+#[derive(Subcommand, Debug)]
+pub enum ClientCommand {
+    /// Verify evidence or a receipt offline (exit code 0 only when everything holds).
+    #[command(subcommand)]
+    Verify(verify::VerifyCommand),
+    /// Seal a request body to the entry stage's HPKE key (for curl users).
+    Seal(seal::SealArgs),
+    /// Open a sealed response with the key `gateway seal` wrote.
+    Open(seal::OpenArgs),
+    /// A local OpenAI-compatible endpoint that verifies the upstream gateway's
+    /// evidence, seals every request end to end and verifies every receipt.
+    Proxy(proxy::ProxyArgs),
+}
+
+/// Runs a client verb; returns the process exit code.
+pub fn run(cmd: ClientCommand) -> i32 {
+    let result = match cmd {
+        ClientCommand::Verify(c) => verify::run(c),
+        ClientCommand::Seal(a) => seal::run_seal(a).map(|()| EXIT_OK),
+        ClientCommand::Open(a) => seal::run_open(a),
+        ClientCommand::Proxy(a) => proxy::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            EXIT_ERROR
+        }
+    }
+}
+
+/// Reads a file, or standard input for `-`.
+pub(crate) fn read_input(path: &Path) -> Result<Vec<u8>> {
+    if path.as_os_str() == "-" {
+        let mut buf = Vec::new();
+        std::io::stdin()
+            .read_to_end(&mut buf)
+            .context("reading standard input")?;
+        return Ok(buf);
+    }
+    std::fs::read(path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// Writes a file, or standard output for `-`.
+pub(crate) fn write_output(path: &Path, data: &[u8]) -> Result<()> {
+    if path.as_os_str() == "-" {
+        let mut out = std::io::stdout().lock();
+        out.write_all(data)?;
+        return Ok(out.flush()?);
+    }
+    std::fs::write(path, data).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Parses a hex argument (`--nonce`); an optional `0x` prefix is allowed.
+pub(crate) fn parse_hex(what: &str, s: &str) -> Result<Vec<u8>> {
+    let s = s.trim();
+    hex::decode(s.strip_prefix("0x").unwrap_or(s)).map_err(|e| anyhow!("{what} is not hex: {e}"))
+}
+
+/// Decodes an evidence bundle from what `GET /v1/attestation` returns:
+/// the CBOR bundle (`Accept: application/cbor`), or the JSON form (its
+/// `bundle_cbor` field, base64, is what is verified; the rest of the JSON is
+/// for people and is ignored).
+pub(crate) fn decode_bundle(bytes: &[u8]) -> Result<EvidenceBundle> {
+    let text_start = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    if text_start == Some(&b'{') {
+        let v: serde_json::Value =
+            serde_json::from_slice(bytes).context("the evidence is not valid JSON")?;
+        let b64 = v["bundle_cbor"].as_str().ok_or_else(|| {
+            anyhow!("the JSON evidence has no `bundle_cbor` field (is it from /v1/attestation?)")
+        })?;
+        let cbor = base64::engine::general_purpose::STANDARD
+            .decode(b64.trim())
+            .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(b64.trim()))
+            .context("`bundle_cbor` is not base64")?;
+        return proto::cbor::from_slice(&cbor)
+            .map_err(|e| anyhow!("`bundle_cbor` is not an evidence bundle: {e}"));
+    }
+    proto::cbor::from_slice(bytes).map_err(|e| anyhow!("not an evidence bundle (CBOR): {e}"))
+}
+
+/// Reads an evidence bundle file (CBOR or the JSON from `/v1/attestation`).
+pub(crate) fn load_bundle(path: &Path) -> Result<EvidenceBundle> {
+    decode_bundle(&read_input(path)?).with_context(|| format!("evidence {}", path.display()))
+}
+
+/// A plain-HTTP client (no TLS: loopback or a trusted tunnel only).
+pub(crate) fn http_client(timeout: Duration) -> Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .context("building the HTTP client")
+}
+
+/// `url` without a trailing slash, checked to be `http://…`.
+pub(crate) fn base_url(url: &str) -> Result<String> {
+    let u = url.trim().trim_end_matches('/');
+    if u.starts_with("https://") {
+        bail!("{u}: this build speaks plain HTTP only (run it against a loopback gateway or through a TLS tunnel)");
+    }
+    if !u.starts_with("http://") {
+        bail!("{u}: expected an http:// URL");
+    }
+    Ok(u.to_string())
+}
+
+/// Fetches the evidence bundle for `nonce` from a gateway (CBOR).
+pub(crate) async fn fetch_bundle(
+    client: &reqwest::Client,
+    base: &str,
+    nonce: &[u8],
+) -> Result<EvidenceBundle> {
+    let url = format!("{base}/v1/attestation?nonce={}", hex::encode(nonce));
+    let r = client
+        .get(&url)
+        .header(reqwest::header::ACCEPT, "application/cbor")
+        .send()
+        .await
+        .with_context(|| format!("GET {url}"))?;
+    let status = r.status();
+    let body = r.bytes().await.with_context(|| format!("GET {url}"))?;
+    if !status.is_success() {
+        bail!(
+            "GET {url}: {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(500)])
+        );
+    }
+    decode_bundle(&body).with_context(|| format!("GET {url}"))
+}
+
+/// A fresh random nonce.
+pub(crate) fn random_nonce(len: usize) -> Vec<u8> {
+    use rand::RngCore;
+    let mut n = vec![0u8; len];
+    rand::rngs::OsRng.fill_bytes(&mut n);
+    n
+}
+
+/// A current-thread runtime for the client verbs that talk HTTP.
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}

@@ -1,0 +1,436 @@
+//! `gateway seal` and `gateway open`: HPKE body sealing for `curl` users.
+//!
+//! ```text
+//! gateway seal --gateway http://127.0.0.1:8080 --policy policy.toml \
+//!     --in req.json --out body.bin --headers headers.txt --key-out client-key.json
+//! curl -sS --data-binary @body.bin -H @headers.txt -D resp-headers.txt \
+//!     -o resp.bin http://127.0.0.1:8080/v1/embeddings
+//! gateway open --key client-key.json --in resp.bin --out resp.json
+//! ```
+//!
+//! Files (documented in `docs/curl.md`):
+//!
+//! - **body** (`--out`): the sealed request body, binary (`u32be(len) ‖
+//!   ciphertext` chunks, `docs/protocol.md` §6.4); send it unchanged.
+//! - **headers** (`--headers`): one `name: value` per line, as `curl -H
+//!   @file` reads them: `hpke-key-id`, `hpke-aead`, `hpke-encapsulated-key`,
+//!   `content-type: application/octet-stream` and, unless
+//!   `--no-receipt-nonce`, a fresh `receipt-nonce`.
+//! - **client key** (`--key-out`, written with mode 0600): JSON with what
+//!   opens the response (the secret exported from the request's HPKE
+//!   context). Anyone holding it can read the response; delete it after
+//!   `gateway open`.
+
+use super::verify::{verify_evidence, Status};
+use super::{base_url, fetch_bundle, http_client, load_bundle, parse_hex, random_nonce};
+use super::{read_input, runtime, write_output, EXIT_FAILED, EXIT_OK};
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, ValueEnum};
+use proto::policy::Policy;
+use proto::sealing::{open_response, seal_request, Aead, ClientResponseKey, KeyConfig};
+use serde_json::json;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The `kind` field of a client key file.
+pub const CLIENT_KEY_KIND: &str = "gateway-client-response-key";
+
+/// An AEAD on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AeadArg {
+    /// AES-128-GCM (HPKE AEAD id 1).
+    #[value(name = "aes128gcm")]
+    Aes128Gcm,
+    /// ChaCha20-Poly1305 (HPKE AEAD id 3).
+    #[value(name = "chacha20poly1305")]
+    ChaCha20Poly1305,
+}
+
+impl From<AeadArg> for Aead {
+    fn from(a: AeadArg) -> Self {
+        match a {
+            AeadArg::Aes128Gcm => Aead::Aes128Gcm,
+            AeadArg::ChaCha20Poly1305 => Aead::ChaCha20Poly1305,
+        }
+    }
+}
+
+/// The command-line name of an AEAD.
+pub fn aead_name(a: Aead) -> &'static str {
+    match a {
+        Aead::Aes128Gcm => "aes128gcm",
+        Aead::ChaCha20Poly1305 => "chacha20poly1305",
+    }
+}
+
+/// `gateway seal`
+#[derive(Args, Debug)]
+pub struct SealArgs {
+    /// The key configurations: the raw `application/ohttp-keys` bytes from
+    /// `GET /.well-known/hpke-keys` (not authenticated: prefer --evidence or
+    /// --gateway with --policy).
+    #[arg(long, conflicts_with_all = ["gateway", "evidence"], required_unless_present_any = ["gateway", "evidence"])]
+    pub keys: Option<PathBuf>,
+    /// Take the entry stage's key from this evidence bundle (CBOR or JSON from
+    /// `/v1/attestation`), verified against --policy first.
+    #[arg(long, conflicts_with = "gateway", requires = "policy")]
+    pub evidence: Option<PathBuf>,
+    /// Fetch the keys from this gateway: with --policy from fresh evidence,
+    /// verified (recommended); without, from `/.well-known/hpke-keys`.
+    #[arg(long)]
+    pub gateway: Option<String>,
+    /// Measurement policy the evidence must satisfy.
+    #[arg(long)]
+    pub policy: Option<PathBuf>,
+    /// The nonce (hex) --evidence was fetched with (freshness check).
+    #[arg(long, requires = "evidence")]
+    pub evidence_nonce: Option<String>,
+    /// Key id to seal to (default: the first key that supports --aead).
+    #[arg(long)]
+    pub key_id: Option<u8>,
+    /// The AEAD.
+    #[arg(long, value_enum, default_value = "aes128gcm")]
+    pub aead: AeadArg,
+    /// The plaintext request body (the JSON you would POST); `-` for stdin.
+    #[arg(long = "in")]
+    pub input: PathBuf,
+    /// Where to write the sealed body; `-` for stdout.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Where to write the request headers (one `name: value` per line, for `curl -H @FILE`).
+    #[arg(long)]
+    pub headers: PathBuf,
+    /// Where to write the client key that opens the response (mode 0600; secret).
+    #[arg(long)]
+    pub key_out: PathBuf,
+    /// The receipt nonce (hex) to ask for; default: 16 fresh random bytes.
+    #[arg(long, conflicts_with = "no_receipt_nonce")]
+    pub receipt_nonce: Option<String>,
+    /// Do not send a receipt nonce.
+    #[arg(long)]
+    pub no_receipt_nonce: bool,
+    /// HTTP timeout in seconds (with --gateway).
+    #[arg(long, default_value_t = 60)]
+    pub timeout_secs: u64,
+}
+
+/// `gateway open`
+#[derive(Args, Debug)]
+pub struct OpenArgs {
+    /// The client key file written by `gateway seal --key-out`.
+    #[arg(long)]
+    pub key: PathBuf,
+    /// The sealed response body (as `curl -o` saved it); `-` for stdin.
+    #[arg(long = "in")]
+    pub input: PathBuf,
+    /// Where to write the plaintext response; `-` (default) for stdout.
+    #[arg(long, default_value = "-")]
+    pub out: PathBuf,
+}
+
+/// What `gateway seal` keeps for `gateway open` (and for the receipt check).
+#[derive(Debug)]
+pub struct ClientKeyFile {
+    /// Opens the response.
+    pub key: ClientResponseKey,
+    /// The key id sealed to.
+    pub key_id: u8,
+    /// The receipt nonce sent, if any.
+    pub receipt_nonce: Option<Vec<u8>>,
+    /// SHA-256 of the plaintext request.
+    pub request_sha256: String,
+}
+
+impl ClientKeyFile {
+    /// The JSON form:
+    /// `{"kind", "version": 1, "aead", "key_id", "enc" (hex, the
+    /// encapsulated key), "secret" (hex, the exported response secret),
+    /// "receipt_nonce" (hex or null), "request_sha256" (hex)}`.
+    pub fn to_json(&self) -> Result<serde_json::Value> {
+        let m = self.key.material();
+        let raw = serde_json::to_value(&self.key)?;
+        let bytes = |field: &str| -> Result<String> {
+            let v: Vec<u8> = serde_json::from_value(raw[field].clone())
+                .with_context(|| format!("client key field {field}"))?;
+            Ok(hex::encode(v))
+        };
+        Ok(json!({
+            "kind": CLIENT_KEY_KIND,
+            "version": 1,
+            "aead": aead_name(m.aead()),
+            "key_id": self.key_id,
+            "enc": hex::encode(m.enc()),
+            "secret": bytes("secret")?,
+            "receipt_nonce": self.receipt_nonce.as_ref().map(hex::encode),
+            "request_sha256": self.request_sha256,
+        }))
+    }
+
+    /// Parses the JSON form.
+    pub fn from_json(v: &serde_json::Value) -> Result<Self> {
+        if v["kind"] != CLIENT_KEY_KIND || v["version"] != 1 {
+            bail!("not a client key file written by `gateway seal` (kind {CLIENT_KEY_KIND:?}, version 1)");
+        }
+        let hex_field = |f: &str| -> Result<Vec<u8>> {
+            let s = v[f]
+                .as_str()
+                .ok_or_else(|| anyhow!("client key file: `{f}` missing"))?;
+            hex::decode(s).map_err(|e| anyhow!("client key file: `{f}` is not hex: {e}"))
+        };
+        let aead = match v["aead"].as_str() {
+            Some("aes128gcm") => Aead::Aes128Gcm,
+            Some("chacha20poly1305") => Aead::ChaCha20Poly1305,
+            other => bail!("client key file: unknown aead {other:?}"),
+        };
+        let raw = json!({
+            "aead": serde_json::to_value(aead)?,
+            "enc": hex_field("enc")?,
+            "secret": hex_field("secret")?,
+        });
+        let key: ClientResponseKey =
+            serde_json::from_value(raw).context("client key file: bad key material")?;
+        Ok(Self {
+            key,
+            key_id: v["key_id"]
+                .as_u64()
+                .and_then(|k| u8::try_from(k).ok())
+                .unwrap_or_default(),
+            receipt_nonce: match &v["receipt_nonce"] {
+                serde_json::Value::String(s) => Some(
+                    hex::decode(s).map_err(|e| anyhow!("client key file: receipt_nonce: {e}"))?,
+                ),
+                _ => None,
+            },
+            request_sha256: v["request_sha256"].as_str().unwrap_or_default().to_string(),
+        })
+    }
+}
+
+/// Writes `data` to `path` with mode 0600 (also when the file existed).
+pub(crate) fn write_private(path: &Path, data: &[u8]) -> Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("chmod 600 {}", path.display()))?;
+    f.write_all(data)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Picks the key to seal to.
+pub(crate) fn pick_key(keys: &[KeyConfig], key_id: Option<u8>, aead: Aead) -> Result<KeyConfig> {
+    let found = keys
+        .iter()
+        .find(|k| key_id.is_none_or(|id| k.key_id == id) && k.supports(aead));
+    found.cloned().ok_or_else(|| match key_id {
+        Some(id) => anyhow!(
+            "no key with id {id} that supports {} (keys: {:?})",
+            aead_name(aead),
+            keys.iter().map(|k| k.key_id).collect::<Vec<_>>()
+        ),
+        None => anyhow!("no key supports {}", aead_name(aead)),
+    })
+}
+
+fn load_policy(path: Option<&Path>) -> Result<Policy> {
+    let path = path.ok_or_else(|| anyhow!("--policy is required"))?;
+    Policy::load(path).map_err(|e| anyhow!(e))
+}
+
+/// Gets the key configurations from where the arguments say; the flag says
+/// whether they come from verified evidence.
+fn keys_for(a: &SealArgs) -> Result<(Vec<KeyConfig>, bool)> {
+    if let Some(path) = &a.keys {
+        let bytes = read_input(path)?;
+        let keys = KeyConfig::decode_list(&bytes)
+            .map_err(|e| anyhow!("{}: not application/ohttp-keys: {e}", path.display()))?;
+        return Ok((keys, false));
+    }
+    if let Some(path) = &a.evidence {
+        let policy = load_policy(a.policy.as_deref())?;
+        let bundle = load_bundle(path)?;
+        let nonce = a
+            .evidence_nonce
+            .as_deref()
+            .map(|n| parse_hex("--evidence-nonce", n))
+            .transpose()?;
+        return verified_keys(&bundle, &policy, nonce.as_deref()).map(|k| (k, true));
+    }
+    let base = base_url(a.gateway.as_deref().unwrap_or_default())?;
+    let client = http_client(Duration::from_secs(a.timeout_secs))?;
+    runtime()?.block_on(async {
+        if let Some(p) = &a.policy {
+            let policy = load_policy(Some(p))?;
+            let nonce = random_nonce(32);
+            let bundle = fetch_bundle(&client, &base, &nonce).await?;
+            return verified_keys(&bundle, &policy, Some(&nonce)).map(|k| (k, true));
+        }
+        let url = format!("{base}/.well-known/hpke-keys");
+        let r = client
+            .get(&url)
+            .send()
+            .await
+            .with_context(|| format!("GET {url}"))?;
+        let status = r.status();
+        let body = r.bytes().await?;
+        if !status.is_success() {
+            bail!("GET {url}: {status}");
+        }
+        let keys = KeyConfig::decode_list(&body).map_err(|e| anyhow!("GET {url}: {e}"))?;
+        Ok((keys, false))
+    })
+}
+
+fn verified_keys(
+    bundle: &proto::bundle::EvidenceBundle,
+    policy: &Policy,
+    nonce: Option<&[u8]>,
+) -> Result<Vec<KeyConfig>> {
+    let out = verify_evidence(bundle, policy, nonce);
+    let ok = out.ok();
+    for l in &out.lines {
+        if !ok || l.status != Status::Pass {
+            eprintln!("{}", l.text());
+        }
+    }
+    match out.verified.filter(|_| ok) {
+        Some(v) => Ok(v.entry_keys),
+        None => {
+            bail!("the evidence does not verify against the policy: refusing to seal to its keys")
+        }
+    }
+}
+
+/// Runs `gateway seal`.
+pub fn run_seal(a: SealArgs) -> Result<()> {
+    let aead: Aead = a.aead.into();
+    let plaintext = read_input(&a.input)?;
+    let receipt_nonce = match (&a.receipt_nonce, a.no_receipt_nonce) {
+        (Some(n), _) => Some(parse_hex("--receipt-nonce", n)?),
+        (None, true) => None,
+        (None, false) => Some(random_nonce(16)),
+    };
+    let (keys, verified) = keys_for(&a)?;
+    let key = pick_key(&keys, a.key_id, aead)?;
+    if !verified {
+        eprintln!(
+            "WARN keys: not taken from verified evidence; the host could have substituted its own \
+             key (use --gateway URL --policy P, or --evidence B --policy P)"
+        );
+    }
+    let (headers, body, client_key) =
+        seal_request(&key, aead, &plaintext).map_err(|e| anyhow!("sealing failed: {e}"))?;
+    let mut header_text = String::new();
+    for (k, v) in headers.to_header_values() {
+        header_text += &format!("{k}: {v}\n");
+    }
+    header_text += "content-type: application/octet-stream\n";
+    if let Some(n) = &receipt_nonce {
+        header_text += &format!("receipt-nonce: {}\n", hex::encode(n));
+    }
+    let file = ClientKeyFile {
+        key: client_key,
+        key_id: key.key_id,
+        receipt_nonce: receipt_nonce.clone(),
+        request_sha256: proto::digest::Sha256Digest::of(&plaintext).hex(),
+    };
+    write_private(
+        &a.key_out,
+        serde_json::to_string_pretty(&file.to_json()?)?.as_bytes(),
+    )?;
+    std::fs::write(&a.headers, header_text)
+        .with_context(|| format!("writing {}", a.headers.display()))?;
+    write_output(&a.out, &body)?;
+    eprintln!(
+        "sealed {} bytes to key {} ({}{}) -> {} bytes; headers in {}, response key in {} (secret){}",
+        plaintext.len(),
+        key.key_id,
+        aead_name(aead),
+        if verified { ", from verified evidence" } else { "" },
+        body.len(),
+        a.headers.display(),
+        a.key_out.display(),
+        receipt_nonce
+            .map(|n| format!("; receipt nonce {}", hex::encode(n)))
+            .unwrap_or_default()
+    );
+    Ok(())
+}
+
+/// Runs `gateway open`; returns the exit code.
+pub fn run_open(a: OpenArgs) -> Result<i32> {
+    let key_text = read_input(&a.key)?;
+    let key_json: serde_json::Value = serde_json::from_slice(&key_text)
+        .with_context(|| format!("{}: not JSON", a.key.display()))?;
+    let file = ClientKeyFile::from_json(&key_json)
+        .with_context(|| format!("client key {}", a.key.display()))?;
+    let body = read_input(&a.input)?;
+    match open_response(&file.key, &body) {
+        Ok(plain) => {
+            write_output(&a.out, &plain)?;
+            Ok(EXIT_OK)
+        }
+        Err(e) => {
+            // An error the host answered itself (e.g. an unknown key id or a
+            // replay) is plain JSON, not sealed.
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) {
+                if v.get("error").is_some() {
+                    eprintln!(
+                        "error: the response is not sealed: the gateway answered itself (not the enclave): {}",
+                        serde_json::to_string(&v["error"]).unwrap_or_default()
+                    );
+                    return Ok(EXIT_FAILED);
+                }
+            }
+            eprintln!("error: the response does not open with this key: {e}");
+            Ok(EXIT_FAILED)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::sealing::{open_request, seal_response, ServerKey};
+
+    #[test]
+    fn client_key_file_round_trips_and_opens() {
+        let server = ServerKey::derive(3, b"cli test key");
+        for aead in Aead::ALL {
+            let (headers, body, key) = seal_request(&server.config(), aead, b"{}").unwrap();
+            let (plain, material) = open_request(&server, &headers, &body).unwrap();
+            assert_eq!(plain, b"{}");
+            let file = ClientKeyFile {
+                key,
+                key_id: 3,
+                receipt_nonce: Some(vec![1, 2]),
+                request_sha256: "ab".into(),
+            };
+            let text = serde_json::to_string(&file.to_json().unwrap()).unwrap();
+            let back = ClientKeyFile::from_json(&serde_json::from_str(&text).unwrap()).unwrap();
+            assert_eq!(back.key, file.key);
+            assert_eq!(back.receipt_nonce, Some(vec![1, 2]));
+            let sealed = seal_response(&material, b"response").unwrap();
+            assert_eq!(open_response(&back.key, &sealed).unwrap(), b"response");
+        }
+    }
+
+    #[test]
+    fn private_file_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let p = std::env::temp_dir().join(format!("gw-cli-key-{}", std::process::id()));
+        std::fs::write(&p, b"old").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        write_private(&p, b"secret").unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(std::fs::read(&p).unwrap(), b"secret");
+        std::fs::remove_file(&p).unwrap();
+    }
+}

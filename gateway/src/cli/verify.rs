@@ -1,0 +1,527 @@
+//! `gateway verify evidence` and `gateway verify receipt`: offline
+//! verification with one line per check.
+//!
+//! Output: one line per check, `PASS|FAIL|SKIP|WARN|INFO name: detail`
+//! (a failed receipt check ends with its stable reason code in brackets,
+//! e.g. `[response_mismatch]`), then a `RESULT` line. `--json` prints one
+//! JSON document instead. Exit code 0 only when every check holds.
+
+use super::{load_bundle, parse_hex, read_input, EXIT_FAILED, EXIT_OK};
+use anyhow::{anyhow, bail, Context, Result};
+use base64::Engine as _;
+use clap::{Args, Subcommand};
+use proto::bundle::{EvidenceBundle, VerifiedBundle};
+use proto::policy::Policy;
+use proto::receipt::{verify_receipt, CheckStatus, ReceiptBody, Sealing, VerifyInputs};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+/// `gateway verify …`
+#[derive(Subcommand, Debug)]
+pub enum VerifyCommand {
+    /// Verify an evidence bundle against a measurement policy.
+    Evidence(EvidenceArgs),
+    /// Verify a receipt against an evidence bundle (verified first) and the
+    /// request/response bytes the client kept.
+    Receipt(ReceiptArgs),
+}
+
+/// `gateway verify evidence`
+#[derive(Args, Debug)]
+pub struct EvidenceArgs {
+    /// Measurement policy (TOML, as config/policy.toml).
+    #[arg(long)]
+    pub policy: PathBuf,
+    /// The nonce (hex) sent as `/v1/attestation?nonce=`; without it the
+    /// bundle's own nonce is used and freshness is NOT checked.
+    #[arg(long)]
+    pub nonce: Option<String>,
+    /// Machine-readable output (one JSON document).
+    #[arg(long)]
+    pub json: bool,
+    /// The bundle: the CBOR from `/v1/attestation` with `Accept:
+    /// application/cbor`, or its JSON form; `-` for standard input.
+    pub bundle: PathBuf,
+}
+
+/// `gateway verify receipt`
+#[derive(Args, Debug)]
+pub struct ReceiptArgs {
+    /// The evidence bundle (CBOR or JSON from `/v1/attestation`).
+    #[arg(long)]
+    pub evidence: PathBuf,
+    /// Measurement policy; its `allow_mock` also decides whether a mock
+    /// receipt is accepted.
+    #[arg(long)]
+    pub policy: PathBuf,
+    /// The nonce (hex) the evidence was fetched with; without it the
+    /// evidence's freshness is not checked (a WARN line says so).
+    #[arg(long)]
+    pub evidence_nonce: Option<String>,
+    /// The exact request body the client sent (plaintext).
+    #[arg(long)]
+    pub request: Option<PathBuf>,
+    /// The exact response body the client received (plaintext: opened, if sealed).
+    #[arg(long)]
+    pub response: Option<PathBuf>,
+    /// The `receipt-nonce` (hex) the client sent with the request.
+    #[arg(long)]
+    pub nonce: Option<String>,
+    /// The receipt: raw COSE_Sign1 bytes (`GET /v1/receipts/{id}`), the
+    /// base64url text of the `receipt` response header, or the response
+    /// headers as `curl -D` saved them (the `receipt:` line is used).
+    #[arg(
+        long,
+        conflicts_with = "receipt_b64",
+        required_unless_present = "receipt_b64"
+    )]
+    pub receipt: Option<PathBuf>,
+    /// The receipt as base64url text (the `receipt` response header's value).
+    #[arg(long)]
+    pub receipt_b64: Option<String>,
+    /// Machine-readable output (one JSON document).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Status of a line of output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Status {
+    Pass,
+    Fail,
+    Skip,
+    Warn,
+    Info,
+}
+
+impl Status {
+    fn label(self) -> &'static str {
+        match self {
+            Status::Pass => "PASS",
+            Status::Fail => "FAIL",
+            Status::Skip => "SKIP",
+            Status::Warn => "WARN",
+            Status::Info => "INFO",
+        }
+    }
+
+    fn json(self) -> &'static str {
+        match self {
+            Status::Pass => "pass",
+            Status::Fail => "fail",
+            Status::Skip => "skipped",
+            Status::Warn => "warn",
+            Status::Info => "info",
+        }
+    }
+}
+
+/// One line of output.
+#[derive(Clone, Debug)]
+pub(crate) struct Line {
+    pub status: Status,
+    pub name: String,
+    pub detail: String,
+    pub reason: Option<&'static str>,
+}
+
+impl Line {
+    fn new(status: Status, name: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            name: name.into(),
+            detail: detail.into(),
+            reason: None,
+        }
+    }
+
+    pub(crate) fn text(&self) -> String {
+        let mut s = format!("{} {}: {}", self.status.label(), self.name, self.detail);
+        if let Some(r) = self.reason {
+            s += &format!(" [{r}]");
+        }
+        s
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        json!({
+            "name": self.name,
+            "status": self.status.json(),
+            "detail": self.detail,
+            "reason": self.reason,
+        })
+    }
+}
+
+/// The outcome of verifying a bundle.
+pub(crate) struct EvidenceOutcome {
+    pub lines: Vec<Line>,
+    pub verified: Option<VerifiedBundle>,
+    pub nonce_checked: bool,
+    pub nonce: Vec<u8>,
+}
+
+impl EvidenceOutcome {
+    /// Whether everything held.
+    pub fn ok(&self) -> bool {
+        self.verified.is_some() && self.lines.iter().all(|l| l.status != Status::Fail)
+    }
+
+    /// Machine-readable form.
+    pub fn to_json(&self) -> serde_json::Value {
+        let v = self.verified.as_ref();
+        json!({
+            "ok": self.ok(),
+            "nonce": hex::encode(&self.nonce),
+            "nonce_checked": self.nonce_checked,
+            "checks": self.lines.iter().map(Line::to_json).collect::<Vec<_>>(),
+            "mock": v.map(|v| v.mock),
+            "manifest_sha256": v.map(|v| v.manifest_digest.hex()),
+            "stages": v.map(|v| v.stage_keys.iter().zip(&v.measurements).map(|(k, m)| json!({
+                "index": k.stage_index,
+                "layers": k.layers,
+                "measurement": m,
+                "evidence_digest": k.evidence_digest.hex(),
+                "receipt_key": hex::encode(k.receipt_key),
+            })).collect::<Vec<_>>()),
+            "entry_keys": v.map(|v| v.entry_keys.iter().map(|k| json!({
+                "key_id": k.key_id,
+                "public_key": hex::encode(k.public_key),
+                "aeads": k.aeads.iter().map(|a| super::seal::aead_name(*a)).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>()),
+        })
+    }
+}
+
+/// Verifies `bundle` against `policy`. `nonce`: the one the verifier sent,
+/// or `None` to take the bundle's own (freshness then is not checked).
+pub(crate) fn verify_evidence(
+    bundle: &EvidenceBundle,
+    policy: &Policy,
+    nonce: Option<&[u8]>,
+) -> EvidenceOutcome {
+    let mut lines = Vec::new();
+    let nonce_checked = nonce.is_some();
+    let nonce = nonce.unwrap_or(&bundle.nonce).to_vec();
+    if !nonce_checked {
+        lines.push(Line::new(
+            Status::Warn,
+            "freshness",
+            format!(
+                "no --nonce given: using the bundle's own nonce ({}), so this does not show \
+                 that the evidence is fresh (it may be replayed)",
+                if bundle.nonce.is_empty() {
+                    "empty".to_string()
+                } else {
+                    hex::encode(&bundle.nonce)
+                }
+            ),
+        ));
+    }
+    let (checks, verified) = bundle.verify(policy, &nonce);
+    let mut measurement_failed = false;
+    for c in checks {
+        measurement_failed |= !c.ok && c.detail.contains("is not in the policy");
+        lines.push(Line::new(
+            if c.ok { Status::Pass } else { Status::Fail },
+            c.name,
+            c.detail,
+        ));
+    }
+    if measurement_failed && policy.trust_local_build {
+        lines.push(Line::new(
+            Status::Info,
+            "hint",
+            "trust_local_build applies only inside the gateway that launches the stages; an \
+             offline verifier accepts pinned measurements only (see docs/curl.md)",
+        ));
+    }
+    if let Some(v) = &verified {
+        if v.mock {
+            lines.push(Line::new(
+                Status::Warn,
+                "mock",
+                format!(
+                    "{} (accepted because the policy sets allow_mock = true)",
+                    proto::attestation::MOCK_WARNING
+                ),
+            ));
+        }
+    }
+    EvidenceOutcome {
+        lines,
+        verified,
+        nonce_checked,
+        nonce,
+    }
+}
+
+fn load_policy(path: &Path) -> Result<Policy> {
+    Policy::load(path).map_err(|e| anyhow!(e))
+}
+
+fn print_lines(lines: &[Line]) {
+    for l in lines {
+        println!("{}", l.text());
+    }
+}
+
+fn result_line(ok: bool, what: &str, lines: &[Line]) {
+    let failed = lines.iter().filter(|l| l.status == Status::Fail).count();
+    if ok {
+        println!("RESULT: OK ({what} verified)");
+    } else {
+        println!("RESULT: FAILED ({failed} check(s) failed)");
+    }
+}
+
+/// Runs `gateway verify …`; returns the exit code.
+pub fn run(cmd: VerifyCommand) -> Result<i32> {
+    match cmd {
+        VerifyCommand::Evidence(a) => run_evidence(a),
+        VerifyCommand::Receipt(a) => run_receipt(a),
+    }
+}
+
+fn run_evidence(a: EvidenceArgs) -> Result<i32> {
+    let policy = load_policy(&a.policy)?;
+    let bundle = load_bundle(&a.bundle)?;
+    let nonce = a
+        .nonce
+        .as_deref()
+        .map(|n| parse_hex("--nonce", n))
+        .transpose()?;
+    let out = verify_evidence(&bundle, &policy, nonce.as_deref());
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&out.to_json())?);
+    } else {
+        print_lines(&out.lines);
+        if let Some(v) = &out.verified {
+            for (k, m) in v.stage_keys.iter().zip(&v.measurements) {
+                println!(
+                    "INFO stage {}: layers [{}, {}), measurement {m}, receipt key {}",
+                    k.stage_index,
+                    k.layers[0],
+                    k.layers[1],
+                    hex::encode(k.receipt_key)
+                );
+            }
+            for k in &v.entry_keys {
+                println!(
+                    "INFO entry HPKE key: id {}, public key {}",
+                    k.key_id,
+                    hex::encode(k.public_key)
+                );
+            }
+        }
+        result_line(out.ok(), "evidence", &out.lines);
+    }
+    Ok(if out.ok() { EXIT_OK } else { EXIT_FAILED })
+}
+
+/// Reads a receipt: raw COSE_Sign1 bytes, or base64url/base64 text.
+pub(crate) fn decode_receipt_text(bytes: &[u8]) -> Result<Vec<u8>> {
+    // A COSE_Sign1 is a CBOR array of 4 (0x84); anything else is taken as text.
+    if bytes.first() == Some(&0x84) {
+        return Ok(bytes.to_vec());
+    }
+    let text = std::str::from_utf8(bytes)
+        .map_err(|_| anyhow!("the receipt is neither COSE_Sign1 bytes nor base64 text"))?
+        .trim();
+    // Response headers as `curl -D` saved them: take the `receipt:` line.
+    let header = text.lines().find_map(|l| {
+        l.split_once(':')
+            .filter(|(name, _)| name.trim().eq_ignore_ascii_case("receipt"))
+            .map(|(_, value)| value.trim())
+    });
+    let text = header.unwrap_or(text);
+    let engines = [
+        base64::engine::general_purpose::URL_SAFE_NO_PAD,
+        base64::engine::general_purpose::URL_SAFE,
+        base64::engine::general_purpose::STANDARD,
+        base64::engine::general_purpose::STANDARD_NO_PAD,
+    ];
+    engines
+        .iter()
+        .find_map(|e| e.decode(text).ok())
+        .ok_or_else(|| anyhow!("the receipt is neither COSE_Sign1 bytes nor base64(url) text"))
+}
+
+fn sealing_detail(s: Sealing) -> &'static str {
+    match s {
+        Sealing::Enclave => {
+            "the client sealed to the entry stage's enclave-held HPKE key: the host relayed ciphertext only"
+        }
+        Sealing::Gateway => {
+            "the client sealed to the gateway's own key: the gateway opened and re-sealed the request (the host saw plaintext)"
+        }
+        Sealing::Plain => {
+            "a plain request: the gateway sealed it to the entry stage (the host saw plaintext)"
+        }
+    }
+}
+
+fn receipt_info(r: &ReceiptBody, nonce_given: bool) -> Vec<Line> {
+    let mut out = vec![
+        Line::new(
+            Status::Info,
+            "receipt",
+            format!(
+                "id {}, endpoint {}, model {}, issued at {} ms, sequence {}, {} stage(s)",
+                hex::encode(r.receipt_id),
+                r.endpoint,
+                r.model_id,
+                r.issued_at_ms,
+                r.sequence,
+                r.chain.len()
+            ),
+        ),
+        Line::new(
+            Status::Info,
+            "sealing",
+            format!("{}: {}", r.sealing.as_str(), sealing_detail(r.sealing)),
+        ),
+        Line::new(
+            if r.mock { Status::Warn } else { Status::Info },
+            "mock",
+            if r.mock {
+                format!("yes: {}", proto::attestation::MOCK_WARNING)
+            } else {
+                "no: the receipt was made with hardware evidence".to_string()
+            },
+        ),
+    ];
+    if let (Some(n), false) = (&r.client_nonce, nonce_given) {
+        out.push(Line::new(
+            Status::Info,
+            "nonce",
+            format!(
+                "the receipt carries client nonce {} (not checked: pass --nonce)",
+                hex::encode(n)
+            ),
+        ));
+    }
+    out
+}
+
+fn run_receipt(a: ReceiptArgs) -> Result<i32> {
+    let policy = load_policy(&a.policy)?;
+    let bundle = load_bundle(&a.evidence)?;
+    let evidence_nonce = a
+        .evidence_nonce
+        .as_deref()
+        .map(|n| parse_hex("--evidence-nonce", n))
+        .transpose()?;
+    let receipt = match (&a.receipt, &a.receipt_b64) {
+        (Some(p), _) => decode_receipt_text(&read_input(p)?)
+            .with_context(|| format!("receipt {}", p.display()))?,
+        (None, Some(s)) => decode_receipt_text(s.as_bytes()).context("--receipt-b64")?,
+        (None, None) => bail!("give the receipt with --receipt FILE or --receipt-b64 STRING"),
+    };
+    let request = a.request.as_deref().map(read_input).transpose()?;
+    let response = a.response.as_deref().map(read_input).transpose()?;
+    let nonce = a
+        .nonce
+        .as_deref()
+        .map(|n| parse_hex("--nonce", n))
+        .transpose()?;
+
+    let mut evidence = verify_evidence(&bundle, &policy, evidence_nonce.as_deref());
+    for l in &mut evidence.lines {
+        if matches!(l.status, Status::Pass | Status::Fail) {
+            l.name = format!("evidence.{}", l.name);
+        }
+    }
+    let Some(verified) = evidence.verified.clone().filter(|_| evidence.ok()) else {
+        if a.json {
+            let doc = json!({
+                "ok": false,
+                "reason": "evidence_not_verified",
+                "evidence": evidence.to_json(),
+                "receipt": serde_json::Value::Null,
+            });
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            print_lines(&evidence.lines);
+            println!("FAIL receipt: not checked: the evidence does not verify against the policy [evidence_not_verified]");
+            result_line(false, "receipt", &evidence.lines);
+        }
+        return Ok(EXIT_FAILED);
+    };
+
+    let mut inputs = VerifyInputs::new(&receipt, &verified.stage_keys);
+    inputs.request = request.as_deref();
+    inputs.response = response.as_deref();
+    inputs.expected_nonce = nonce.as_deref();
+    inputs.expected_manifest = Some(verified.manifest_digest);
+    inputs.allow_mock = policy.allow_mock;
+    let report = verify_receipt(&inputs);
+    let ok = report.ok();
+
+    if a.json {
+        let mut doc = json!({
+            "ok": ok,
+            "reason": report.failure().map(|e| e.code()),
+            "evidence": evidence.to_json(),
+            "receipt": report.to_json(),
+        });
+        if let Some(r) = &report.receipt {
+            doc["sealing"] = json!(r.sealing.as_str());
+            doc["mock"] = json!(r.mock);
+        }
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        let mut lines = evidence.lines.clone();
+        for c in &report.checks {
+            lines.push(Line {
+                status: match c.status {
+                    CheckStatus::Pass => Status::Pass,
+                    CheckStatus::Fail => Status::Fail,
+                    CheckStatus::Skipped => Status::Skip,
+                },
+                name: c.name.clone(),
+                detail: c.detail.clone(),
+                reason: c.error.as_ref().map(|e| e.code()),
+            });
+        }
+        if let Some(r) = &report.receipt {
+            lines.extend(receipt_info(r, nonce.is_some()));
+        }
+        print_lines(&lines);
+        match report.failure() {
+            None => result_line(true, "receipt", &lines),
+            Some(e) => {
+                let failed = lines.iter().filter(|l| l.status == Status::Fail).count();
+                println!(
+                    "RESULT: FAILED ({failed} check(s) failed; first: {})",
+                    e.code()
+                );
+            }
+        }
+    }
+    Ok(if ok { EXIT_OK } else { EXIT_FAILED })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn receipt_text_forms() {
+        let raw = vec![0x84, 1, 2, 3, 0xff];
+        assert_eq!(decode_receipt_text(&raw).unwrap(), raw);
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&raw);
+        assert_eq!(decode_receipt_text(b64.as_bytes()).unwrap(), raw);
+        assert_eq!(
+            decode_receipt_text(format!("{b64}\n").as_bytes()).unwrap(),
+            raw
+        );
+        assert_eq!(
+            decode_receipt_text(format!("Receipt: {b64}\r\n").as_bytes()).unwrap(),
+            raw
+        );
+        let dump = format!("HTTP/1.1 200 OK\r\nreceipt-id: 00ff\r\nReceipt: {b64}\r\n\r\n");
+        assert_eq!(decode_receipt_text(dump.as_bytes()).unwrap(), raw);
+        assert!(decode_receipt_text(b"not base64 at all!").is_err());
+    }
+}

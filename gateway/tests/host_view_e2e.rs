@@ -1,0 +1,121 @@
+//! What the host can see: stages started by the test, the gateway in
+//! `launch = "remote"` mode, and recording relays on every stage link. No
+//! prompt, no response and no client ciphertext ever crosses a link in the
+//! clear, and the only HPKE key the gateway holds (its own) cannot open a
+//! body sealed to the enclave key.
+
+mod common;
+
+use common::*;
+use proto::attestation::mock_measurement;
+use proto::digest::Sha256Digest;
+use proto::manifest::LoadedManifest;
+use proto::sealing::{seal_request, Aead, KeyConfig};
+use serde_json::json;
+
+const MODEL: &str = "all-MiniLM-L6-v2";
+
+#[tokio::test]
+async fn the_host_relays_only_ciphertext() {
+    let dir = temp_dir("hostview");
+    let manifest = LoadedManifest::load(&model_dir()).unwrap();
+    let measurement = mock_measurement(
+        &Sha256Digest::of_file(&stage_binary()).unwrap(),
+        &manifest.digest,
+    );
+    // Remote stages are not launched by the gateway, so it cannot vouch for
+    // "the local build": the measurement is pinned.
+    let policy = format!(
+        "allow_mock = true\ntrust_local_build = true\n[[stages]]\nindex = 0\nlayers = [0, 3]\nmeasurements = [\"{m}\"]\n[[stages]]\nindex = 1\nlayers = [3, 6]\nmeasurements = [\"{m}\"]\n",
+        m = measurement.pinned_form()
+    );
+    let policy_path = dir.join("stage-policy.toml");
+    std::fs::write(&policy_path, &policy).unwrap();
+    let s1 = StageProc::start(1, 2, [3, 6], &policy_path, &dir);
+    let s0 = StageProc::start(0, 2, [0, 3], &policy_path, &dir);
+    let r1 = CaptureRelay::start(&s1.endpoint);
+    let r0 = CaptureRelay::start(&s0.endpoint);
+    let gw = Gateway::start(Options {
+        policy: Some(policy.clone()),
+        remote: Some(vec![r0.endpoint.clone(), r1.endpoint.clone()]),
+        ..Options::default()
+    });
+
+    // A plain request: the gateway sees it, the links do not.
+    let plain_marker = "PLAINTEXT-MARKER-c81f2e";
+    let (s, b) = embed(
+        &gw.url,
+        json!({"model": MODEL, "input": [plain_marker, "second input"]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+
+    // A request sealed by the client to the enclave key.
+    let keys = client()
+        .get(format!("{}/.well-known/hpke-keys", gw.url))
+        .send()
+        .await
+        .unwrap();
+    let keys = KeyConfig::decode_list(&keys.bytes().await.unwrap()).unwrap();
+    let enclave = keys.iter().find(|k| k.key_id < 0x80).unwrap();
+    let sealed_marker = "SEALED-MARKER-99ab01";
+    let request = serde_json::to_vec(&json!({"model": MODEL, "input": sealed_marker})).unwrap();
+    let (headers, body, _) = seal_request(enclave, Aead::Aes128Gcm, &request).unwrap();
+    let mut rb = client()
+        .post(format!("{}/v1/embeddings", gw.url))
+        .body(body.clone());
+    for (k, v) in headers.to_header_values() {
+        rb = rb.header(k, v);
+    }
+    let r = rb.send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let sealed_response = r.bytes().await.unwrap();
+
+    assert!(
+        r0.len() > 0 && r1.len() > 0,
+        "the relays carried the traffic"
+    );
+    for relay in [&r0, &r1] {
+        for needle in [
+            plain_marker.as_bytes(),
+            sealed_marker.as_bytes(),
+            b"\"embedding\"",
+            b"second input",
+        ] {
+            assert!(
+                !relay.saw(needle),
+                "{:?} crossed a stage link in the clear",
+                String::from_utf8_lossy(needle)
+            );
+        }
+        // Not even the client's ciphertext or the sealed answer appear verbatim:
+        // every link adds its own channel encryption.
+        assert!(!relay.saw(&body[body.len() - 32..]));
+        assert!(!relay.saw(&sealed_response[sealed_response.len() - 32..]));
+    }
+
+    // The gateway's own key (the only HPKE private key it holds) cannot open
+    // what the client sealed to the enclave.
+    let mut rb = client()
+        .post(format!("{}/v1/embeddings", gw.url))
+        .body(body);
+    let [(kid, _), (aead_h, aead_v), (enc_h, enc_v)] = headers.to_header_values();
+    rb = rb
+        .header(kid, "128")
+        .header(aead_h, aead_v)
+        .header(enc_h, enc_v);
+    let r = rb.send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let e: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("cannot be opened"),
+        "{e}"
+    );
+
+    // And what the gateway logged carries no content either.
+    let log = gw.log();
+    assert!(!log.contains(plain_marker) && !log.contains(sealed_marker));
+}
