@@ -41,29 +41,6 @@ fn p(path: &Path) -> &str {
     path.to_str().unwrap()
 }
 
-/// A client's policy text: the measurements the gateway reports, pinned.
-async fn client_policy_text(url: &str) -> String {
-    let ready: serde_json::Value = client()
-        .get(format!("{url}/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let mut text = String::from("allow_mock = true\n");
-    for s in ready["stages"].as_array().unwrap() {
-        text += &format!(
-            "[[stages]]\nindex = {}\nlayers = [{}, {}]\nmeasurements = [\"{}\"]\n",
-            s["index"],
-            s["layers"][0],
-            s["layers"][1],
-            s["measurement"].as_str().unwrap()
-        );
-    }
-    text
-}
-
 /// Saves `/v1/attestation?nonce=` as CBOR and as JSON.
 async fn save_evidence(url: &str, nonce: &[u8], dir: &Path) -> (PathBuf, PathBuf) {
     let get = |accept: &'static str| {

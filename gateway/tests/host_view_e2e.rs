@@ -61,13 +61,7 @@ async fn the_host_relays_only_ciphertext() {
     let sealed_marker = "SEALED-MARKER-99ab01";
     let request = serde_json::to_vec(&json!({"model": MODEL, "input": sealed_marker})).unwrap();
     let (headers, body, _) = seal_request(enclave, Aead::Aes128Gcm, &request).unwrap();
-    let mut rb = client()
-        .post(format!("{}/v1/embeddings", gw.url))
-        .body(body.clone());
-    for (k, v) in headers.to_header_values() {
-        rb = rb.header(k, v);
-    }
-    let r = rb.send().await.unwrap();
+    let r = post_sealed(&gw.url, &headers, body.clone()).await;
     assert_eq!(r.status(), 200);
     let sealed_response = r.bytes().await.unwrap();
 

@@ -15,25 +15,7 @@ const MODEL: &str = "all-MiniLM-L6-v2";
 
 /// A client's policy: the measurements the gateway reports, pinned, mock allowed.
 async fn client_policy(url: &str) -> Policy {
-    let ready: serde_json::Value = client()
-        .get(format!("{url}/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let mut text = String::from("allow_mock = true\n");
-    for s in ready["stages"].as_array().unwrap() {
-        text += &format!(
-            "[[stages]]\nindex = {}\nlayers = [{}, {}]\nmeasurements = [\"{}\"]\n",
-            s["index"],
-            s["layers"][0],
-            s["layers"][1],
-            s["measurement"].as_str().unwrap()
-        );
-    }
-    Policy::from_toml(&text).unwrap()
+    Policy::from_toml(&client_policy_text(url).await).unwrap()
 }
 
 async fn bundle(url: &str, nonce: &[u8]) -> EvidenceBundle {
@@ -215,13 +197,7 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
         serde_json::to_vec(&json!({"model": MODEL, "input": "via the gateway key"})).unwrap();
     let (headers, body, client_key) =
         seal_request(&gateway_keys[0], Aead::ChaCha20Poly1305, &request).unwrap();
-    let mut rb = client()
-        .post(format!("{}/v1/embeddings", gw.url))
-        .body(body);
-    for (k, v) in headers.to_header_values() {
-        rb = rb.header(k, v);
-    }
-    let r = rb.send().await.unwrap();
+    let r = post_sealed(&gw.url, &headers, body).await;
     assert_eq!(r.status(), 200);
     let receipt = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(r.headers()["receipt"].to_str().unwrap())
@@ -239,13 +215,7 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
     let mut stale = keys[0].clone();
     stale.key_id = (1..=0x7f).find(|id| *id != keys[0].key_id).unwrap();
     let (headers, body, _) = seal_request(&stale, Aead::Aes128Gcm, b"{}").unwrap();
-    let mut rb = client()
-        .post(format!("{}/v1/embeddings", gw.url))
-        .body(body);
-    for (k, v) in headers.to_header_values() {
-        rb = rb.header(k, v);
-    }
-    let r = rb.send().await.unwrap();
+    let r = post_sealed(&gw.url, &headers, body).await;
     assert_eq!(r.status(), 400);
     let e: serde_json::Value = r.json().await.unwrap();
     assert_eq!(e["error"]["code"], "hpke_key_unknown");
@@ -259,13 +229,7 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
         seal_request(&keys[0], Aead::Aes128Gcm, b"{\"model\":\"x\"}").unwrap();
     let n = body.len();
     body[n - 1] ^= 1;
-    let mut rb = client()
-        .post(format!("{}/v1/embeddings", gw.url))
-        .body(body);
-    for (k, v) in headers.to_header_values() {
-        rb = rb.header(k, v);
-    }
-    let r = rb.send().await.unwrap();
+    let r = post_sealed(&gw.url, &headers, body).await;
     assert_eq!(r.status(), 400);
     let e: serde_json::Value = r.json().await.unwrap();
     assert!(
@@ -283,13 +247,7 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
         b"{\"model\":\"nope\",\"input\":\"x\"}",
     )
     .unwrap();
-    let mut rb = client()
-        .post(format!("{}/v1/embeddings", gw.url))
-        .body(body);
-    for (k, v) in headers.to_header_values() {
-        rb = rb.header(k, v);
-    }
-    let r = rb.send().await.unwrap();
+    let r = post_sealed(&gw.url, &headers, body).await;
     assert_eq!(r.status(), 404);
     let plain = open_response(&client_key, &r.bytes().await.unwrap()).unwrap();
     let e: serde_json::Value = serde_json::from_slice(&plain).unwrap();

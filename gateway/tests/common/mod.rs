@@ -345,6 +345,43 @@ impl CaptureRelay {
     }
 }
 
+/// A client's policy text: the measurements the gateway reports, pinned,
+/// mock allowed (trust on first use: for tests against a local gateway).
+pub async fn client_policy_text(url: &str) -> String {
+    let ready: serde_json::Value = client()
+        .get(format!("{url}/readyz"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut text = String::from("allow_mock = true\n");
+    for s in ready["stages"].as_array().unwrap() {
+        text += &format!(
+            "[[stages]]\nindex = {}\nlayers = [{}, {}]\nmeasurements = [\"{}\"]\n",
+            s["index"],
+            s["layers"][0],
+            s["layers"][1],
+            s["measurement"].as_str().unwrap()
+        );
+    }
+    text
+}
+
+/// POSTs a sealed body to `/v1/embeddings` with its sealing headers.
+pub async fn post_sealed(
+    url: &str,
+    headers: &proto::sealing::SealedHeaders,
+    body: Vec<u8>,
+) -> reqwest::Response {
+    let mut rb = client().post(format!("{url}/v1/embeddings")).body(body);
+    for (k, v) in headers.to_header_values() {
+        rb = rb.header(k, v);
+    }
+    rb.send().await.unwrap()
+}
+
 /// An HTTP client for tests.
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
