@@ -1,6 +1,8 @@
 //! The HTTP API: routes, body limits, sealing for plain clients, relaying
 //! for sealed clients, receipts, evidence and published keys.
 
+use crate::auth::ApiKeys;
+use crate::metrics::Metrics;
 use crate::openai_error::ApiError;
 use crate::pipeline::{Failure, Pipeline, Reply};
 use crate::receipts::ReceiptStore;
@@ -51,6 +53,10 @@ pub struct AppState {
     pub receipts: Arc<ReceiptStore>,
     /// The gateway's own HPKE key (published as gateway-held).
     pub gateway_key: Arc<GatewayKey>,
+    /// API keys and their limits.
+    pub auth: Arc<ApiKeys>,
+    /// Prometheus metrics.
+    pub metrics: Arc<Metrics>,
 }
 
 /// Key id of the gateway-held HPKE key.
@@ -103,23 +109,51 @@ impl GatewayKey {
 }
 
 /// Builds the router.
+///
+/// With `[auth] enabled`, the API routes (embeddings, models, receipts) need
+/// a key. What a client needs before it can trust the gateway (evidence,
+/// published HPKE keys) and what operators probe (health, readiness,
+/// metrics) stay open.
 pub fn router(state: AppState) -> Router {
-    Router::new()
+    let keyed = Router::new()
         .route("/v1/embeddings", post(embeddings_handler))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/receipts/{id}", get(get_receipt))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.auth.clone(),
+            crate::auth::require_key,
+        ));
+    let open = Router::new()
         .route("/v1/attestation", get(attestation))
         .route("/.well-known/hpke-keys", get(hpke_keys))
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_handler));
+    keyed
+        .merge(open)
         .fallback(|method: Method, uri: Uri| async move {
             ApiError::unknown_route(method.as_str(), uri.path())
         })
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
             ApiError::method_not_allowed(method.as_str(), uri.path())
         })
+        .layer(axum::middleware::from_fn_with_state(
+            state.metrics.clone(),
+            crate::metrics::track,
+        ))
         .with_state(state)
+}
+
+async fn metrics_handler(State(s): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        s.metrics.render(Some(&s.pipeline)),
+    )
+        .into_response()
 }
 
 fn model_json(id: &str) -> serde_json::Value {
@@ -360,6 +394,7 @@ async fn relay_inner(
         })
         .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("Bad sealing headers: {e}")))?;
         if sealed.key_id == s.gateway_key.key_id() {
+            s.metrics.sealing(Sealing::Gateway);
             return via_gateway_key(s, endpoint, &keys, &sealed, &bytes, nonce).await;
         }
         if !keys
@@ -368,6 +403,7 @@ async fn relay_inner(
         {
             return Err(ApiError::unknown_key(sealed.key_id));
         }
+        s.metrics.sealing(Sealing::Enclave);
         let reply = s
             .pipeline
             .submit(
@@ -398,6 +434,7 @@ async fn relay_inner(
         });
     }
     // A plain OpenAI client: the gateway seals to the entry stage itself.
+    s.metrics.sealing(Sealing::Plain);
     let (status, body, receipt) =
         seal_to_entry(s, endpoint, &keys, &bytes, nonce, Sealing::Plain).await?;
     let mut r = json_response(status, body);
@@ -518,4 +555,5 @@ fn attach_receipt(s: &AppState, r: &mut Response, id: [u8; 16], receipt: Vec<u8>
         }
     }
     s.receipts.insert(id, receipt);
+    s.metrics.receipt_issued();
 }

@@ -15,6 +15,43 @@ pub struct GatewayConfig {
     pub server: ServerConfig,
     /// The stage pipeline.
     pub pipeline: PipelineConfig,
+    /// API keys and per-key limits (off by default).
+    #[serde(default)]
+    pub auth: AuthConfig,
+}
+
+/// `[auth]`: API keys for the `/v1/*` routes.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Require `Authorization: Bearer <token>` on `/v1/*`.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Limit for keys that do not set `requests_per_minute` (none: unlimited).
+    #[serde(default)]
+    pub default_requests_per_minute: Option<u32>,
+    /// Limit for keys that do not set `max_concurrent` (none: unlimited).
+    #[serde(default)]
+    pub default_max_concurrent: Option<u32>,
+    /// Keys given by their SHA-256 digest.
+    #[serde(default)]
+    pub keys: Vec<ApiKeyConfig>,
+}
+
+/// `[[auth.keys]]` (or an inline table in `auth.keys`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyConfig {
+    /// A label for logs (never the token).
+    pub name: String,
+    /// SHA-256 of the token, 64 hex digits (`gateway hash-key`).
+    pub sha256: String,
+    /// Token-bucket rate: requests per minute (bursts up to this many).
+    #[serde(default)]
+    pub requests_per_minute: Option<u32>,
+    /// Requests this key may have in flight at once.
+    #[serde(default)]
+    pub max_concurrent: Option<u32>,
 }
 
 /// `[server]`.
@@ -142,6 +179,34 @@ impl GatewayConfig {
         if p.threads_per_stage == 0 {
             bail!("pipeline.threads_per_stage: must be at least 1");
         }
+        let a = &self.auth;
+        if a.default_requests_per_minute == Some(0) {
+            bail!("auth.default_requests_per_minute: must be at least 1 (omit it for no limit)");
+        }
+        if a.default_max_concurrent == Some(0) {
+            bail!("auth.default_max_concurrent: must be at least 1 (omit it for no limit)");
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, k) in a.keys.iter().enumerate() {
+            if k.name.is_empty() {
+                bail!("auth.keys[{i}].name: must not be empty");
+            }
+            if !names.insert(k.name.as_str()) {
+                bail!("auth.keys[{i}].name: duplicate name {:?}", k.name);
+            }
+            let ok = k.sha256.len() == 64 && hex::decode(&k.sha256).is_ok();
+            if !ok {
+                bail!("auth.keys[{i}].sha256: must be 64 hex digits (the SHA-256 of the token; see `gateway hash-key`)");
+            }
+            if k.requests_per_minute == Some(0) {
+                bail!(
+                    "auth.keys[{i}].requests_per_minute: must be at least 1 (omit it for no limit)"
+                );
+            }
+            if k.max_concurrent == Some(0) {
+                bail!("auth.keys[{i}].max_concurrent: must be at least 1 (omit it for no limit)");
+            }
+        }
         Ok(())
     }
 
@@ -154,5 +219,47 @@ impl GatewayConfig {
                 Ok(me.with_file_name("enclave-stage"))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_config_loads_with_auth_off() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml");
+        let cfg = GatewayConfig::load(&path).unwrap();
+        assert!(!cfg.auth.enabled);
+        assert!(cfg.auth.keys.is_empty());
+        assert_eq!(cfg.server.receipt_retention, 10_000);
+    }
+
+    #[test]
+    fn auth_keys_are_validated_by_name() {
+        let base = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml"),
+        )
+        .unwrap()
+        .replace("[auth]\nenabled = false", "[auth]\nenabled = true");
+        let with = |keys: &str| {
+            let text = base.replace("keys = [", &format!("keys = [{keys},"));
+            let cfg: GatewayConfig = toml::from_str(&text).unwrap();
+            cfg.validate().map_err(|e| e.to_string())
+        };
+        let d = "ab".repeat(32);
+        assert!(with(&format!("{{ name = \"a\", sha256 = \"{d}\" }}")).is_ok());
+        let e = with(&format!(
+            "{{ name = \"a\", sha256 = \"{d}\" }}, {{ name = \"a\", sha256 = \"{d}\" }}"
+        ))
+        .unwrap_err();
+        assert!(e.contains("auth.keys[1].name"), "{e}");
+        let e = with(&format!(
+            "{{ name = \"a\", sha256 = \"{d}\", requests_per_minute = 0 }}"
+        ))
+        .unwrap_err();
+        assert!(e.contains("auth.keys[0].requests_per_minute"), "{e}");
+        let e = with("{ name = \"a\", sha256 = \"xyz\" }").unwrap_err();
+        assert!(e.contains("auth.keys[0].sha256"), "{e}");
     }
 }

@@ -4,9 +4,11 @@
 //! The client verbs (`verify`, `seal`, `open`, `proxy`) are in [`cli`].
 
 mod api;
+mod auth;
 mod cli;
 mod config;
 mod launcher;
+mod metrics;
 mod openai_error;
 mod pipeline;
 mod receipts;
@@ -35,6 +37,8 @@ struct Cli {
 enum Command {
     /// Start the stages (local launch) or connect to them, verify them, and serve the API.
     Serve(ServeArgs),
+    /// Print the SHA-256 (hex) of an API token read from stdin, for `[[auth.keys]] sha256`.
+    HashKey,
     #[command(flatten)]
     Client(cli::ClientCommand),
 }
@@ -60,6 +64,7 @@ fn main() -> Result<()> {
     let args = match cli.command {
         Some(Command::Serve(a)) => a,
         Some(Command::Client(c)) => std::process::exit(cli::run(c)),
+        Some(Command::HashKey) => return hash_key(),
         None => ServeArgs {
             config: "config/gateway.toml".into(),
             listen: None,
@@ -71,10 +76,42 @@ fn main() -> Result<()> {
         .block_on(serve(args))
 }
 
+/// `gateway hash-key`: one token on stdin (a trailing newline is ignored).
+fn hash_key() -> Result<()> {
+    use std::io::Read;
+    let mut token = String::new();
+    std::io::stdin()
+        .read_to_string(&mut token)
+        .context("reading the token from stdin")?;
+    let token = token.trim_end_matches(['\n', '\r']);
+    if token.is_empty() {
+        anyhow::bail!("no token on stdin");
+    }
+    println!("{}", hex::encode(auth::digest(token.as_bytes())));
+    Ok(())
+}
+
 async fn serve(args: ServeArgs) -> Result<()> {
     let mut cfg = GatewayConfig::load(&args.config)?;
     if let Some(l) = args.listen {
         cfg.server.listen = l;
+    }
+    let metrics = std::sync::Arc::new(metrics::Metrics::default());
+    let env_keys = std::env::var(auth::ENV_KEYS).ok();
+    let api_keys = auth::ApiKeys::from_config(&cfg.auth, env_keys.as_deref(), metrics.clone())?;
+    if api_keys.enabled() {
+        tracing::info!(
+            keys = api_keys.len(),
+            "API keys required on /v1/embeddings, /v1/models, /v1/receipts"
+        );
+    } else {
+        if env_keys.is_some() {
+            tracing::warn!(
+                "{} is set but auth.enabled = false: keys are not checked",
+                auth::ENV_KEYS
+            );
+        }
+        tracing::warn!("auth.enabled = false: the API is open to anyone who can reach it");
     }
     let policy = Policy::load(&cfg.pipeline.policy).map_err(anyhow::Error::msg)?;
     let manifest = LoadedManifest::load(&cfg.pipeline.model_dir)
@@ -166,6 +203,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
         },
         receipts: std::sync::Arc::new(receipts::ReceiptStore::new(cfg.server.receipt_retention)),
         gateway_key: std::sync::Arc::new(api::GatewayKey::generate()),
+        auth: std::sync::Arc::new(api_keys),
+        metrics,
     };
     let listener = tokio::net::TcpListener::bind(&cfg.server.listen)
         .await

@@ -130,6 +130,10 @@ pub struct Pipeline {
     epoch: AtomicU64,
     broken: Notify,
     limits: ChannelLimits,
+    /// Times the pipeline was re-established after breaking (metrics).
+    pub reconnects: AtomicU64,
+    /// Connection attempts refused by policy (metrics).
+    pub attestation_failures: AtomicU64,
 }
 
 impl Pipeline {
@@ -163,6 +167,8 @@ impl Pipeline {
             epoch: AtomicU64::new(0),
             broken: Notify::new(),
             limits: ChannelLimits::default(),
+            reconnects: AtomicU64::new(0),
+            attestation_failures: AtomicU64::new(0),
         }))
     }
 
@@ -195,9 +201,23 @@ impl Pipeline {
         }
     }
 
+    /// How many stages the pipeline has.
+    pub fn stage_count(&self) -> usize {
+        self.targets.lock().unwrap().len()
+    }
+
     /// Connects once; on failure says why (naming the stage) and whether the
-    /// stage was reached but refused by policy (`rejected`).
+    /// stage was reached but refused by policy (`rejected`, also counted in
+    /// `attestation_failures`).
     pub async fn connect(self: &Arc<Self>) -> Result<(), ConnectError> {
+        let r = self.connect_once().await;
+        if matches!(&r, Err(e) if e.rejected) {
+            self.attestation_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    async fn connect_once(self: &Arc<Self>) -> Result<(), ConnectError> {
         let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
         let targets = self.targets.lock().unwrap().clone();
         let n = targets.len();
@@ -489,6 +509,7 @@ impl Pipeline {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 match self.connect().await {
                     Ok(()) => {
+                        self.reconnects.fetch_add(1, Ordering::Relaxed);
                         tracing::info!("pipeline reconnected");
                         self.log_verified();
                         break;

@@ -601,9 +601,14 @@ async fn sealed_inner(
 }
 
 /// Forwards a GET unchanged (model listing: nothing confidential).
-async fn forward_get(s: &Proxy, path: &str) -> Response {
+async fn forward_get(s: &Proxy, path: &str, headers: &HeaderMap) -> Response {
     let url = format!("{}{path}", s.upstream);
-    let r = match s.client.get(&url).send().await {
+    let mut req = s.client.get(&url);
+    // The client's API key, if any, is for the gateway: pass it on.
+    if let Some(auth) = headers.get(header::AUTHORIZATION) {
+        req = req.header(header::AUTHORIZATION, auth.clone());
+    }
+    let r = match req.send().await {
         Ok(r) => r,
         Err(e) => {
             return bad_gateway("upstream_unreachable", format!("GET {path}: {e}")).into_response()
@@ -637,12 +642,14 @@ fn router(state: AppState) -> Router {
         )
         .route(
             "/v1/models",
-            get(|State(s): State<AppState>| async move { forward_get(&s, "/v1/models").await }),
+            get(|State(s): State<AppState>, h: HeaderMap| async move {
+                forward_get(&s, "/v1/models", &h).await
+            }),
         )
         .route(
             "/v1/models/{id}",
             get(
-                |State(s): State<AppState>, UrlPath(id): UrlPath<String>| async move {
+                |State(s): State<AppState>, h: HeaderMap, UrlPath(id): UrlPath<String>| async move {
                     if id.is_empty()
                         || !id
                             .bytes()
@@ -650,7 +657,7 @@ fn router(state: AppState) -> Router {
                     {
                         return ApiError::model_not_found(&id).into_response();
                     }
-                    forward_get(&s, &format!("/v1/models/{id}")).await
+                    forward_get(&s, &format!("/v1/models/{id}"), &h).await
                 },
             ),
         )

@@ -46,6 +46,8 @@ pub struct Options {
     pub env: Vec<(String, String)>,
     /// Stage addresses for `launch = "remote"` (`None`: local launch).
     pub remote: Option<Vec<String>>,
+    /// Extra top-level tables (e.g. `[auth]`), appended at the end.
+    pub extra: String,
 }
 
 impl Default for Options {
@@ -57,6 +59,7 @@ impl Default for Options {
             server_extra: String::new(),
             env: Vec::new(),
             remote: None,
+            extra: String::new(),
         }
     }
 }
@@ -109,6 +112,7 @@ fn write_config(opts: &Options, dir: &Path) -> PathBuf {
             cfg += &format!("address = {:?}\n", addrs[i]);
         }
     }
+    cfg += &opts.extra;
     let path = dir.join("gateway.toml");
     std::fs::write(&path, cfg).unwrap();
     path
