@@ -72,6 +72,31 @@ pub struct ServerConfig {
     /// How many recent receipts `GET /v1/receipts/{id}` keeps.
     #[serde(default = "default_receipt_retention")]
     pub receipt_retention: usize,
+    /// Serve plain HTTP on a non-loopback `listen` address (without
+    /// `[server.tls]`); refused at start unless set.
+    #[serde(default)]
+    pub allow_plain_http: bool,
+    /// `[server.tls]`: serve HTTPS (none: plain HTTP).
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
+}
+
+/// `[server.tls]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+}
+
+/// Whether a `listen` address is on loopback (`127.0.0.0/8`, `::1`, `localhost`).
+pub fn is_loopback(listen: &str) -> bool {
+    if let Ok(a) = listen.parse::<std::net::SocketAddr>() {
+        return a.ip().is_loopback();
+    }
+    matches!(listen.rsplit_once(':'), Some((host, _)) if host.eq_ignore_ascii_case("localhost"))
 }
 
 /// How the gateway reaches the stages.
@@ -173,6 +198,7 @@ impl GatewayConfig {
                 bail!("pipeline.stages[{i}].address: required when pipeline.launch = \"remote\"");
             }
         }
+        self.check_listen()?;
         if self.server.max_inputs == 0 {
             bail!("server.max_inputs: must be at least 1");
         }
@@ -206,6 +232,21 @@ impl GatewayConfig {
             if k.max_concurrent == Some(0) {
                 bail!("auth.keys[{i}].max_concurrent: must be at least 1 (omit it for no limit)");
             }
+        }
+        Ok(())
+    }
+
+    /// Refuses plain HTTP on a non-loopback address unless
+    /// `server.allow_plain_http` is set (run again after `--listen`).
+    pub fn check_listen(&self) -> Result<()> {
+        let s = &self.server;
+        if s.tls.is_none() && !s.allow_plain_http && !is_loopback(&s.listen) {
+            bail!(
+                "server.allow_plain_http: refusing plain HTTP on non-loopback address {:?}; \
+                 configure [server.tls] (cert, key) or set server.allow_plain_http = true \
+                 (e.g. behind a TLS-terminating proxy)",
+                s.listen
+            );
         }
         Ok(())
     }
@@ -261,5 +302,45 @@ mod tests {
         assert!(e.contains("auth.keys[0].requests_per_minute"), "{e}");
         let e = with("{ name = \"a\", sha256 = \"xyz\" }").unwrap_err();
         assert!(e.contains("auth.keys[0].sha256"), "{e}");
+    }
+
+    #[test]
+    fn plain_http_off_loopback_needs_the_key() {
+        let base = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml"),
+        )
+        .unwrap();
+        let with = |listen: &str, extra: &str| {
+            let text = base.replace(
+                "listen = \"127.0.0.1:8080\"",
+                &format!("listen = {listen:?}\n{extra}"),
+            );
+            let cfg: GatewayConfig = toml::from_str(&text).unwrap();
+            cfg.validate().map_err(|e| e.to_string())
+        };
+        for ok in [
+            "127.0.0.1:8080",
+            "[::1]:8080",
+            "localhost:8080",
+            "127.0.0.2:1",
+        ] {
+            assert!(with(ok, "").is_ok(), "{ok}");
+        }
+        for bad in [
+            "0.0.0.0:8080",
+            "[::]:8080",
+            "10.0.0.1:80",
+            "gateway.example:443",
+        ] {
+            let e = with(bad, "").unwrap_err();
+            assert!(e.contains("server.allow_plain_http"), "{bad}: {e}");
+        }
+        assert!(with("0.0.0.0:8080", "allow_plain_http = true").is_ok());
+        let tls = "[server.tls]\ncert = \"c.pem\"\nkey = \"k.pem\"\n";
+        let text = base.replace("[pipeline]", &format!("{tls}\n[pipeline]"));
+        let text = text.replace("127.0.0.1:8080", "0.0.0.0:8443");
+        let cfg: GatewayConfig = toml::from_str(&text).unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.server.tls.unwrap().cert, PathBuf::from("c.pem"));
     }
 }

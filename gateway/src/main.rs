@@ -12,6 +12,7 @@ mod metrics;
 mod openai_error;
 mod pipeline;
 mod receipts;
+mod tls;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -39,6 +40,9 @@ enum Command {
     Serve(ServeArgs),
     /// Print the SHA-256 (hex) of an API token read from stdin, for `[[auth.keys]] sha256`.
     HashKey,
+    /// Load and validate the config (and the policy, model manifest and TLS
+    /// files it names) without starting anything; exit 0 when it is valid.
+    CheckConfig(CheckConfigArgs),
     #[command(flatten)]
     Client(cli::ClientCommand),
 }
@@ -53,6 +57,13 @@ struct ServeArgs {
     listen: Option<String>,
 }
 
+#[derive(clap::Args, Debug)]
+struct CheckConfigArgs {
+    /// Config file.
+    #[arg(long, default_value = "config/gateway.toml")]
+    config: PathBuf,
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -65,6 +76,7 @@ fn main() -> Result<()> {
         Some(Command::Serve(a)) => a,
         Some(Command::Client(c)) => std::process::exit(cli::run(c)),
         Some(Command::HashKey) => return hash_key(),
+        Some(Command::CheckConfig(a)) => std::process::exit(check_config(&a.config)),
         None => ServeArgs {
             config: "config/gateway.toml".into(),
             listen: None,
@@ -91,11 +103,113 @@ fn hash_key() -> Result<()> {
     Ok(())
 }
 
+/// `gateway check-config`: `OK …` with a summary on stdout and exit 0, or
+/// the error (naming the bad key) on stderr and exit 1.
+fn check_config(path: &std::path::Path) -> i32 {
+    match check_config_summary(path) {
+        Ok(summary) => {
+            println!("OK {}: {summary}", path.display());
+            0
+        }
+        Err(e) => {
+            eprintln!("config error: {e:#}");
+            1
+        }
+    }
+}
+
+fn check_config_summary(path: &std::path::Path) -> Result<String> {
+    let cfg = GatewayConfig::load(path)?;
+    let scheme = match &cfg.server.tls {
+        Some(t) => {
+            tls::load_pair(&t.cert, &t.key)
+                .with_context(|| format!("config {}", path.display()))?;
+            "https"
+        }
+        None => "http",
+    };
+    let metrics = std::sync::Arc::new(metrics::Metrics::default());
+    let env_keys = std::env::var(auth::ENV_KEYS).ok();
+    let keys = auth::ApiKeys::from_config(&cfg.auth, env_keys.as_deref(), metrics)
+        .with_context(|| format!("config {}", path.display()))?;
+    let policy = Policy::load(&cfg.pipeline.policy)
+        .map_err(|e| anyhow::anyhow!("config {}: pipeline.policy: {e}", path.display()))?;
+    let manifest = LoadedManifest::load(&cfg.pipeline.model_dir).map_err(|e| {
+        anyhow::anyhow!(
+            "config {}: pipeline.model_dir: {}: {e}",
+            path.display(),
+            cfg.pipeline.model_dir.display()
+        )
+    })?;
+    if cfg.pipeline.launch == Launch::Local {
+        let bin = cfg.stage_binary()?;
+        if !bin.exists() {
+            anyhow::bail!(
+                "config {}: pipeline.stage_binary: {} does not exist",
+                path.display(),
+                bin.display()
+            );
+        }
+    }
+    let auth = if keys.enabled() {
+        format!("auth on ({} keys)", keys.len())
+    } else {
+        "auth off".to_string()
+    };
+    Ok(format!(
+        "{scheme}://{}, model {}, {} stages ({}), {auth}, policy {}{}",
+        cfg.server.listen,
+        manifest.manifest.model_id,
+        cfg.pipeline.stages.len(),
+        match cfg.pipeline.launch {
+            Launch::Local => "local",
+            Launch::Remote => "remote",
+        },
+        cfg.pipeline.policy.display(),
+        if policy.allow_mock {
+            " (MOCK attestation allowed)"
+        } else {
+            ""
+        },
+    ))
+}
+
 async fn serve(args: ServeArgs) -> Result<()> {
     let mut cfg = GatewayConfig::load(&args.config)?;
     if let Some(l) = args.listen {
         cfg.server.listen = l;
+        cfg.check_listen()
+            .with_context(|| format!("--listen {}", cfg.server.listen))?;
     }
+    // Read the certificate before starting anything, so a bad one fails fast.
+    let tls_cert = match &cfg.server.tls {
+        Some(t) => Some(std::sync::Arc::new(
+            tls::ReloadingCert::load(&t.cert, &t.key)
+                .with_context(|| format!("config {}", args.config.display()))?,
+        )),
+        None => None,
+    };
+    // SIGHUP reloads the certificate (from now on, so an early one does not
+    // kill the gateway with its stages).
+    let mut sighup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let reload = tls_cert.clone();
+    tokio::spawn(async move {
+        while sighup.recv().await.is_some() {
+            match &reload {
+                Some(cert) => match cert.reload() {
+                    Ok(()) => tracing::info!(
+                        cert = %cert.cert_path().display(),
+                        key = %cert.key_path().display(),
+                        "SIGHUP: TLS certificate reloaded; new connections use it"
+                    ),
+                    Err(e) => tracing::error!(
+                        "SIGHUP: TLS certificate reload failed, keeping the previous certificate: {e:#}"
+                    ),
+                },
+                None => tracing::info!("SIGHUP: no [server.tls] configured, nothing to reload"),
+            }
+        }
+    });
     let metrics = std::sync::Arc::new(metrics::Metrics::default());
     let env_keys = std::env::var(auth::ENV_KEYS).ok();
     let api_keys = auth::ApiKeys::from_config(&cfg.auth, env_keys.as_deref(), metrics.clone())?;
@@ -215,17 +329,32 @@ async fn serve(args: ServeArgs) -> Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
-    tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
-    println!("GATEWAY LISTENING http://{addr}");
-    axum::serve(listener, api::router(state))
-        .with_graceful_shutdown(async move {
-            tokio::select! {
-                _ = sigint.recv() => {}
-                _ = sigterm.recv() => {}
-            }
-            tracing::info!("shutting down");
-        })
-        .await?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = sigint.recv() => {}
+            _ = sigterm.recv() => {}
+        }
+        tracing::info!("shutting down");
+    };
+    let router = api::router(state);
+    match tls_cert {
+        Some(cert) => {
+            let config = std::sync::Arc::new(tls::server_config(cert)?);
+            let listener = tls::TlsListener::new(listener, config)?;
+            tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening (TLS; HTTP/1.1 and HTTP/2)");
+            println!("GATEWAY LISTENING https://{addr}");
+            axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown)
+                .await?;
+        }
+        None => {
+            tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
+            println!("GATEWAY LISTENING http://{addr}");
+            axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown)
+                .await?;
+        }
+    }
     if let Some(s) = stages {
         s.stop().await;
     }

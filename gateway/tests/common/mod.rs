@@ -48,6 +48,8 @@ pub struct Options {
     pub remote: Option<Vec<String>>,
     /// Extra top-level tables (e.g. `[auth]`), appended at the end.
     pub extra: String,
+    /// `server.listen` (`None`: `127.0.0.1:0`).
+    pub listen: Option<String>,
 }
 
 impl Default for Options {
@@ -60,6 +62,7 @@ impl Default for Options {
             env: Vec::new(),
             remote: None,
             extra: String::new(),
+            listen: None,
         }
     }
 }
@@ -86,7 +89,8 @@ pub struct StartFailure {
     pub stderr: String,
 }
 
-fn write_config(opts: &Options, dir: &Path) -> PathBuf {
+/// Writes `dir/policy.toml` and `dir/gateway.toml` for `opts`; returns the config path.
+pub fn write_config(opts: &Options, dir: &Path) -> PathBuf {
     let policy = opts
         .policy
         .clone()
@@ -99,7 +103,8 @@ fn write_config(opts: &Options, dir: &Path) -> PathBuf {
         stage_bin.display()
     );
     let mut cfg = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n{}\n[pipeline]\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"{}\"\nstage_binary = {:?}\nconnect_timeout_secs = 60\n",
+        "[server]\nlisten = {:?}\n{}\n[pipeline]\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"{}\"\nstage_binary = {:?}\nconnect_timeout_secs = 60\n",
+        opts.listen.as_deref().unwrap_or("127.0.0.1:0"),
         opts.server_extra,
         dir.join("policy.toml"),
         opts.model_dir,
