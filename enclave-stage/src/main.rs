@@ -74,12 +74,7 @@ fn main() -> Result<()> {
     // Before any thread exists: Candle reads these once.
     std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
     std::env::set_var("CANDLE_NUM_THREADS", args.threads.to_string());
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    proto::logging::init();
     let spec = StageSpec {
         stage_index: args.stage_index,
         num_stages: args.num_stages,

@@ -142,7 +142,41 @@ pub fn router(state: AppState) -> Router {
             state.metrics.clone(),
             crate::metrics::track,
         ))
+        .layer(axum::middleware::from_fn(request_id))
         .with_state(state)
+}
+
+/// Response header (and log field) carrying the request id.
+pub const HEADER_REQUEST_ID: &str = "x-request-id";
+
+/// Gives every request an id: the client's `x-request-id` when it is short
+/// and plain (letters, digits, `-`, `_`, `.`), else a fresh random one. The
+/// id is echoed in the response and set on the request's log span.
+async fn request_id(mut req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    use tracing::Instrument;
+    let given = req
+        .headers()
+        .get(HEADER_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| {
+            !v.is_empty()
+                && v.len() <= 64
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        })
+        .map(str::to_string);
+    let id = given.unwrap_or_else(|| {
+        use rand::RngCore;
+        let mut b = [0u8; 12];
+        rand::rngs::OsRng.fill_bytes(&mut b);
+        hex::encode(b)
+    });
+    let value = HeaderValue::from_str(&id).expect("checked or hex");
+    req.headers_mut().insert(HEADER_REQUEST_ID, value.clone());
+    let span = tracing::info_span!("http", request_id = %id);
+    let mut resp = next.run(req).instrument(span).await;
+    resp.headers_mut().insert(HEADER_REQUEST_ID, value);
+    resp
 }
 
 async fn metrics_handler(State(s): State<AppState>) -> Response {

@@ -66,12 +66,7 @@ struct CheckConfigArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    proto::logging::init();
     let args = match cli.command {
         Some(Command::Serve(a)) => a,
         Some(Command::Client(c)) => std::process::exit(cli::run(c)),

@@ -303,3 +303,41 @@ fn killed_gateway_takes_its_stages_down() {
     }
     panic!("stages must exit when their supervisor dies (stdin closed)");
 }
+
+#[tokio::test]
+async fn logs_are_json_lines_with_request_ids_and_no_content() {
+    let gw = Gateway::start(Options::default());
+    let marker = "LOG-MARKER-5d1e0c";
+    let r = client()
+        .post(format!("{}/v1/embeddings", gw.url))
+        .header("x-request-id", "test-req-42")
+        .json(&json!({"model": MODEL, "input": marker}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-request-id"], "test-req-42");
+    // A client id that is not plain is replaced by a fresh one.
+    let r = client()
+        .get(format!("{}/v1/models", gw.url))
+        .header("x-request-id", "bad id with spaces")
+        .send()
+        .await
+        .unwrap();
+    let fresh = r.headers()["x-request-id"].to_str().unwrap().to_string();
+    assert_eq!(fresh.len(), 24, "{fresh}");
+    let log = gw.log();
+    let mut saw_request = false;
+    for line in log.lines().filter(|l| l.starts_with('{')) {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        if v["fields"]["message"] == "request" && v["span"]["request_id"] == "test-req-42" {
+            saw_request = true;
+        }
+    }
+    assert!(
+        saw_request,
+        "no JSON request line with the request id:\n{log}"
+    );
+    assert!(!log.contains(marker), "request content reached the log");
+}

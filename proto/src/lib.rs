@@ -13,6 +13,7 @@ pub mod cbor;
 pub mod channel;
 pub mod digest;
 pub mod frames;
+pub mod logging;
 pub mod manifest;
 pub mod openai;
 pub mod policy;
