@@ -48,11 +48,13 @@ impl Spawner {
         Ok((child, BufReader::new(stdout).lines()))
     }
 
+    /// Waits for the stage's `LISTENING` line, then drains the rest of its
+    /// stdout in the background (so a chatty stage never blocks on a pipe).
     async fn ready(
         &self,
         i: usize,
         child: &mut Child,
-        lines: &mut Lines<BufReader<ChildStdout>>,
+        mut lines: Lines<BufReader<ChildStdout>>,
     ) -> Result<Endpoint> {
         let line = match tokio::time::timeout(self.ready_timeout, lines.next_line()).await {
             Ok(Ok(Some(l))) => l,
@@ -67,6 +69,7 @@ impl Spawner {
             .with_context(|| format!("stage {i} printed {line:?} instead of LISTENING"))?;
         let ep: Endpoint = ep.parse().map_err(anyhow::Error::msg)?;
         tracing::info!(stage = i, pid = child.id(), endpoint = %ep, "local stage started");
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         Ok(ep)
     }
 }
@@ -124,9 +127,9 @@ impl LocalStages {
         }
         let mut endpoints = Vec::new();
         let mut procs = Vec::new();
-        for (i, (mut child, mut lines)) in started.into_iter().enumerate() {
-            endpoints.push(spawner.ready(i, &mut child, &mut lines).await?);
-            procs.push((child, lines));
+        for (i, (mut child, lines)) in started.into_iter().enumerate() {
+            endpoints.push(spawner.ready(i, &mut child, lines).await?);
+            procs.push(child);
         }
         let (shutdown, _) = watch::channel(false);
         let (restarts, rx) = mpsc::channel(16);
@@ -162,16 +165,14 @@ impl LocalStages {
     }
 }
 
-/// Owns one stage process: drains its stdout, restarts it when it dies,
-/// stops it on shutdown.
+/// Owns one stage process: restarts it when it dies, stops it on shutdown.
 async fn keep_running(
     i: usize,
-    proc: (Child, Lines<BufReader<ChildStdout>>),
+    mut child: Child,
     spawner: std::sync::Arc<Spawner>,
     mut shutdown: watch::Receiver<bool>,
     restarts: mpsc::Sender<Restarted>,
 ) {
-    let (mut child, mut lines) = proc;
     // Held here, not in `child`: `Child::wait` closes the child's stdin,
     // which would tell the stage to exit.
     let mut stdin = child.stdin.take();
@@ -181,7 +182,6 @@ async fn keep_running(
             status = child.wait() => {
                 tracing::error!(stage = i, ?status, "stage exited unexpectedly; restarting it");
             }
-            _ = async { while lines.next_line().await.ok().flatten().is_some() {} std::future::pending::<()>().await } => unreachable!(),
             _ = shutdown.changed() => {
                 drop(stdin.take());
                 match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
@@ -201,15 +201,14 @@ async fn keep_running(
             }
             backoff = (backoff * 2).min(Duration::from_secs(30));
             let attempt = async {
-                let (mut c, mut l) = spawner.spawn(i)?;
-                let ep = spawner.ready(i, &mut c, &mut l).await?;
-                Ok::<_, anyhow::Error>((c, l, ep))
+                let (mut c, l) = spawner.spawn(i)?;
+                let ep = spawner.ready(i, &mut c, l).await?;
+                Ok::<_, anyhow::Error>((c, ep))
             };
             match attempt.await {
-                Ok((mut c, l, ep)) => {
+                Ok((mut c, ep)) => {
                     stdin = c.stdin.take();
                     child = c;
-                    lines = l;
                     backoff = Duration::from_secs(1);
                     let _ = restarts.send((i, ep)).await;
                     break;
