@@ -19,8 +19,8 @@ use crate::fault::Fault;
 use crate::keys::StageKeys;
 use crate::tracker::{row_digest, Finished, Tracker};
 use proto::frames::{
-    ActivationBatch, ActivationMessage, BatchItem, ErrorKind, PipelineError, RequestContext,
-    ResultMessage,
+    ActivationBatch, ActivationMessage, BatchItem, ErrorKind, FeedbackMessage, GenerationContext,
+    PipelineError, RequestContext, ResultMessage,
 };
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
@@ -49,6 +49,23 @@ pub enum Work {
         /// Why.
         error: PipelineError,
     },
+    /// A completions request opened by the entry stage, with its prompts'
+    /// token ids (generation stages).
+    BeginGeneration {
+        /// What later stages learn about it.
+        ctx: Box<GenerationContext>,
+        /// Token ids of each prompt.
+        prompts: Vec<Vec<u32>>,
+    },
+    /// A generation message from the previous stage (`BeginGeneration`, `Step`).
+    Activation(ActivationMessage),
+    /// Sampled tokens from the exit stage (entry stage of a generation pipeline).
+    Feedback(FeedbackMessage),
+    /// The client went away: drop the request.
+    Cancel {
+        /// The request.
+        request_id: u64,
+    },
 }
 
 /// What the compute thread (or a session) sends downstream.
@@ -57,6 +74,8 @@ pub enum Output {
     Activation(ActivationMessage),
     /// To the gateway (exit stage).
     Result(ResultMessage),
+    /// To the entry stage, on the feedback channel (generation exit stage).
+    Feedback(FeedbackMessage),
 }
 
 /// Builds the failure message for the right direction.
@@ -129,6 +148,10 @@ impl Compute {
                     Work::Failed { request_id, error } => {
                         self.tracker.forget(request_id);
                         self.send(failure(self.engine.is_exit(), request_id, error));
+                    }
+                    Work::Cancel { request_id } => self.tracker.forget(request_id),
+                    Work::BeginGeneration { .. } | Work::Activation(_) | Work::Feedback(_) => {
+                        tracing::warn!("generation work sent to an embedding stage; ignored")
                     }
                 }
             }

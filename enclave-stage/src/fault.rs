@@ -3,7 +3,9 @@
 //! `STAGE_FAULT_STAGE=<index>` picks the stage; then
 //! - `STAGE_FAULT_TOKENS=<n>` fails every micro-batch containing a sequence
 //!   of exactly `n` tokens;
-//! - `STAGE_FAULT_DELAY_MS=<ms>` delays every micro-batch by `ms`.
+//! - `STAGE_FAULT_DELAY_MS=<ms>` delays every micro-batch by `ms`;
+//! - `STAGE_FAULT_TOKEN_ID=<id>` (generation entry stage) fails every step
+//!   whose input token ids contain `id`.
 
 use proto::frames::BatchItem;
 
@@ -16,6 +18,8 @@ pub struct Fault {
     tokens: Option<u32>,
     #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     delay_ms: Option<u64>,
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    token_id: Option<u32>,
 }
 
 impl Fault {
@@ -30,6 +34,7 @@ impl Fault {
                 stage: var("STAGE_FAULT_STAGE"),
                 tokens: var("STAGE_FAULT_TOKENS"),
                 delay_ms: var("STAGE_FAULT_DELAY_MS"),
+                token_id: var("STAGE_FAULT_TOKEN_ID"),
             };
             if f.stage.is_some() {
                 tracing::warn!(fault = ?f, "FAULT INJECTION ENABLED (test build)");
@@ -54,5 +59,20 @@ impl Fault {
         }
         let _ = (stage, items);
         false
+    }
+
+    /// [`Fault::fires`] for a generation step; also fails a step whose input
+    /// ids (entry stage) contain the configured token id.
+    pub fn fires_step(&self, stage: u32, items: &[BatchItem], ids: Option<&[u32]>) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self.stage == Some(stage) {
+            if let (Some(t), Some(ids)) = (self.token_id, ids) {
+                if ids.contains(&t) {
+                    return true;
+                }
+            }
+        }
+        let _ = ids;
+        self.fires(stage, items)
     }
 }

@@ -7,6 +7,7 @@ pub mod bert;
 pub mod compute;
 pub mod engine;
 pub mod fault;
+pub mod generation;
 pub mod keys;
 pub mod llama;
 pub mod sampling;

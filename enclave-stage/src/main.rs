@@ -6,10 +6,13 @@ use clap::Parser;
 use enclave_stage::batcher::BatchLimits;
 use enclave_stage::compute::Compute;
 use enclave_stage::engine::{Engine, StageSpec};
+use enclave_stage::generation::compute::{GenLimits, Generator};
+use enclave_stage::generation::model::GenModel;
 use enclave_stage::keys::StageKeys;
-use enclave_stage::server::{StageServer, StageSetup};
+use enclave_stage::server::{StageModel, StageServer, StageSetup};
 use proto::attestation::{mock_measurement, AttestationProvider, MockProvider, MOCK_WARNING};
 use proto::digest::Sha256Digest;
+use proto::manifest::LoadedManifest;
 use proto::policy::Policy;
 use proto::transport::{Endpoint, Listener};
 use std::path::PathBuf;
@@ -54,10 +57,26 @@ struct Args {
     /// Most inputs one request may carry (entry stage).
     #[arg(long, default_value_t = 2048)]
     max_inputs: usize,
+    /// Generation: KV-cache budget in tokens (give every stage of a pipeline
+    /// the same number; the entry stage admits requests by it).
+    #[arg(long, default_value_t = 16384)]
+    kv_cache_tokens: usize,
+    /// Generation: most sequences in one step.
+    #[arg(long, default_value_t = 64)]
+    max_step_seqs: usize,
+    /// Generation: most requests waiting for KV room before new ones get 503.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
     /// Exit when standard input closes (set by a supervising gateway, so the
     /// stage never outlives it).
     #[arg(long)]
     exit_with_stdin: bool,
+}
+
+/// The model this stage loaded, by the manifest's architecture.
+enum Loaded {
+    Embedding(Engine),
+    Generation(GenModel),
 }
 
 fn parse_layers(s: &str) -> Result<std::ops::Range<usize>> {
@@ -81,11 +100,25 @@ fn main() -> Result<()> {
         layers: parse_layers(&args.layers)?,
     };
     let policy = Policy::load(&args.policy).map_err(anyhow::Error::msg)?;
-    let mut engine = Engine::load(&args.model_dir, &spec).context("stage refuses to start")?;
+    let architecture = LoadedManifest::load(&args.model_dir)
+        .context("stage refuses to start")?
+        .manifest
+        .architecture;
+    let mut loaded = if architecture == "llama" {
+        Loaded::Generation(
+            GenModel::load(&args.model_dir, &spec).context("stage refuses to start")?,
+        )
+    } else {
+        Loaded::Embedding(Engine::load(&args.model_dir, &spec).context("stage refuses to start")?)
+    };
     let exe = std::env::current_exe()?;
     let binary =
         Sha256Digest::of_file(&exe).with_context(|| format!("hashing {}", exe.display()))?;
-    let measurement = mock_measurement(&binary, &engine.manifest_digest());
+    let (manifest_digest, model_id) = match &loaded {
+        Loaded::Embedding(e) => (e.manifest_digest(), e.manifest.manifest.model_id.clone()),
+        Loaded::Generation(g) => (g.manifest_digest(), g.manifest.manifest.model_id.clone()),
+    };
+    let measurement = mock_measurement(&binary, &manifest_digest);
     tracing::warn!("{MOCK_WARNING}");
     tracing::warn!(
         stage = spec.stage_index,
@@ -96,8 +129,11 @@ fn main() -> Result<()> {
         format!("mock-stage-{}", spec.stage_index),
         &measurement,
     ));
-    let keys = Arc::new(StageKeys::generate(&mut engine.claims, provider.as_ref())?);
-    let engine = Arc::new(engine);
+    let claims = match &mut loaded {
+        Loaded::Embedding(e) => &mut e.claims,
+        Loaded::Generation(g) => &mut g.claims,
+    };
+    let keys = Arc::new(StageKeys::generate(claims, provider.as_ref())?);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -106,18 +142,46 @@ fn main() -> Result<()> {
     rt.block_on(async move {
         let (work_tx, work_rx) = std::sync::mpsc::channel();
         let (out_tx, out_rx) = tokio::sync::mpsc::channel(8);
-        let limits = BatchLimits {
-            token_budget: args.token_budget,
-            max_rows: args.max_batch,
-            memory_budget: args.memory_budget_mib << 20,
+        let model = match loaded {
+            Loaded::Embedding(engine) => {
+                let engine = Arc::new(engine);
+                let limits = BatchLimits {
+                    token_budget: args.token_budget,
+                    max_rows: args.max_batch,
+                    memory_budget: args.memory_budget_mib << 20,
+                };
+                let shape = engine.shape();
+                let compute =
+                    Compute::new(engine.clone(), keys.clone(), out_tx.clone(), limits, shape);
+                std::thread::Builder::new()
+                    .name("compute".into())
+                    .spawn(move || compute.run(work_rx))?;
+                StageModel::Embedding(engine)
+            }
+            Loaded::Generation(model) => {
+                let part = model.load_part().context("stage refuses to start")?;
+                let kv_mib = (args.kv_cache_tokens * part.bytes_per_token()) >> 20;
+                tracing::info!(
+                    kv_cache_tokens = args.kv_cache_tokens,
+                    kv_cache_mib = kv_mib,
+                    "KV-cache budget"
+                );
+                let model = Arc::new(model);
+                let limits = GenLimits {
+                    kv_tokens: args.kv_cache_tokens,
+                    step_tokens: args.token_budget,
+                    max_step_seqs: args.max_step_seqs,
+                    max_waiting: args.max_waiting,
+                };
+                let gen = Generator::new(model.clone(), part, keys.clone(), out_tx.clone(), limits);
+                std::thread::Builder::new()
+                    .name("compute".into())
+                    .spawn(move || gen.run(work_rx))?;
+                StageModel::Generation(model)
+            }
         };
-        let shape = engine.shape();
-        let compute = Compute::new(engine.clone(), keys.clone(), out_tx.clone(), limits, shape);
-        std::thread::Builder::new()
-            .name("compute".into())
-            .spawn(move || compute.run(work_rx))?;
         let setup = StageSetup {
-            engine: engine.clone(),
+            model,
             keys,
             provider,
             policy,
@@ -134,7 +198,7 @@ fn main() -> Result<()> {
         tracing::info!(
             stage = spec.stage_index,
             layers = ?spec.layers,
-            model = %engine.manifest.manifest.model_id,
+            model = %model_id,
             "stage ready"
         );
         if args.exit_with_stdin {

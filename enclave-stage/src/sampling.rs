@@ -93,9 +93,18 @@ pub struct Sampler {
 impl Sampler {
     /// A sampler whose stream is fixed by `params.seed`.
     pub fn new(params: SamplingParams) -> Self {
+        Self::with_stream(params, 0)
+    }
+
+    /// A sampler on ChaCha20 stream `stream` of the seed (stream 0 is
+    /// [`Sampler::new`]), so that the choices of one request draw
+    /// independent but reproducible numbers.
+    pub fn with_stream(params: SamplingParams, stream: u64) -> Self {
+        let mut rng = ChaCha20Rng::seed_from_u64(params.seed);
+        rng.set_stream(stream);
         Self {
             params,
-            rng: ChaCha20Rng::seed_from_u64(params.seed),
+            rng,
             scratch: Vec::new(),
         }
     }

@@ -5,15 +5,17 @@
 use crate::batcher::Seq;
 use crate::compute::{failure, Output, Work};
 use crate::engine::Engine;
+use crate::generation::model::GenModel;
 use crate::keys::StageKeys;
 use proto::attestation::{AttestationProvider, Measurement};
 use proto::channel::{
     self, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
 };
+use proto::completions::{context_length_error, parse_completions, Prompt};
 use proto::digest::Sha256Digest;
 use proto::frames::{
-    ActivationMessage, BatchItem, ErrorKind, HostMessage, PipelineError, RequestContext,
-    SealedRequest, StageClaims, StageReply,
+    ActivationMessage, BatchItem, ErrorKind, FeedbackMessage, GenerationContext, HostMessage,
+    PipelineError, PromptInfo, RequestContext, SealedRequest, StageClaims, StageReply,
 };
 use proto::openai::{parse_embeddings, ApiError};
 use proto::policy::Policy;
@@ -32,10 +34,47 @@ const REPLAY_CAPACITY: usize = 1 << 20;
 /// Longest nonce accepted in an attestation request.
 const MAX_NONCE: usize = 64;
 
+/// The model a stage serves.
+#[derive(Clone)]
+pub enum StageModel {
+    /// An embedding model (`/v1/embeddings`).
+    Embedding(Arc<Engine>),
+    /// A generation model (`/v1/completions`).
+    Generation(Arc<GenModel>),
+}
+
+impl StageModel {
+    /// What the stage claims in its evidence.
+    pub fn claims(&self) -> &StageClaims {
+        match self {
+            StageModel::Embedding(e) => &e.claims,
+            StageModel::Generation(g) => &g.claims,
+        }
+    }
+
+    /// Whether this is the entry stage.
+    pub fn is_entry(&self) -> bool {
+        self.claims().stage_index == 0
+    }
+
+    /// Whether this is the exit stage.
+    pub fn is_exit(&self) -> bool {
+        self.claims().is_exit()
+    }
+
+    /// The API path the model serves.
+    pub fn endpoint(&self) -> &'static str {
+        match self {
+            StageModel::Embedding(_) => "/v1/embeddings",
+            StageModel::Generation(_) => "/v1/completions",
+        }
+    }
+}
+
 /// What a stage serves with, besides its queues.
 pub struct StageSetup {
-    /// The loaded model part.
-    pub engine: Arc<Engine>,
+    /// The loaded model.
+    pub model: StageModel,
     /// The stage's keys and boot evidence.
     pub keys: Arc<StageKeys>,
     /// Attestation provider (mock or Nitro).
@@ -65,7 +104,7 @@ struct Sink {
 
 /// Everything the connection handlers share.
 pub struct StageServer {
-    engine: Arc<Engine>,
+    model: StageModel,
     keys: Arc<StageKeys>,
     provider: Arc<dyn AttestationProvider>,
     policy: Policy,
@@ -75,6 +114,8 @@ pub struct StageServer {
     work: std::sync::mpsc::Sender<Work>,
     out: mpsc::Sender<Output>,
     sink: Mutex<Option<Sink>>,
+    /// Generation exit stage: the attested channel back to the entry stage.
+    feedback: Mutex<Option<SharedSender>>,
     next_sink: AtomicU64,
     max_inputs: usize,
 }
@@ -87,7 +128,7 @@ impl StageServer {
         out: mpsc::Sender<Output>,
     ) -> Arc<Self> {
         Arc::new(Self {
-            engine: setup.engine,
+            model: setup.model,
             keys: setup.keys,
             provider: setup.provider,
             policy: setup.policy,
@@ -97,17 +138,53 @@ impl StageServer {
             work,
             out,
             sink: Mutex::new(None),
+            feedback: Mutex::new(None),
             next_sink: AtomicU64::new(1),
             max_inputs: setup.max_inputs,
         })
     }
 
     fn identity(&self) -> LocalIdentity {
-        LocalIdentity::stage(self.provider.clone(), self.engine.claims.clone())
+        LocalIdentity::stage(self.provider.clone(), self.model.claims().clone())
     }
 
     fn claims(&self) -> &StageClaims {
-        &self.engine.claims
+        self.model.claims()
+    }
+
+    /// Whether a peer is the exit stage dialling this entry stage to send
+    /// sampled tokens back (generation pipelines of two or more stages).
+    fn is_feedback_peer(&self, peer: &PeerInfo) -> bool {
+        let me = self.claims();
+        matches!(self.model, StageModel::Generation(_))
+            && me.stage_index == 0
+            && me.num_stages > 1
+            && peer
+                .claims
+                .as_ref()
+                .is_some_and(|c| c.stage_index + 1 == me.num_stages)
+    }
+
+    /// Checks the exit stage that dials the entry stage for feedback (or
+    /// that the entry stage's exit dials): policy, position, same pipeline.
+    fn check_loop_peer(&self, peer: &PeerInfo, want_index: u32) -> Result<(), String> {
+        let (Some(doc), Some(c)) = (&peer.document, &peer.claims) else {
+            return Err("peer presented no evidence".into());
+        };
+        self.policy
+            .check(doc, c, Some(&self.local_measurement))
+            .map_err(|e| e.to_string())?;
+        let me = self.claims();
+        if c.stage_index != want_index {
+            return Err(format!(
+                "peer is stage {}, expected stage {want_index}",
+                c.stage_index
+            ));
+        }
+        if c.num_stages != me.num_stages || c.manifest_sha256 != me.manifest_sha256 {
+            return Err("peer serves a different pipeline or model manifest".into());
+        }
+        Ok(())
     }
 
     /// Checks an attested peer against the policy and that it is our
@@ -164,6 +241,8 @@ impl StageServer {
         let check = |p: &PeerInfo| {
             if p.is_host() {
                 Ok(())
+            } else if self.is_feedback_peer(p) {
+                self.check_loop_peer(p, self.claims().num_stages - 1)
             } else {
                 self.check_neighbour(p, -1)
             }
@@ -179,6 +258,9 @@ impl StageServer {
         if peer.is_host() {
             tracing::info!(peer = %addr, "host channel open");
             self.host_session(Arc::new(Mutex::new(tx)), rx).await;
+        } else if self.is_feedback_peer(&peer) {
+            tracing::info!(peer = %addr, "feedback channel from the exit stage open (attested)");
+            self.feedback_session(rx).await;
         } else {
             tracing::info!(peer = %addr, "upstream stage channel open (attested)");
             self.upstream_session(rx).await;
@@ -197,22 +279,30 @@ impl StageServer {
                 }
             };
             let reply = match msg {
-                HostMessage::Configure { next } => match self.configure(next, &tx).await {
-                    Ok(id) => {
-                        if id.is_some() {
-                            my_sink = id;
+                HostMessage::Configure { next, feedback } => {
+                    match self.configure(next, feedback, &tx).await {
+                        Ok(id) => {
+                            if id.is_some() {
+                                my_sink = id;
+                            }
+                            Some(StageReply::Configured {
+                                boot_evidence: self.keys.boot_evidence.clone(),
+                            })
                         }
-                        Some(StageReply::Configured {
-                            boot_evidence: self.keys.boot_evidence.clone(),
-                        })
+                        Err(e) => {
+                            tracing::warn!(error = %e, "configuration failed");
+                            Some(StageReply::ConfigureFailed(e))
+                        }
                     }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "configuration failed");
-                        Some(StageReply::ConfigureFailed(e))
+                }
+                HostMessage::Cancel { request_id } => {
+                    if self.work.send(Work::Cancel { request_id }).is_err() {
+                        tracing::error!("compute thread is gone");
                     }
-                },
+                    None
+                }
                 HostMessage::Request(req) => {
-                    if !self.engine.is_entry() {
+                    if !self.model.is_entry() {
                         tracing::warn!("request sent to a non-entry stage; closing");
                         break;
                     }
@@ -254,10 +344,37 @@ impl StageServer {
     async fn configure(
         self: &Arc<Self>,
         next: Option<String>,
+        feedback: Option<String>,
         host_tx: &SharedSender,
     ) -> Result<Option<u64>, String> {
         let id = self.next_sink.fetch_add(1, Ordering::Relaxed);
-        match (next, self.engine.is_exit()) {
+        match (&feedback, &self.model) {
+            (Some(ep), StageModel::Generation(_))
+                if self.model.is_exit() && !self.model.is_entry() =>
+            {
+                let ep: Endpoint = ep.parse()?;
+                let stream = transport::connect(&ep)
+                    .await
+                    .map_err(|e| format!("connecting to the entry stage at {ep}: {e}"))?;
+                let check = |p: &PeerInfo| self.check_loop_peer(p, 0);
+                let (tx, _rx, _peer) =
+                    channel::initiate(stream, &self.identity(), self.limits, &check)
+                        .await
+                        .map_err(|e| format!("entry stage at {ep}: {e}"))?;
+                *self.feedback.lock().await = Some(Arc::new(Mutex::new(tx)));
+                tracing::info!(entry = %ep, "connected and attested the entry stage for feedback");
+            }
+            (None, StageModel::Generation(_)) if self.model.is_exit() && !self.model.is_entry() => {
+                return Err(
+                    "a generation exit stage needs the entry stage's endpoint (feedback)".into(),
+                )
+            }
+            (None, _) => {}
+            (Some(_), _) => {
+                return Err("only a generation exit stage takes a feedback endpoint".into())
+            }
+        }
+        match (next, self.model.is_exit()) {
             (None, true) => {
                 *self.sink.lock().await = Some(Sink {
                     id,
@@ -306,7 +423,7 @@ impl StageServer {
     /// context and sequences to the compute thread. Errors after the body is
     /// open are sealed to the client.
     async fn accept_request(&self, req: SealedRequest) {
-        let exit = self.engine.is_exit();
+        let exit = self.model.is_exit();
         let request_id = req.request_id;
         let (plaintext, key) = match self.open(&req) {
             Ok(v) => v,
@@ -321,9 +438,10 @@ impl StageServer {
                 "request rejected with status {} (details sealed to the client)",
                 api.status
             ),
+            retry_after_secs: None,
             sealed_body: seal_response(&key, &api.body_bytes()).ok(),
         };
-        if req.endpoint != "/v1/embeddings" {
+        if req.endpoint != self.model.endpoint() {
             let api = ApiError {
                 status: 404,
                 message: format!("This model does not serve {}.", req.endpoint),
@@ -339,8 +457,16 @@ impl StageServer {
                 ))
                 .await;
         }
-        let parsed = parse_embeddings(&plaintext, self.max_inputs, self.engine.hidden_size())
-            .and_then(|r| {
+        let engine = match &self.model {
+            StageModel::Embedding(e) => e.clone(),
+            StageModel::Generation(g) => {
+                return self
+                    .accept_completion(g.clone(), req, plaintext, key.clone(), &sealed_error)
+                    .await
+            }
+        };
+        let parsed =
+            parse_embeddings(&plaintext, self.max_inputs, engine.hidden_size()).and_then(|r| {
                 if r.model == self.claims().model_id {
                     Ok(r)
                 } else {
@@ -361,7 +487,7 @@ impl StageServer {
         };
         let inputs = std::mem::take(&mut request.inputs);
         let n_inputs = inputs.len() as u32;
-        let seqs = match self.tokenize(request_id, inputs).await {
+        let seqs = match self.tokenize(&engine, request_id, inputs).await {
             Ok(s) => s,
             Err(e) => {
                 let api = ApiError::invalid(Some("input"), e);
@@ -394,12 +520,147 @@ impl StageServer {
         }
     }
 
+    /// Validates and tokenizes a completions request, then hands it to the
+    /// compute thread (which admits it by KV memory).
+    async fn accept_completion(
+        &self,
+        model: Arc<GenModel>,
+        req: SealedRequest,
+        plaintext: Vec<u8>,
+        key: ResponseKeyMaterial,
+        sealed_error: &(dyn Fn(ApiError, ErrorKind) -> PipelineError + Send + Sync),
+    ) {
+        let exit = self.model.is_exit();
+        let request_id = req.request_id;
+        let cfg = &model.config;
+        let parsed = parse_completions(&plaintext, cfg.vocab_size as u32).and_then(|r| {
+            if r.model == self.claims().model_id {
+                Ok(r)
+            } else {
+                Err(ApiError::model_not_found(&r.model))
+            }
+        });
+        let mut request = match parsed {
+            Ok(r) => r,
+            Err(api) => {
+                return self
+                    .emit(failure(
+                        exit,
+                        request_id,
+                        sealed_error(api, ErrorKind::BadInput),
+                    ))
+                    .await
+            }
+        };
+        let prompts = std::mem::take(&mut request.prompts);
+        let total_bytes: usize = prompts
+            .iter()
+            .map(|p| match p {
+                Prompt::Text(t) => t.len(),
+                Prompt::Tokens(t) => t.len() * 4,
+            })
+            .sum();
+        let m = model.clone();
+        let tokenize = move || {
+            prompts
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| match p {
+                    Prompt::Text(t) => m.tokenize(&t).map_err(|e| format!("prompt {i}: {e}")),
+                    Prompt::Tokens(ids) => Ok(ids),
+                })
+                .collect::<Result<Vec<_>, String>>()
+        };
+        let ids = if total_bytes <= INLINE_TOKENIZE_BYTES {
+            tokenize()
+        } else {
+            match tokio::task::spawn_blocking(tokenize).await {
+                Ok(r) => r,
+                Err(e) => Err(format!("tokenizer task failed: {e}")),
+            }
+        };
+        let ids = match ids {
+            Ok(ids) => ids,
+            Err(e) => {
+                let api = ApiError::invalid(Some("prompt"), e);
+                return self
+                    .emit(failure(
+                        exit,
+                        request_id,
+                        sealed_error(api, ErrorKind::BadInput),
+                    ))
+                    .await;
+            }
+        };
+        let context = cfg.max_seq_len;
+        for p in &ids {
+            if p.is_empty() {
+                let api = ApiError::invalid(Some("prompt"), "A prompt is empty (no tokens).");
+                return self
+                    .emit(failure(
+                        exit,
+                        request_id,
+                        sealed_error(api, ErrorKind::BadInput),
+                    ))
+                    .await;
+            }
+            if p.len() + request.max_tokens as usize > context {
+                let api = context_length_error(context, p.len(), request.max_tokens);
+                return self
+                    .emit(failure(
+                        exit,
+                        request_id,
+                        sealed_error(api, ErrorKind::BadInput),
+                    ))
+                    .await;
+            }
+        }
+        let mut receipt_id = [0u8; 16];
+        rand::rngs::OsRng.fill_bytes(&mut receipt_id);
+        let seed = request.seed.unwrap_or_else(|| rand::rngs::OsRng.next_u64());
+        let echo = request.echo;
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let ctx = GenerationContext {
+            request_id,
+            receipt_id,
+            endpoint: req.endpoint,
+            request,
+            prompts: ids
+                .iter()
+                .map(|p| PromptInfo {
+                    tokens: p.len() as u32,
+                    ids: echo.then(|| p.clone()),
+                })
+                .collect(),
+            seed,
+            created,
+            request_digest: Sha256Digest::of(&plaintext),
+            client_nonce: req.client_nonce,
+            sealing: req.sealing,
+            response_key: key,
+        };
+        if self
+            .work
+            .send(Work::BeginGeneration {
+                ctx: Box::new(ctx),
+                prompts: ids,
+            })
+            .is_err()
+        {
+            tracing::error!("compute thread is gone");
+        }
+    }
+
     /// Checks the key id, refuses replays, and opens the body.
     fn open(&self, req: &SealedRequest) -> Result<(Vec<u8>, ResponseKeyMaterial), PipelineError> {
         let sealing_error = |status: u16, message: String| PipelineError {
             kind: ErrorKind::Sealing,
             status,
             message,
+            retry_after_secs: None,
             sealed_body: None,
         };
         let key = self
@@ -427,9 +688,14 @@ impl StageServer {
         Ok((plaintext, material))
     }
 
-    async fn tokenize(&self, request_id: u64, inputs: Vec<String>) -> Result<Vec<Seq>, String> {
+    async fn tokenize(
+        &self,
+        engine: &Arc<Engine>,
+        request_id: u64,
+        inputs: Vec<String>,
+    ) -> Result<Vec<Seq>, String> {
         let total_bytes: usize = inputs.iter().map(|t| t.len()).sum();
-        let engine = self.engine.clone();
+        let engine = engine.clone();
         let tokenize = move || {
             inputs
                 .iter()
@@ -458,10 +724,34 @@ impl StageServer {
         }
     }
 
+    /// Entry stage of a generation pipeline: sampled tokens from the exit stage.
+    async fn feedback_session(&self, mut rx: ChannelReceiver) {
+        loop {
+            match rx.recv_msg::<FeedbackMessage>().await {
+                Ok(Some(m)) => {
+                    if self.work.send(Work::Feedback(m)).is_err() {
+                        tracing::error!("compute thread is gone");
+                        return;
+                    }
+                }
+                Ok(None) => {
+                    tracing::info!("exit stage closed the feedback channel");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "feedback channel error");
+                    return;
+                }
+            }
+        }
+    }
+
     async fn upstream_session(&self, mut rx: ChannelReceiver) {
         loop {
             let work = match rx.recv_msg::<ActivationMessage>().await {
                 Ok(Some(ActivationMessage::Begin(ctx))) => Work::Begin(ctx),
+                Ok(Some(m @ ActivationMessage::BeginGeneration(_)))
+                | Ok(Some(m @ ActivationMessage::Step(_))) => Work::Activation(m),
                 Ok(Some(ActivationMessage::Batch(b))) => Work::Batch(b),
                 Ok(Some(ActivationMessage::Links { request_id, links })) => Work::Links {
                     request_id,
@@ -515,6 +805,19 @@ impl StageServer {
             let bytes = match o {
                 Output::Activation(m) => proto::cbor::to_vec(&m),
                 Output::Result(m) => proto::cbor::to_vec(&StageReply::Result(m)),
+                Output::Feedback(m) => {
+                    let fb = self.feedback.lock().await.clone();
+                    match fb {
+                        Some(tx) => {
+                            if let Err(e) = tx.lock().await.send_msg(&m).await {
+                                tracing::warn!(error = %e, "feedback channel to the entry stage failed");
+                                *self.feedback.lock().await = None;
+                            }
+                        }
+                        None => tracing::warn!("no feedback channel; dropping sampled tokens"),
+                    }
+                    continue;
+                }
             };
             let sink = self
                 .sink

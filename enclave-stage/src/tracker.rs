@@ -153,6 +153,7 @@ impl Tracker {
             kind,
             status: api.status,
             message,
+            retry_after_secs: None,
             sealed_body,
         }
     }
@@ -188,6 +189,7 @@ impl Tracker {
             kind: ErrorKind::Internal,
             status: 500,
             message: m.to_string(),
+            retry_after_secs: None,
             sealed_body: seal_response(&r.ctx.response_key, &ApiError::internal(m).body_bytes())
                 .ok(),
         };

@@ -4,7 +4,7 @@
 use crate::auth::ApiKeys;
 use crate::metrics::Metrics;
 use crate::openai_error::ApiError;
-use crate::pipeline::{Failure, Pipeline, Reply};
+use crate::pipeline::{Failure, Pipeline, Reply, Submission};
 use crate::receipts::ReceiptStore;
 use axum::body::{to_bytes, Body, Bytes};
 use axum::extract::{Path, Query, State};
@@ -16,8 +16,9 @@ use base64::Engine as _;
 use proto::bundle::{EvidenceBundle, StageEvidence};
 use proto::receipt::Sealing;
 use proto::sealing::{
-    open_request, open_response, seal_request, seal_response, Aead, KeyConfig, ReplayGuard,
-    SealedHeaders, ServerKey, HEADER_KEY_ID, KEYS_MEDIA_TYPE,
+    open_request, open_response, seal_request, seal_response, Aead, ClientResponseKey, KeyConfig,
+    ReplayGuard, ResponseKeyMaterial, ResponseOpener, ResponseSealer, SealLimits, SealedHeaders,
+    ServerKey, HEADER_KEY_ID, KEYS_MEDIA_TYPE,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -45,8 +46,10 @@ pub struct ApiLimits {
 /// Shared handler state.
 #[derive(Clone)]
 pub struct AppState {
-    /// The stage pipeline.
+    /// The embeddings pipeline.
     pub pipeline: Arc<Pipeline>,
+    /// The completions pipeline, when configured.
+    pub completions: Option<Arc<Pipeline>>,
     /// Limits.
     pub limits: ApiLimits,
     /// Recent receipts.
@@ -57,6 +60,20 @@ pub struct AppState {
     pub auth: Arc<ApiKeys>,
     /// Prometheus metrics.
     pub metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    /// Every pipeline, embeddings first.
+    pub fn pipelines(&self) -> Vec<&Arc<Pipeline>> {
+        std::iter::once(&self.pipeline)
+            .chain(self.completions.as_ref())
+            .collect()
+    }
+
+    /// The pipeline serving a model id.
+    fn by_model(&self, model: &str) -> Option<&Arc<Pipeline>> {
+        self.pipelines().into_iter().find(|p| p.model_id == model)
+    }
 }
 
 /// Key id of the gateway-held HPKE key.
@@ -117,6 +134,7 @@ impl GatewayKey {
 pub fn router(state: AppState) -> Router {
     let keyed = Router::new()
         .route("/v1/embeddings", post(embeddings_handler))
+        .route("/v1/completions", post(completions_handler))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/receipts/{id}", get(get_receipt))
@@ -195,11 +213,16 @@ fn model_json(id: &str) -> serde_json::Value {
 }
 
 async fn list_models(State(s): State<AppState>) -> Response {
-    Json(json!({"object": "list", "data": [model_json(&s.pipeline.model_id)]})).into_response()
+    let data: Vec<_> = s
+        .pipelines()
+        .iter()
+        .map(|p| model_json(&p.model_id))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
 }
 
 async fn get_model(State(s): State<AppState>, Path(id): Path<String>) -> Response {
-    if id == s.pipeline.model_id {
+    if s.by_model(&id).is_some() {
         Json(model_json(&id)).into_response()
     } else {
         ApiError::model_not_found(&id).into_response()
@@ -207,18 +230,30 @@ async fn get_model(State(s): State<AppState>, Path(id): Path<String>) -> Respons
 }
 
 async fn readyz(State(s): State<AppState>) -> Response {
-    match s.pipeline.status() {
-        Ok(stages) => {
-            let mock = stages.iter().any(|st| st.evidence == "mock");
-            let mut body =
-                json!({"status": "ready", "model": s.pipeline.model_id, "stages": stages});
-            if mock {
-                body["warning"] = json!(proto::attestation::MOCK_WARNING);
+    let mut pipelines = Vec::new();
+    let mut mock = false;
+    for p in s.pipelines() {
+        match p.status() {
+            Ok(stages) => {
+                mock |= stages.iter().any(|st| st.evidence == "mock");
+                pipelines
+                    .push(json!({"endpoint": p.endpoint, "model": p.model_id, "stages": stages}));
             }
-            Json(body).into_response()
+            Err(reason) => {
+                return ApiError::not_ready(&format!("{}: {reason}", p.model_id)).into_response()
+            }
         }
-        Err(reason) => ApiError::not_ready(&reason).into_response(),
     }
+    let mut body = json!({
+        "status": "ready",
+        "model": s.pipeline.model_id,
+        "stages": pipelines[0]["stages"],
+        "pipelines": pipelines,
+    });
+    if mock {
+        body["warning"] = json!(proto::attestation::MOCK_WARNING);
+    }
+    Json(body).into_response()
 }
 
 async fn get_receipt(State(s): State<AppState>, Path(id): Path<String>) -> Response {
@@ -240,10 +275,26 @@ async fn hpke_keys(
     State(s): State<AppState>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let mut keys = match s.pipeline.entry_keys() {
-        Ok(k) => k,
-        Err(reason) => return ApiError::not_ready(&reason).into_response(),
+    let chosen: Vec<&Arc<Pipeline>> = match q.get("model") {
+        Some(m) => match s.by_model(m) {
+            Some(p) => vec![p],
+            None => return ApiError::model_not_found(m).into_response(),
+        },
+        None => s.pipelines(),
     };
+    let mut keys = Vec::new();
+    let mut serves = HashMap::new();
+    for p in chosen {
+        match p.entry_keys() {
+            Ok(k) => {
+                for c in &k {
+                    serves.insert(c.key_id, (p.model_id.clone(), p.endpoint));
+                }
+                keys.extend(k);
+            }
+            Err(reason) => return ApiError::not_ready(&reason).into_response(),
+        }
+    }
     keys.push(s.gateway_key.config());
     if q.get("format").map(String::as_str) == Some("json") {
         let list: Vec<_> = keys
@@ -256,6 +307,8 @@ async fn hpke_keys(
                     "kem": "DHKEM(X25519, HKDF-SHA256)",
                     "aeads": k.aeads.iter().map(|a| format!("{a:?}")).collect::<Vec<_>>(),
                     "held_by": if gateway { "gateway" } else { "enclave" },
+                    "model": serves.get(&k.key_id).map(|m| m.0.clone()),
+                    "endpoint": serves.get(&k.key_id).map(|m| m.1),
                     "note": if gateway {
                         "held by the untrusted host: it opens your request and re-seals it to the entry stage"
                     } else {
@@ -286,13 +339,20 @@ async fn attestation(
                 .into_response()
         }
     };
-    let stages = match s.pipeline.attest(&nonce, Duration::from_secs(10)).await {
+    let pipeline = match q.get("model") {
+        Some(m) => match s.by_model(m) {
+            Some(p) => p.clone(),
+            None => return ApiError::model_not_found(m).into_response(),
+        },
+        None => s.pipeline.clone(),
+    };
+    let stages = match pipeline.attest(&nonce, Duration::from_secs(10)).await {
         Ok(v) => v,
         Err(f) => return failure_response(&s, f),
     };
     let bundle = EvidenceBundle {
         nonce,
-        manifest: s.pipeline.manifest_bytes.clone(),
+        manifest: pipeline.manifest_bytes.clone(),
         stages: stages
             .into_iter()
             .map(|(st, evidence)| StageEvidence {
@@ -365,7 +425,8 @@ fn failure_response(s: &AppState, f: Failure) -> Response {
 
 async fn embeddings_handler(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
-    let resp = relay(&s, "/v1/embeddings", &headers, body).await;
+    let pipeline = s.pipeline.clone();
+    let resp = relay(&s, &pipeline, &headers, body).await;
     tracing::info!(
         endpoint = "/v1/embeddings",
         status = resp.status().as_u16(),
@@ -389,9 +450,41 @@ async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Byte
         .map_err(|_| ApiError::too_large(limit))
 }
 
+async fn completions_handler(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let started = Instant::now();
+    let Some(pipeline) = s.completions.clone() else {
+        return ApiError {
+            code: Some("unknown_url"),
+            ..ApiError::from_stage(
+                404,
+                "This gateway serves no completions model ([completions] is not configured)."
+                    .into(),
+            )
+        }
+        .into_response();
+    };
+    let resp = relay(&s, &pipeline, &headers, body).await;
+    tracing::info!(
+        endpoint = "/v1/completions",
+        status = resp.status().as_u16(),
+        latency_ms = started.elapsed().as_secs_f64() * 1e3,
+        "request"
+    );
+    resp
+}
+
 /// Seals (plain clients) or relays (sealed clients) one API request.
-async fn relay(s: &AppState, endpoint: &str, headers: &HeaderMap, body: Body) -> Response {
-    match relay_inner(s, endpoint, headers, body).await {
+async fn relay(
+    s: &AppState,
+    pipeline: &Arc<Pipeline>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Response {
+    match relay_inner(s, pipeline, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -399,10 +492,11 @@ async fn relay(s: &AppState, endpoint: &str, headers: &HeaderMap, body: Body) ->
 
 async fn relay_inner(
     s: &AppState,
-    endpoint: &str,
+    pipeline: &Arc<Pipeline>,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
+    let endpoint = pipeline.endpoint;
     let bytes = read_body(s, headers, body).await?;
     let nonce = match headers
         .get(HEADER_RECEIPT_NONCE)
@@ -417,10 +511,7 @@ async fn relay_inner(
             ))
         }
     };
-    let keys = s
-        .pipeline
-        .entry_keys()
-        .map_err(|r| ApiError::not_ready(&r))?;
+    let keys = pipeline.entry_keys().map_err(|r| ApiError::not_ready(&r))?;
     if headers.contains_key(HEADER_KEY_ID) {
         // Sealed by the client to the enclave key: relay ciphertext only.
         let sealed = SealedHeaders::from_header_values(|name| {
@@ -429,7 +520,7 @@ async fn relay_inner(
         .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("Bad sealing headers: {e}")))?;
         if sealed.key_id == s.gateway_key.key_id() {
             s.metrics.sealing(Sealing::Gateway);
-            return via_gateway_key(s, endpoint, &keys, &sealed, &bytes, nonce).await;
+            return via_gateway_key(s, pipeline, &keys, &sealed, &bytes, nonce).await;
         }
         if !keys
             .iter()
@@ -438,8 +529,7 @@ async fn relay_inner(
             return Err(ApiError::unknown_key(sealed.key_id));
         }
         s.metrics.sealing(Sealing::Enclave);
-        let reply = s
-            .pipeline
+        let (reply, sub) = pipeline
             .submit(
                 endpoint,
                 sealed,
@@ -451,6 +541,9 @@ async fn relay_inner(
             .await
             .map_err(|f| failure_error(s, f))?;
         return Ok(match reply {
+            Reply::StreamStart { receipt_id } => {
+                stream_response(s, sub, receipt_id, StreamMode::Relay)
+            }
             Reply::Response {
                 status,
                 body,
@@ -461,33 +554,215 @@ async fn relay_inner(
                 attach_receipt(s, &mut r, receipt_id, receipt);
                 r
             }
-            Reply::Failed(e) => match e.sealed_body {
-                Some(body) => sealed_response(e.status, body),
-                None => ApiError::from_stage(e.status, e.message).into_response(),
-            },
+            Reply::Failed(e) => {
+                let retry = e.retry_after_secs;
+                let mut r = match e.sealed_body {
+                    Some(body) => sealed_response(e.status, body),
+                    None => ApiError::from_stage(e.status, e.message).into_response(),
+                };
+                set_retry_after(&mut r, retry);
+                r
+            }
+            _ => unexpected_reply(),
         });
     }
     // A plain OpenAI client: the gateway seals to the entry stage itself.
     s.metrics.sealing(Sealing::Plain);
-    let (status, body, receipt) =
-        seal_to_entry(s, endpoint, &keys, &bytes, nonce, Sealing::Plain).await?;
-    let mut r = json_response(status, body);
-    if let Some((id, receipt)) = receipt {
-        attach_receipt(s, &mut r, id, receipt);
-    }
-    Ok(r)
+    Ok(
+        match seal_to_entry(s, pipeline, &keys, &bytes, nonce, Sealing::Plain).await? {
+            Answer::Whole {
+                status,
+                body,
+                receipt,
+                retry_after,
+            } => {
+                let mut r = json_response(status, body);
+                if let Some((id, receipt)) = receipt {
+                    attach_receipt(s, &mut r, id, receipt);
+                }
+                set_retry_after(&mut r, retry_after);
+                r
+            }
+            Answer::Stream {
+                receipt_id,
+                sub,
+                client_key,
+            } => stream_response(s, sub, receipt_id, StreamMode::Open(client_key)),
+        },
+    )
 }
 
-/// Seals `plaintext` to the entry stage, waits, and opens the answer:
-/// `(status, plaintext body, receipt)`.
+/// What came back for a request the gateway sealed itself.
+enum Answer {
+    /// A whole (opened) response or error.
+    Whole {
+        status: u16,
+        body: Vec<u8>,
+        receipt: Option<([u8; 16], Vec<u8>)>,
+        retry_after: Option<u32>,
+    },
+    /// A stream: its rest comes through `sub`, sealed to `client_key`.
+    Stream {
+        receipt_id: [u8; 16],
+        sub: Submission,
+        client_key: ClientResponseKey,
+    },
+}
+
+fn unexpected_reply() -> Response {
+    ApiError::internal("the exit stage answered out of order").into_response()
+}
+
+fn set_retry_after(r: &mut Response, secs: Option<u32>) {
+    if let Some(secs) = secs {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+}
+
+/// How the gateway passes a stream's sealed bytes to its client.
+enum StreamMode {
+    /// The client sealed to the enclave key: ciphertext as it comes.
+    Relay,
+    /// A plain client: the gateway opens the stream it sealed the request for.
+    Open(ClientResponseKey),
+    /// The client sealed to the gateway's key: open, and seal again to it.
+    Reseal(ClientResponseKey, ResponseSealer),
+}
+
+impl StreamMode {
+    fn is_plain(&self) -> bool {
+        matches!(self, StreamMode::Open(_))
+    }
+}
+
+/// A streamed HTTP response fed by the exit stage's messages. If the client
+/// goes away, the submission is dropped and the request is cancelled in the
+/// stages.
+fn stream_response(
+    s: &AppState,
+    sub: Submission,
+    receipt_id: [u8; 16],
+    mode: StreamMode,
+) -> Response {
+    let plain = mode.is_plain();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let receipts = s.receipts.clone();
+    let metrics = s.metrics.clone();
+    let idle = s.limits.timeout;
+    tokio::spawn(pump_stream(
+        sub, mode, tx, receipts, metrics, receipt_id, idle,
+    ));
+    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    }));
+    let mut r = if plain {
+        (
+            StatusCode::OK,
+            [
+                (header::CONTENT_TYPE, "text/event-stream"),
+                (header::CACHE_CONTROL, "no-cache"),
+            ],
+            body,
+        )
+            .into_response()
+    } else {
+        (
+            StatusCode::OK,
+            [
+                (header::CONTENT_TYPE, "application/octet-stream"),
+                (header::HeaderName::from_static("hpke-sealed"), "response"),
+                (header::CACHE_CONTROL, "no-cache"),
+            ],
+            body,
+        )
+            .into_response()
+    };
+    if let Ok(v) = HeaderValue::from_str(&hex::encode(receipt_id)) {
+        r.headers_mut().insert(HEADER_RECEIPT_ID, v);
+    }
+    r
+}
+
+async fn pump_stream(
+    mut sub: Submission,
+    mut mode: StreamMode,
+    tx: tokio::sync::mpsc::Sender<Bytes>,
+    receipts: Arc<ReceiptStore>,
+    metrics: Arc<Metrics>,
+    receipt_id: [u8; 16],
+    idle: Duration,
+) {
+    let mut opener = match &mode {
+        StreamMode::Open(k) | StreamMode::Reseal(k, _) => {
+            Some(ResponseOpener::new(k, SealLimits::default()))
+        }
+        StreamMode::Relay => None,
+    };
+    loop {
+        let (data, last, receipt) = match sub.next(idle).await {
+            Ok(Reply::StreamData(d)) => (d, false, None),
+            Ok(Reply::StreamEnd { data, receipt }) => (data, true, receipt),
+            other => {
+                // The pipeline broke or went silent: say so to a plain client
+                // (a sealed stream just ends, and its opener sees it truncated).
+                let why = match other {
+                    Err(Failure::Timeout) => "The stream stalled and was closed.".to_string(),
+                    Err(Failure::NotReady(r)) => format!("The pipeline failed mid-stream: {r}"),
+                    _ => "The exit stage answered out of order.".to_string(),
+                };
+                tracing::warn!(error = %why, "stream ended early");
+                if mode.is_plain() {
+                    let e = ApiError::from_stage(503, why);
+                    let mut ev = b"data: ".to_vec();
+                    ev.extend(e.body_bytes());
+                    ev.extend(b"\n\n");
+                    let _ = tx.send(Bytes::from(ev)).await;
+                }
+                return;
+            }
+        };
+        if let Some(r) = receipt {
+            receipts.insert(receipt_id, r);
+            metrics.receipt_issued();
+        }
+        let out = match (&mut mode, opener.as_mut()) {
+            (StreamMode::Relay, _) => Ok(data),
+            (StreamMode::Open(_), Some(o)) => o.feed(&data).map(|parts| parts.concat()),
+            (StreamMode::Reseal(_, sealer), Some(o)) => o
+                .feed(&data)
+                .and_then(|parts| sealer.seal(&parts.concat(), last)),
+            _ => Ok(Vec::new()),
+        };
+        let out = match out {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(error = %e, "a stream chunk from the exit stage does not open");
+                return;
+            }
+        };
+        if !out.is_empty() && tx.send(Bytes::from(out)).await.is_err() {
+            // The client went away: dropping `sub` cancels the request.
+            return;
+        }
+        if last {
+            return;
+        }
+    }
+}
+
+/// Seals `plaintext` to the entry stage, waits, and opens the answer (or
+/// hands back the stream to open as it comes).
 async fn seal_to_entry(
     s: &AppState,
-    endpoint: &str,
+    pipeline: &Arc<Pipeline>,
     keys: &[KeyConfig],
     plaintext: &[u8],
     nonce: Option<Vec<u8>>,
     sealing: Sealing,
-) -> Result<(u16, Vec<u8>, Option<([u8; 16], Vec<u8>)>), ApiError> {
+) -> Result<Answer, ApiError> {
     let key = &keys[0];
     let aead = if key.supports(Aead::Aes128Gcm) {
         Aead::Aes128Gcm
@@ -496,9 +771,15 @@ async fn seal_to_entry(
     };
     let (sealed, body, client_key) = seal_request(key, aead, plaintext)
         .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
-    let reply = s
-        .pipeline
-        .submit(endpoint, sealed, body, nonce, sealing, s.limits.timeout)
+    let (reply, sub) = pipeline
+        .submit(
+            pipeline.endpoint,
+            sealed,
+            body,
+            nonce,
+            sealing,
+            s.limits.timeout,
+        )
         .await
         .map_err(|f| failure_error(s, f))?;
     let open = |body: &[u8]| {
@@ -511,14 +792,34 @@ async fn seal_to_entry(
             body,
             receipt,
             receipt_id,
-        } => (status, open(&body)?, Some((receipt_id, receipt))),
-        Reply::Failed(e) => match e.sealed_body {
-            Some(body) => (e.status, open(&body)?, None),
-            None => {
-                let api = ApiError::from_stage(e.status, e.message);
-                (api.status.as_u16(), api.body_bytes(), None)
-            }
+        } => Answer::Whole {
+            status,
+            body: open(&body)?,
+            receipt: Some((receipt_id, receipt)),
+            retry_after: None,
         },
+        Reply::Failed(e) => {
+            let retry_after = e.retry_after_secs;
+            let (status, body) = match e.sealed_body {
+                Some(body) => (e.status, open(&body)?),
+                None => {
+                    let api = ApiError::from_stage(e.status, e.message);
+                    (api.status.as_u16(), api.body_bytes())
+                }
+            };
+            Answer::Whole {
+                status,
+                body,
+                receipt: None,
+                retry_after,
+            }
+        }
+        Reply::StreamStart { receipt_id } => Answer::Stream {
+            receipt_id,
+            sub,
+            client_key,
+        },
+        _ => return Err(ApiError::internal("the exit stage answered out of order")),
     })
 }
 
@@ -527,22 +828,48 @@ async fn seal_to_entry(
 /// client. The gateway sees this request's plaintext; the receipt says so.
 async fn via_gateway_key(
     s: &AppState,
-    endpoint: &str,
+    pipeline: &Arc<Pipeline>,
     keys: &[KeyConfig],
     sealed: &SealedHeaders,
     bytes: &[u8],
     nonce: Option<Vec<u8>>,
 ) -> Result<Response, ApiError> {
     let (plaintext, material) = s.gateway_key.open(sealed, bytes)?;
-    let (status, body, receipt) =
-        seal_to_entry(s, endpoint, keys, &plaintext, nonce, Sealing::Gateway).await?;
-    let sealed_body = seal_response(&material, &body)
-        .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
-    let mut r = sealed_response(status, sealed_body);
-    if let Some((id, receipt)) = receipt {
-        attach_receipt(s, &mut r, id, receipt);
+    match seal_to_entry(s, pipeline, keys, &plaintext, nonce, Sealing::Gateway).await? {
+        Answer::Whole {
+            status,
+            body,
+            receipt,
+            retry_after,
+        } => {
+            let sealed_body = seal_response(&material, &body)
+                .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
+            let mut r = sealed_response(status, sealed_body);
+            if let Some((id, receipt)) = receipt {
+                attach_receipt(s, &mut r, id, receipt);
+            }
+            set_retry_after(&mut r, retry_after);
+            Ok(r)
+        }
+        Answer::Stream {
+            receipt_id,
+            sub,
+            client_key,
+        } => {
+            let sealer = reseal(&material)?;
+            Ok(stream_response(
+                s,
+                sub,
+                receipt_id,
+                StreamMode::Reseal(client_key, sealer),
+            ))
+        }
     }
-    Ok(r)
+}
+
+fn reseal(material: &ResponseKeyMaterial) -> Result<ResponseSealer, ApiError> {
+    ResponseSealer::new(material)
+        .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))
 }
 
 fn failure_error(s: &AppState, f: Failure) -> ApiError {

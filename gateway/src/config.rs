@@ -18,6 +18,38 @@ pub struct GatewayConfig {
     /// API keys and per-key limits (off by default).
     #[serde(default)]
     pub auth: AuthConfig,
+    /// The text-generation pipeline for `/v1/completions` (none: not served).
+    #[serde(default)]
+    pub completions: Option<CompletionsConfig>,
+}
+
+/// `[completions]`: a second pipeline of stages serving a Llama model for
+/// `/v1/completions`. Policy, launch mode, stage binary, threads and the
+/// connect timeout are shared with `[pipeline]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionsConfig {
+    /// Measurement policy for this pipeline's stages (layers and manifest
+    /// differ from the embedding model's).
+    pub policy: PathBuf,
+    /// Model folder (with `manifest.json`).
+    pub model_dir: PathBuf,
+    /// KV-cache budget per stage, in tokens (each stage holds this many
+    /// tokens of keys and values for its own layers); requests are admitted
+    /// by it.
+    #[serde(default = "default_kv_tokens")]
+    pub kv_cache_tokens: usize,
+    /// Most sequences in one decoding step.
+    #[serde(default = "default_step_seqs")]
+    pub max_step_seqs: usize,
+    /// Most requests waiting for KV-cache room; beyond it new ones get 503.
+    #[serde(default = "default_max_waiting")]
+    pub max_waiting: usize,
+    /// Most tokens per step (longer prefills run alone).
+    #[serde(default = "default_token_budget")]
+    pub step_tokens: usize,
+    /// The stages, entry stage first.
+    pub stages: Vec<StageConfig>,
 }
 
 /// `[auth]`: API keys for the `/v1/*` routes.
@@ -91,6 +123,28 @@ pub struct TlsConfig {
     pub key: PathBuf,
 }
 
+/// Checks a stage list: contiguous non-empty layer ranges from 0, and an
+/// address for each stage when the stages are remote.
+fn validate_stages(section: &str, stages: &[StageConfig], launch: Launch) -> Result<()> {
+    if stages.is_empty() {
+        bail!("{section}.stages: at least one stage is required");
+    }
+    let mut expect = 0;
+    for (i, s) in stages.iter().enumerate() {
+        if s.layers[0] != expect || s.layers[1] <= s.layers[0] {
+            bail!(
+                "{section}.stages[{i}].layers: expected a non-empty range starting at {expect}, got {:?}",
+                s.layers
+            );
+        }
+        expect = s.layers[1];
+        if launch == Launch::Remote && s.address.is_none() {
+            bail!("{section}.stages[{i}].address: required when pipeline.launch = \"remote\"");
+        }
+    }
+    Ok(())
+}
+
 /// Whether a `listen` address is on loopback (`127.0.0.0/8`, `::1`, `localhost`).
 pub fn is_loopback(listen: &str) -> bool {
     if let Ok(a) = listen.parse::<std::net::SocketAddr>() {
@@ -135,6 +189,21 @@ pub struct PipelineConfig {
     pub stages: Vec<StageConfig>,
 }
 
+/// One pipeline to start: its model, stages and model-specific stage flags.
+#[derive(Clone, Debug)]
+pub struct PipelineSpec {
+    /// `embeddings` or `completions` (for logs).
+    pub name: &'static str,
+    /// Measurement policy of its stages.
+    pub policy: PathBuf,
+    /// Model folder.
+    pub model_dir: PathBuf,
+    /// Stages, entry first.
+    pub stages: Vec<StageConfig>,
+    /// Extra flags for each local stage.
+    pub stage_args: Vec<String>,
+}
+
 /// `[[pipeline.stages]]`.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -167,6 +236,15 @@ fn default_token_budget() -> usize {
 fn default_connect_timeout() -> u64 {
     120
 }
+fn default_kv_tokens() -> usize {
+    16_384
+}
+fn default_step_seqs() -> usize {
+    64
+}
+fn default_max_waiting() -> usize {
+    256
+}
 
 impl GatewayConfig {
     /// Reads and validates a config file.
@@ -182,20 +260,17 @@ impl GatewayConfig {
 
     fn validate(&self) -> Result<()> {
         let p = &self.pipeline;
-        if p.stages.is_empty() {
-            bail!("pipeline.stages: at least one stage is required");
-        }
-        let mut expect = 0;
-        for (i, s) in p.stages.iter().enumerate() {
-            if s.layers[0] != expect || s.layers[1] <= s.layers[0] {
-                bail!(
-                    "pipeline.stages[{i}].layers: expected a non-empty range starting at {expect}, got {:?}",
-                    s.layers
-                );
-            }
-            expect = s.layers[1];
-            if p.launch == Launch::Remote && s.address.is_none() {
-                bail!("pipeline.stages[{i}].address: required when pipeline.launch = \"remote\"");
+        validate_stages("pipeline", &p.stages, p.launch)?;
+        if let Some(c) = &self.completions {
+            validate_stages("completions", &c.stages, p.launch)?;
+            for (key, v) in [
+                ("kv_cache_tokens", c.kv_cache_tokens),
+                ("max_step_seqs", c.max_step_seqs),
+                ("step_tokens", c.step_tokens),
+            ] {
+                if v == 0 {
+                    bail!("completions.{key}: must be at least 1");
+                }
             }
         }
         self.check_listen()?;
@@ -249,6 +324,43 @@ impl GatewayConfig {
             );
         }
         Ok(())
+    }
+
+    /// The pipelines to run: embeddings (`[pipeline]`) and, when
+    /// configured, completions (`[completions]`).
+    pub fn pipelines(&self) -> Vec<PipelineSpec> {
+        let p = &self.pipeline;
+        let mut out = vec![PipelineSpec {
+            name: "embeddings",
+            policy: p.policy.clone(),
+            model_dir: p.model_dir.clone(),
+            stages: p.stages.clone(),
+            stage_args: vec![
+                "--token-budget".into(),
+                p.token_budget.to_string(),
+                "--max-inputs".into(),
+                self.server.max_inputs.to_string(),
+            ],
+        }];
+        if let Some(c) = &self.completions {
+            out.push(PipelineSpec {
+                name: "completions",
+                policy: c.policy.clone(),
+                model_dir: c.model_dir.clone(),
+                stages: c.stages.clone(),
+                stage_args: vec![
+                    "--kv-cache-tokens".into(),
+                    c.kv_cache_tokens.to_string(),
+                    "--max-step-seqs".into(),
+                    c.max_step_seqs.to_string(),
+                    "--max-waiting".into(),
+                    c.max_waiting.to_string(),
+                    "--token-budget".into(),
+                    c.step_tokens.to_string(),
+                ],
+            });
+        }
+        out
     }
 
     /// The stage binary to launch.

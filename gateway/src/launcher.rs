@@ -6,7 +6,7 @@
 //! Each stage gets a piped stdin and `--exit-with-stdin`, so it can never
 //! outlive the gateway; it reports its bound endpoint on stdout.
 
-use crate::config::GatewayConfig;
+use crate::config::{GatewayConfig, PipelineSpec};
 use anyhow::{bail, Context, Result};
 use proto::transport::Endpoint;
 use std::path::PathBuf;
@@ -29,6 +29,7 @@ pub struct LocalStages {
 pub type Restarted = (usize, Endpoint);
 
 struct Spawner {
+    name: &'static str,
     bin: PathBuf,
     args: Vec<Vec<String>>,
     ready_timeout: Duration,
@@ -43,7 +44,9 @@ impl Spawner {
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
             .spawn()
-            .with_context(|| format!("starting stage {i} ({})", self.bin.display()))?;
+            .with_context(|| {
+                format!("starting {} stage {i} ({})", self.name, self.bin.display())
+            })?;
         let stdout = child.stdout.take().expect("piped stdout");
         Ok((child, BufReader::new(stdout).lines()))
     }
@@ -68,7 +71,7 @@ impl Spawner {
             .strip_prefix("LISTENING ")
             .with_context(|| format!("stage {i} printed {line:?} instead of LISTENING"))?;
         let ep: Endpoint = ep.parse().map_err(anyhow::Error::msg)?;
-        tracing::info!(stage = i, pid = child.id(), endpoint = %ep, "local stage started");
+        tracing::info!(pipeline = self.name, stage = i, pid = child.id(), endpoint = %ep, "local stage started");
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         Ok(ep)
     }
@@ -78,7 +81,10 @@ impl LocalStages {
     /// Starts every configured stage (their model loads overlap) and waits
     /// until each has loaded its model and bound its listener. Restarts are
     /// reported on the returned receiver.
-    pub async fn start(cfg: &GatewayConfig) -> Result<(Self, mpsc::Receiver<Restarted>)> {
+    pub async fn start(
+        cfg: &GatewayConfig,
+        spec: &PipelineSpec,
+    ) -> Result<(Self, mpsc::Receiver<Restarted>)> {
         let bin = cfg.stage_binary()?;
         if !bin.exists() {
             bail!(
@@ -86,16 +92,16 @@ impl LocalStages {
                 bin.display()
             );
         }
-        let n = cfg.pipeline.stages.len();
+        let n = spec.stages.len();
         let p = &cfg.pipeline;
-        let args = p
+        let args = spec
             .stages
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                vec![
+                let mut a: Vec<String> = vec![
                     "--model-dir".into(),
-                    p.model_dir.display().to_string(),
+                    spec.model_dir.display().to_string(),
                     "--stage-index".into(),
                     i.to_string(),
                     "--num-stages".into(),
@@ -105,18 +111,17 @@ impl LocalStages {
                     "--listen".into(),
                     "tcp://127.0.0.1:0".into(),
                     "--policy".into(),
-                    p.policy.display().to_string(),
+                    spec.policy.display().to_string(),
                     "--threads".into(),
                     p.threads_per_stage.to_string(),
-                    "--token-budget".into(),
-                    p.token_budget.to_string(),
-                    "--max-inputs".into(),
-                    cfg.server.max_inputs.to_string(),
                     "--exit-with-stdin".into(),
-                ]
+                ];
+                a.extend(spec.stage_args.iter().cloned());
+                a
             })
             .collect();
         let spawner = std::sync::Arc::new(Spawner {
+            name: spec.name,
             bin,
             args,
             ready_timeout: Duration::from_secs(p.connect_timeout_secs),
@@ -180,7 +185,7 @@ async fn keep_running(
     loop {
         tokio::select! {
             status = child.wait() => {
-                tracing::error!(stage = i, ?status, "stage exited unexpectedly; restarting it");
+                tracing::error!(pipeline = spawner.name, stage = i, ?status, "stage exited unexpectedly; restarting it");
             }
             _ = shutdown.changed() => {
                 drop(stdin.take());
@@ -213,7 +218,9 @@ async fn keep_running(
                     let _ = restarts.send((i, ep)).await;
                     break;
                 }
-                Err(e) => tracing::error!(stage = i, error = %e, "restarting the stage failed"),
+                Err(e) => {
+                    tracing::error!(pipeline = spawner.name, stage = i, error = %e, "restarting the stage failed")
+                }
             }
         }
     }

@@ -223,8 +223,6 @@ async fn serve(args: ServeArgs) -> Result<()> {
         tracing::warn!("auth.enabled = false: the API is open to anyone who can reach it");
     }
     let policy = Policy::load(&cfg.pipeline.policy).map_err(anyhow::Error::msg)?;
-    let manifest = LoadedManifest::load(&cfg.pipeline.model_dir)
-        .context("model not found: run scripts/setup.sh first")?;
     if policy.allow_mock {
         tracing::warn!(
             "MOCK ATTESTATION ALLOWED by policy {}: stage evidence from the public mock key is accepted; \
@@ -232,80 +230,51 @@ async fn serve(args: ServeArgs) -> Result<()> {
             cfg.pipeline.policy.display()
         );
     }
-    let (stages, endpoints, restarts) = match cfg.pipeline.launch {
-        Launch::Local => {
-            let (s, restarts) = launcher::LocalStages::start(&cfg).await?;
-            let eps = s.endpoints.clone();
-            (Some(s), eps, Some(restarts))
-        }
-        Launch::Remote => {
-            let eps = cfg
-                .pipeline
-                .stages
-                .iter()
-                .map(|s| s.address.as_deref().unwrap_or_default().parse())
-                .collect::<Result<Vec<_>, String>>()
-                .map_err(anyhow::Error::msg)?;
-            (None, eps, None)
-        }
-    };
-    let targets: Vec<StageTarget> = endpoints
-        .into_iter()
-        .zip(&cfg.pipeline.stages)
-        .map(|(endpoint, s)| StageTarget {
-            endpoint,
-            layers: s.layers,
-        })
-        .collect();
-    // Only a binary the gateway launches itself can stand for "the local build".
-    let stage_binary = match cfg.pipeline.launch {
-        Launch::Local => cfg.stage_binary().ok(),
-        Launch::Remote => None,
-    };
-    let pipeline = Pipeline::new(targets, policy, &manifest, stage_binary.as_deref())?;
-    let connect_timeout = Duration::from_secs(cfg.pipeline.connect_timeout_secs);
-    // Wait for the first verified connection before listening.
-    let first = tokio::time::timeout(connect_timeout, async {
-        loop {
-            match pipeline.connect().await {
-                Ok(()) => return Ok(()),
-                Err(e) if e.rejected => return Err(e.reason),
-                Err(e) => {
-                    pipeline.set_not_ready(&e.reason);
-                    tokio::time::sleep(Duration::from_millis(200)).await
-                }
-            }
-        }
-    })
+    let specs = cfg.pipelines();
+    let mut policies = Vec::new();
+    for s in &specs {
+        policies.push(
+            Policy::load(&s.policy)
+                .map_err(|e| anyhow::anyhow!("{} policy {}: {e}", s.name, s.policy.display()))?,
+        );
+    }
+    // The pipelines load their models at the same time.
+    let started = futures_util::future::join_all(
+        specs
+            .iter()
+            .zip(&policies)
+            .map(|(s, policy)| start_pipeline(&cfg, s, policy)),
+    )
     .await;
-    match first {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            if let Some(s) = stages {
-                s.stop().await;
+    let mut ok = Vec::new();
+    let mut first_error = None;
+    for r in started {
+        match r {
+            Ok(s) => ok.push(s),
+            Err(e) => {
+                first_error.get_or_insert(e);
             }
-            anyhow::bail!("refusing to serve: {e}");
-        }
-        Err(_) => {
-            let reason = pipeline.status().err().unwrap_or_default();
-            if let Some(s) = stages {
-                s.stop().await;
-            }
-            anyhow::bail!("stages did not become ready in time: {reason}");
         }
     }
-    pipeline.log_verified();
-    if let Some(mut restarts) = restarts {
-        let p = pipeline.clone();
-        tokio::spawn(async move {
-            while let Some((i, ep)) = restarts.recv().await {
-                p.set_endpoint(i, ep);
+    if let Some(e) = first_error {
+        for s in ok {
+            if let Some(st) = s.stages {
+                st.stop().await;
             }
-        });
+        }
+        return Err(e);
     }
-    tokio::spawn(pipeline.clone().supervise_after_first());
+    let mut stages = Vec::new();
+    let mut pipelines = Vec::new();
+    for s in ok {
+        stages.extend(s.stages);
+        pipelines.push(s.pipeline);
+    }
+    let pipeline = pipelines[0].clone();
+    let completions = pipelines.get(1).cloned();
     let state = api::AppState {
         pipeline: pipeline.clone(),
+        completions,
         limits: api::ApiLimits {
             max_body_bytes: cfg.server.max_body_bytes,
             timeout: Duration::from_secs(cfg.server.request_timeout_secs),
@@ -350,9 +319,102 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 .await?;
         }
     }
-    if let Some(s) = stages {
+    for s in stages {
         s.stop().await;
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// A pipeline that is connected and verified, with its local stages.
+struct StartedPipeline {
+    pipeline: std::sync::Arc<Pipeline>,
+    stages: Option<launcher::LocalStages>,
+}
+
+/// Starts (or finds) one pipeline's stages, waits for the first verified
+/// connection, and keeps it supervised.
+async fn start_pipeline(
+    cfg: &GatewayConfig,
+    spec: &config::PipelineSpec,
+    policy: &Policy,
+) -> Result<StartedPipeline> {
+    let manifest = LoadedManifest::load(&spec.model_dir).with_context(|| {
+        format!(
+            "{} model not found at {}: run scripts/setup.sh first",
+            spec.name,
+            spec.model_dir.display()
+        )
+    })?;
+    let (stages, endpoints, restarts) = match cfg.pipeline.launch {
+        Launch::Local => {
+            let (s, restarts) = launcher::LocalStages::start(cfg, spec).await?;
+            let eps = s.endpoints.clone();
+            (Some(s), eps, Some(restarts))
+        }
+        Launch::Remote => {
+            let eps = spec
+                .stages
+                .iter()
+                .map(|s| s.address.as_deref().unwrap_or_default().parse())
+                .collect::<Result<Vec<_>, String>>()
+                .map_err(anyhow::Error::msg)?;
+            (None, eps, None)
+        }
+    };
+    let targets: Vec<StageTarget> = endpoints
+        .into_iter()
+        .zip(&spec.stages)
+        .map(|(endpoint, s)| StageTarget {
+            endpoint,
+            layers: s.layers,
+        })
+        .collect();
+    // Only a binary the gateway launches itself can stand for "the local build".
+    let stage_binary = match cfg.pipeline.launch {
+        Launch::Local => cfg.stage_binary().ok(),
+        Launch::Remote => None,
+    };
+    let pipeline = Pipeline::new(targets, policy.clone(), &manifest, stage_binary.as_deref())?;
+    let connect_timeout = Duration::from_secs(cfg.pipeline.connect_timeout_secs);
+    // Wait for the first verified connection before listening.
+    let first = tokio::time::timeout(connect_timeout, async {
+        loop {
+            match pipeline.connect().await {
+                Ok(()) => return Ok(()),
+                Err(e) if e.rejected => return Err(e.reason),
+                Err(e) => {
+                    pipeline.set_not_ready(&e.reason);
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+            }
+        }
+    })
+    .await;
+    let failed = match first {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(format!("refusing to serve {}: {e}", spec.name)),
+        Err(_) => Some(format!(
+            "{} stages did not become ready in time: {}",
+            spec.name,
+            pipeline.status().err().unwrap_or_default()
+        )),
+    };
+    if let Some(why) = failed {
+        if let Some(s) = stages {
+            s.stop().await;
+        }
+        anyhow::bail!(why);
+    }
+    pipeline.log_verified();
+    if let Some(mut restarts) = restarts {
+        let p = pipeline.clone();
+        tokio::spawn(async move {
+            while let Some((i, ep)) = restarts.recv().await {
+                p.set_endpoint(i, ep);
+            }
+        });
+    }
+    tokio::spawn(pipeline.clone().supervise_after_first());
+    Ok(StartedPipeline { pipeline, stages })
 }

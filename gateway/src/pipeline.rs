@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
-use tokio::sync::{oneshot, Mutex, Notify};
+use tokio::sync::{mpsc, oneshot, Mutex, Notify};
 
 /// What the pipeline needs to know about its stages.
 #[derive(Clone, Debug)]
@@ -62,9 +62,25 @@ pub enum Failure {
     Timeout,
 }
 
-/// The exit stage's answer to a request.
+/// What the exit stage sends for a request: one `Response` or `Failed`, or
+/// a stream (`StreamStart`, any number of `StreamData`, one `StreamEnd`,
+/// or `Failed` if the pipeline breaks).
 #[derive(Debug)]
 pub enum Reply {
+    /// A streamed response begins.
+    StreamStart {
+        /// Its receipt id.
+        receipt_id: ReceiptId,
+    },
+    /// Sealed bytes of the stream.
+    StreamData(Vec<u8>),
+    /// The last sealed bytes and the receipt (none if the stream failed).
+    StreamEnd {
+        /// Sealed bytes.
+        data: Vec<u8>,
+        /// The signed receipt.
+        receipt: Option<Vec<u8>>,
+    },
     /// A response sealed to the client, with its receipt.
     Response {
         /// HTTP status.
@@ -122,9 +138,11 @@ pub struct Pipeline {
     pub manifest: LoadedManifest,
     /// The manifest's exact bytes (served in the evidence bundle).
     pub manifest_bytes: Vec<u8>,
+    /// The API path this pipeline serves.
+    pub endpoint: &'static str,
     connected: StdMutex<Option<Connected>>,
     not_ready_reason: StdMutex<String>,
-    pending: StdMutex<HashMap<u64, oneshot::Sender<Reply>>>,
+    pending: StdMutex<HashMap<u64, mpsc::UnboundedSender<Reply>>>,
     attest_waiters: StdMutex<AttestWaiters>,
     next_id: AtomicU64,
     epoch: AtomicU64,
@@ -159,6 +177,11 @@ impl Pipeline {
             model_id: manifest.manifest.model_id.clone(),
             manifest: manifest.clone(),
             manifest_bytes: manifest.bytes.clone(),
+            endpoint: if manifest.manifest.architecture == "llama" {
+                "/v1/completions"
+            } else {
+                "/v1/embeddings"
+            },
             connected: StdMutex::new(None),
             not_ready_reason: StdMutex::new("pipeline is starting".into()),
             pending: StdMutex::new(HashMap::new()),
@@ -170,6 +193,11 @@ impl Pipeline {
             reconnects: AtomicU64::new(0),
             attestation_failures: AtomicU64::new(0),
         }))
+    }
+
+    /// Whether this pipeline generates text (`/v1/completions`).
+    pub fn is_generation(&self) -> bool {
+        self.endpoint == "/v1/completions"
     }
 
     /// A stage now listens at `endpoint` (a restarted local stage).
@@ -239,7 +267,10 @@ impl Pipeline {
                         reason: format!("stage {i} at {}: {e}", t.endpoint),
                     })?;
             let next = (i + 1 < n).then(|| targets[i + 1].endpoint.to_string());
-            tx.send_msg(&HostMessage::Configure { next })
+            // A generation exit stage sends sampled tokens back to the entry stage.
+            let feedback = (self.is_generation() && n > 1 && i + 1 == n)
+                .then(|| targets[0].endpoint.to_string());
+            tx.send_msg(&HostMessage::Configure { next, feedback })
                 .await
                 .map_err(|e| ConnectError::unreachable(format!("stage {i}: {e}")))?;
             let boot = match rx.recv_msg::<StageReply>().await {
@@ -384,7 +415,7 @@ impl Pipeline {
     }
 
     fn on_result(&self, m: ResultMessage) {
-        let (request_id, reply) = match m {
+        let (request_id, reply, last) = match m {
             ResultMessage::Response {
                 request_id,
                 status,
@@ -399,10 +430,29 @@ impl Pipeline {
                     receipt,
                     receipt_id,
                 },
+                true,
             ),
-            ResultMessage::Failed { request_id, error } => (request_id, Reply::Failed(error)),
+            ResultMessage::Failed { request_id, error } => (request_id, Reply::Failed(error), true),
+            ResultMessage::StreamStart {
+                request_id,
+                receipt_id,
+            } => (request_id, Reply::StreamStart { receipt_id }, false),
+            ResultMessage::StreamData { request_id, data } => {
+                (request_id, Reply::StreamData(data), false)
+            }
+            ResultMessage::StreamEnd {
+                request_id,
+                data,
+                receipt,
+            } => (request_id, Reply::StreamEnd { data, receipt }, true),
         };
-        match self.pending.lock().unwrap().remove(&request_id) {
+        let mut pending = self.pending.lock().unwrap();
+        let w = if last {
+            pending.remove(&request_id)
+        } else {
+            pending.get(&request_id).cloned()
+        };
+        match w {
             Some(w) => {
                 let _ = w.send(reply);
             }
@@ -413,23 +463,28 @@ impl Pipeline {
         }
     }
 
-    /// Relays a sealed request to the entry stage and waits for its answer.
+    /// Relays a sealed request to the entry stage and waits for its first
+    /// answer (a whole response, a failure, or the start of a stream, whose
+    /// rest comes through the returned [`Submission`]).
+    #[allow(clippy::too_many_arguments)]
     pub async fn submit(
-        &self,
+        self: &Arc<Self>,
         endpoint: &str,
         headers: SealedHeaders,
         body: Vec<u8>,
         client_nonce: Option<Vec<u8>>,
         sealing: Sealing,
         timeout: Duration,
-    ) -> Result<Reply, Failure> {
+    ) -> Result<(Reply, Submission), Failure> {
         let entry = self.sender(0)?;
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (done, wait) = oneshot::channel();
+        let (done, rx) = mpsc::unbounded_channel();
         self.pending.lock().unwrap().insert(request_id, done);
-        let _guard = PendingGuard {
-            pipeline: self,
+        let mut sub = Submission {
+            pipeline: self.clone(),
             request_id,
+            rx,
+            finished: false,
         };
         let msg = HostMessage::Request(SealedRequest {
             request_id,
@@ -440,15 +495,15 @@ impl Pipeline {
             sealing,
         });
         if let Err(e) = entry.lock().await.send_msg(&msg).await {
+            sub.finished = true;
             return Err(Failure::NotReady(format!("entry stage channel: {e}")));
         }
-        match tokio::time::timeout(timeout, wait).await {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err(_)) => Err(Failure::NotReady(
-                self.not_ready_reason.lock().unwrap().clone(),
-            )),
-            Err(_) => Err(Failure::Timeout),
-        }
+        let first = sub.next(timeout).await?;
+        Ok((first, sub))
+    }
+
+    fn not_ready(&self) -> Failure {
+        Failure::NotReady(self.not_ready_reason.lock().unwrap().clone())
     }
 
     fn sender(&self, index: usize) -> Result<Arc<Mutex<ChannelSender>>, Failure> {
@@ -565,18 +620,64 @@ pub fn check_boot_evidence(
     Ok(())
 }
 
-/// Removes a request's pending entry when its caller stops waiting.
-struct PendingGuard<'a> {
-    pipeline: &'a Pipeline,
+/// A request in flight: the rest of its answer. Dropping it before the
+/// answer is complete (the client went away, or timed out) forgets the
+/// request here and tells the entry stage to drop it in every stage.
+pub struct Submission {
+    pipeline: Arc<Pipeline>,
     request_id: u64,
+    rx: mpsc::UnboundedReceiver<Reply>,
+    finished: bool,
 }
 
-impl Drop for PendingGuard<'_> {
+impl Submission {
+    /// The next part of the answer, within `timeout`.
+    pub async fn next(&mut self, timeout: Duration) -> Result<Reply, Failure> {
+        match tokio::time::timeout(timeout, self.rx.recv()).await {
+            Ok(Some(r)) => {
+                if matches!(
+                    r,
+                    Reply::Response { .. } | Reply::Failed(_) | Reply::StreamEnd { .. }
+                ) {
+                    self.finished = true;
+                }
+                Ok(r)
+            }
+            Ok(None) => {
+                self.finished = true;
+                Err(self.pipeline.not_ready())
+            }
+            Err(_) => Err(Failure::Timeout),
+        }
+    }
+}
+
+impl Drop for Submission {
     fn drop(&mut self) {
         self.pipeline
             .pending
             .lock()
             .unwrap()
             .remove(&self.request_id);
+        if self.finished {
+            return;
+        }
+        let Ok(entry) = self.pipeline.sender(0) else {
+            return;
+        };
+        let request_id = self.request_id;
+        tracing::info!(
+            request_id,
+            "client stopped waiting; cancelling in the stages"
+        );
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = entry
+                    .lock()
+                    .await
+                    .send_msg(&HostMessage::Cancel { request_id })
+                    .await;
+            });
+        }
     }
 }

@@ -4,13 +4,16 @@
 //! message meant for another:
 //! - [`HostMessage`]: gateway → a stage (configuration, requests to stage 0);
 //! - [`ActivationMessage`]: stage *i* → stage *i+1* (activations, failures);
-//! - [`ResultMessage`]: exit stage → gateway (outputs, failures).
+//! - [`ResultMessage`]: exit stage → gateway (outputs, failures);
+//! - [`FeedbackMessage`]: exit stage → entry stage of a generation pipeline
+//!   (the sampled token ids, on their own attested channel).
 //!
 //! Every data message carries the request id(s) and micro-batch id it
 //! belongs to, so a failure is always attributed to exactly the requests it
 //! touched.
 
 use crate::attestation::Evidence;
+use crate::completions::CompletionsRequest;
 use crate::digest::Sha256Digest;
 use crate::openai::EmbeddingsRequest;
 use crate::receipt::{ReceiptId, Sealing};
@@ -59,6 +62,9 @@ pub struct PipelineError {
     pub status: u16,
     /// Human-readable reason (never contains request content).
     pub message: String,
+    /// Seconds after which a retry may succeed (429/503 from admission).
+    #[serde(default)]
+    pub retry_after_secs: Option<u32>,
     /// The OpenAI error body sealed to the client's response key, when the
     /// entry stage could open the request (so the host cannot read it).
     #[serde(with = "serde_bytes")]
@@ -85,9 +91,19 @@ pub enum HostMessage {
     Configure {
         /// Next stage's endpoint, as `tcp://host:port`.
         next: Option<String>,
+        /// Generation pipelines of more than one stage: the entry stage's
+        /// endpoint, which the exit stage dials (and attests) to send the
+        /// sampled token ids back. `None` everywhere else.
+        #[serde(default)]
+        feedback: Option<String>,
     },
     /// A sealed API request for the entry stage.
     Request(SealedRequest),
+    /// The client went away: drop the request in every stage (entry stage).
+    Cancel {
+        /// The request.
+        request_id: u64,
+    },
     /// Asks for fresh evidence bound to a verifier's nonce.
     Attest {
         /// The verifier's nonce (at most 64 bytes).
@@ -190,11 +206,105 @@ pub struct RequestContext {
     pub response_key: ResponseKeyMaterial,
 }
 
+/// One prompt of a completions request as later stages see it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptInfo {
+    /// Its length in tokens.
+    pub tokens: u32,
+    /// Its token ids, only when the exit stage needs them (`echo`).
+    pub ids: Option<Vec<u32>>,
+}
+
+/// What later stages need to know about a completions request (the
+/// generation counterpart of [`RequestContext`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GenerationContext {
+    /// Gateway-assigned request id.
+    pub request_id: u64,
+    /// The receipt id chosen by the entry stage.
+    pub receipt_id: ReceiptId,
+    /// The API path.
+    pub endpoint: String,
+    /// The validated request with `prompts` emptied (text stays in stage 0).
+    pub request: CompletionsRequest,
+    /// The prompts' lengths (and ids when echoed), in order.
+    pub prompts: Vec<PromptInfo>,
+    /// The sampling seed (the request's, or one drawn by the entry stage).
+    pub seed: u64,
+    /// Unix seconds when the entry stage accepted the request.
+    pub created: u64,
+    /// SHA-256 of the exact plaintext request bytes.
+    pub request_digest: Sha256Digest,
+    /// The client's receipt nonce.
+    #[serde(with = "serde_bytes")]
+    pub client_nonce: Option<Vec<u8>>,
+    /// Who sealed the request.
+    pub sealing: Sealing,
+    /// Key material that seals the response to the client.
+    pub response_key: ResponseKeyMaterial,
+}
+
+/// One sequence's tokens in a generation step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepSeq {
+    /// Request it belongs to.
+    pub request_id: u64,
+    /// Choice index within the request.
+    pub choice: u32,
+    /// Tokens of this sequence already cached before this step.
+    pub pos: u32,
+    /// Tokens of this sequence in the step (prompt length for a prefill, 1
+    /// for a decode step).
+    pub len: u32,
+}
+
+/// Hidden states of one generation step between two stages: the rows of
+/// all its sequences packed into one `[tokens, hidden]` f32 tensor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepBatch {
+    /// Step id, unique per sending stage.
+    pub step_id: u64,
+    /// Sequences, in row order.
+    pub seqs: Vec<StepSeq>,
+    /// `[tokens, hidden]` f32.
+    pub hidden: TensorFrame,
+}
+
+/// A sampled token on its way back to the entry stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NextToken {
+    /// Request.
+    pub request_id: u64,
+    /// Choice index.
+    pub choice: u32,
+    /// The token id (the next step's input unless `finished`).
+    pub token: u32,
+    /// The choice is complete: the entry stage stops feeding it.
+    pub finished: bool,
+}
+
+/// Exit stage → entry stage (generation pipelines of two or more stages).
+/// Only token ids cross back, never logits or text.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum FeedbackMessage {
+    /// The tokens sampled in one step.
+    Tokens(Vec<NextToken>),
+    /// The exit stage dropped a request (it failed there): stop feeding it.
+    Dropped {
+        /// The request.
+        request_id: u64,
+    },
+}
+
 /// Stage → next stage.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ActivationMessage {
     /// A request begins (precedes its micro-batches).
     Begin(Box<RequestContext>),
+    /// A completions request begins (precedes its steps).
+    BeginGeneration(Box<GenerationContext>),
+    /// One generation step.
+    Step(StepBatch),
     /// A micro-batch to continue.
     Batch(ActivationBatch),
     /// The sending stage's signed receipt links for a request (all earlier
@@ -238,5 +348,32 @@ pub enum ResultMessage {
         request_id: u64,
         /// Why.
         error: PipelineError,
+    },
+    /// A streamed response begins (HTTP 200, `text/event-stream`).
+    StreamStart {
+        /// The request.
+        request_id: u64,
+        /// The receipt id the stream's receipt will have.
+        receipt_id: ReceiptId,
+    },
+    /// Sealed bytes of the event stream (the first carry the response nonce).
+    StreamData {
+        /// The request.
+        request_id: u64,
+        /// Sealed chunks, to append to the response body as they are.
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    /// The last sealed bytes of the stream (through `data: [DONE]`, or an
+    /// error event), and the receipt over the whole event stream.
+    StreamEnd {
+        /// The request.
+        request_id: u64,
+        /// Sealed final chunk(s).
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+        /// The signed receipt; `None` when the stream ended with an error.
+        #[serde(with = "serde_bytes")]
+        receipt: Option<Vec<u8>>,
     },
 }

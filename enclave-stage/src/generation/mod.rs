@@ -1,0 +1,9 @@
+//! Text generation (`/v1/completions`) pipelined across stages: the model a
+//! stage loads ([`model`]), the entry stage's continuous-batching scheduler
+//! ([`scheduler`]), the exit stage's per-choice output rules ([`output`]),
+//! and the compute thread that ties them together ([`compute`]).
+
+pub mod compute;
+pub mod model;
+pub mod output;
+pub mod scheduler;

@@ -1,0 +1,152 @@
+//! What a generation stage loads: the model manifest (every file checked),
+//! the Llama configuration, the tokenizer (entry stage: prompts; exit stage:
+//! output text), and, for the compute thread, its [`LlamaPart`].
+
+use crate::engine::StageSpec;
+use crate::llama::{LlamaConfig, LlamaPart};
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::gguf_file;
+use proto::digest::Sha256Digest;
+use proto::frames::StageClaims;
+use proto::manifest::LoadedManifest;
+use std::path::PathBuf;
+use tokenizers::Tokenizer;
+
+/// A loaded generation stage, minus the weights (which the compute thread owns).
+pub struct GenModel {
+    /// The manifest the files were checked against.
+    pub manifest: LoadedManifest,
+    /// What this stage claims in its evidence.
+    pub claims: StageClaims,
+    /// Model hyper-parameters.
+    pub config: LlamaConfig,
+    /// The tokenizer (entry and exit stages).
+    pub tokenizer: Option<Tokenizer>,
+    spec: StageSpec,
+    gguf: PathBuf,
+}
+
+impl GenModel {
+    /// Checks the manifest and files in `model_dir` and reads the model's
+    /// configuration; the weights are loaded by [`GenModel::load_part`].
+    pub fn load(model_dir: &std::path::Path, spec: &StageSpec) -> Result<Self> {
+        let manifest = LoadedManifest::load(model_dir)?;
+        let m = &manifest.manifest;
+        if m.architecture != "llama" || m.task != "completion" {
+            bail!(
+                "model {} is a {} {} model; expected a llama completion model",
+                m.model_id,
+                m.architecture,
+                m.task
+            );
+        }
+        if spec.num_stages == 0 || spec.stage_index >= spec.num_stages {
+            bail!(
+                "stage index {} out of {} stages",
+                spec.stage_index,
+                spec.num_stages
+            );
+        }
+        let gguf_name = m
+            .files
+            .iter()
+            .find(|f| f.path.ends_with(".gguf"))
+            .map(|f| f.path.clone())
+            .context("the manifest names no .gguf file")?;
+        let gguf = manifest.verified_path(&gguf_name)?;
+        let config = {
+            let mut f = std::fs::File::open(&gguf)?;
+            let ct = gguf_file::Content::read(&mut f).map_err(|e| e.with_path(&gguf))?;
+            LlamaConfig::from_gguf(&ct)?
+        };
+        if spec.layers.end > config.num_layers {
+            bail!(
+                "layers {:?} outside the model's {} layers",
+                spec.layers,
+                config.num_layers
+            );
+        }
+        let entry = spec.stage_index == 0;
+        let exit = spec.stage_index + 1 == spec.num_stages;
+        if exit && spec.layers.end != config.num_layers {
+            bail!(
+                "the exit stage must run the last layer ({}), not {:?}",
+                config.num_layers,
+                spec.layers
+            );
+        }
+        let tokenizer = if entry || exit {
+            let path = manifest.verified_path("tokenizer.json")?;
+            Some(
+                Tokenizer::from_file(&path)
+                    .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?,
+            )
+        } else {
+            None
+        };
+        let claims = StageClaims {
+            stage_index: spec.stage_index,
+            num_stages: spec.num_stages,
+            layer_start: spec.layers.start as u32,
+            layer_end: spec.layers.end as u32,
+            model_id: m.model_id.clone(),
+            manifest_sha256: manifest.digest,
+            receipt_key: [0; 32],
+            hpke_keys: Vec::new(),
+        };
+        Ok(Self {
+            manifest,
+            claims,
+            config,
+            tokenizer,
+            spec: spec.clone(),
+            gguf,
+        })
+    }
+
+    /// Loads this stage's weights from the GGUF checked by [`GenModel::load`].
+    pub fn load_part(&self) -> Result<LlamaPart> {
+        let path = &self.gguf;
+        LlamaPart::load(
+            path,
+            self.spec.layers.clone(),
+            self.is_entry(),
+            self.is_exit(),
+        )
+        .with_context(|| {
+            format!(
+                "loading layers {:?} from {}",
+                self.spec.layers,
+                path.display()
+            )
+        })
+    }
+
+    /// Digest of the manifest.
+    pub fn manifest_digest(&self) -> Sha256Digest {
+        self.manifest.digest
+    }
+
+    /// Whether this is the entry stage (tokenizes, schedules).
+    pub fn is_entry(&self) -> bool {
+        self.claims.stage_index == 0
+    }
+
+    /// Whether this is the exit stage (samples, writes the response).
+    pub fn is_exit(&self) -> bool {
+        self.claims.is_exit()
+    }
+
+    /// Tokenizes a prompt (no special tokens added: the model's reference
+    /// completions are made without a BOS token).
+    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
+        let t = self
+            .tokenizer
+            .as_ref()
+            .ok_or("this stage does not tokenize")?;
+        let enc = t
+            .encode(text, false)
+            .map_err(|e| format!("tokenizer: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+}

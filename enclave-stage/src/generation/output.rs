@@ -1,0 +1,436 @@
+//! The exit stage's view of one choice: sampling (with penalties and logit
+//! bias), incremental detokenization, stop sequences, `max_tokens`, the
+//! context limit, and which text may be streamed yet.
+//!
+//! Text is decoded incrementally the way byte-level BPE needs: the newest
+//! tokens are decoded together with a few earlier ones and only the part
+//! after the earlier ones' text counts, and nothing is released while it
+//! ends in an incomplete UTF-8 sequence (decoded as U+FFFD). Streamed text
+//! holds back any tail that could be the start of a stop sequence, so a
+//! stream never shows text that the non-streamed response would not.
+
+use crate::sampling::{log_prob, Sampler, SamplingParams};
+use proto::completions::{Choice, FinishReason, Logprobs};
+use std::collections::HashMap;
+
+/// Turns token ids into text (the tokenizer; a table in tests).
+pub trait Detokenize {
+    /// The text of `ids` (special tokens skipped).
+    fn text(&self, ids: &[u32]) -> String;
+}
+
+impl Detokenize for tokenizers::Tokenizer {
+    fn text(&self, ids: &[u32]) -> String {
+        self.decode(ids, true).unwrap_or_default()
+    }
+}
+
+/// Per-request generation settings shared by its choices.
+#[derive(Clone, Debug)]
+pub struct ChoiceRules {
+    /// Most tokens to generate.
+    pub max_tokens: u32,
+    /// Context length of the model.
+    pub context: usize,
+    /// Stop sequences.
+    pub stop: Vec<String>,
+    /// End-of-sequence token.
+    pub eos: Option<u32>,
+    /// Alternatives per position when log-probabilities are asked for.
+    pub logprobs: Option<u32>,
+    /// OpenAI presence penalty.
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty.
+    pub frequency_penalty: f32,
+    /// Additive logit biases.
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+/// One choice being generated.
+pub struct ChoiceOut {
+    index: u32,
+    sampler: Sampler,
+    prompt_tokens: usize,
+    generated: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+    text: String,
+    emitted: usize,
+    stop_checked: usize,
+    finish: Option<FinishReason>,
+    logprobs: Option<Logprobs>,
+    counts: HashMap<u32, u32>,
+    prefix: String,
+    prefix_emitted: bool,
+}
+
+impl ChoiceOut {
+    /// Choice `index` of a prompt of `prompt_tokens` tokens, sampled with
+    /// `params` on random stream `stream`; `prefix` is the echoed prompt.
+    pub fn new(
+        index: u32,
+        params: SamplingParams,
+        stream: u64,
+        prompt_tokens: usize,
+        prefix: String,
+        want_logprobs: bool,
+    ) -> Self {
+        Self {
+            index,
+            sampler: Sampler::with_stream(params, stream),
+            prompt_tokens,
+            generated: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+            text: String::new(),
+            emitted: 0,
+            stop_checked: 0,
+            finish: None,
+            logprobs: want_logprobs.then(Logprobs::default),
+            counts: HashMap::new(),
+            prefix,
+            prefix_emitted: false,
+        }
+    }
+
+    /// The choice index.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// Why it ended, once it has.
+    pub fn finish(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    /// Tokens generated (the end-of-sequence token included).
+    pub fn completion_tokens(&self) -> usize {
+        self.generated.len()
+    }
+
+    /// Picks the next token from this position's `logits` and applies it.
+    /// Returns the token; [`ChoiceOut::finish`] tells whether it was the last.
+    pub fn step(&mut self, logits: &mut [f32], rules: &ChoiceRules, tok: &dyn Detokenize) -> u32 {
+        let alternatives = self
+            .logprobs
+            .as_ref()
+            .map(|_| top_k(logits, rules.logprobs));
+        for &(t, b) in &rules.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        if rules.presence_penalty != 0.0 || rules.frequency_penalty != 0.0 {
+            for (&t, &c) in &self.counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= rules.presence_penalty + rules.frequency_penalty * c as f32;
+                }
+            }
+        }
+        let token = self.sampler.sample(logits);
+        if let (Some(lp), Some(alts)) = (self.logprobs.as_mut(), alternatives) {
+            // The model's own distribution, before bias and penalties.
+            let raw = alts.raw;
+            lp.text_offset.push(self.text.len());
+            lp.tokens.push(tok.text(&[token]));
+            lp.token_logprobs.push(log_prob(&raw, token));
+            lp.top_logprobs
+                .push(alts.top.iter().map(|&(t, l)| (tok.text(&[t]), l)).collect());
+        }
+        self.apply(token, rules, tok);
+        token
+    }
+
+    /// Applies a chosen token (end of sequence, text, stop sequences, limits).
+    fn apply(&mut self, token: u32, rules: &ChoiceRules, tok: &dyn Detokenize) {
+        self.generated.push(token);
+        *self.counts.entry(token).or_insert(0) += 1;
+        if Some(token) == rules.eos {
+            self.finish = Some(FinishReason::Stop);
+            return;
+        }
+        self.decode_new(tok);
+        if let Some(p) = self.find_stop(&rules.stop) {
+            self.text.truncate(p);
+            self.finish = Some(FinishReason::Stop);
+            return;
+        }
+        if self.generated.len() >= rules.max_tokens as usize
+            || self.prompt_tokens + self.generated.len() >= rules.context
+        {
+            // Release a trailing partial character as the tokenizer decodes it.
+            let rest = tok.text(&self.generated[self.prefix_offset..]);
+            let done = tok.text(&self.generated[self.prefix_offset..self.read_offset]);
+            if rest.len() > done.len() && rest.starts_with(&done) {
+                self.text.push_str(&rest[done.len()..]);
+            }
+            if let Some(p) = self.find_stop(&rules.stop) {
+                self.text.truncate(p);
+                self.finish = Some(FinishReason::Stop);
+                return;
+            }
+            self.finish = Some(FinishReason::Length);
+        }
+    }
+
+    fn decode_new(&mut self, tok: &dyn Detokenize) {
+        let done = tok.text(&self.generated[self.prefix_offset..self.read_offset]);
+        let all = tok.text(&self.generated[self.prefix_offset..]);
+        if all.len() > done.len() && !all.ends_with('\u{FFFD}') && all.starts_with(&done) {
+            self.text.push_str(&all[done.len()..]);
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.generated.len();
+        }
+    }
+
+    /// Earliest stop-sequence match in the text not yet searched.
+    fn find_stop(&mut self, stops: &[String]) -> Option<usize> {
+        let longest = stops.iter().map(String::len).max()?;
+        let mut from = self.stop_checked.saturating_sub(longest - 1);
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
+        self.stop_checked = self.text.len();
+        stops
+            .iter()
+            .filter_map(|s| self.text[from..].find(s.as_str()).map(|p| from + p))
+            .min()
+    }
+
+    /// Text that may be streamed now (and marks it streamed): everything
+    /// new, except a tail that could begin a stop sequence, until finished.
+    pub fn take_stream_text(&mut self, stops: &[String]) -> String {
+        let mut end = self.text.len();
+        if self.finish.is_none() {
+            let hold = stops
+                .iter()
+                .map(|s| held_back(&self.text, s))
+                .max()
+                .unwrap_or(0);
+            end -= hold;
+        }
+        let mut out = String::new();
+        if !self.prefix_emitted {
+            out.push_str(&self.prefix);
+            self.prefix_emitted = true;
+        }
+        if end > self.emitted {
+            out.push_str(&self.text[self.emitted..end]);
+            self.emitted = end;
+        }
+        out
+    }
+
+    /// The finished choice.
+    pub fn into_choice(self) -> Choice {
+        Choice {
+            index: self.index,
+            text: format!("{}{}", self.prefix, self.text),
+            finish_reason: self.finish.unwrap_or(FinishReason::Length),
+            logprobs: self.logprobs,
+        }
+    }
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of `stop`
+/// (on a character boundary).
+fn held_back(text: &str, stop: &str) -> usize {
+    let max = (stop.len() - 1).min(text.len());
+    (1..=max)
+        .rev()
+        .find(|&k| {
+            text.is_char_boundary(text.len() - k)
+                && stop
+                    .as_bytes()
+                    .starts_with(&text.as_bytes()[text.len() - k..])
+        })
+        .unwrap_or(0)
+}
+
+struct Alternatives {
+    raw: Vec<f32>,
+    top: Vec<(u32, f64)>,
+}
+
+/// The `k` most likely tokens with their log-probabilities, and a copy of
+/// the raw logits (for the chosen token's log-probability).
+fn top_k(logits: &[f32], k: Option<u32>) -> Alternatives {
+    let k = k.unwrap_or(0) as usize;
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let top = if k > 0 {
+        let key = |i: &u32| std::cmp::Reverse(ordered(logits[*i as usize]));
+        let nth = k.min(idx.len()) - 1;
+        idx.select_nth_unstable_by_key(nth, key);
+        idx.truncate(k);
+        idx.sort_by_key(key);
+        idx.iter().map(|&t| (t, log_prob(logits, t))).collect()
+    } else {
+        Vec::new()
+    };
+    Alternatives {
+        raw: logits.to_vec(),
+        top,
+    }
+}
+
+/// A total order on f32 with NaN lowest.
+fn ordered(v: f32) -> i64 {
+    if v.is_nan() {
+        i64::MIN
+    } else {
+        let b = v.to_bits() as i32;
+        (if b < 0 { !(b & 0x7fff_ffff) } else { b }) as i64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Token `i` is the i-th string; 100 is end of sequence.
+    struct Table(Vec<&'static str>);
+
+    impl Detokenize for Table {
+        fn text(&self, ids: &[u32]) -> String {
+            ids.iter()
+                .filter(|&&i| i != 100)
+                .map(|&i| self.0[i as usize])
+                .collect()
+        }
+    }
+
+    fn rules(max_tokens: u32, stop: &[&str]) -> ChoiceRules {
+        ChoiceRules {
+            max_tokens,
+            context: 1000,
+            stop: stop.iter().map(|s| s.to_string()).collect(),
+            eos: Some(100),
+            logprobs: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+        }
+    }
+
+    /// Logits that make greedy pick `t`.
+    fn pick(t: u32) -> Vec<f32> {
+        let mut l = vec![0.0; 101];
+        l[t as usize] = 10.0;
+        l
+    }
+
+    fn run(tokens: &[u32], r: &ChoiceRules, stream: bool) -> (String, Option<FinishReason>) {
+        let table = Table(vec!["Hel", "lo", " wor", "ld", "\n", "EN", "D", "x"]);
+        let mut c = ChoiceOut::new(0, SamplingParams::greedy(), 0, 3, String::new(), false);
+        let mut streamed = String::new();
+        for &t in tokens {
+            if c.finish().is_some() {
+                break;
+            }
+            assert_eq!(c.step(&mut pick(t), r, &table), t);
+            if stream {
+                streamed.push_str(&c.take_stream_text(&r.stop));
+            }
+        }
+        let f = c.finish();
+        let text = c.into_choice().text;
+        if stream {
+            assert_eq!(streamed, text, "streamed text equals the final text");
+        }
+        (text, f)
+    }
+
+    #[test]
+    fn length_eos_and_stop_sequences() {
+        let r = rules(3, &[]);
+        assert_eq!(
+            run(&[0, 1, 2, 3], &r, true),
+            ("Hello wor".into(), Some(FinishReason::Length))
+        );
+        let r = rules(10, &[]);
+        assert_eq!(
+            run(&[0, 1, 100, 3], &r, true),
+            ("Hello".into(), Some(FinishReason::Stop))
+        );
+        // A stop sequence spanning two tokens is cut out, and never streamed.
+        let r = rules(10, &["END"]);
+        assert_eq!(
+            run(&[0, 1, 5, 6, 7], &r, true),
+            ("Hello".into(), Some(FinishReason::Stop))
+        );
+        let r = rules(10, &["o w"]);
+        assert_eq!(
+            run(&[0, 1, 2, 3], &r, true),
+            ("Hell".into(), Some(FinishReason::Stop))
+        );
+        // A held-back prefix that does not become a stop is released.
+        let r = rules(4, &["ENX"]);
+        assert_eq!(
+            run(&[0, 5, 6, 1], &r, true),
+            ("HelENDlo".into(), Some(FinishReason::Length))
+        );
+    }
+
+    #[test]
+    fn held_back_tail() {
+        assert_eq!(held_back("abcEN", "END"), 2);
+        assert_eq!(held_back("abcE", "END"), 1);
+        assert_eq!(held_back("abc", "END"), 0);
+        assert_eq!(held_back("aé", "é!"), 2);
+    }
+
+    #[test]
+    fn bias_penalties_and_logprobs() {
+        let table = Table(vec!["a", "b", "c"]);
+        let mut r = rules(5, &[]);
+        r.logit_bias = vec![(1, 100.0)];
+        r.logprobs = Some(2);
+        let mut c = ChoiceOut::new(0, SamplingParams::greedy(), 0, 1, "P:".into(), true);
+        let mut l = vec![1.0, 0.0, 0.5];
+        assert_eq!(c.step(&mut l, &r, &table), 1, "bias wins");
+        let ch = c.into_choice();
+        assert_eq!(ch.text, "P:b");
+        let lp = ch.logprobs.unwrap();
+        assert_eq!(lp.tokens, vec!["b"]);
+        // log-probability under the raw logits [1, 0, 0.5]
+        let z = (1f64.exp() + 1.0 + 0.5f64.exp()).ln();
+        assert!((lp.token_logprobs[0] - (0.0 - z)).abs() < 1e-9);
+        assert_eq!(lp.top_logprobs[0].len(), 2);
+        assert_eq!(lp.top_logprobs[0][0].0, "a");
+
+        let mut r = rules(5, &[]);
+        r.frequency_penalty = 2.0;
+        let mut c = ChoiceOut::new(0, SamplingParams::greedy(), 0, 1, String::new(), false);
+        assert_eq!(c.step(&mut [1.0, 0.0, 0.5], &r, &table), 0);
+        // 1.0 - 2.0 < 0.5: the penalty moves greedy to token 2.
+        assert_eq!(c.step(&mut [1.0, 0.0, 0.5], &r, &table), 2);
+    }
+
+    #[test]
+    fn incomplete_utf8_is_held_until_complete() {
+        // Token 0 and 1 are the two halves of "é" as a byte-level BPE
+        // decodes them: alone, the first is U+FFFD.
+        struct Bytes;
+        impl Detokenize for Bytes {
+            fn text(&self, ids: &[u32]) -> String {
+                let b: Vec<u8> = ids
+                    .iter()
+                    .map(|&i| match i {
+                        0 => 0xc3,
+                        1 => 0xa9,
+                        _ => b'!',
+                    })
+                    .collect();
+                String::from_utf8_lossy(&b).into_owned()
+            }
+        }
+        let r = rules(10, &[]);
+        let mut c = ChoiceOut::new(0, SamplingParams::greedy(), 0, 1, String::new(), false);
+        c.step(&mut [5.0, 0.0, 0.0], &r, &Bytes);
+        assert_eq!(c.take_stream_text(&[]), "");
+        c.step(&mut [0.0, 5.0, 0.0], &r, &Bytes);
+        assert_eq!(c.take_stream_text(&[]), "é");
+        c.step(&mut [0.0, 0.0, 5.0], &r, &Bytes);
+        assert_eq!(c.take_stream_text(&[]), "!");
+    }
+}

@@ -1,0 +1,561 @@
+//! `/v1/completions` end to end: the real gateway starting real stages that
+//! run SmolLM2 split by layers.
+//!
+//! - greedy tokens equal the `transformers` reference ids
+//!   (`tests/data/completions_reference.json`) for every prompt, sent
+//!   concurrently (so they share decode steps), with one stage and with two;
+//! - a seeded, streamed request concatenates to the non-streamed text, ends
+//!   with the usage chunk and `[DONE]`, and its receipt verifies offline
+//!   against the exact event-stream bytes;
+//! - a stage fault on one sequence mid-stream ends that stream with an error
+//!   event while the concurrent streams' text stays exactly the reference;
+//! - admission by KV memory: a request that can never fit gets 400, one that
+//!   does not fit now gets 503 + Retry-After, and a client that disconnects
+//!   mid-stream frees its sequence in every stage (the next request that
+//!   needs all of the budget runs in both stages);
+//! - validation errors are OpenAI-shaped.
+
+mod common;
+
+use common::{assert_error_shape, client, root, temp_dir, Gateway, Options};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "SmolLM2-135M-Instruct";
+const EOS: u32 = 2;
+
+fn smollm_dir() -> PathBuf {
+    let d = root().join("models/smollm2-135m-instruct");
+    assert!(
+        d.join("tokenizer.json").exists(),
+        "run scripts/setup.sh first"
+    );
+    d.canonicalize().unwrap()
+}
+
+struct RefItem {
+    prompt: String,
+    ids: Vec<u32>,
+}
+
+fn reference() -> Vec<RefItem> {
+    let v: Value = serde_json::from_slice(
+        &std::fs::read(root().join("gateway/tests/data/completions_reference.json")).unwrap(),
+    )
+    .unwrap();
+    v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| RefItem {
+            prompt: i["prompt"].as_str().unwrap().to_string(),
+            ids: i["output_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect(),
+        })
+        .collect()
+}
+
+/// What the API must return for a reference item with `max_tokens` 32:
+/// per-token texts through the first end-of-sequence token, the text, and
+/// the finish reason.
+fn expected(tok: &tokenizers::Tokenizer, ids: &[u32]) -> (Vec<String>, String, &'static str) {
+    let (upto, finish) = match ids.iter().position(|&t| t == EOS) {
+        Some(p) => (p + 1, "stop"),
+        None => (ids.len(), "length"),
+    };
+    let tokens = ids[..upto]
+        .iter()
+        .map(|&t| tok.decode(&[t], true).unwrap())
+        .collect();
+    let text_ids: Vec<u32> = ids[..upto].iter().copied().filter(|&t| t != EOS).collect();
+    (tokens, tok.decode(&text_ids, true).unwrap(), finish)
+}
+
+fn tokenizer() -> tokenizers::Tokenizer {
+    tokenizers::Tokenizer::from_file(smollm_dir().join("tokenizer.json")).unwrap()
+}
+
+/// Options for a gateway whose completions pipeline runs `stages`.
+fn options(stages: &[[u32; 2]], extra: &str) -> Options {
+    let dir = temp_dir("cpl-policy");
+    let mut policy = String::from("allow_mock = true\ntrust_local_build = true\n");
+    for (i, s) in stages.iter().enumerate() {
+        policy += &format!("[[stages]]\nindex = {i}\nlayers = [{}, {}]\n", s[0], s[1]);
+    }
+    let path = dir.join("policy-completions.toml");
+    std::fs::write(&path, policy).unwrap();
+    let mut table = format!(
+        "[completions]\npolicy = {:?}\nmodel_dir = {:?}\n{extra}\n",
+        path,
+        smollm_dir()
+    );
+    for s in stages {
+        table += &format!("[[completions.stages]]\nlayers = [{}, {}]\n", s[0], s[1]);
+    }
+    Options {
+        // One embedding stage keeps the process count down.
+        stages: vec![[0, 6]],
+        extra: table,
+        ..Options::default()
+    }
+}
+
+async fn complete(url: &str, body: Value) -> (u16, Value, reqwest::header::HeaderMap) {
+    let r = client()
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    (status, r.json().await.unwrap_or(Value::Null), headers)
+}
+
+/// Greedy completions of every reference prompt, all at once.
+async fn greedy_all(url: &str, items: &[RefItem]) -> Vec<Value> {
+    let futs = items.iter().map(|it| {
+        complete(
+            url,
+            json!({"model": MODEL, "prompt": it.prompt, "max_tokens": 32,
+                   "temperature": 0, "logprobs": 0}),
+        )
+    });
+    futures_util::future::join_all(futs)
+        .await
+        .into_iter()
+        .map(|(status, body, _)| {
+            assert_eq!(status, 200, "{body}");
+            body
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn greedy_tokens_equal_the_reference_with_one_and_two_stages() {
+    let items = reference();
+    assert!(items.len() >= 5 && items.iter().all(|i| i.ids.len() == 32));
+    let tok = tokenizer();
+    let mut runs = Vec::new();
+    for stages in [vec![[0, 15], [15, 30]], vec![[0, 30]]] {
+        let gw = Gateway::start(options(&stages, ""));
+        let bodies = greedy_all(&gw.url, &items).await;
+        for (it, body) in items.iter().zip(&bodies) {
+            let (tokens, text, finish) = expected(&tok, &it.ids);
+            let c = &body["choices"][0];
+            let got: Vec<String> = c["logprobs"]["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_str().unwrap().to_string())
+                .collect();
+            assert_eq!(
+                got,
+                tokens,
+                "{} stages, prompt {:?}",
+                stages.len(),
+                it.prompt
+            );
+            assert_eq!(c["text"], text.as_str());
+            assert_eq!(c["finish_reason"], finish);
+            assert_eq!(
+                body["usage"]["completion_tokens"].as_u64().unwrap() as usize,
+                tokens.len()
+            );
+            assert_eq!(body["object"], "text_completion");
+            assert!(body["id"].as_str().unwrap().starts_with("cmpl-"));
+        }
+        runs.push(bodies);
+    }
+    // One stage and two stages: the same tokens and text, and log-probabilities
+    // within float noise.
+    for (a, b) in runs[0].iter().zip(&runs[1]) {
+        let (a, b) = (&a["choices"][0], &b["choices"][0]);
+        assert_eq!(a["text"], b["text"]);
+        assert_eq!(a["logprobs"]["tokens"], b["logprobs"]["tokens"]);
+        let la = a["logprobs"]["token_logprobs"].as_array().unwrap();
+        let lb = b["logprobs"]["token_logprobs"].as_array().unwrap();
+        for (x, y) in la.iter().zip(lb) {
+            assert!((x.as_f64().unwrap() - y.as_f64().unwrap()).abs() < 1e-3);
+        }
+    }
+}
+
+/// Parses an SSE body into its `data:` payloads.
+fn sse_events(body: &[u8]) -> Vec<String> {
+    String::from_utf8(body.to_vec())
+        .unwrap()
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").expect("data event").to_string())
+        .collect()
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streamed_text_equals_non_streamed_and_its_receipt_verifies() {
+    let gw = Gateway::start(options(&[[0, 15], [15, 30]], ""));
+    let base = json!({"model": MODEL, "prompt": ["Once upon a time", "The best way to learn"],
+                      "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "seed": 1234, "n": 2,
+                      "stop": ["\n\n"]});
+    let (status, whole, _) = complete(&gw.url, base.clone()).await;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["choices"].as_array().unwrap().len(), 4);
+
+    let mut req = base.clone();
+    req["stream"] = json!(true);
+    req["stream_options"] = json!({"include_usage": true});
+    let request = serde_json::to_vec(&req).unwrap();
+    let r = client()
+        .post(format!("{}/v1/completions", gw.url))
+        .header("content-type", "application/json")
+        .body(request.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    let receipt_id = r.headers()["receipt-id"].to_str().unwrap().to_string();
+    let stream = r.bytes().await.unwrap().to_vec();
+    let events = sse_events(&stream);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"], whole["usage"]);
+    let mut texts = vec![String::new(); 4];
+    let mut finish = vec![Value::Null; 4];
+    for e in &events[..events.len() - 2] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v["usage"].is_null());
+        let c = &v["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        texts[i] += c["text"].as_str().unwrap();
+        if !c["finish_reason"].is_null() {
+            finish[i] = c["finish_reason"].clone();
+        }
+    }
+    for (i, c) in whole["choices"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(texts[i], c["text"].as_str().unwrap(), "choice {i}");
+        assert_eq!(finish[i], c["finish_reason"], "choice {i}");
+        assert!(!texts[i].contains("\n\n"), "stop sequence removed");
+    }
+    assert_ne!(texts[0], texts[1], "the n samples of one prompt differ");
+
+    // The receipt covers the exact event stream, through [DONE].
+    let nonce = "00112233445566778899aabbccddeeff";
+    let evidence = client()
+        .get(format!(
+            "{}/v1/attestation?nonce={nonce}&model={MODEL}",
+            gw.url
+        ))
+        .header("accept", "application/cbor")
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let receipt = client()
+        .get(format!("{}/v1/receipts/{receipt_id}", gw.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(receipt.status(), 200);
+    let receipt = receipt.bytes().await.unwrap();
+    let dir = &gw.dir;
+    let files = [
+        ("evidence.cbor", evidence.to_vec()),
+        ("receipt.cose", receipt.to_vec()),
+        ("request.json", request),
+        ("stream.txt", stream.clone()),
+    ];
+    for (name, bytes) in &files {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+    let mut tampered = stream.clone();
+    let at = tampered.len() / 2;
+    tampered[at] ^= 1;
+    std::fs::write(dir.join("tampered.txt"), &tampered).unwrap();
+    // An offline verifier pins the measurement the stages report.
+    let ready: Value = client()
+        .get(format!("{}/readyz", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let pipeline = ready["pipelines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["model"] == MODEL)
+        .unwrap();
+    let mut policy_text = String::from("allow_mock = true\n");
+    for st in pipeline["stages"].as_array().unwrap() {
+        policy_text += &format!(
+            "[[stages]]\nindex = {}\nlayers = {}\nmeasurements = [{}]\n",
+            st["index"], st["layers"], st["measurement"]
+        );
+    }
+    let policy = dir.join("policy-offline.toml");
+    std::fs::write(&policy, policy_text).unwrap();
+    let verify = |response: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_gateway"))
+            .args([
+                "verify",
+                "receipt",
+                "--evidence",
+                p(&dir.join("evidence.cbor")),
+                "--policy",
+                p(&policy),
+                "--evidence-nonce",
+                nonce,
+                "--request",
+                p(&dir.join("request.json")),
+                "--response",
+                p(&dir.join(response)),
+                "--receipt",
+                p(&dir.join("receipt.cose")),
+            ])
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap()
+    };
+    let ok = verify("stream.txt");
+    assert!(
+        ok.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&ok.stdout),
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let bad = verify("tampered.txt");
+    assert!(
+        !bad.status.success(),
+        "a flipped byte in the stream must fail"
+    );
+}
+
+/// Reads a streamed completion: (texts by choice, an error event if any, saw [DONE]).
+async fn read_stream(url: &str, body: Value) -> (String, Option<Value>, bool) {
+    let r = client()
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let bytes = r.bytes().await.unwrap();
+    let mut text = String::new();
+    let mut error = None;
+    let mut done = false;
+    for e in sse_events(&bytes) {
+        if e == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        if v.get("error").is_some() {
+            error = Some(v);
+        } else {
+            text += v["choices"][0]["text"].as_str().unwrap();
+        }
+    }
+    (text, error, done)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fault_on_one_sequence_ends_only_its_stream() {
+    // Stage 0 fails every step whose input holds this (rare) token id; one
+    // request is pushed to generate it first, so it fails mid-stream, in a
+    // step it shares with the others.
+    let poison = 48_000u32;
+    let items = reference();
+    assert!(items.iter().all(|i| !i.ids.contains(&poison)));
+    let mut opts = options(&[[0, 15], [15, 30]], "");
+    opts.env = vec![
+        ("STAGE_FAULT_STAGE".into(), "0".into()),
+        ("STAGE_FAULT_TOKEN_ID".into(), poison.to_string()),
+    ];
+    let gw = Gateway::start(opts);
+    let tok = tokenizer();
+    let mut bias = serde_json::Map::new();
+    bias.insert(poison.to_string(), json!(100));
+    let poisoned = read_stream(
+        &gw.url,
+        json!({"model": MODEL, "prompt": "Write a poem", "max_tokens": 32, "temperature": 0,
+               "stream": true, "logit_bias": bias}),
+    );
+    let clean = items.iter().take(3).map(|it| {
+        read_stream(
+            &gw.url,
+            json!({"model": MODEL, "prompt": it.prompt, "max_tokens": 32, "temperature": 0,
+                   "stream": true}),
+        )
+    });
+    let (bad, good) = tokio::join!(poisoned, futures_util::future::join_all(clean));
+    let (text, error, done) = bad;
+    let error = error.expect("the poisoned stream ends with an error event");
+    assert_error_shape(&error);
+    assert!(!done, "no [DONE] after an error");
+    assert_eq!(
+        text,
+        tok.decode(&[poison], true).unwrap(),
+        "it streamed its first token"
+    );
+    for (it, (text, error, done)) in items.iter().zip(good) {
+        let (_, want, _) = expected(&tok, &it.ids);
+        assert!(error.is_none() && done, "{:?}: {error:?}", it.prompt);
+        assert_eq!(text, want, "{:?}", it.prompt);
+    }
+    assert!(gw.log().contains("injected fault"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn admission_by_kv_memory_and_disconnect_frees_every_stage() {
+    // 2100 KV tokens per stage; nobody may wait.
+    let gw = Gateway::start(options(
+        &[[0, 15], [15, 30]],
+        "kv_cache_tokens = 2100\nmax_waiting = 0",
+    ));
+    let long = |stream: bool| {
+        json!({"model": MODEL, "prompt": "Tell me a very long story about", "max_tokens": 2000,
+               "temperature": 0.7, "seed": 3, "stream": stream,
+               "logit_bias": {EOS.to_string(): -100}})
+    };
+
+    // Never fits: 400 naming the budget.
+    let mut two = long(false);
+    two["n"] = json!(2);
+    let (status, body, _) = complete(&gw.url, two).await;
+    assert_eq!(status, 400, "{body}");
+    assert_error_shape(&body);
+    assert_eq!(body["error"]["code"], "kv_cache_budget_exceeded");
+    assert!(body["error"]["message"].as_str().unwrap().contains("2100"));
+
+    // A stream holds almost the whole budget.
+    let r = client()
+        .post(format!("{}/v1/completions", gw.url))
+        .json(&long(true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut s = r.bytes_stream();
+    let mut seen = 0;
+    while seen < 3 {
+        let chunk = s.next().await.expect("stream open").unwrap();
+        seen += sse_events(&chunk).len();
+    }
+    // Meanwhile another such request does not fit: 503 + Retry-After.
+    let (status, body, headers) = complete(&gw.url, long(false)).await;
+    assert_eq!(status, 503, "{body}");
+    assert_error_shape(&body);
+    assert!(headers.contains_key("retry-after"));
+
+    // The client goes away: every stage frees the sequence, so a request
+    // that needs the whole budget again is admitted and runs through both
+    // stages (the exit stage would refuse it if it still held the old one).
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = client()
+            .post(format!("{}/v1/completions", gw.url))
+            .json(&{
+                let mut b = long(true);
+                b["max_tokens"] = json!(2000);
+                b
+            })
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 200 {
+            let mut s = r.bytes_stream();
+            let first = s.next().await.unwrap().unwrap();
+            let ev = sse_events(&first);
+            let v: Value = serde_json::from_str(&ev[0]).unwrap();
+            assert!(v.get("error").is_none(), "{v}");
+            assert!(v["choices"][0]["text"].is_string());
+            break;
+        }
+        assert_eq!(r.status(), 503);
+        assert!(
+            Instant::now() < deadline,
+            "the cancelled stream was never freed"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        gw.log().contains("cancelled"),
+        "the gateway cancelled the request"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_requests_get_openai_errors() {
+    let gw = Gateway::start(options(&[[0, 30]], ""));
+    for (body, status, param) in [
+        (json!({"model": MODEL}), 400, "prompt"),
+        (
+            json!({"model": MODEL, "prompt": "x", "temperature": 3}),
+            400,
+            "temperature",
+        ),
+        (
+            json!({"model": MODEL, "prompt": "x", "max_tokens": 9000}),
+            400,
+            "prompt",
+        ),
+        (
+            json!({"model": MODEL, "prompt": "x", "logprobs": 1, "stream": true}),
+            400,
+            "logprobs",
+        ),
+        (json!({"model": "gpt-4", "prompt": "x"}), 404, "model"),
+        (
+            json!({"model": MODEL, "prompt": [1, 2, 99999999]}),
+            400,
+            "prompt",
+        ),
+    ] {
+        let (s, b, _) = complete(&gw.url, body.clone()).await;
+        assert_eq!(s, status, "{body} → {b}");
+        assert_error_shape(&b);
+        assert_eq!(b["error"]["param"], param, "{body} → {b}");
+    }
+    let (s, b, _) = complete(
+        &gw.url,
+        json!({"model": MODEL, "prompt": "x", "max_tokens": 9000}),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert_eq!(b["error"]["code"], "context_length_exceeded");
+    // The embeddings model does not complete, and the models list has both.
+    let (s, b, _) = complete(&gw.url, json!({"model": "all-MiniLM-L6-v2", "prompt": "x"})).await;
+    assert_eq!(s, 404, "{b}");
+    let models: Value = client()
+        .get(format!("{}/v1/models", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert!(ids.contains(&MODEL) && ids.contains(&"all-MiniLM-L6-v2"));
+}
