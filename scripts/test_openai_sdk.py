@@ -21,6 +21,8 @@ MODEL = "all-MiniLM-L6-v2"
 DIM = 384
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCE = os.path.join(ROOT, "gateway", "tests", "data", "embeddings_reference.json")
+COMPLETION_MODEL = "SmolLM2-135M-Instruct"
+COMPLETION_REFERENCE = os.path.join(ROOT, "gateway", "tests", "data", "completions_reference.json")
 
 TEXTS3 = [
     "The weather is lovely today.",
@@ -196,6 +198,71 @@ def main():
     c.run("model='nope' raises NotFoundError", unknown_model)
     c.run("token-id array input raises BadRequestError", token_ids_rejected)
     c.run("matches sentence-transformers reference within 1e-4", matches_reference)
+
+    # ---- completions (SmolLM2 across two stages) ----
+    ids = [m.id for m in client.models.list().data]
+    if COMPLETION_MODEL not in ids:
+        print(f"SKIP completions: {COMPLETION_MODEL} is not served ([completions] not configured)")
+    else:
+        ref = json.load(open(COMPLETION_REFERENCE))["items"][0]
+
+        def completion_greedy():
+            r = client.completions.create(model=COMPLETION_MODEL, prompt=ref["prompt"],
+                                          max_tokens=8, temperature=0)
+            check(r.object == "text_completion", f"object {r.object!r}")
+            check(len(r.choices) == 1 and r.choices[0].finish_reason == "length",
+                  f"choices {r.choices}")
+            check(r.usage.prompt_tokens == len(ref["prompt_ids"]),
+                  f"prompt_tokens {r.usage.prompt_tokens} != {len(ref['prompt_ids'])}")
+            check(r.usage.completion_tokens == 8, f"completion_tokens {r.usage.completion_tokens}")
+            check(ref["text"].startswith(r.choices[0].text),
+                  f"greedy text {r.choices[0].text!r} is not a prefix of the reference")
+            return repr(r.choices[0].text)
+
+        def completion_stream_equals_whole():
+            kw = dict(model=COMPLETION_MODEL, prompt="Once upon a time", max_tokens=24,
+                      temperature=0.8, top_p=0.95, seed=42, n=2)
+            whole = client.completions.create(**kw)
+            texts = ["", ""]
+            finish = [None, None]
+            usage = None
+            for chunk in client.completions.create(stream=True,
+                                                   stream_options={"include_usage": True}, **kw):
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for ch in chunk.choices:
+                    texts[ch.index] += ch.text
+                    finish[ch.index] = ch.finish_reason or finish[ch.index]
+            for i, ch in enumerate(whole.choices):
+                check(texts[i] == ch.text, f"choice {i}: streamed {texts[i]!r} != {ch.text!r}")
+                check(finish[i] == ch.finish_reason, f"choice {i}: finish {finish[i]}")
+            check(usage is not None and usage.total_tokens == whole.usage.total_tokens,
+                  f"usage chunk {usage} vs {whole.usage}")
+            check(texts[0] != texts[1], "the two samples are identical")
+            return f"{len(texts[0])}+{len(texts[1])} chars"
+
+        def completion_stop_and_echo():
+            r = client.completions.create(model=COMPLETION_MODEL, prompt=ref["prompt"],
+                                          max_tokens=32, temperature=0, stop=["."], echo=True)
+            ch = r.choices[0]
+            check(ch.finish_reason == "stop", f"finish {ch.finish_reason}")
+            check(ch.text.startswith(ref["prompt"]), f"echo missing: {ch.text!r}")
+            check("." not in ch.text[len(ref["prompt"]):], f"stop not applied: {ch.text!r}")
+            return repr(ch.text)
+
+        def completion_context_error():
+            try:
+                client.completions.create(model=COMPLETION_MODEL, prompt="hi", max_tokens=100000)
+            except openai.BadRequestError as e:
+                check("context length" in str(e), f"message: {e}")
+                return "BadRequestError"
+            raise AssertionError("no error for max_tokens over the context")
+
+        c.run("completions.create greedy matches the transformers reference", completion_greedy)
+        c.run("completions stream=True concatenates to the same-seed whole text",
+              completion_stream_equals_whole)
+        c.run("completions stop + echo", completion_stop_and_echo)
+        c.run("completions over the context raises BadRequestError", completion_context_error)
 
     print(f"{c.passed} passed, {c.failed} failed")
     return 0 if c.failed == 0 else 1
