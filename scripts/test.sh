@@ -5,6 +5,9 @@
 #      the stage (tests that start the binaries need it);
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
 #   4. the stock `openai` Python SDK against a live gateway.
+# CONTAINERS_E2E=1 adds the multi-container test (gateway/tests/containers_e2e.rs:
+# static musl build, images, compose; needs Docker, docs/containers.md). Off by
+# default: its static build is a second release build.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 FEATURES=(--features enclave-stage/fault-injection)
@@ -27,3 +30,9 @@ for _ in $(seq 1 600); do
 done
 [[ -n "$url" ]] || { cat "$log"; echo "gateway did not start" >&2; exit 1; }
 python3 scripts/test_openai_sdk.py --base-url "$url/v1"
+
+if [[ "${CONTAINERS_E2E:-}" == 1 ]]; then
+  echo "== containers e2e: ran in cargo test (CONTAINERS_E2E=1; it says SKIPPED above if no Docker engine)"
+else
+  echo "== containers e2e: not run (CONTAINERS_E2E=1 scripts/test.sh, or scripts/test-containers.sh)"
+fi

@@ -389,6 +389,27 @@ mod tests {
     }
 
     #[test]
+    fn container_config_loads_as_remote() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docker/gateway.toml");
+        let cfg = GatewayConfig::load(&path).unwrap();
+        assert_eq!(cfg.pipeline.launch, Launch::Remote);
+        let addrs: Vec<_> = cfg
+            .pipeline
+            .stages
+            .iter()
+            .map(|s| s.address.clone())
+            .collect();
+        assert_eq!(
+            addrs,
+            [
+                Some("tcp://stage0:9000".to_string()),
+                Some("tcp://stage1:9000".to_string())
+            ]
+        );
+        assert!(cfg.server.allow_plain_http && cfg.server.tls.is_none());
+    }
+
+    #[test]
     fn auth_keys_are_validated_by_name() {
         let base = std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml"),

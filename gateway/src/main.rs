@@ -43,6 +43,10 @@ enum Command {
     /// Load and validate the config (and the policy, model manifest and TLS
     /// files it names) without starting anything; exit 0 when it is valid.
     CheckConfig(CheckConfigArgs),
+    /// Print the mock measurement (`mock:<hex>`) of a stage binary serving a
+    /// model, computed from the files, for a policy's `[[stages]] measurements`
+    /// (e.g. of the binary copied into a container image).
+    Measure(MeasureArgs),
     #[command(flatten)]
     Client(cli::ClientCommand),
 }
@@ -64,6 +68,16 @@ struct CheckConfigArgs {
     config: PathBuf,
 }
 
+#[derive(clap::Args, Debug)]
+struct MeasureArgs {
+    /// The `enclave-stage` binary.
+    #[arg(long)]
+    stage_binary: PathBuf,
+    /// Model folder; its `manifest.json` is measured.
+    #[arg(long)]
+    model_dir: PathBuf,
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     proto::logging::init();
@@ -72,6 +86,7 @@ fn main() -> Result<()> {
         Some(Command::Client(c)) => std::process::exit(cli::run(c)),
         Some(Command::HashKey) => return hash_key(),
         Some(Command::CheckConfig(a)) => std::process::exit(check_config(&a.config)),
+        Some(Command::Measure(a)) => return measure(&a),
         None => ServeArgs {
             config: "config/gateway.toml".into(),
             listen: None,
@@ -95,6 +110,18 @@ fn hash_key() -> Result<()> {
         anyhow::bail!("no token on stdin");
     }
     println!("{}", hex::encode(auth::digest(token.as_bytes())));
+    Ok(())
+}
+
+/// `gateway measure`: the measurement a mock stage running this binary with
+/// this model reports, from the files themselves (nothing is run).
+fn measure(a: &MeasureArgs) -> Result<()> {
+    let manifest = LoadedManifest::load(&a.model_dir)
+        .with_context(|| format!("--model-dir {}", a.model_dir.display()))?;
+    let binary = proto::digest::Sha256Digest::of_file(&a.stage_binary)
+        .with_context(|| format!("--stage-binary {}", a.stage_binary.display()))?;
+    let m = proto::attestation::mock_measurement(&binary, &manifest.digest);
+    println!("{}", m.pinned_form());
     Ok(())
 }
 

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Builds the container images (see docs/containers.md):
+#
+#   $PREFIX/enclave-stage:$TAG  FROM scratch: the static enclave-stage binary,
+#                               the model files and the policy (the input to
+#                               `nitro-cli build-enclave`, and the compose stages)
+#   $PREFIX/gateway:$TAG        FROM scratch: the static gateway binary, its
+#                               remote-launch config (docker/gateway.toml), the
+#                               policy and the model manifest
+#
+# Both binaries are a static musl release build (x86_64-unknown-linux-musl,
+# target dir target/static, without the test-only fault-injection feature).
+# The policy baked into both images pins the mock measurement of exactly the
+# stage binary copied into the stage image, computed here from the files
+# (`gateway measure`), never from what a container reports; it does not trust
+# the local build.
+#
+# Usage: scripts/build-images.sh [--tag TAG] [--prefix PREFIX]
+#   TAG     image tag (default: latest)
+#   PREFIX  image name prefix (default: confidential-inference)
+# Environment: MODEL_DIR (default models/all-minilm-l6-v2, from scripts/setup.sh).
+#
+# Writes target/images/$TAG/: policy.toml (the baked policy), measurement
+# (mock:<hex>), images.env (IMAGE_PREFIX, IMAGE_TAG, STAGE_IMAGE,
+# GATEWAY_IMAGE, MEASUREMENT) and the two build contexts.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+TAG=latest
+PREFIX=confidential-inference
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --tag) TAG="$2"; shift 2 ;;
+    --prefix) PREFIX="$2"; shift 2 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ "$TAG" =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$ ]] || { echo "bad --tag: $TAG" >&2; exit 2; }
+MODEL_DIR="${MODEL_DIR:-models/all-minilm-l6-v2}"
+TARGET=x86_64-unknown-linux-musl
+STATIC_DIR=target/static
+
+command -v docker >/dev/null || { echo "build-images: docker is not installed" >&2; exit 1; }
+[[ -f "$MODEL_DIR/manifest.json" ]] || { echo "build-images: no $MODEL_DIR/manifest.json; run scripts/setup.sh first" >&2; exit 1; }
+
+# The musl std for the toolchain in use (rustup fetches it once).
+if ! rustc --print sysroot >/dev/null 2>&1 || [[ ! -d "$(rustc --print sysroot)/lib/rustlib/$TARGET" ]]; then
+  rustup target add "$TARGET" || {
+    echo "build-images: the $TARGET standard library is missing and rustup could not fetch it" >&2
+    exit 1
+  }
+fi
+# ring (rustls, in the gateway) compiles C for the target: Debian's musl-tools.
+command -v musl-gcc >/dev/null || {
+  echo "build-images: musl-gcc not found; install it (Debian: apt-get install musl-tools)" >&2
+  exit 1
+}
+export CC_x86_64_unknown_linux_musl="${CC_x86_64_unknown_linux_musl:-musl-gcc}"
+
+echo "== static build ($TARGET, $STATIC_DIR)"
+start=$(date +%s)
+cargo build --release --locked --target "$TARGET" --target-dir "$STATIC_DIR" -p enclave-stage -p gateway
+echo "static build: $(( $(date +%s) - start )) s"
+BIN="$STATIC_DIR/$TARGET/release"
+for b in enclave-stage gateway; do
+  # A dynamically linked binary cannot run in a FROM scratch image.
+  if ldd "$BIN/$b" >/dev/null 2>&1 && ! ldd "$BIN/$b" 2>&1 | grep -q 'statically linked'; then
+    echo "build-images: $BIN/$b is not statically linked" >&2
+    ldd "$BIN/$b" >&2
+    exit 1
+  fi
+done
+
+OUT="target/images/$TAG"
+rm -rf "$OUT"
+mkdir -p "$OUT/stage/models" "$OUT/gateway/models"
+model="$(basename "$MODEL_DIR")"
+cp "$BIN/enclave-stage" "$OUT/stage/enclave-stage"
+cp -rL "$MODEL_DIR" "$OUT/stage/models/$model"
+cp "$BIN/gateway" "$OUT/gateway/gateway"
+mkdir -p "$OUT/gateway/models/$model"
+cp "$MODEL_DIR/manifest.json" "$OUT/gateway/models/$model/manifest.json"
+cp docker/gateway.toml "$OUT/gateway/gateway.toml"
+
+# The measurement of the binary and manifest that go into the stage image.
+MEASUREMENT="$("$BIN/gateway" measure --stage-binary "$OUT/stage/enclave-stage" --model-dir "$OUT/stage/models/$model")"
+MANIFEST_SHA256="$(sha256sum "$OUT/stage/models/$model/manifest.json" | cut -d' ' -f1)"
+cat >"$OUT/policy.toml" <<EOF
+# Written by scripts/build-images.sh for the images tagged $TAG.
+# MOCK evidence: the containers run without enclave hardware, and their
+# documents are signed by a public mock key. What this policy does pin is the
+# measurement of the exact stage binary and model manifest baked into
+# $PREFIX/enclave-stage:$TAG, computed on the build host from those files.
+allow_mock = true
+trust_local_build = false
+manifest_sha256 = "$MANIFEST_SHA256"
+
+[[stages]]
+index = 0
+layers = [0, 3]
+measurements = ["$MEASUREMENT"]
+
+[[stages]]
+index = 1
+layers = [3, 6]
+measurements = ["$MEASUREMENT"]
+EOF
+cp "$OUT/policy.toml" "$OUT/stage/policy.toml"
+cp "$OUT/policy.toml" "$OUT/gateway/policy.toml"
+echo "$MEASUREMENT" >"$OUT/measurement"
+
+STAGE_IMAGE="$PREFIX/enclave-stage:$TAG"
+GATEWAY_IMAGE="$PREFIX/gateway:$TAG"
+echo "== docker build $STAGE_IMAGE"
+docker build -q -f docker/enclave-stage.Dockerfile -t "$STAGE_IMAGE" "$OUT/stage"
+echo "== docker build $GATEWAY_IMAGE"
+docker build -q -f docker/gateway.Dockerfile -t "$GATEWAY_IMAGE" "$OUT/gateway"
+cat >"$OUT/images.env" <<EOF
+IMAGE_PREFIX=$PREFIX
+IMAGE_TAG=$TAG
+STAGE_IMAGE=$STAGE_IMAGE
+GATEWAY_IMAGE=$GATEWAY_IMAGE
+MEASUREMENT=$MEASUREMENT
+EOF
+echo "built $STAGE_IMAGE and $GATEWAY_IMAGE; stage measurement $MEASUREMENT (policy: $OUT/policy.toml)"
