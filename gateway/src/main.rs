@@ -102,8 +102,10 @@ fn hash_key() -> Result<()> {
 /// the error (naming the bad key) on stderr and exit 1.
 fn check_config(path: &std::path::Path) -> i32 {
     match check_config_summary(path) {
-        Ok(summary) => {
+        Ok((summary, effective)) => {
             println!("OK {}: {summary}", path.display());
+            println!("# effective configuration (file, environment overrides, defaults):");
+            print!("{effective}");
             0
         }
         Err(e) => {
@@ -113,11 +115,12 @@ fn check_config(path: &std::path::Path) -> i32 {
     }
 }
 
-fn check_config_summary(path: &std::path::Path) -> Result<String> {
+fn check_config_summary(path: &std::path::Path) -> Result<(String, String)> {
     let cfg = GatewayConfig::load(path)?;
     let scheme = match &cfg.server.tls {
         Some(t) => {
             tls::load_pair(&t.cert, &t.key)
+                .map_err(|e| cfg.attribute(e))
                 .with_context(|| format!("config {}", path.display()))?;
             "https"
         }
@@ -127,12 +130,18 @@ fn check_config_summary(path: &std::path::Path) -> Result<String> {
     let env_keys = std::env::var(auth::ENV_KEYS).ok();
     let keys = auth::ApiKeys::from_config(&cfg.auth, env_keys.as_deref(), metrics)
         .with_context(|| format!("config {}", path.display()))?;
-    let policy = Policy::load(&cfg.pipeline.policy)
-        .map_err(|e| anyhow::anyhow!("config {}: pipeline.policy: {e}", path.display()))?;
+    let policy = Policy::load(&cfg.pipeline.policy).map_err(|e| {
+        anyhow::anyhow!(
+            "config {}: {}: {e}",
+            path.display(),
+            cfg.key("pipeline.policy")
+        )
+    })?;
     let manifest = LoadedManifest::load(&cfg.pipeline.model_dir).map_err(|e| {
         anyhow::anyhow!(
-            "config {}: pipeline.model_dir: {}: {e}",
+            "config {}: {}: {}: {e}",
             path.display(),
+            cfg.key("pipeline.model_dir"),
             cfg.pipeline.model_dir.display()
         )
     })?;
@@ -140,8 +149,9 @@ fn check_config_summary(path: &std::path::Path) -> Result<String> {
         let bin = cfg.stage_binary()?;
         if !bin.exists() {
             anyhow::bail!(
-                "config {}: pipeline.stage_binary: {} does not exist",
+                "config {}: {}: {} does not exist",
                 path.display(),
+                cfg.key("pipeline.stage_binary"),
                 bin.display()
             );
         }
@@ -151,7 +161,7 @@ fn check_config_summary(path: &std::path::Path) -> Result<String> {
     } else {
         "auth off".to_string()
     };
-    Ok(format!(
+    let summary = format!(
         "{scheme}://{}, model {}, {} stages ({}), {auth}, policy {}{}",
         cfg.server.listen,
         manifest.manifest.model_id,
@@ -166,7 +176,8 @@ fn check_config_summary(path: &std::path::Path) -> Result<String> {
         } else {
             ""
         },
-    ))
+    );
+    Ok((summary, cfg.effective_toml()))
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
@@ -180,6 +191,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let tls_cert = match &cfg.server.tls {
         Some(t) => Some(std::sync::Arc::new(
             tls::ReloadingCert::load(&t.cert, &t.key)
+                .map_err(|e| cfg.attribute(e))
                 .with_context(|| format!("config {}", args.config.display()))?,
         )),
         None => None,
