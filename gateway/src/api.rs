@@ -38,8 +38,10 @@ const MAX_RECEIPT_HEADER: usize = 8 * 1024;
 pub struct ApiLimits {
     /// Largest request body.
     pub max_body_bytes: usize,
-    /// Per-request deadline.
+    /// Deadline of an embeddings request in the pipeline.
     pub timeout: Duration,
+    /// Every route's deadline (enforced by [`crate::timeouts::enforce`]).
+    pub routes: Arc<crate::timeouts::RouteTimeouts>,
 }
 
 /// Shared handler state.
@@ -57,6 +59,8 @@ pub struct AppState {
     pub auth: Arc<ApiKeys>,
     /// Prometheus metrics.
     pub metrics: Arc<Metrics>,
+    /// Graceful shutdown state.
+    pub shutdown: Arc<crate::shutdown::Shutdown>,
 }
 
 /// Key id of the gateway-held HPKE key.
@@ -138,6 +142,14 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
             ApiError::method_not_allowed(method.as_str(), uri.path())
         })
+        .layer(axum::middleware::from_fn_with_state(
+            state.limits.routes.clone(),
+            crate::timeouts::enforce,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.shutdown.clone(),
+            crate::shutdown::guard,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.metrics.clone(),
             crate::metrics::track,
@@ -286,7 +298,8 @@ async fn attestation(
                 .into_response()
         }
     };
-    let stages = match s.pipeline.attest(&nonce, Duration::from_secs(10)).await {
+    let wait = s.limits.routes.for_route(crate::timeouts::ATTESTATION);
+    let stages = match s.pipeline.attest(&nonce, wait).await {
         Ok(v) => v,
         Err(f) => return failure_response(&s, f),
     };

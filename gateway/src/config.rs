@@ -94,9 +94,32 @@ pub struct ServerConfig {
     /// `[server.tls]`); refused at start unless set.
     #[serde(default)]
     pub allow_plain_http: bool,
+    /// On SIGTERM/SIGINT: how long requests in flight may still run before
+    /// they are cancelled (503 `shutting_down`).
+    #[serde(default = "default_shutdown_grace")]
+    pub shutdown_grace_secs: u64,
     /// `[server.tls]`: serve HTTPS (none: plain HTTP).
     #[serde(default)]
     pub tls: Option<TlsConfig>,
+    /// `[server.timeouts]`: per-route deadlines.
+    #[serde(default)]
+    pub timeouts: TimeoutsConfig,
+}
+
+/// `[server.timeouts]`: deadlines per route, seconds, until the response
+/// headers. Routes not named here use `server.request_timeout_secs`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimeoutsConfig {
+    /// `POST /v1/embeddings` (default: `server.request_timeout_secs`).
+    #[serde(default)]
+    pub embeddings_secs: Option<u64>,
+    /// `POST /v1/completions` (default: `server.request_timeout_secs`).
+    #[serde(default)]
+    pub completions_secs: Option<u64>,
+    /// `GET /v1/attestation`: fresh evidence from every stage (default 10).
+    #[serde(default)]
+    pub attestation_secs: Option<u64>,
 }
 
 /// `[server.tls]`.
@@ -172,6 +195,9 @@ fn default_max_inputs() -> usize {
 }
 fn default_timeout() -> u64 {
     60
+}
+fn default_shutdown_grace() -> u64 {
+    30
 }
 fn default_receipt_retention() -> usize {
     10_000
@@ -289,6 +315,20 @@ impl GatewayConfig {
         self.check_listen()?;
         if self.server.max_inputs == 0 {
             bail!("{}: must be at least 1", k("server.max_inputs"));
+        }
+        let t = &self.server.timeouts;
+        for (key, secs) in [
+            (
+                "server.request_timeout_secs",
+                Some(self.server.request_timeout_secs),
+            ),
+            ("server.timeouts.embeddings_secs", t.embeddings_secs),
+            ("server.timeouts.completions_secs", t.completions_secs),
+            ("server.timeouts.attestation_secs", t.attestation_secs),
+        ] {
+            if secs == Some(0) {
+                bail!("{}: must be at least 1", k(key));
+            }
         }
         if p.threads_per_stage == 0 {
             bail!("{}: must be at least 1", k("pipeline.threads_per_stage"));

@@ -12,6 +12,8 @@ mod metrics;
 mod openai_error;
 mod pipeline;
 mod receipts;
+mod shutdown;
+mod timeouts;
 mod tls;
 
 use anyhow::{Context, Result};
@@ -180,8 +182,13 @@ fn check_config_summary(path: &std::path::Path) -> Result<(String, String)> {
     Ok((summary, cfg.effective_toml()))
 }
 
+/// How long connections may stay open after the shutdown deadline (for the
+/// cancelled requests' answers to be written) before they are dropped.
+const CLOSE_AFTER_DEADLINE: Duration = Duration::from_secs(1);
+
 async fn serve(args: ServeArgs) -> Result<()> {
     let mut cfg = GatewayConfig::load(&args.config)?;
+    let routes = timeouts::RouteTimeouts::from_config(&cfg.server);
     if let Some(l) = args.listen {
         cfg.server.listen = l;
         cfg.check_listen()
@@ -316,16 +323,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
         });
     }
     tokio::spawn(pipeline.clone().supervise_after_first());
+    let shutdown = shutdown::Shutdown::new(Duration::from_secs(cfg.server.shutdown_grace_secs));
     let state = api::AppState {
         pipeline: pipeline.clone(),
         limits: api::ApiLimits {
             max_body_bytes: cfg.server.max_body_bytes,
-            timeout: Duration::from_secs(cfg.server.request_timeout_secs),
+            timeout: routes.for_route(timeouts::EMBEDDINGS),
+            routes: std::sync::Arc::new(routes),
         },
         receipts: std::sync::Arc::new(receipts::ReceiptStore::new(cfg.server.receipt_retention)),
         gateway_key: std::sync::Arc::new(api::GatewayKey::generate()),
         auth: std::sync::Arc::new(api_keys),
         metrics,
+        shutdown: shutdown.clone(),
     };
     let listener = tokio::net::TcpListener::bind(&cfg.server.listen)
         .await
@@ -333,35 +343,42 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let addr = listener.local_addr()?;
     // Registered before we announce ourselves, so an early Ctrl-C or SIGTERM
     // is a clean shutdown rather than the default kill.
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let shutdown = async move {
-        tokio::select! {
-            _ = sigint.recv() => {}
-            _ = sigterm.recv() => {}
-        }
-        tracing::info!("shutting down");
-    };
+    let on_signal = shutdown.on_signal()?;
     let router = api::router(state);
-    match tls_cert {
-        Some(cert) => {
-            let config = std::sync::Arc::new(tls::server_config(cert)?);
-            let listener = tls::TlsListener::new(listener, config)?;
-            tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening (TLS; HTTP/1.1 and HTTP/2)");
-            println!("GATEWAY LISTENING https://{addr}");
-            axum::serve(listener, router)
-                .with_graceful_shutdown(shutdown)
-                .await?;
+    let served = async {
+        match tls_cert {
+            Some(cert) => {
+                let config = std::sync::Arc::new(tls::server_config(cert)?);
+                let listener = tls::TlsListener::new(listener, config)?;
+                tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening (TLS; HTTP/1.1 and HTTP/2)");
+                println!("GATEWAY LISTENING https://{addr}");
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(on_signal)
+                    .await?;
+            }
+            None => {
+                tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
+                println!("GATEWAY LISTENING http://{addr}");
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(on_signal)
+                    .await?;
+            }
         }
-        None => {
-            tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
-            println!("GATEWAY LISTENING http://{addr}");
-            axum::serve(listener, router)
-                .with_graceful_shutdown(shutdown)
-                .await?;
-        }
+        Ok::<_, anyhow::Error>(())
+    };
+    // The server returns once every connection is closed. Requests still
+    // running at the deadline are answered 503 by `shutdown::guard`; a
+    // connection that is still open a moment later (a client that does not
+    // read its answer) is dropped.
+    let hard_stop = async {
+        shutdown.expired().await;
+        tokio::time::sleep(CLOSE_AFTER_DEADLINE).await;
+    };
+    tokio::select! {
+        r = served => r?,
+        _ = hard_stop => tracing::warn!("connections still open after the shutdown deadline; closing them"),
     }
+    pipeline.close().await;
     if let Some(s) = stages {
         s.stop().await;
     }
