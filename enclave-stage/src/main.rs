@@ -211,9 +211,12 @@ fn main() -> Result<()> {
                 std::process::exit(0);
             });
         }
+        let mut sigterm =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             _ = server.serve(listener) => {}
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; exiting"),
+            _ = sigterm.recv() => tracing::info!("SIGTERM; exiting"),
         }
         Ok::<_, anyhow::Error>(())
     })

@@ -39,8 +39,10 @@ const MAX_RECEIPT_HEADER: usize = 8 * 1024;
 pub struct ApiLimits {
     /// Largest request body.
     pub max_body_bytes: usize,
-    /// Per-request deadline.
+    /// Deadline of an embeddings request in the pipeline.
     pub timeout: Duration,
+    /// Every route's deadline (enforced by [`crate::timeouts::enforce`]).
+    pub routes: Arc<crate::timeouts::RouteTimeouts>,
 }
 
 /// Shared handler state.
@@ -60,6 +62,8 @@ pub struct AppState {
     pub auth: Arc<ApiKeys>,
     /// Prometheus metrics.
     pub metrics: Arc<Metrics>,
+    /// Graceful shutdown state.
+    pub shutdown: Arc<crate::shutdown::Shutdown>,
 }
 
 impl AppState {
@@ -156,6 +160,14 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
             ApiError::method_not_allowed(method.as_str(), uri.path())
         })
+        .layer(axum::middleware::from_fn_with_state(
+            state.limits.routes.clone(),
+            crate::timeouts::enforce,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.shutdown.clone(),
+            crate::shutdown::guard,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.metrics.clone(),
             crate::metrics::track,
@@ -346,7 +358,8 @@ async fn attestation(
         },
         None => s.pipeline.clone(),
     };
-    let stages = match pipeline.attest(&nonce, Duration::from_secs(10)).await {
+    let wait = s.limits.routes.for_route(crate::timeouts::ATTESTATION);
+    let stages = match pipeline.attest(&nonce, wait).await {
         Ok(v) => v,
         Err(f) => return failure_response(&s, f),
     };
@@ -536,7 +549,7 @@ async fn relay_inner(
                 bytes.to_vec(),
                 nonce,
                 Sealing::Enclave,
-                s.limits.timeout,
+                s.limits.routes.for_route(pipeline.endpoint),
             )
             .await
             .map_err(|f| failure_error(s, f))?;
@@ -649,7 +662,8 @@ fn stream_response(
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     let receipts = s.receipts.clone();
     let metrics = s.metrics.clone();
-    let idle = s.limits.timeout;
+    // A stream may run long; only a silence this long ends it.
+    let idle = s.limits.routes.for_route(crate::timeouts::COMPLETIONS);
     tokio::spawn(pump_stream(
         sub, mode, tx, receipts, metrics, receipt_id, idle,
     ));
@@ -778,7 +792,7 @@ async fn seal_to_entry(
             body,
             nonce,
             sealing,
-            s.limits.timeout,
+            s.limits.routes.for_route(pipeline.endpoint),
         )
         .await
         .map_err(|f| failure_error(s, f))?;

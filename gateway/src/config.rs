@@ -1,14 +1,29 @@
-//! The gateway's configuration file (`config/gateway.toml`).
+//! The gateway's configuration: one file (`config/gateway.toml`) plus
+//! environment overrides.
+//!
+//! Every key can be overridden by an environment variable named
+//! `GATEWAY_` + the key's path in upper case with `__` between the levels
+//! (array elements by index): `GATEWAY_SERVER__LISTEN=0.0.0.0:8443`,
+//! `GATEWAY_PIPELINE__STAGES__1__ADDRESS=tcp://10.0.0.7:7000`. The value is
+//! read as a TOML value when it is one (`true`, `30`, `[0, 3]`, `"quoted"`)
+//! and as a string otherwise. Errors name the key, and for an overridden key
+//! the variable too (`GATEWAY_SERVER__MAX_INPUTS (server.max_inputs): …`).
 //!
 //! Relative paths are resolved against the current directory (run the
 //! gateway from the repository root, as the README does).
 
-use anyhow::{bail, Context, Result};
-use serde::Deserialize;
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+/// Prefix of environment overrides.
+pub const ENV_PREFIX: &str = "GATEWAY_";
+/// Separator between key levels in an override's name.
+pub const ENV_SEPARATOR: &str = "__";
+
 /// The whole file.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct GatewayConfig {
     /// HTTP server settings.
@@ -18,6 +33,9 @@ pub struct GatewayConfig {
     /// API keys and per-key limits (off by default).
     #[serde(default)]
     pub auth: AuthConfig,
+    /// Key paths set by environment overrides → the variable's name.
+    #[serde(skip)]
+    pub overrides: BTreeMap<String, String>,
     /// The text-generation pipeline for `/v1/completions` (none: not served).
     #[serde(default)]
     pub completions: Option<CompletionsConfig>,
@@ -53,7 +71,7 @@ pub struct CompletionsConfig {
 }
 
 /// `[auth]`: API keys for the `/v1/*` routes.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct AuthConfig {
     /// Require `Authorization: Bearer <token>` on `/v1/*`.
@@ -71,7 +89,7 @@ pub struct AuthConfig {
 }
 
 /// `[[auth.keys]]` (or an inline table in `auth.keys`).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ApiKeyConfig {
     /// A label for logs (never the token).
@@ -87,7 +105,7 @@ pub struct ApiKeyConfig {
 }
 
 /// `[server]`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     /// Address to listen on, e.g. `127.0.0.1:8080`.
@@ -108,13 +126,36 @@ pub struct ServerConfig {
     /// `[server.tls]`); refused at start unless set.
     #[serde(default)]
     pub allow_plain_http: bool,
+    /// On SIGTERM/SIGINT: how long requests in flight may still run before
+    /// they are cancelled (503 `shutting_down`).
+    #[serde(default = "default_shutdown_grace")]
+    pub shutdown_grace_secs: u64,
     /// `[server.tls]`: serve HTTPS (none: plain HTTP).
     #[serde(default)]
     pub tls: Option<TlsConfig>,
+    /// `[server.timeouts]`: per-route deadlines.
+    #[serde(default)]
+    pub timeouts: TimeoutsConfig,
+}
+
+/// `[server.timeouts]`: deadlines per route, seconds, until the response
+/// headers. Routes not named here use `server.request_timeout_secs`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimeoutsConfig {
+    /// `POST /v1/embeddings` (default: `server.request_timeout_secs`).
+    #[serde(default)]
+    pub embeddings_secs: Option<u64>,
+    /// `POST /v1/completions` (default: `server.request_timeout_secs`).
+    #[serde(default)]
+    pub completions_secs: Option<u64>,
+    /// `GET /v1/attestation`: fresh evidence from every stage (default 10).
+    #[serde(default)]
+    pub attestation_secs: Option<u64>,
 }
 
 /// `[server.tls]`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TlsConfig {
     /// PEM certificate chain, leaf first.
@@ -125,21 +166,31 @@ pub struct TlsConfig {
 
 /// Checks a stage list: contiguous non-empty layer ranges from 0, and an
 /// address for each stage when the stages are remote.
-fn validate_stages(section: &str, stages: &[StageConfig], launch: Launch) -> Result<()> {
+/// `k` names a key path (with the environment variable that set it, if any).
+fn validate_stages(
+    section: &str,
+    stages: &[StageConfig],
+    launch: Launch,
+    k: &dyn Fn(&str) -> String,
+) -> Result<()> {
     if stages.is_empty() {
-        bail!("{section}.stages: at least one stage is required");
+        bail!("{}: at least one stage is required", k(&format!("{section}.stages")));
     }
     let mut expect = 0;
     for (i, s) in stages.iter().enumerate() {
         if s.layers[0] != expect || s.layers[1] <= s.layers[0] {
             bail!(
-                "{section}.stages[{i}].layers: expected a non-empty range starting at {expect}, got {:?}",
+                "{}: expected a non-empty range starting at {expect}, got {:?}",
+                k(&format!("{section}.stages[{i}].layers")),
                 s.layers
             );
         }
         expect = s.layers[1];
         if launch == Launch::Remote && s.address.is_none() {
-            bail!("{section}.stages[{i}].address: required when pipeline.launch = \"remote\"");
+            bail!(
+                "{}: required when pipeline.launch = \"remote\"",
+                k(&format!("{section}.stages[{i}].address"))
+            );
         }
     }
     Ok(())
@@ -154,7 +205,7 @@ pub fn is_loopback(listen: &str) -> bool {
 }
 
 /// How the gateway reaches the stages.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Launch {
     /// Start the stages as child processes on loopback.
@@ -164,7 +215,7 @@ pub enum Launch {
 }
 
 /// `[pipeline]`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PipelineConfig {
     /// Measurement policy file.
@@ -205,7 +256,7 @@ pub struct PipelineSpec {
 }
 
 /// `[[pipeline.stages]]`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StageConfig {
     /// Layers `[start, end)`.
@@ -223,6 +274,9 @@ fn default_max_inputs() -> usize {
 }
 fn default_timeout() -> u64 {
     60
+}
+fn default_shutdown_grace() -> u64 {
+    30
 }
 fn default_receipt_retention() -> usize {
     10_000
@@ -247,65 +301,159 @@ fn default_max_waiting() -> usize {
 }
 
 impl GatewayConfig {
-    /// Reads and validates a config file.
+    /// Reads the file, applies the environment overrides
+    /// (`GATEWAY_<SECTION>__<KEY>`) and validates the result.
     pub fn load(path: &Path) -> Result<Self> {
+        let env = std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v)));
+        Self::load_with_env(path, env)
+    }
+
+    /// [`Self::load`] with the environment given explicitly.
+    pub fn load_with_env(
+        path: &Path,
+        env: impl IntoIterator<Item = (String, std::ffi::OsString)>,
+    ) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading config {}", path.display()))?;
-        let cfg: GatewayConfig =
-            toml::from_str(&text).with_context(|| format!("config {}", path.display()))?;
-        cfg.validate()
-            .with_context(|| format!("config {}", path.display()))?;
+        Self::parse(&text, env).with_context(|| format!("config {}", path.display()))
+    }
+
+    fn parse(
+        text: &str,
+        env: impl IntoIterator<Item = (String, std::ffi::OsString)>,
+    ) -> Result<Self> {
+        // Syntax errors are reported here, with line and column.
+        let mut table: toml::Table = toml::from_str(text)?;
+        let overrides = apply_env_overrides(&mut table, env)?;
+        let mut cfg: GatewayConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
+            .map_err(|e| {
+                let path = e.path().to_string();
+                // toml appends "in `path`" on a line of its own: the path is
+                // named in front already.
+                let inner = e.inner().to_string();
+                let why = inner.lines().next().unwrap_or_default().trim_end();
+                anyhow!("{}: {why}", key_name(&overrides, &path))
+            })?;
+        cfg.overrides = overrides;
+        cfg.validate()?;
         Ok(cfg)
     }
 
+    /// How errors name the key at `path`: the path itself, or for a key set
+    /// in the environment `VARIABLE (path)`.
+    pub fn key(&self, path: &str) -> String {
+        key_name(&self.overrides, path)
+    }
+
+    /// Rewrites an error whose message begins with a key path (as
+    /// `server.tls.cert: …`) to name the environment variable when that key
+    /// was overridden.
+    pub fn attribute(&self, e: anyhow::Error) -> anyhow::Error {
+        let msg = format!("{e:#}");
+        for path in self.overrides.keys() {
+            if let Some(rest) = msg.strip_prefix(path.as_str()) {
+                if rest.starts_with([':', ' ']) {
+                    return anyhow!("{}{rest}", self.key(path));
+                }
+            }
+        }
+        e
+    }
+
+    /// The effective configuration as TOML (defaults filled in, overrides
+    /// applied), with API key digests redacted.
+    pub fn effective_toml(&self) -> String {
+        let mut shown = self.clone();
+        for k in &mut shown.auth.keys {
+            k.sha256 = "<redacted>".into();
+        }
+        let body = toml::to_string(&shown).unwrap_or_else(|e| format!("# not shown: {e}"));
+        let mut out = String::new();
+        for (path, var) in &self.overrides {
+            out += &format!("# {path} is set by {var}\n");
+        }
+        out += body.trim_end();
+        out.push('\n');
+        out
+    }
+
     fn validate(&self) -> Result<()> {
+        let k = |path: &str| self.key(path);
         let p = &self.pipeline;
-        validate_stages("pipeline", &p.stages, p.launch)?;
+        validate_stages("pipeline", &p.stages, p.launch, &k)?;
         if let Some(c) = &self.completions {
-            validate_stages("completions", &c.stages, p.launch)?;
+            validate_stages("completions", &c.stages, p.launch, &k)?;
             for (key, v) in [
                 ("kv_cache_tokens", c.kv_cache_tokens),
                 ("max_step_seqs", c.max_step_seqs),
                 ("step_tokens", c.step_tokens),
             ] {
                 if v == 0 {
-                    bail!("completions.{key}: must be at least 1");
+                    bail!("{}: must be at least 1", k(&format!("completions.{key}")));
                 }
             }
         }
         self.check_listen()?;
         if self.server.max_inputs == 0 {
-            bail!("server.max_inputs: must be at least 1");
+            bail!("{}: must be at least 1", k("server.max_inputs"));
+        }
+        let t = &self.server.timeouts;
+        for (key, secs) in [
+            (
+                "server.request_timeout_secs",
+                Some(self.server.request_timeout_secs),
+            ),
+            ("server.timeouts.embeddings_secs", t.embeddings_secs),
+            ("server.timeouts.completions_secs", t.completions_secs),
+            ("server.timeouts.attestation_secs", t.attestation_secs),
+        ] {
+            if secs == Some(0) {
+                bail!("{}: must be at least 1", k(key));
+            }
         }
         if p.threads_per_stage == 0 {
-            bail!("pipeline.threads_per_stage: must be at least 1");
+            bail!("{}: must be at least 1", k("pipeline.threads_per_stage"));
         }
         let a = &self.auth;
         if a.default_requests_per_minute == Some(0) {
-            bail!("auth.default_requests_per_minute: must be at least 1 (omit it for no limit)");
+            bail!(
+                "{}: must be at least 1 (omit it for no limit)",
+                k("auth.default_requests_per_minute")
+            );
         }
         if a.default_max_concurrent == Some(0) {
-            bail!("auth.default_max_concurrent: must be at least 1 (omit it for no limit)");
+            bail!(
+                "{}: must be at least 1 (omit it for no limit)",
+                k("auth.default_max_concurrent")
+            );
         }
         let mut names = std::collections::HashSet::new();
-        for (i, k) in a.keys.iter().enumerate() {
-            if k.name.is_empty() {
-                bail!("auth.keys[{i}].name: must not be empty");
+        for (i, key) in a.keys.iter().enumerate() {
+            let field = |f: &str| k(&format!("auth.keys[{i}].{f}"));
+            if key.name.is_empty() {
+                bail!("{}: must not be empty", field("name"));
             }
-            if !names.insert(k.name.as_str()) {
-                bail!("auth.keys[{i}].name: duplicate name {:?}", k.name);
+            if !names.insert(key.name.as_str()) {
+                bail!("{}: duplicate name {:?}", field("name"), key.name);
             }
-            let ok = k.sha256.len() == 64 && hex::decode(&k.sha256).is_ok();
+            let ok = key.sha256.len() == 64 && hex::decode(&key.sha256).is_ok();
             if !ok {
-                bail!("auth.keys[{i}].sha256: must be 64 hex digits (the SHA-256 of the token; see `gateway hash-key`)");
-            }
-            if k.requests_per_minute == Some(0) {
                 bail!(
-                    "auth.keys[{i}].requests_per_minute: must be at least 1 (omit it for no limit)"
+                    "{}: must be 64 hex digits (the SHA-256 of the token; see `gateway hash-key`)",
+                    field("sha256")
                 );
             }
-            if k.max_concurrent == Some(0) {
-                bail!("auth.keys[{i}].max_concurrent: must be at least 1 (omit it for no limit)");
+            if key.requests_per_minute == Some(0) {
+                bail!(
+                    "{}: must be at least 1 (omit it for no limit)",
+                    field("requests_per_minute")
+                );
+            }
+            if key.max_concurrent == Some(0) {
+                bail!(
+                    "{}: must be at least 1 (omit it for no limit)",
+                    field("max_concurrent")
+                );
             }
         }
         Ok(())
@@ -317,9 +465,11 @@ impl GatewayConfig {
         let s = &self.server;
         if s.tls.is_none() && !s.allow_plain_http && !is_loopback(&s.listen) {
             bail!(
-                "server.allow_plain_http: refusing plain HTTP on non-loopback address {:?}; \
+                "{}: refusing plain HTTP on non-loopback address {} = {:?}; \
                  configure [server.tls] (cert, key) or set server.allow_plain_http = true \
                  (e.g. behind a TLS-terminating proxy)",
+                self.key("server.allow_plain_http"),
+                self.key("server.listen"),
                 s.listen
             );
         }
@@ -373,6 +523,116 @@ impl GatewayConfig {
             }
         }
     }
+}
+
+/// `path` as errors show it: `VARIABLE (path)` when an environment variable
+/// set it (or a key inside it, or the table that holds it), else `path`.
+fn key_name(overrides: &BTreeMap<String, String>, path: &str) -> String {
+    let hit = overrides.get(path).or_else(|| {
+        overrides.iter().find_map(|(p, var)| {
+            let inside = |outer: &str, inner: &str| {
+                inner
+                    .strip_prefix(outer)
+                    .is_some_and(|r| r.starts_with(['.', '[']))
+            };
+            (inside(p, path) || inside(path, p)).then_some(var)
+        })
+    });
+    match hit {
+        Some(var) => format!("{var} ({path})"),
+        None => path.to_string(),
+    }
+}
+
+/// Applies every `GATEWAY_A__B[__C…]` variable to `table`; returns the key
+/// paths it set (in error-message form, `a.b[1].c`) with their variables.
+/// Variables without `__` after the prefix (such as `GATEWAY_API_KEYS`) are
+/// not overrides.
+fn apply_env_overrides(
+    table: &mut toml::Table,
+    env: impl IntoIterator<Item = (String, std::ffi::OsString)>,
+) -> Result<BTreeMap<String, String>> {
+    let mut vars: Vec<(String, std::ffi::OsString)> = env
+        .into_iter()
+        .filter(|(k, _)| {
+            k.strip_prefix(ENV_PREFIX)
+                .is_some_and(|r| r.contains(ENV_SEPARATOR))
+        })
+        .collect();
+    // Deterministic order: `…__STAGES__2` after `…__STAGES__1`.
+    vars.sort();
+    let mut set = BTreeMap::new();
+    for (var, value) in vars {
+        let value = value
+            .into_string()
+            .map_err(|_| anyhow!("{var}: the value is not UTF-8"))?;
+        let segments: Vec<String> = var[ENV_PREFIX.len()..]
+            .split(ENV_SEPARATOR)
+            .map(str::to_ascii_lowercase)
+            .collect();
+        if segments.iter().any(String::is_empty) {
+            bail!("{var}: empty key level (levels are separated by exactly `{ENV_SEPARATOR}`)");
+        }
+        let path =
+            set_path(table, &segments, env_value(&value)).map_err(|why| anyhow!("{var}: {why}"))?;
+        set.insert(path, var);
+    }
+    Ok(set)
+}
+
+/// An override's value: a TOML value when it parses as exactly one, else the
+/// text as a string.
+fn env_value(text: &str) -> toml::Value {
+    match toml::from_str::<toml::Table>(&format!("v = {text}")) {
+        Ok(mut t) if t.len() == 1 => t.remove("v").expect("one key"),
+        _ => toml::Value::String(text.to_string()),
+    }
+}
+
+/// Sets `segments` (table keys, or array indices for arrays) to `value`,
+/// creating tables on the way; returns the path in error-message form.
+fn set_path(
+    table: &mut toml::Table,
+    segments: &[String],
+    value: toml::Value,
+) -> Result<String, String> {
+    let mut path = segments[0].clone();
+    let mut cur = table
+        .entry(segments[0].clone())
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    for seg in &segments[1..] {
+        cur = match cur {
+            toml::Value::Table(t) => {
+                path = format!("{path}.{seg}");
+                t.entry(seg.clone())
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            }
+            toml::Value::Array(a) => {
+                let i: usize = seg
+                    .parse()
+                    .map_err(|_| format!("{path} is an array: expected an index, got {seg:?}"))?;
+                if i > a.len() {
+                    return Err(format!(
+                        "{path}[{i}]: index out of range ({} elements; the next one is {})",
+                        a.len(),
+                        a.len()
+                    ));
+                }
+                if i == a.len() {
+                    a.push(toml::Value::Table(toml::Table::new()));
+                }
+                path = format!("{path}[{i}]");
+                &mut a[i]
+            }
+            _ => {
+                return Err(format!(
+                    "{path} is a value, not a table: cannot set {seg:?} in it"
+                ))
+            }
+        };
+    }
+    *cur = value;
+    Ok(path)
 }
 
 #[cfg(test)]
@@ -475,5 +735,137 @@ mod tests {
         let cfg: GatewayConfig = toml::from_str(&text).unwrap();
         cfg.validate().unwrap();
         assert_eq!(cfg.server.tls.unwrap().cert, PathBuf::from("c.pem"));
+    }
+
+    fn shipped() -> String {
+        std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml"),
+        )
+        .unwrap()
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, std::ffi::OsString)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.into()))
+            .collect()
+    }
+
+    #[test]
+    fn env_overrides_set_keys_of_every_kind() {
+        let cfg = GatewayConfig::parse(
+            &shipped(),
+            env(&[
+                ("GATEWAY_SERVER__LISTEN", "127.0.0.1:9999"),
+                ("GATEWAY_SERVER__MAX_INPUTS", "16"),
+                ("GATEWAY_AUTH__ENABLED", "true"),
+                ("GATEWAY_PIPELINE__LAUNCH", "remote"),
+                (
+                    "GATEWAY_PIPELINE__STAGES__0__ADDRESS",
+                    "tcp://10.0.0.1:7000",
+                ),
+                (
+                    "GATEWAY_PIPELINE__STAGES__1__ADDRESS",
+                    "tcp://10.0.0.2:7000",
+                ),
+                ("GATEWAY_PIPELINE__STAGES__1__LAYERS", "[3, 6]"),
+                ("GATEWAY_PIPELINE__STAGE_BINARY", "\"123\""),
+                // Not overrides: no `__` after the prefix, or another prefix.
+                ("GATEWAY_API_KEYS", "a:b"),
+                ("SERVER__LISTEN", "x"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(cfg.server.listen, "127.0.0.1:9999");
+        assert_eq!(cfg.server.max_inputs, 16);
+        assert!(cfg.auth.enabled);
+        assert_eq!(cfg.pipeline.launch, Launch::Remote);
+        assert_eq!(
+            cfg.pipeline.stages[1].address.as_deref(),
+            Some("tcp://10.0.0.2:7000")
+        );
+        assert_eq!(cfg.pipeline.stage_binary, Some(PathBuf::from("123")));
+        assert_eq!(
+            cfg.overrides
+                .get("pipeline.stages[1].address")
+                .map(String::as_str),
+            Some("GATEWAY_PIPELINE__STAGES__1__ADDRESS")
+        );
+        assert_eq!(cfg.overrides.len(), 8);
+        // The effective config shows the values and where they came from.
+        let shown = cfg.effective_toml();
+        assert!(
+            shown.contains("# server.listen is set by GATEWAY_SERVER__LISTEN"),
+            "{shown}"
+        );
+        assert!(shown.contains("listen = \"127.0.0.1:9999\""), "{shown}");
+        // Defaults are filled in.
+        assert!(shown.contains("receipt_retention = 10000"), "{shown}");
+        let again: GatewayConfig = toml::from_str(
+            &shown
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+        .unwrap();
+        assert_eq!(again.server.listen, cfg.server.listen);
+    }
+
+    #[test]
+    fn env_override_errors_name_the_variable() {
+        let err = |pairs: &[(&str, &str)]| {
+            format!(
+                "{:#}",
+                GatewayConfig::parse(&shipped(), env(pairs)).unwrap_err()
+            )
+        };
+        for (pairs, want) in [
+            (
+                vec![("GATEWAY_SERVER__MAX_INPUTS", "0")],
+                "GATEWAY_SERVER__MAX_INPUTS (server.max_inputs): must be at least 1",
+            ),
+            (
+                vec![("GATEWAY_SERVER__MAX_BODY_BYTES", "lots")],
+                "GATEWAY_SERVER__MAX_BODY_BYTES (server.max_body_bytes): invalid type",
+            ),
+            (
+                vec![("GATEWAY_SERVER__BOGUS", "1")],
+                "GATEWAY_SERVER__BOGUS",
+            ),
+            (
+                vec![("GATEWAY_PIPELINE__STAGES__1__LAYERS", "[4, 6]")],
+                "GATEWAY_PIPELINE__STAGES__1__LAYERS (pipeline.stages[1].layers): expected",
+            ),
+            (
+                vec![("GATEWAY_PIPELINE__STAGES__5__LAYERS", "[6, 7]")],
+                "GATEWAY_PIPELINE__STAGES__5__LAYERS: pipeline.stages[5]: index out of range",
+            ),
+            (
+                vec![("GATEWAY_SERVER__LISTEN__PORT", "1")],
+                "GATEWAY_SERVER__LISTEN__PORT: server.listen is a value",
+            ),
+            (
+                vec![("GATEWAY_SERVER____LISTEN", "1")],
+                "GATEWAY_SERVER____LISTEN: empty key level",
+            ),
+            (
+                vec![("GATEWAY_AUTH__KEYS__0__NAME", "a")],
+                "GATEWAY_AUTH__KEYS__0__NAME (auth.keys[0]",
+            ),
+        ] {
+            let e = err(&pairs);
+            assert!(e.contains(want), "{pairs:?}: expected {want:?} in {e:?}");
+        }
+        // A bad key in the file is named without any variable.
+        let text = shipped().replace("max_inputs = 2048", "max_inputs = 0");
+        let e = format!("{:#}", GatewayConfig::parse(&text, env(&[])).unwrap_err());
+        assert!(
+            e.starts_with("server.max_inputs: must be at least 1"),
+            "{e}"
+        );
+        let text = shipped().replace("max_inputs = 2048", "max_inputs = \"many\"");
+        let e = format!("{:#}", GatewayConfig::parse(&text, env(&[])).unwrap_err());
+        assert!(e.starts_with("server.max_inputs: invalid type"), "{e}");
     }
 }

@@ -12,6 +12,8 @@ mod metrics;
 mod openai_error;
 mod pipeline;
 mod receipts;
+mod shutdown;
+mod timeouts;
 mod tls;
 
 use anyhow::{Context, Result};
@@ -129,8 +131,10 @@ fn measure(a: &MeasureArgs) -> Result<()> {
 /// the error (naming the bad key) on stderr and exit 1.
 fn check_config(path: &std::path::Path) -> i32 {
     match check_config_summary(path) {
-        Ok(summary) => {
+        Ok((summary, effective)) => {
             println!("OK {}: {summary}", path.display());
+            println!("# effective configuration (file, environment overrides, defaults):");
+            print!("{effective}");
             0
         }
         Err(e) => {
@@ -140,11 +144,12 @@ fn check_config(path: &std::path::Path) -> i32 {
     }
 }
 
-fn check_config_summary(path: &std::path::Path) -> Result<String> {
+fn check_config_summary(path: &std::path::Path) -> Result<(String, String)> {
     let cfg = GatewayConfig::load(path)?;
     let scheme = match &cfg.server.tls {
         Some(t) => {
             tls::load_pair(&t.cert, &t.key)
+                .map_err(|e| cfg.attribute(e))
                 .with_context(|| format!("config {}", path.display()))?;
             "https"
         }
@@ -154,12 +159,18 @@ fn check_config_summary(path: &std::path::Path) -> Result<String> {
     let env_keys = std::env::var(auth::ENV_KEYS).ok();
     let keys = auth::ApiKeys::from_config(&cfg.auth, env_keys.as_deref(), metrics)
         .with_context(|| format!("config {}", path.display()))?;
-    let policy = Policy::load(&cfg.pipeline.policy)
-        .map_err(|e| anyhow::anyhow!("config {}: pipeline.policy: {e}", path.display()))?;
+    let policy = Policy::load(&cfg.pipeline.policy).map_err(|e| {
+        anyhow::anyhow!(
+            "config {}: {}: {e}",
+            path.display(),
+            cfg.key("pipeline.policy")
+        )
+    })?;
     let manifest = LoadedManifest::load(&cfg.pipeline.model_dir).map_err(|e| {
         anyhow::anyhow!(
-            "config {}: pipeline.model_dir: {}: {e}",
+            "config {}: {}: {}: {e}",
             path.display(),
+            cfg.key("pipeline.model_dir"),
             cfg.pipeline.model_dir.display()
         )
     })?;
@@ -167,8 +178,9 @@ fn check_config_summary(path: &std::path::Path) -> Result<String> {
         let bin = cfg.stage_binary()?;
         if !bin.exists() {
             anyhow::bail!(
-                "config {}: pipeline.stage_binary: {} does not exist",
+                "config {}: {}: {} does not exist",
                 path.display(),
+                cfg.key("pipeline.stage_binary"),
                 bin.display()
             );
         }
@@ -178,7 +190,7 @@ fn check_config_summary(path: &std::path::Path) -> Result<String> {
     } else {
         "auth off".to_string()
     };
-    Ok(format!(
+    let summary = format!(
         "{scheme}://{}, model {}, {} stages ({}), {auth}, policy {}{}",
         cfg.server.listen,
         manifest.manifest.model_id,
@@ -193,11 +205,17 @@ fn check_config_summary(path: &std::path::Path) -> Result<String> {
         } else {
             ""
         },
-    ))
+    );
+    Ok((summary, cfg.effective_toml()))
 }
+
+/// How long connections may stay open after the shutdown deadline (for the
+/// cancelled requests' answers to be written) before they are dropped.
+const CLOSE_AFTER_DEADLINE: Duration = Duration::from_secs(1);
 
 async fn serve(args: ServeArgs) -> Result<()> {
     let mut cfg = GatewayConfig::load(&args.config)?;
+    let routes = timeouts::RouteTimeouts::from_config(&cfg.server);
     if let Some(l) = args.listen {
         cfg.server.listen = l;
         cfg.check_listen()
@@ -207,6 +225,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let tls_cert = match &cfg.server.tls {
         Some(t) => Some(std::sync::Arc::new(
             tls::ReloadingCert::load(&t.cert, &t.key)
+                .map_err(|e| cfg.attribute(e))
                 .with_context(|| format!("config {}", args.config.display()))?,
         )),
         None => None,
@@ -299,17 +318,20 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     let pipeline = pipelines[0].clone();
     let completions = pipelines.get(1).cloned();
+    let shutdown = shutdown::Shutdown::new(Duration::from_secs(cfg.server.shutdown_grace_secs));
     let state = api::AppState {
         pipeline: pipeline.clone(),
         completions,
         limits: api::ApiLimits {
             max_body_bytes: cfg.server.max_body_bytes,
-            timeout: Duration::from_secs(cfg.server.request_timeout_secs),
+            timeout: routes.for_route(timeouts::EMBEDDINGS),
+            routes: std::sync::Arc::new(routes),
         },
         receipts: std::sync::Arc::new(receipts::ReceiptStore::new(cfg.server.receipt_retention)),
         gateway_key: std::sync::Arc::new(api::GatewayKey::generate()),
         auth: std::sync::Arc::new(api_keys),
         metrics,
+        shutdown: shutdown.clone(),
     };
     let listener = tokio::net::TcpListener::bind(&cfg.server.listen)
         .await
@@ -317,34 +339,43 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let addr = listener.local_addr()?;
     // Registered before we announce ourselves, so an early Ctrl-C or SIGTERM
     // is a clean shutdown rather than the default kill.
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let shutdown = async move {
-        tokio::select! {
-            _ = sigint.recv() => {}
-            _ = sigterm.recv() => {}
-        }
-        tracing::info!("shutting down");
-    };
+    let on_signal = shutdown.on_signal()?;
     let router = api::router(state);
-    match tls_cert {
-        Some(cert) => {
-            let config = std::sync::Arc::new(tls::server_config(cert)?);
-            let listener = tls::TlsListener::new(listener, config)?;
-            tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening (TLS; HTTP/1.1 and HTTP/2)");
-            println!("GATEWAY LISTENING https://{addr}");
-            axum::serve(listener, router)
-                .with_graceful_shutdown(shutdown)
-                .await?;
+    let served = async {
+        match tls_cert {
+            Some(cert) => {
+                let config = std::sync::Arc::new(tls::server_config(cert)?);
+                let listener = tls::TlsListener::new(listener, config)?;
+                tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening (TLS; HTTP/1.1 and HTTP/2)");
+                println!("GATEWAY LISTENING https://{addr}");
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(on_signal)
+                    .await?;
+            }
+            None => {
+                tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
+                println!("GATEWAY LISTENING http://{addr}");
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(on_signal)
+                    .await?;
+            }
         }
-        None => {
-            tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
-            println!("GATEWAY LISTENING http://{addr}");
-            axum::serve(listener, router)
-                .with_graceful_shutdown(shutdown)
-                .await?;
-        }
+        Ok::<_, anyhow::Error>(())
+    };
+    // The server returns once every connection is closed. Requests still
+    // running at the deadline are answered 503 by `shutdown::guard`; a
+    // connection that is still open a moment later (a client that does not
+    // read its answer) is dropped.
+    let hard_stop = async {
+        shutdown.expired().await;
+        tokio::time::sleep(CLOSE_AFTER_DEADLINE).await;
+    };
+    tokio::select! {
+        r = served => r?,
+        _ = hard_stop => tracing::warn!("connections still open after the shutdown deadline; closing them"),
+    }
+    for p in &pipelines {
+        p.close().await;
     }
     for s in stages {
         s.stop().await;

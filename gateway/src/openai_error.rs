@@ -111,6 +111,20 @@ impl ApiError {
         }
     }
 
+    /// 503 for a request refused or cancelled because the gateway is
+    /// shutting down.
+    pub fn shutting_down() -> Self {
+        Self {
+            code: Some("shutting_down"),
+            retry_after: Some(1),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "The gateway is shutting down; retry the request.",
+            )
+        }
+    }
+
     /// 400 for a sealed request to a key that is not (or no longer) published.
     pub fn unknown_key(key_id: u8) -> Self {
         Self {

@@ -152,6 +152,8 @@ pub struct Pipeline {
     pub reconnects: AtomicU64,
     /// Connection attempts refused by policy (metrics).
     pub attestation_failures: AtomicU64,
+    /// Set by [`Pipeline::close`]: no reconnecting, no "broken" alarms.
+    closing: std::sync::atomic::AtomicBool,
 }
 
 impl Pipeline {
@@ -192,6 +194,7 @@ impl Pipeline {
             limits: ChannelLimits::default(),
             reconnects: AtomicU64::new(0),
             attestation_failures: AtomicU64::new(0),
+            closing: Default::default(),
         }))
     }
 
@@ -399,6 +402,9 @@ impl Pipeline {
     }
 
     fn mark_broken(&self, epoch: u64, reason: String) {
+        if self.closing.load(Ordering::SeqCst) {
+            return;
+        }
         {
             let mut c = self.connected.lock().unwrap();
             if c.as_ref().map(|c| c.epoch) != Some(epoch) {
@@ -562,6 +568,9 @@ impl Pipeline {
             let mut last = String::new();
             loop {
                 tokio::time::sleep(Duration::from_millis(500)).await;
+                if self.closing.load(Ordering::SeqCst) {
+                    return;
+                }
                 match self.connect().await {
                     Ok(()) => {
                         self.reconnects.fetch_add(1, Ordering::Relaxed);
@@ -579,6 +588,24 @@ impl Pipeline {
                 }
             }
         }
+    }
+
+    /// Closes every stage channel (the sending direction, cleanly, where no
+    /// request still holds it) and stops reconnecting: the last step of a
+    /// graceful shutdown.
+    pub async fn close(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        *self.not_ready_reason.lock().unwrap() = "the gateway is shutting down".into();
+        let connected = self.connected.lock().unwrap().take();
+        self.pending.lock().unwrap().clear();
+        let Some(c) = connected else { return };
+        for (i, tx) in c.senders.into_iter().enumerate() {
+            match Arc::try_unwrap(tx) {
+                Ok(tx) => tx.into_inner().close().await,
+                Err(_) => tracing::debug!(stage = i, "channel still shared; dropped instead"),
+            }
+        }
+        tracing::info!("stage channels closed");
     }
 
     /// Logs what was verified (called whenever the pipeline comes up).

@@ -13,31 +13,9 @@ fn poison() -> String {
     vec!["hello"; 35].join(" ")
 }
 
-/// Starts a gateway whose stages have the fault switch set.
-fn start_faulty(opts: Options) -> Gateway {
-    let gw = Gateway::start(opts);
-    assert!(
-        gw.log().contains("FAULT INJECTION ENABLED"),
-        "the stage binary was built without the `fault-injection` feature: \
-         build with `cargo build --release --workspace --features enclave-stage/fault-injection` \
-         (scripts/test.sh does)"
-    );
-    gw
-}
-
-fn fault_env(stage: u32, extra: &[(&str, &str)]) -> Vec<(String, String)> {
-    let mut v = vec![("STAGE_FAULT_STAGE".to_string(), stage.to_string())];
-    v.extend(
-        extra
-            .iter()
-            .map(|(k, val)| (k.to_string(), val.to_string())),
-    );
-    v
-}
-
 async fn fault_isolation_at(stage: u32) {
     let (texts, _, refs) = reference();
-    let gw = start_faulty(Options {
+    let gw = Gateway::start_faulty(Options {
         env: fault_env(stage, &[("STAGE_FAULT_TOKENS", "37")]),
         ..Options::default()
     });
@@ -116,7 +94,7 @@ async fn a_fault_in_stage_0_fails_only_its_request() {
 
 #[tokio::test]
 async fn slow_pipeline_gives_504() {
-    let gw = start_faulty(Options {
+    let gw = Gateway::start_faulty(Options {
         env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", "2500")]),
         server_extra: "request_timeout_secs = 1\n".into(),
         ..Options::default()
@@ -128,7 +106,7 @@ async fn slow_pipeline_gives_504() {
 
 #[tokio::test]
 async fn killed_stage_gives_503_then_recovers() {
-    let gw = start_faulty(Options {
+    let gw = Gateway::start_faulty(Options {
         env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", "1500")]),
         ..Options::default()
     });

@@ -18,13 +18,6 @@ async fn metrics(url: &str) -> String {
     r.text().await.unwrap()
 }
 
-/// The value of the sample named exactly `name` (with its labels); 0 if absent.
-fn sample(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test]
 async fn counters_move_stages_are_up_and_no_content_leaks() {
     let gw = Gateway::start(Options::default());

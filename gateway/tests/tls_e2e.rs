@@ -291,8 +291,10 @@ fn check_config_ok_and_failing_cases() {
     };
     let (code, out, err) = check_config(&config_with(good));
     assert_eq!(code, Some(0), "{out}{err}");
-    assert_eq!(out.lines().count(), 1, "{out}");
     assert!(out.starts_with("OK "), "{out}");
+    // Then the effective configuration, defaults filled in.
+    assert!(out.contains("\n[server]\n"), "{out}");
+    assert!(out.contains("receipt_retention = 10000"), "{out}");
     assert!(out.contains("https://0.0.0.0:8443"), "{out}");
     assert!(out.contains(MODEL), "{out}");
 
@@ -368,4 +370,40 @@ fn check_config_ok_and_failing_cases() {
         },
         "server.max_inputs",
     );
+
+    // Environment overrides: applied, shown, and named when they are wrong.
+    let cfg = config_with(Options::default());
+    let out = gateway_cmd()
+        .args(["check-config", "--config"])
+        .arg(&cfg)
+        .env("GATEWAY_SERVER__LISTEN", "127.0.0.1:9")
+        .env("GATEWAY_SERVER__MAX_INPUTS", "7")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout.starts_with("OK ") && stdout.contains("http://127.0.0.1:9,"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("# server.listen is set by GATEWAY_SERVER__LISTEN"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("max_inputs = 7"), "{stdout}");
+    for (var, value) in [
+        ("GATEWAY_SERVER__MAX_INPUTS", "0"),
+        ("GATEWAY_SERVER__NO_SUCH_KEY", "1"),
+        ("GATEWAY_PIPELINE__THREADS_PER_STAGE", "two"),
+    ] {
+        let out = gateway_cmd()
+            .args(["check-config", "--config"])
+            .arg(&cfg)
+            .env(var, value)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{var}: {err}");
+        assert!(err.contains(var), "{var} not named in: {err}");
+    }
 }

@@ -192,13 +192,35 @@ impl Gateway {
     /// Sends SIGINT (as Ctrl-C does) and waits for exit.
     pub fn interrupt(&mut self) -> Option<i32> {
         signal(self.child.id(), "INT");
+        self.wait_exit("SIGINT")
+    }
+
+    /// Waits (up to 10 s) for the gateway to exit after `what`; its exit code.
+    pub fn wait_exit(&mut self, what: &str) -> Option<i32> {
         for _ in 0..200 {
             if let Some(s) = self.child.try_wait().unwrap() {
                 return s.code();
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("gateway did not stop within 10 s of SIGINT");
+        panic!(
+            "gateway did not stop within 10 s of {what}:\n{}",
+            self.log()
+        );
+    }
+
+    /// Starts a gateway whose stages have the test-only fault switch set
+    /// (`opts.env`, see [`fault_env`]); panics if the stage binary was built
+    /// without the `fault-injection` feature.
+    pub fn start_faulty(opts: Options) -> Gateway {
+        let gw = Gateway::start(opts);
+        assert!(
+            gw.log().contains("FAULT INJECTION ENABLED"),
+            "the stage binary was built without the `fault-injection` feature: \
+             build with `cargo build --release --workspace --features enclave-stage/fault-injection` \
+             (scripts/test.sh does)"
+        );
+        gw
     }
 }
 
@@ -207,6 +229,32 @@ impl Drop for Gateway {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Environment for [`Gateway::start_faulty`]: the fault switch on `stage`
+/// plus `extra` settings (`STAGE_FAULT_DELAY_MS`, `STAGE_FAULT_TOKENS`).
+pub fn fault_env(stage: u32, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut v = vec![("STAGE_FAULT_STAGE".to_string(), stage.to_string())];
+    v.extend(
+        extra
+            .iter()
+            .map(|(k, val)| (k.to_string(), val.to_string())),
+    );
+    v
+}
+
+/// `GET /metrics` as text.
+pub async fn metrics_text(url: &str) -> String {
+    let r = client().get(format!("{url}/metrics")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    r.text().await.unwrap()
+}
+
+/// The value of the sample named exactly `name` (with its labels); 0 if absent.
+pub fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
 }
 
 /// Sends a signal by name with the `kill` utility.
