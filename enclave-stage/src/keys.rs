@@ -3,7 +3,9 @@
 //! boot evidence that binds them (receipt links name its digest).
 
 use ed25519_dalek::SigningKey;
-use proto::attestation::{AttestError, AttestationProvider, Evidence, EvidenceFormat};
+use proto::attestation::{
+    attest_claims, AttestError, AttestationProvider, Evidence, EvidenceFormat,
+};
 use proto::digest::Sha256Digest;
 use proto::frames::StageClaims;
 use proto::sealing::{KeyConfig, ServerKey};
@@ -21,7 +23,8 @@ pub struct StageKeys {
     /// The entry stage's HPKE key.
     pub hpke: Option<ServerKey>,
     /// Evidence made at start: binds the receipt key (`public_key`) and the
-    /// claims (`user_data`) with an empty nonce.
+    /// claims (`user_data`, see `proto::attestation::claims_binding`) with
+    /// an empty nonce.
     pub boot_evidence: Evidence,
     /// Digest of `boot_evidence`, named in this stage's receipt links.
     pub evidence_digest: Sha256Digest,
@@ -46,8 +49,7 @@ impl StageKeys {
             .as_ref()
             .map(|k| KeyConfig::encode_list(&[k.config()]))
             .unwrap_or_default();
-        let boot_evidence =
-            provider.attest(&claims.receipt_key, &proto::cbor::to_vec(claims), &[])?;
+        let boot_evidence = attest_claims(provider, &claims.receipt_key, claims, &[])?;
         Ok(Self {
             evidence_digest: boot_evidence.digest(),
             mock: provider.format() == EvidenceFormat::Mock,

@@ -7,7 +7,7 @@ use crate::compute::{failure, Output, Work};
 use crate::engine::Engine;
 use crate::generation::model::GenModel;
 use crate::keys::StageKeys;
-use proto::attestation::{AttestationProvider, Measurement};
+use proto::attestation::{attest_claims, AttestationProvider, Measurement};
 use proto::channel::{
     self, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
 };
@@ -314,11 +314,12 @@ impl StageServer {
                         tracing::warn!("attestation nonce too long; closing");
                         break;
                     }
-                    let claims = proto::cbor::to_vec(self.claims());
-                    match self
-                        .provider
-                        .attest(&self.claims().receipt_key, &claims, &nonce)
-                    {
+                    match attest_claims(
+                        self.provider.as_ref(),
+                        &self.claims().receipt_key,
+                        self.claims(),
+                        &nonce,
+                    ) {
                         Ok(evidence) => Some(StageReply::Evidence { nonce, evidence }),
                         Err(e) => {
                             tracing::error!(error = %e, "attestation failed");

@@ -7,7 +7,9 @@
 //! The gateway never sees plaintext on this path unless it sealed the request
 //! itself (plain OpenAI clients): it holds no key of the stages.
 
-use proto::attestation::{mock_measurement, verify_any, Evidence, EvidenceFormat, Measurement};
+use proto::attestation::{
+    claims_binding, mock_measurement, verify_boot, Evidence, EvidenceFormat, Measurement,
+};
 use proto::channel::{
     self, ChannelError, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
 };
@@ -626,22 +628,22 @@ impl Pipeline {
     }
 }
 
-/// Checks that a stage's boot evidence verifies, binds its receipt key and
-/// the same claims as its channel evidence, and has the same measurement.
+/// Checks that a stage's boot evidence verifies (Nitro: at its own time,
+/// since it was made at stage start), binds its receipt key and the same
+/// claims as its channel evidence, and has the same measurement.
 pub fn check_boot_evidence(
     boot: &Evidence,
     claims: &StageClaims,
     measurement: &Measurement,
 ) -> Result<(), String> {
-    let doc = verify_any(boot).map_err(|e| e.to_string())?;
+    let doc = verify_boot(boot).map_err(|e| e.to_string())?;
     if &doc.measurement != measurement {
         return Err("its measurement differs from the channel evidence".into());
     }
     if doc.public_key != claims.receipt_key {
         return Err("it is not bound to the stage's receipt key".into());
     }
-    let bound: StageClaims = proto::cbor::from_slice(&doc.user_data)?;
-    if &bound != claims {
+    if doc.user_data != claims_binding(doc.format, &proto::cbor::to_vec(claims)) {
         return Err("its claims differ from the channel evidence".into());
     }
     Ok(())

@@ -1,15 +1,19 @@
-//! Attestation evidence: the provider and verifier traits and the mock
-//! implementation used where no enclave hardware exists.
+//! Attestation evidence: the provider and verifier traits, the mock
+//! implementation used where no enclave hardware exists, and the dispatch to
+//! the AWS Nitro verifier ([`crate::nitro`]).
 //!
 //! A document binds three things the verifier checks against the session:
-//! `public_key` (the stage's ephemeral channel key), `nonce` (the verifier's
-//! fresh challenge) and `user_data` (the stage's claims: index, layer range,
-//! manifest digest). The mock document has the same shape as a Nitro one,
-//! is a COSE_Sign1 signed with a **publicly known** Ed25519 key, and says
-//! `mock: true` in its payload: it proves nothing and a production policy
-//! rejects it.
+//! `public_key` (the stage's ephemeral channel key, or its receipt key in
+//! boot and bundle evidence), `nonce` (the verifier's fresh challenge) and
+//! `user_data` (the stage's claims: index, layer range, manifest digest,
+//! keys; see [`claims_binding`]). The mock document has the same shape as a
+//! Nitro one, is a COSE_Sign1 signed with a **publicly known** Ed25519 key,
+//! and says `mock: true` in its payload: it proves nothing and a production
+//! policy rejects it.
 
 use crate::digest::Sha256Digest;
+use crate::frames::StageClaims;
+use crate::nitro::{NitroVerifier, Pcrs, VerifyTime};
 use coset::{iana, CborSerializable, CoseSign1, CoseSign1Builder, HeaderBuilder};
 use ed25519_dalek::{Signer, SigningKey, Verifier, VerifyingKey};
 use serde::{Deserialize, Serialize};
@@ -47,13 +51,17 @@ pub enum Measurement {
     /// Mock: SHA-256 over the stage binary and the model manifest
     /// (see [`mock_measurement`]).
     Mock(Sha256Digest),
+    /// Nitro: the document's PCRs (PCR0 image, PCR1 kernel, PCR2
+    /// application, PCR8 signing certificate, ...).
+    Nitro(Pcrs),
 }
 
 impl Measurement {
-    /// The form policies pin (`mock:<hex>`).
+    /// The printable form (`mock:<hex>`, or `nitro:pcr0=…,pcr1=…,pcr2=…`).
     pub fn pinned_form(&self) -> String {
         match self {
             Measurement::Mock(d) => format!("mock:{}", d.hex()),
+            Measurement::Nitro(p) => p.pinned_form(),
         }
     }
 }
@@ -77,6 +85,48 @@ pub struct VerifiedDocument {
     pub nonce: Vec<u8>,
 }
 
+/// What a session expects a document to bind; `None` is not checked.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExpectedBinding<'a> {
+    /// The verifier's nonce.
+    pub nonce: Option<&'a [u8]>,
+    /// The key the document must bind.
+    pub public_key: Option<&'a [u8]>,
+    /// The user data (e.g. [`claims_binding`] of the claims) it must bind.
+    pub user_data: Option<&'a [u8]>,
+}
+
+/// Why a verified document does not bind what the session expects.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BindingError {
+    /// Another nonce: stale or replayed evidence.
+    #[error("the document does not bind the expected nonce (stale or replayed evidence)")]
+    Nonce,
+    /// Another public key.
+    #[error("the document does not bind the expected public key")]
+    PublicKey,
+    /// Other user data.
+    #[error("the document does not bind the expected user data")]
+    UserData,
+}
+
+impl VerifiedDocument {
+    /// Checks the document's `nonce`, `public_key` and `user_data` against
+    /// what the session expects (exact byte equality).
+    pub fn check_binding(&self, expected: &ExpectedBinding<'_>) -> Result<(), BindingError> {
+        if expected.nonce.is_some_and(|n| n != self.nonce) {
+            return Err(BindingError::Nonce);
+        }
+        if expected.public_key.is_some_and(|k| k != self.public_key) {
+            return Err(BindingError::PublicKey);
+        }
+        if expected.user_data.is_some_and(|u| u != self.user_data) {
+            return Err(BindingError::UserData);
+        }
+        Ok(())
+    }
+}
+
 /// Attestation errors. Each names its reason.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum AttestError {
@@ -86,6 +136,33 @@ pub enum AttestError {
     /// The signature does not verify.
     #[error("attestation signature does not verify")]
     BadSignature,
+    /// The document is signed with an algorithm this verifier refuses.
+    #[error("unsupported signature algorithm {0}")]
+    UnsupportedAlgorithm(String),
+    /// A certificate of the chain has expired at the verification time.
+    #[error(
+        "certificate chain: a certificate expired at {not_after} (Unix s); verification time {now}"
+    )]
+    CertificateExpired {
+        /// Verification time, Unix seconds.
+        now: u64,
+        /// The certificate's notAfter, Unix seconds.
+        not_after: u64,
+    },
+    /// A certificate of the chain is not yet valid at the verification time.
+    #[error("certificate chain: a certificate is not valid before {not_before} (Unix s); verification time {now}")]
+    CertificateNotYetValid {
+        /// Verification time, Unix seconds.
+        now: u64,
+        /// The certificate's notBefore, Unix seconds.
+        not_before: u64,
+    },
+    /// The chain does not lead to the pinned root.
+    #[error("certificate chain is not trusted: {0}")]
+    UntrustedChain(String),
+    /// A certificate is malformed, misused or badly signed.
+    #[error("certificate chain: {0}")]
+    BadCertificate(String),
     /// This verifier does not handle this format.
     #[error("no verifier for evidence format {0:?}")]
     UnsupportedFormat(EvidenceFormat),
@@ -153,16 +230,16 @@ struct MockPayload {
 /// Mock provider: signs documents with the public mock key.
 pub struct MockProvider {
     module_id: String,
-    measurement: Sha256Digest,
+    measurement: Measurement,
 }
 
 impl MockProvider {
-    /// A provider reporting `measurement` (normally from [`mock_measurement`]).
+    /// A provider reporting `measurement` (from [`mock_measurement`]; a
+    /// Nitro measurement makes every `attest` fail).
     pub fn new(module_id: impl Into<String>, measurement: &Measurement) -> Self {
-        let Measurement::Mock(measurement) = measurement.clone();
         Self {
             module_id: module_id.into(),
-            measurement,
+            measurement: measurement.clone(),
         }
     }
 }
@@ -178,6 +255,11 @@ impl AttestationProvider for MockProvider {
         user_data: &[u8],
         nonce: &[u8],
     ) -> Result<Evidence, AttestError> {
+        let Measurement::Mock(measurement) = &self.measurement else {
+            return Err(AttestError::Provider(
+                "the mock provider reports mock measurements only".into(),
+            ));
+        };
         let payload = MockPayload {
             module_id: self.module_id.clone(),
             mock: true,
@@ -186,7 +268,7 @@ impl AttestationProvider for MockProvider {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_millis() as u64)
                 .unwrap_or(0),
-            measurement: self.measurement.0.to_vec(),
+            measurement: measurement.0.to_vec(),
             public_key: public_key.to_vec(),
             user_data: user_data.to_vec(),
             nonce: nonce.to_vec(),
@@ -261,12 +343,102 @@ impl EvidenceVerifier for MockVerifier {
     }
 }
 
-/// Verifies any supported evidence format.
-pub fn verify_any(evidence: &Evidence) -> Result<VerifiedDocument, AttestError> {
-    match evidence.format {
-        EvidenceFormat::Mock => MockVerifier.verify(evidence),
-        EvidenceFormat::Nitro => Err(AttestError::UnsupportedFormat(EvidenceFormat::Nitro)),
+impl EvidenceVerifier for NitroVerifier {
+    fn verify(&self, evidence: &Evidence) -> Result<VerifiedDocument, AttestError> {
+        if evidence.format != EvidenceFormat::Nitro {
+            return Err(AttestError::UnsupportedFormat(evidence.format));
+        }
+        NitroVerifier::verify(self, &evidence.document).map(|v| v.document)
     }
+}
+
+/// Verifies every supported format: mock documents with [`MockVerifier`],
+/// Nitro documents with a [`NitroVerifier`] (by default: the pinned AWS
+/// root and the system clock).
+#[derive(Clone, Debug, Default)]
+pub struct AnyVerifier {
+    /// The Nitro verifier used.
+    pub nitro: NitroVerifier,
+}
+
+impl EvidenceVerifier for AnyVerifier {
+    fn verify(&self, evidence: &Evidence) -> Result<VerifiedDocument, AttestError> {
+        match evidence.format {
+            EvidenceFormat::Mock => MockVerifier.verify(evidence),
+            EvidenceFormat::Nitro => EvidenceVerifier::verify(&self.nitro, evidence),
+        }
+    }
+}
+
+impl AnyVerifier {
+    /// The same verifier judging Nitro certificates at each document's own
+    /// time (for boot evidence; see [`VerifyTime::DocumentTime`]).
+    pub fn at_document_time(&self) -> Self {
+        Self {
+            nitro: self.nitro.clone().with_time(VerifyTime::DocumentTime),
+        }
+    }
+}
+
+/// Verifies any supported evidence format (Nitro: pinned AWS root, system clock).
+pub fn verify_any(evidence: &Evidence) -> Result<VerifiedDocument, AttestError> {
+    AnyVerifier::default().verify(evidence)
+}
+
+/// Verifies boot evidence (made at stage start, bound to no nonce): as
+/// [`verify_any`], but Nitro certificates are judged at the document's own
+/// time, since the leaf certificate expires hours after the stage started.
+pub fn verify_boot(evidence: &Evidence) -> Result<VerifiedDocument, AttestError> {
+    AnyVerifier::default().at_document_time().verify(evidence)
+}
+
+/// Domain label of the claims digest Nitro documents carry in `user_data`.
+const CLAIMS_DIGEST_LABEL: &str = "stage-claims/v1";
+
+/// What a document of `format` carries in `user_data` for a stage's claims
+/// (their CBOR encoding, `claims_cbor`): mock documents carry the claims
+/// themselves; Nitro documents carry `H("stage-claims/v1"; claims_cbor)`
+/// (32 bytes), because the NSM takes at most 512 bytes of user data, and
+/// the claims travel beside the document.
+pub fn claims_binding(format: EvidenceFormat, claims_cbor: &[u8]) -> Vec<u8> {
+    match format {
+        EvidenceFormat::Mock => claims_cbor.to_vec(),
+        EvidenceFormat::Nitro => Sha256Digest::of_parts(CLAIMS_DIGEST_LABEL, &[claims_cbor])
+            .0
+            .to_vec(),
+    }
+}
+
+/// Asks `provider` for a document binding `public_key`, `claims` (as
+/// [`claims_binding`] says for its format) and `nonce`.
+pub fn attest_claims(
+    provider: &dyn AttestationProvider,
+    public_key: &[u8],
+    claims: &StageClaims,
+    nonce: &[u8],
+) -> Result<Evidence, AttestError> {
+    let user_data = claims_binding(provider.format(), &crate::cbor::to_vec(claims));
+    provider.attest(public_key, &user_data, nonce)
+}
+
+/// The claims a verified document binds. Mock documents carry them in
+/// `user_data` (`carried`, when given, must be the same bytes); Nitro
+/// documents carry their digest, and `carried` (the claims sent beside the
+/// document) must match it.
+pub fn bound_claims(doc: &VerifiedDocument, carried: Option<&[u8]>) -> Result<StageClaims, String> {
+    let bytes = match (doc.format, carried) {
+        (EvidenceFormat::Mock, None) => doc.user_data.as_slice(),
+        (EvidenceFormat::Nitro, None) => {
+            return Err("Nitro evidence arrived without the claims it binds".into())
+        }
+        (format, Some(c)) => {
+            if claims_binding(format, c) != doc.user_data {
+                return Err("the evidence does not bind these claims".into());
+            }
+            c
+        }
+    };
+    crate::cbor::from_slice(bytes).map_err(|e| format!("claims in evidence: {e}"))
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! binding of the verifier's nonce, the stage keys, and the model manifest.
 //! A verified bundle yields the [`StageKeys`] that receipts are checked with.
 
-use crate::attestation::{verify_any, Evidence, EvidenceFormat};
+use crate::attestation::{claims_binding, AnyVerifier, Evidence, EvidenceFormat, EvidenceVerifier};
 use crate::digest::Sha256Digest;
 use crate::frames::StageClaims;
 use crate::policy::Policy;
@@ -73,10 +73,26 @@ fn check(out: &mut Vec<Check>, name: String, r: Result<String, String>) -> bool 
 impl EvidenceBundle {
     /// Verifies the bundle against `policy` and the nonce the verifier sent.
     /// Returns one line per check and, when all hold, what was established.
+    /// Nitro documents are judged with the pinned AWS root at the system
+    /// clock (see [`Self::verify_with`]).
     pub fn verify(
         &self,
         policy: &Policy,
         expected_nonce: &[u8],
+    ) -> (Vec<Check>, Option<VerifiedBundle>) {
+        self.verify_with(policy, expected_nonce, &AnyVerifier::default())
+    }
+
+    /// As [`Self::verify`], with the documents checked by `verifier` (e.g.
+    /// Nitro certificates judged at a given time). Fresh evidence is judged
+    /// at the verifier's time; boot evidence (made at stage start, bound to
+    /// no nonce) at its own time, since its leaf certificate expires hours
+    /// after the stage started.
+    pub fn verify_with(
+        &self,
+        policy: &Policy,
+        expected_nonce: &[u8],
+        verifier: &AnyVerifier,
     ) -> (Vec<Check>, Option<VerifiedBundle>) {
         let mut lines = Vec::new();
         let mut all = true;
@@ -112,7 +128,15 @@ impl EvidenceBundle {
         let mut next_layer = 0;
         for (pos, s) in self.stages.iter().enumerate() {
             let name = |what: &str| format!("stage {}: {what}", s.index);
-            let r = self.verify_stage(pos, s, policy, expected_nonce, &manifest_digest, next_layer);
+            let r = self.verify_stage(
+                pos,
+                s,
+                policy,
+                expected_nonce,
+                &manifest_digest,
+                next_layer,
+                verifier,
+            );
             match r {
                 Ok((k, m, is_mock)) => {
                     next_layer = s.claims.layer_end;
@@ -167,6 +191,7 @@ impl EvidenceBundle {
         (lines, verified)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn verify_stage(
         &self,
         pos: usize,
@@ -175,6 +200,7 @@ impl EvidenceBundle {
         nonce: &[u8],
         manifest_digest: &Sha256Digest,
         next_layer: u32,
+        verifier: &AnyVerifier,
     ) -> Result<(StageKeys, String, bool), String> {
         let c = &s.claims;
         if s.index as usize != pos || c.stage_index != s.index {
@@ -200,10 +226,15 @@ impl EvidenceBundle {
             return Err("serves a different model manifest than the bundle's".into());
         }
         let claims_bytes = crate::cbor::to_vec(c);
-        let fresh = verify_any(&s.evidence).map_err(|e| format!("fresh evidence: {e}"))?;
-        let boot = verify_any(&s.boot_evidence).map_err(|e| format!("boot evidence: {e}"))?;
+        let fresh = verifier
+            .verify(&s.evidence)
+            .map_err(|e| format!("fresh evidence: {e}"))?;
+        let boot = verifier
+            .at_document_time()
+            .verify(&s.boot_evidence)
+            .map_err(|e| format!("boot evidence: {e}"))?;
         for (what, doc) in [("fresh", &fresh), ("boot", &boot)] {
-            if doc.user_data != claims_bytes {
+            if doc.user_data != claims_binding(doc.format, &claims_bytes) {
                 return Err(format!("{what} evidence does not bind these claims"));
             }
             if doc.public_key != c.receipt_key {

@@ -2,12 +2,14 @@
 //!
 //! Handshake (three length-prefixed CBOR messages, then one record):
 //! 1. initiator → responder `ClientHello { version, attested, eph_i, challenge_i }`
-//! 2. responder → initiator `ServerHello { eph_r, challenge_r, evidence_r }`,
-//!    where evidence_r binds `public_key = eph_r`, `nonce = challenge_i`,
-//!    `user_data = CBOR(StageClaims)`;
-//! 3. initiator → responder `Finish { evidence_i? }` (a stage initiator
-//!    binds `eph_i` and `challenge_r` the same way; the host gateway has no
-//!    evidence);
+//! 2. responder → initiator `ServerHello { eph_r, challenge_r, evidence_r,
+//!    claims_r? }`, where evidence_r binds `public_key = eph_r`,
+//!    `nonce = challenge_i` and the stage's claims: mock evidence carries
+//!    `user_data = CBOR(StageClaims)`, Nitro evidence its digest with the
+//!    claims beside it in `claims_r` (see [`crate::attestation::claims_binding`]);
+//! 3. initiator → responder `Finish { evidence_i?, claims_i? }` (a stage
+//!    initiator binds `eph_i` and `challenge_r` the same way; the host
+//!    gateway has no evidence);
 //! 4. keys: HKDF-SHA256(salt = H(transcript of 1..3), ikm = X25519(eph_i,
 //!    eph_r)) expanded into one ChaCha20-Poly1305 key per direction; the
 //!    responder's first record says whether it accepted the initiator.
@@ -26,7 +28,10 @@
 //! must carry enclave attestation documents bound to the ephemeral keys and
 //! the peer's challenge, which rustls has no place for.
 
-use crate::attestation::{verify_any, AttestationProvider, Evidence, VerifiedDocument};
+use crate::attestation::{
+    attest_claims, bound_claims, AnyVerifier, AttestationProvider, Evidence, EvidenceFormat,
+    EvidenceVerifier, VerifiedDocument,
+};
 use crate::digest::Sha256Digest;
 use crate::frames::StageClaims;
 use crate::transport::BoxStream;
@@ -126,11 +131,16 @@ pub enum ChannelError {
     Poisoned,
 }
 
-/// Who we are in a handshake.
+/// Who we are in a handshake, and how we verify the peer's evidence.
 pub struct LocalIdentity {
     provider: Option<Arc<dyn AttestationProvider>>,
     claims: Option<StageClaims>,
+    verifier: Arc<dyn EvidenceVerifier>,
 }
+
+/// Our evidence and, for formats that bind a digest of the claims, the
+/// claims' bytes sent beside it.
+type Attested = (Evidence, Option<Vec<u8>>);
 
 impl LocalIdentity {
     /// The untrusted host (gateway): presents no evidence.
@@ -138,6 +148,7 @@ impl LocalIdentity {
         Self {
             provider: None,
             claims: None,
+            verifier: Arc::new(AnyVerifier::default()),
         }
     }
 
@@ -146,15 +157,26 @@ impl LocalIdentity {
         Self {
             provider: Some(provider),
             claims: Some(claims),
+            verifier: Arc::new(AnyVerifier::default()),
         }
     }
 
-    fn attest(&self, eph: &[u8; 32], nonce: &[u8; 32]) -> Result<Option<Evidence>, ChannelError> {
+    /// Verifies the peer's evidence with `verifier` instead of the default
+    /// ([`AnyVerifier`]: pinned AWS Nitro root, system clock).
+    pub fn with_verifier(mut self, verifier: Arc<dyn EvidenceVerifier>) -> Self {
+        self.verifier = verifier;
+        self
+    }
+
+    fn attest(&self, eph: &[u8; 32], nonce: &[u8; 32]) -> Result<Option<Attested>, ChannelError> {
         match (&self.provider, &self.claims) {
-            (Some(p), Some(c)) => p
-                .attest(eph, &crate::cbor::to_vec(c), nonce)
-                .map(Some)
-                .map_err(|e| ChannelError::Handshake(e.to_string())),
+            (Some(p), Some(c)) => {
+                let evidence = attest_claims(p.as_ref(), eph, c, nonce)
+                    .map_err(|e| ChannelError::Handshake(e.to_string()))?;
+                let carried =
+                    (evidence.format != EvidenceFormat::Mock).then(|| crate::cbor::to_vec(c));
+                Ok(Some((evidence, carried)))
+            }
             _ => Ok(None),
         }
     }
@@ -199,11 +221,17 @@ struct ServerHello {
     #[serde(with = "serde_bytes")]
     challenge: [u8; 32],
     evidence: Evidence,
+    /// The claims whose digest the evidence binds (Nitro); absent for mock.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "serde_bytes")]
+    claims: Option<Vec<u8>>,
 }
 
 #[derive(Serialize, Deserialize)]
 struct Finish {
     evidence: Option<Evidence>,
+    /// As in `ServerHello`.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "serde_bytes")]
+    claims: Option<Vec<u8>>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -451,11 +479,15 @@ fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, ChannelErr
 
 /// Verifies evidence and its binding to this session; returns the peer.
 fn verify_peer(
+    verifier: &dyn EvidenceVerifier,
     evidence: Evidence,
+    carried_claims: Option<&[u8]>,
     eph: &[u8; 32],
     our_challenge: &[u8; 32],
 ) -> Result<PeerInfo, ChannelError> {
-    let doc = verify_any(&evidence).map_err(|e| ChannelError::PeerRejected(e.to_string()))?;
+    let doc = verifier
+        .verify(&evidence)
+        .map_err(|e| ChannelError::PeerRejected(e.to_string()))?;
     if doc.public_key != eph {
         return Err(ChannelError::PeerRejected(
             "evidence is not bound to the peer's channel key".into(),
@@ -466,8 +498,8 @@ fn verify_peer(
             "evidence is not bound to our challenge (stale or replayed evidence)".into(),
         ));
     }
-    let claims: StageClaims = crate::cbor::from_slice(&doc.user_data)
-        .map_err(|e| ChannelError::PeerRejected(format!("claims in evidence: {e}")))?;
+    let claims: StageClaims =
+        bound_claims(&doc, carried_claims).map_err(ChannelError::PeerRejected)?;
     Ok(PeerInfo {
         evidence: Some(evidence),
         document: Some(doc),
@@ -566,11 +598,19 @@ pub async fn initiate(
                 hello.version
             )));
         }
-        let peer = verify_peer(hello.evidence, &hello.eph, &challenge)?;
+        let peer = verify_peer(
+            local.verifier.as_ref(),
+            hello.evidence,
+            hello.claims.as_deref(),
+            &hello.eph,
+            &challenge,
+        )?;
         check(&peer).map_err(ChannelError::PeerRejected)?;
-        let m3 = crate::cbor::to_vec(&Finish {
-            evidence: local.attest(&eph, &hello.challenge)?,
-        });
+        let (evidence, claims) = match local.attest(&eph, &hello.challenge)? {
+            Some((e, c)) => (Some(e), c),
+            None => (None, None),
+        };
+        let m3 = crate::cbor::to_vec(&Finish { evidence, claims });
         write_frame(&mut stream, &m3).await?;
         let (i2r, r2i) = derive_keys(secret, &hello.eph, &[&m1, &m2, &m3])?;
         let (tx, mut rx) = halves(stream, i2r, r2i, limits);
@@ -602,7 +642,7 @@ pub async fn respond(
             )));
         }
         let (secret, eph, challenge) = fresh();
-        let evidence = local
+        let (evidence, claims) = local
             .attest(&eph, &hello.challenge)?
             .ok_or_else(|| ChannelError::Handshake("a responder must be attested".into()))?;
         let m2 = crate::cbor::to_vec(&ServerHello {
@@ -610,6 +650,7 @@ pub async fn respond(
             eph,
             challenge,
             evidence,
+            claims,
         });
         write_frame(&mut stream, &m2).await?;
         let m3 = read_frame(&mut stream).await?;
@@ -622,7 +663,13 @@ pub async fn respond(
                 document: None,
                 claims: None,
             }),
-            (true, Some(ev)) => verify_peer(ev, &hello.eph, &challenge),
+            (true, Some(ev)) => verify_peer(
+                local.verifier.as_ref(),
+                ev,
+                finish.claims.as_deref(),
+                &hello.eph,
+                &challenge,
+            ),
             _ => Err(ChannelError::PeerRejected(
                 "attestation flag and evidence disagree".into(),
             )),

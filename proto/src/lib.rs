@@ -3,7 +3,7 @@
 //! Everything that crosses a process boundary is defined here and only here:
 //! the attested stage channel ([`channel`]), its pipeline messages
 //! ([`frames`]), tensor frames ([`tensor`]), attestation evidence and its
-//! verifiers ([`attestation`]), measurement policies ([`policy`]), model
+//! verifiers ([`attestation`], AWS Nitro documents in [`nitro`]), measurement policies ([`policy`]), model
 //! manifests ([`manifest`]), HPKE body sealing for client requests and
 //! responses ([`sealing`]) and signed receipts ([`receipt`]).
 
@@ -16,6 +16,7 @@ pub mod digest;
 pub mod frames;
 pub mod logging;
 pub mod manifest;
+pub mod nitro;
 pub mod openai;
 pub mod policy;
 pub mod receipt;

@@ -1,12 +1,89 @@
 //! Measurement policy: which stage evidence a verifier accepts.
 //!
 //! `config/policy.toml` pins, per stage, the measurements that may serve it
-//! and the layer range it must claim, and says whether mock evidence is
-//! acceptable at all. See `docs/protocol.md`.
+//! (mock measurements, and Nitro PCR sets in `[[stages.nitro]]`) and the
+//! layer range it must claim, and says whether mock evidence and Nitro
+//! debug-mode enclaves are acceptable at all. See `docs/protocol.md` and
+//! `docs/attestation.md`.
 
 use crate::attestation::{EvidenceFormat, Measurement, VerifiedDocument};
 use crate::frames::StageClaims;
+use crate::nitro::Pcrs;
 use serde::{Deserialize, Serialize};
+
+/// One accepted Nitro PCR set (hex, 96 digits = SHA-384). PCR0, 1 and 2 are
+/// required; PCR3 (IAM role), PCR4 (instance id) and PCR8 (EIF signing
+/// certificate) are checked when given.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NitroPcrPolicy {
+    /// Enclave image file.
+    pub pcr0: String,
+    /// Linux kernel and bootstrap.
+    pub pcr1: String,
+    /// Application.
+    pub pcr2: String,
+    /// IAM role of the parent instance.
+    #[serde(default)]
+    pub pcr3: Option<String>,
+    /// Parent instance id.
+    #[serde(default)]
+    pub pcr4: Option<String>,
+    /// Certificate the EIF was signed with.
+    #[serde(default)]
+    pub pcr8: Option<String>,
+}
+
+impl NitroPcrPolicy {
+    fn pinned(&self) -> impl Iterator<Item = (u8, &str)> {
+        [
+            (0, Some(&self.pcr0)),
+            (1, Some(&self.pcr1)),
+            (2, Some(&self.pcr2)),
+            (3, self.pcr3.as_ref()),
+            (4, self.pcr4.as_ref()),
+            (8, self.pcr8.as_ref()),
+        ]
+        .into_iter()
+        .filter_map(|(i, v)| v.map(|v| (i, v.as_str())))
+    }
+
+    /// Whether every PCR it names has exactly this value in `pcrs`.
+    pub fn matches(&self, pcrs: &Pcrs) -> bool {
+        self.pinned().all(|(i, want)| {
+            pcrs.get(i)
+                .is_some_and(|have| want.eq_ignore_ascii_case(&hex::encode(have)))
+        })
+    }
+
+    /// Printable form, as `Pcrs::pinned_form` prints a document's.
+    pub fn describe(&self) -> String {
+        let parts: Vec<String> = self
+            .pinned()
+            .map(|(i, v)| format!("pcr{i}={}", v.to_ascii_lowercase()))
+            .collect();
+        format!("nitro:{}", parts.join(","))
+    }
+
+    fn validate(&self, stage: u32) -> Result<(), String> {
+        for (i, v) in self.pinned() {
+            if v.len() != 96 || hex::decode(v).is_err() {
+                return Err(format!(
+                    "stages[index = {stage}].nitro: pcr{i} must be 96 hex digits (SHA-384)"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether two Nitro measurements are the same enclave image: PCR0, 1, 2
+/// and 8 all present and equal.
+fn same_image(a: &Pcrs, b: &Pcrs) -> bool {
+    [0u8, 1, 2, 8]
+        .iter()
+        .all(|&i| a.get(i).is_some() && a.get(i) == b.get(i))
+}
 
 /// One stage's entry in the policy.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -16,9 +93,13 @@ pub struct StagePolicy {
     pub index: u32,
     /// Layer range `[start, end)` this stage must claim.
     pub layers: [u32; 2],
-    /// Accepted measurements in pinned form (`mock:<hex>`).
+    /// Accepted mock measurements in pinned form (`mock:<hex>`).
     #[serde(default)]
     pub measurements: Vec<String>,
+    /// Accepted Nitro PCR sets (`[[stages.nitro]]`); a Nitro document must
+    /// match one of them.
+    #[serde(default)]
+    pub nitro: Vec<NitroPcrPolicy>,
 }
 
 /// A measurement policy.
@@ -32,6 +113,16 @@ pub struct Policy {
     /// For local development only; requires `allow_mock`.
     #[serde(default)]
     pub trust_local_build: bool,
+    /// Accept Nitro enclaves in debug mode (PCRs zero; the parent can read
+    /// their memory). Development only.
+    #[serde(default)]
+    pub allow_debug: bool,
+    /// Inside an enclave: also accept a Nitro neighbour whose PCR0, 1, 2
+    /// and 8 equal this enclave's own (every stage runs the same EIF, whose
+    /// policy cannot pin its own PCRs). Needs the verifier's own Nitro
+    /// measurement; nothing else has one.
+    #[serde(default)]
+    pub trust_same_image: bool,
     /// Model manifest digest every stage must claim (hex), if pinned.
     #[serde(default)]
     pub manifest_sha256: Option<String>,
@@ -63,6 +154,12 @@ pub enum PolicyError {
         found: String,
         /// What the policy accepts.
         accepted: String,
+    },
+    /// A Nitro enclave in debug mode where the policy forbids it.
+    #[error("stage {stage}: the Nitro enclave runs in debug mode (PCRs zero) and the policy does not allow debug enclaves (allow_debug = false)")]
+    DebugEnclave {
+        /// Stage index.
+        stage: u32,
     },
     /// Claimed layer range differs.
     #[error("stage {stage}: claims layers [{found_start}, {found_end}) but the policy expects [{want_start}, {want_end})")]
@@ -99,6 +196,11 @@ impl Policy {
                 "trust_local_build requires allow_mock (it only applies to mock evidence)".into(),
             );
         }
+        for s in &p.stages {
+            for n in &s.nitro {
+                n.validate(s.index)?;
+            }
+        }
         Ok(p)
     }
 
@@ -116,18 +218,89 @@ impl Policy {
 
     /// Checks a verified document and the stage's claims against the policy.
     ///
-    /// `local_build` is the measurement of the locally built stage binary; it
-    /// is accepted only when `trust_local_build` is set.
+    /// `local_build` is the verifier's own measurement: the locally built
+    /// stage binary's mock measurement (accepted for mock evidence only when
+    /// `trust_local_build` is set), or inside an enclave its own Nitro PCRs
+    /// (accepted only when `trust_same_image` is set).
     pub fn check(
         &self,
         doc: &VerifiedDocument,
         claims: &StageClaims,
         local_build: Option<&Measurement>,
     ) -> Result<(), PolicyError> {
-        let stage = claims.stage_index;
-        if doc.format == EvidenceFormat::Mock && !self.allow_mock {
-            return Err(PolicyError::MockNotAllowed { stage });
+        self.check_measurement(doc, claims.stage_index, local_build)?;
+        self.check_claims(claims)
+    }
+
+    /// The measurement part of [`Self::check`] alone: whether `doc`'s
+    /// format and measurement may serve stage `stage` (mock allowed, debug
+    /// allowed, pinned or the verifier's own).
+    pub fn check_measurement(
+        &self,
+        doc: &VerifiedDocument,
+        stage: u32,
+        local_build: Option<&Measurement>,
+    ) -> Result<(), PolicyError> {
+        match (&doc.measurement, doc.format) {
+            (Measurement::Mock(_), EvidenceFormat::Mock) => {
+                if !self.allow_mock {
+                    return Err(PolicyError::MockNotAllowed { stage });
+                }
+                self.check_mock_measurement(doc, stage, local_build)?
+            }
+            (Measurement::Nitro(pcrs), EvidenceFormat::Nitro) => {
+                self.check_nitro_measurement(pcrs, stage, local_build)?
+            }
+            _ => {
+                return Err(PolicyError::Measurement {
+                    stage,
+                    found: doc.measurement.pinned_form(),
+                    accepted: "a measurement of the document's own format".into(),
+                })
+            }
         }
+        Ok(())
+    }
+
+    fn check_nitro_measurement(
+        &self,
+        pcrs: &Pcrs,
+        stage: u32,
+        local_build: Option<&Measurement>,
+    ) -> Result<(), PolicyError> {
+        if pcrs.is_debug() && !self.allow_debug {
+            return Err(PolicyError::DebugEnclave { stage });
+        }
+        let entry = self
+            .stage(stage)
+            .ok_or(PolicyError::UnknownStage { stage })?;
+        let pinned = entry.nitro.iter().any(|p| p.matches(pcrs));
+        let same = self.trust_same_image
+            && matches!(local_build, Some(Measurement::Nitro(own)) if same_image(own, pcrs));
+        if pinned || same {
+            return Ok(());
+        }
+        let mut accepted: Vec<String> = entry.nitro.iter().map(|p| p.describe()).collect();
+        if self.trust_same_image {
+            accepted.push("this enclave's own image (trust_same_image)".into());
+        }
+        Err(PolicyError::Measurement {
+            stage,
+            found: pcrs.pinned_form(),
+            accepted: if accepted.is_empty() {
+                "no Nitro PCR set".into()
+            } else {
+                accepted.join(" | ")
+            },
+        })
+    }
+
+    fn check_mock_measurement(
+        &self,
+        doc: &VerifiedDocument,
+        stage: u32,
+        local_build: Option<&Measurement>,
+    ) -> Result<(), PolicyError> {
         let entry = self
             .stage(stage)
             .ok_or(PolicyError::UnknownStage { stage })?;
@@ -155,6 +328,15 @@ impl Policy {
                 },
             });
         }
+        Ok(())
+    }
+
+    /// The claims' layer range and manifest against the stage's entry.
+    fn check_claims(&self, claims: &StageClaims) -> Result<(), PolicyError> {
+        let stage = claims.stage_index;
+        let entry = self
+            .stage(stage)
+            .ok_or(PolicyError::UnknownStage { stage })?;
         if [claims.layer_start, claims.layer_end] != entry.layers {
             return Err(PolicyError::Layers {
                 stage,

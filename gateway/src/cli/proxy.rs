@@ -159,7 +159,7 @@ impl Proxy {
         let bundle = fetch_bundle(&self.client, &self.upstream, &nonce)
             .await
             .map_err(|e| AttestError::Unreachable(format!("{e:#}")))?;
-        let out = verify_evidence(&bundle, &self.policy, Some(&nonce));
+        let out = verify_evidence(&bundle, &self.policy, Some(&nonce), None);
         let ok = out.ok();
         match out.verified.filter(|_| ok) {
             Some(v) => Ok(v),

@@ -292,7 +292,7 @@ fn verified_keys(
     policy: &Policy,
     nonce: Option<&[u8]>,
 ) -> Result<Vec<KeyConfig>> {
-    let out = verify_evidence(bundle, policy, nonce);
+    let out = verify_evidence(bundle, policy, nonce, None);
     let ok = out.ok();
     for l in &out.lines {
         if !ok || l.status != Status::Pass {

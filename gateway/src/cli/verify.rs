@@ -1,5 +1,5 @@
-//! `gateway verify evidence` and `gateway verify receipt`: offline
-//! verification with one line per check.
+//! `gateway verify evidence`, `gateway verify receipt` and `gateway verify
+//! attestation`: offline verification with one line per check.
 //!
 //! Output: one line per check, `PASS|FAIL|SKIP|WARN|INFO name: detail`
 //! (a failed receipt check ends with its stable reason code in brackets,
@@ -10,7 +10,9 @@ use super::{load_bundle, parse_hex, read_input, EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Context, Result};
 use base64::Engine as _;
 use clap::{Args, Subcommand};
+use proto::attestation::{AnyVerifier, AttestError, BindingError, ExpectedBinding, Measurement};
 use proto::bundle::{EvidenceBundle, VerifiedBundle};
+use proto::nitro::{decode_document, NitroVerifier};
 use proto::policy::Policy;
 use proto::receipt::{verify_receipt, CheckStatus, ReceiptBody, Sealing, VerifyInputs};
 use serde_json::json;
@@ -24,6 +26,40 @@ pub enum VerifyCommand {
     /// Verify a receipt against an evidence bundle (verified first) and the
     /// request/response bytes the client kept.
     Receipt(ReceiptArgs),
+    /// Verify one raw AWS Nitro attestation document (CBOR or base64):
+    /// COSE signature, certificate chain to the pinned AWS root at `--at`,
+    /// optionally PCRs against a policy and the bound nonce / key / data.
+    Attestation(AttestationArgs),
+}
+
+/// `gateway verify attestation`
+#[derive(Args, Debug)]
+pub struct AttestationArgs {
+    /// Judge certificate validity at this time (Unix seconds); documents'
+    /// leaf certificates live about three hours.
+    #[arg(long)]
+    pub at: u64,
+    /// Check the PCRs against this measurement policy (TOML).
+    #[arg(long)]
+    pub policy: Option<PathBuf>,
+    /// With `--policy`: the stage whose PCR sets apply (default: any stage).
+    #[arg(long, requires = "policy")]
+    pub stage: Option<u32>,
+    /// Expected nonce (hex).
+    #[arg(long)]
+    pub nonce: Option<String>,
+    /// Expected public key (hex).
+    #[arg(long)]
+    pub public_key: Option<String>,
+    /// Expected user data (hex).
+    #[arg(long)]
+    pub user_data: Option<String>,
+    /// Machine-readable output (one JSON document).
+    #[arg(long)]
+    pub json: bool,
+    /// The document: raw CBOR (COSE_Sign1, tagged or not) or its base64
+    /// text; `-` for standard input.
+    pub document: PathBuf,
 }
 
 /// `gateway verify evidence`
@@ -36,6 +72,10 @@ pub struct EvidenceArgs {
     /// bundle's own nonce is used and freshness is NOT checked.
     #[arg(long)]
     pub nonce: Option<String>,
+    /// Judge Nitro certificates at this time (Unix seconds) instead of now
+    /// (fresh documents' leaf certificates live about three hours).
+    #[arg(long)]
+    pub at: Option<u64>,
     /// Machine-readable output (one JSON document).
     #[arg(long)]
     pub json: bool,
@@ -79,6 +119,10 @@ pub struct ReceiptArgs {
     /// The receipt as base64url text (the `receipt` response header's value).
     #[arg(long)]
     pub receipt_b64: Option<String>,
+    /// Judge the evidence's Nitro certificates at this time (Unix seconds)
+    /// instead of now: e.g. when the receipt was issued.
+    #[arg(long)]
+    pub at: Option<u64>,
     /// Machine-readable output (one JSON document).
     #[arg(long)]
     pub json: bool,
@@ -195,10 +239,12 @@ impl EvidenceOutcome {
 
 /// Verifies `bundle` against `policy`. `nonce`: the one the verifier sent,
 /// or `None` to take the bundle's own (freshness then is not checked).
+/// `at`: the time Nitro certificates are judged at (none: now).
 pub(crate) fn verify_evidence(
     bundle: &EvidenceBundle,
     policy: &Policy,
     nonce: Option<&[u8]>,
+    at: Option<u64>,
 ) -> EvidenceOutcome {
     let mut lines = Vec::new();
     let nonce_checked = nonce.is_some();
@@ -218,7 +264,16 @@ pub(crate) fn verify_evidence(
             ),
         ));
     }
-    let (checks, verified) = bundle.verify(policy, &nonce);
+    let mut verifier = AnyVerifier::default();
+    if let Some(t) = at {
+        verifier.nitro = verifier.nitro.at(t);
+        lines.push(Line::new(
+            Status::Info,
+            "time",
+            format!("Nitro certificates are judged at {t} (Unix s), not now"),
+        ));
+    }
+    let (checks, verified) = bundle.verify_with(policy, &nonce, &verifier);
     let mut measurement_failed = false;
     for c in checks {
         measurement_failed |= !c.ok && c.detail.contains("is not in the policy");
@@ -280,7 +335,223 @@ pub fn run(cmd: VerifyCommand) -> Result<i32> {
     match cmd {
         VerifyCommand::Evidence(a) => run_evidence(a),
         VerifyCommand::Receipt(a) => run_receipt(a),
+        VerifyCommand::Attestation(a) => run_attestation(a),
     }
+}
+
+/// Hex, plus the text in quotes when it is printable UTF-8.
+fn show_bytes(b: &[u8]) -> String {
+    if b.is_empty() {
+        return "(absent)".into();
+    }
+    match std::str::from_utf8(b) {
+        Ok(t) if t.chars().all(|c| !c.is_control()) => format!("{} ({t:?})", hex::encode(b)),
+        _ => hex::encode(b),
+    }
+}
+
+/// Which step of `NitroVerifier::verify` an error belongs to.
+fn failed_step(e: &AttestError) -> &'static str {
+    match e {
+        AttestError::Malformed(_) | AttestError::UnsupportedAlgorithm(_) => "document",
+        AttestError::CertificateExpired { .. }
+        | AttestError::CertificateNotYetValid { .. }
+        | AttestError::UntrustedChain(_)
+        | AttestError::BadCertificate(_) => "certificate chain",
+        _ => "signature",
+    }
+}
+
+fn run_attestation(a: AttestationArgs) -> Result<i32> {
+    let policy = a.policy.as_deref().map(load_policy).transpose()?;
+    let raw = read_input(&a.document)?;
+    let hex_arg =
+        |what: &str, v: &Option<String>| v.as_deref().map(|s| parse_hex(what, s)).transpose();
+    let nonce = hex_arg("--nonce", &a.nonce)?;
+    let public_key = hex_arg("--public-key", &a.public_key)?;
+    let user_data = hex_arg("--user-data", &a.user_data)?;
+    let verifier = NitroVerifier::aws().at(a.at);
+    let mut lines = Vec::new();
+    let result = decode_document(&raw).and_then(|d| verifier.verify(&d));
+    let steps = ["document", "certificate chain", "signature"];
+    let v = match result {
+        Ok(v) => {
+            lines.push(Line::new(
+                Status::Pass,
+                "document",
+                format!(
+                    "COSE_Sign1 ({}), ES384, payload well formed",
+                    if v.tagged { "tagged" } else { "untagged" }
+                ),
+            ));
+            lines.push(Line::new(
+                Status::Pass,
+                "certificate chain",
+                format!(
+                    "{} certificates up to the pinned AWS Nitro root G1 (sha256 {}), all valid at {} (Unix s); leaf valid {}..{}",
+                    v.chain_len,
+                    proto::nitro::AWS_NITRO_ROOT_G1_SHA256,
+                    a.at,
+                    v.leaf_validity.0,
+                    v.leaf_validity.1
+                ),
+            ));
+            lines.push(Line::new(
+                Status::Pass,
+                "signature",
+                "ES384 signature by the leaf certificate's key verifies",
+            ));
+            Some(v)
+        }
+        Err(e) => {
+            let step = failed_step(&e);
+            let at = steps.iter().position(|s| *s == step).unwrap_or(0);
+            for s in &steps[..at] {
+                lines.push(Line::new(Status::Pass, *s, "ok"));
+            }
+            lines.push(Line::new(Status::Fail, step, e.to_string()));
+            for s in &steps[at + 1..] {
+                lines.push(Line::new(Status::Skip, *s, "not checked"));
+            }
+            None
+        }
+    };
+    if let Some(v) = &v {
+        let d = &v.document;
+        let Measurement::Nitro(pcrs) = &d.measurement else {
+            bail!("a Nitro document without PCRs");
+        };
+        lines.push(Line::new(Status::Info, "module_id", d.module_id.clone()));
+        lines.push(Line::new(
+            Status::Info,
+            "timestamp",
+            format!("{} ms ({} Unix s)", d.timestamp_ms, d.timestamp_ms / 1000),
+        ));
+        for (i, p) in &pcrs.0 {
+            lines.push(Line::new(Status::Info, format!("PCR{i}"), hex::encode(p)));
+        }
+        lines.push(Line::new(
+            Status::Info,
+            "public_key",
+            show_bytes(&d.public_key),
+        ));
+        lines.push(Line::new(
+            Status::Info,
+            "user_data",
+            show_bytes(&d.user_data),
+        ));
+        lines.push(Line::new(Status::Info, "nonce", show_bytes(&d.nonce)));
+        if pcrs.is_debug() {
+            lines.push(Line::new(
+                Status::Warn,
+                "debug",
+                "the enclave ran in debug mode (PCRs zero): the parent could read its memory",
+            ));
+        }
+        for (name, want, err) in [
+            ("nonce", nonce.as_deref(), BindingError::Nonce),
+            ("public_key", public_key.as_deref(), BindingError::PublicKey),
+            ("user_data", user_data.as_deref(), BindingError::UserData),
+        ] {
+            let Some(want) = want else { continue };
+            let expected = match name {
+                "nonce" => ExpectedBinding {
+                    nonce: Some(want),
+                    ..Default::default()
+                },
+                "public_key" => ExpectedBinding {
+                    public_key: Some(want),
+                    ..Default::default()
+                },
+                _ => ExpectedBinding {
+                    user_data: Some(want),
+                    ..Default::default()
+                },
+            };
+            lines.push(match d.check_binding(&expected) {
+                Ok(()) => Line::new(
+                    Status::Pass,
+                    format!("binding {name}"),
+                    "matches the expected value",
+                ),
+                Err(_) => Line::new(Status::Fail, format!("binding {name}"), err.to_string()),
+            });
+        }
+        if let Some(policy) = &policy {
+            let stages: Vec<u32> = match a.stage {
+                Some(s) => vec![s],
+                None => policy.stages.iter().map(|s| s.index).collect(),
+            };
+            let results: Vec<(u32, Result<(), String>)> = stages
+                .iter()
+                .map(|&s| {
+                    (
+                        s,
+                        policy
+                            .check_measurement(d, s, None)
+                            .map_err(|e| e.to_string()),
+                    )
+                })
+                .collect();
+            let line = match results.iter().find(|(_, r)| r.is_ok()) {
+                Some((s, _)) => Line::new(
+                    Status::Pass,
+                    "policy",
+                    format!("PCRs accepted for stage {s} ({})", pcrs.pinned_form()),
+                ),
+                None => Line::new(
+                    Status::Fail,
+                    "policy",
+                    results
+                        .iter()
+                        .map(|(_, r)| r.clone().unwrap_err())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                        .chars()
+                        .take(2000)
+                        .collect::<String>()
+                        + if results.is_empty() {
+                            "the policy names no stage"
+                        } else {
+                            ""
+                        },
+                ),
+            };
+            lines.push(line);
+        }
+    }
+    let ok = v.is_some() && lines.iter().all(|l| l.status != Status::Fail);
+    if a.json {
+        let d = v.as_ref().map(|v| &v.document);
+        let pcrs = d.and_then(|d| match &d.measurement {
+            Measurement::Nitro(p) => Some(
+                p.0.iter()
+                    .map(|(i, v)| (i.to_string(), json!(hex::encode(v))))
+                    .collect::<serde_json::Map<_, _>>(),
+            ),
+            _ => None,
+        });
+        let doc = json!({
+            "ok": ok,
+            "at": a.at,
+            "checks": lines.iter().filter(|l| l.status != Status::Info).map(Line::to_json).collect::<Vec<_>>(),
+            "module_id": d.map(|d| d.module_id.clone()),
+            "timestamp_ms": d.map(|d| d.timestamp_ms),
+            "pcrs": pcrs,
+            "debug": v.as_ref().map(|v| v.payload.pcrs.is_debug()),
+            "public_key": d.map(|d| hex::encode(&d.public_key)),
+            "user_data": d.map(|d| hex::encode(&d.user_data)),
+            "nonce": d.map(|d| hex::encode(&d.nonce)),
+            "tagged": v.as_ref().map(|v| v.tagged),
+            "chain_len": v.as_ref().map(|v| v.chain_len),
+            "leaf_validity": v.as_ref().map(|v| [v.leaf_validity.0, v.leaf_validity.1]),
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print_lines(&lines);
+        result_line(ok, "attestation document", &lines);
+    }
+    Ok(if ok { EXIT_OK } else { EXIT_FAILED })
 }
 
 fn run_evidence(a: EvidenceArgs) -> Result<i32> {
@@ -291,7 +562,7 @@ fn run_evidence(a: EvidenceArgs) -> Result<i32> {
         .as_deref()
         .map(|n| parse_hex("--nonce", n))
         .transpose()?;
-    let out = verify_evidence(&bundle, &policy, nonce.as_deref());
+    let out = verify_evidence(&bundle, &policy, nonce.as_deref(), a.at);
     if a.json {
         println!("{}", serde_json::to_string_pretty(&out.to_json())?);
     } else {
@@ -426,7 +697,7 @@ fn run_receipt(a: ReceiptArgs) -> Result<i32> {
         .map(|n| parse_hex("--nonce", n))
         .transpose()?;
 
-    let mut evidence = verify_evidence(&bundle, &policy, evidence_nonce.as_deref());
+    let mut evidence = verify_evidence(&bundle, &policy, evidence_nonce.as_deref(), a.at);
     for l in &mut evidence.lines {
         if matches!(l.status, Status::Pass | Status::Fail) {
             l.name = format!("evidence.{}", l.name);
