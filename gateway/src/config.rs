@@ -44,7 +44,7 @@ pub struct GatewayConfig {
 /// `[completions]`: a second pipeline of stages serving a Llama model for
 /// `/v1/completions`. Policy, launch mode, stage binary, threads and the
 /// connect timeout are shared with `[pipeline]`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CompletionsConfig {
     /// Measurement policy for this pipeline's stages (layers and manifest
@@ -174,7 +174,10 @@ fn validate_stages(
     k: &dyn Fn(&str) -> String,
 ) -> Result<()> {
     if stages.is_empty() {
-        bail!("{}: at least one stage is required", k(&format!("{section}.stages")));
+        bail!(
+            "{}: at least one stage is required",
+            k(&format!("{section}.stages"))
+        );
     }
     let mut expect = 0;
     for (i, s) in stages.iter().enumerate() {
