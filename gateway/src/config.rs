@@ -772,6 +772,14 @@ mod tests {
                     "tcp://10.0.0.2:7000",
                 ),
                 ("GATEWAY_PIPELINE__STAGES__1__LAYERS", "[3, 6]"),
+                (
+                    "GATEWAY_COMPLETIONS__STAGES__0__ADDRESS",
+                    "tcp://10.0.0.3:7000",
+                ),
+                (
+                    "GATEWAY_COMPLETIONS__STAGES__1__ADDRESS",
+                    "tcp://10.0.0.4:7000",
+                ),
                 ("GATEWAY_PIPELINE__STAGE_BINARY", "\"123\""),
                 // Not overrides: no `__` after the prefix, or another prefix.
                 ("GATEWAY_API_KEYS", "a:b"),
@@ -794,7 +802,7 @@ mod tests {
                 .map(String::as_str),
             Some("GATEWAY_PIPELINE__STAGES__1__ADDRESS")
         );
-        assert_eq!(cfg.overrides.len(), 8);
+        assert_eq!(cfg.overrides.len(), 10);
         // The effective config shows the values and where they came from.
         let shown = cfg.effective_toml();
         assert!(
