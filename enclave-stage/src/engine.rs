@@ -26,6 +26,47 @@ pub struct StageSpec {
     pub layers: Range<usize>,
 }
 
+impl StageSpec {
+    /// Loads the manifest in `model_dir`, checks that it is an
+    /// `architecture` model for `task` and that this stage's position is
+    /// valid, and returns it with the stage's claims (keys not yet filled in).
+    pub fn open_manifest(
+        &self,
+        model_dir: &Path,
+        architecture: &str,
+        task: &str,
+    ) -> Result<(LoadedManifest, StageClaims)> {
+        let manifest = LoadedManifest::load(model_dir)?;
+        let m = &manifest.manifest;
+        if m.architecture != architecture || m.task != task {
+            bail!(
+                "model {} is a {} {} model; this stage expects a {architecture} {task} model",
+                m.model_id,
+                m.architecture,
+                m.task
+            );
+        }
+        if self.num_stages == 0 || self.stage_index >= self.num_stages {
+            bail!(
+                "stage index {} out of {} stages",
+                self.stage_index,
+                self.num_stages
+            );
+        }
+        let claims = StageClaims {
+            stage_index: self.stage_index,
+            num_stages: self.num_stages,
+            layer_start: self.layers.start as u32,
+            layer_end: self.layers.end as u32,
+            model_id: m.model_id.clone(),
+            manifest_sha256: manifest.digest,
+            receipt_key: [0; 32],
+            hpke_keys: Vec::new(),
+        };
+        Ok((manifest, claims))
+    }
+}
+
 /// A loaded stage model.
 pub struct Engine {
     /// The manifest the files were checked against.
@@ -51,23 +92,8 @@ impl Engine {
     /// Every file is checked against the manifest's SHA-256 by this process
     /// before it is used; a mismatch is an error naming the file.
     pub fn load(model_dir: &Path, spec: &StageSpec) -> Result<Self> {
-        let manifest = LoadedManifest::load(model_dir)?;
+        let (manifest, claims) = spec.open_manifest(model_dir, "bert", "embedding")?;
         let m = &manifest.manifest;
-        if m.architecture != "bert" || m.task != "embedding" {
-            bail!(
-                "model {} is a {} {} model; this stage serves bert embedding models",
-                m.model_id,
-                m.architecture,
-                m.task
-            );
-        }
-        if spec.num_stages == 0 || spec.stage_index >= spec.num_stages {
-            bail!(
-                "stage index {} out of {} stages",
-                spec.stage_index,
-                spec.num_stages
-            );
-        }
         let cfg_path = manifest.verified_path("config.json")?;
         let cfg: BertConfig = serde_json::from_slice(&std::fs::read(&cfg_path)?)
             .with_context(|| format!("parsing {}", cfg_path.display()))?;
@@ -98,16 +124,6 @@ impl Engine {
                 weights.display()
             )
         })?;
-        let claims = StageClaims {
-            stage_index: spec.stage_index,
-            num_stages: spec.num_stages,
-            layer_start: spec.layers.start as u32,
-            layer_end: spec.layers.end as u32,
-            model_id: m.model_id.clone(),
-            manifest_sha256: manifest.digest,
-            receipt_key: [0; 32],
-            hpke_keys: Vec::new(),
-        };
         Ok(Self {
             manifest,
             claims,

@@ -531,28 +531,39 @@ impl StageServer {
         key: ResponseKeyMaterial,
         sealed_error: &(dyn Fn(ApiError, ErrorKind) -> PipelineError + Send + Sync),
     ) {
-        let exit = self.model.is_exit();
         let request_id = req.request_id;
-        let cfg = &model.config;
-        let parsed = parse_completions(&plaintext, cfg.vocab_size as u32).and_then(|r| {
-            if r.model == self.claims().model_id {
-                Ok(r)
-            } else {
-                Err(ApiError::model_not_found(&r.model))
+        match self.prepare_completion(model, req, &plaintext, key).await {
+            Ok((ctx, prompts)) => {
+                let work = Work::BeginGeneration {
+                    ctx: Box::new(ctx),
+                    prompts,
+                };
+                if self.work.send(work).is_err() {
+                    tracing::error!("compute thread is gone");
+                }
             }
-        });
-        let mut request = match parsed {
-            Ok(r) => r,
             Err(api) => {
-                return self
-                    .emit(failure(
-                        exit,
-                        request_id,
-                        sealed_error(api, ErrorKind::BadInput),
-                    ))
+                let err = sealed_error(api, ErrorKind::BadInput);
+                self.emit(failure(self.model.is_exit(), request_id, err))
                     .await
             }
-        };
+        }
+    }
+
+    /// Parses, checks and tokenizes a completions request: its context for
+    /// later stages and its prompts' token ids.
+    async fn prepare_completion(
+        &self,
+        model: Arc<GenModel>,
+        req: SealedRequest,
+        plaintext: &[u8],
+        key: ResponseKeyMaterial,
+    ) -> Result<(GenerationContext, Vec<Vec<u32>>), ApiError> {
+        let cfg = &model.config;
+        let mut request = parse_completions(plaintext, cfg.vocab_size as u32)?;
+        if request.model != self.claims().model_id {
+            return Err(ApiError::model_not_found(&request.model));
+        }
         let prompts = std::mem::take(&mut request.prompts);
         let total_bytes: usize = prompts
             .iter()
@@ -562,7 +573,7 @@ impl StageServer {
             })
             .sum();
         let m = model.clone();
-        let tokenize = move || {
+        let ids = off_runtime_if_large(total_bytes, move || {
             prompts
                 .into_iter()
                 .enumerate()
@@ -571,49 +582,19 @@ impl StageServer {
                     Prompt::Tokens(ids) => Ok(ids),
                 })
                 .collect::<Result<Vec<_>, String>>()
-        };
-        let ids = if total_bytes <= INLINE_TOKENIZE_BYTES {
-            tokenize()
-        } else {
-            match tokio::task::spawn_blocking(tokenize).await {
-                Ok(r) => r,
-                Err(e) => Err(format!("tokenizer task failed: {e}")),
-            }
-        };
-        let ids = match ids {
-            Ok(ids) => ids,
-            Err(e) => {
-                let api = ApiError::invalid(Some("prompt"), e);
-                return self
-                    .emit(failure(
-                        exit,
-                        request_id,
-                        sealed_error(api, ErrorKind::BadInput),
-                    ))
-                    .await;
-            }
-        };
+        })
+        .await
+        .map_err(|e| ApiError::invalid(Some("prompt"), e))?;
         let context = cfg.max_seq_len;
         for p in &ids {
             if p.is_empty() {
-                let api = ApiError::invalid(Some("prompt"), "A prompt is empty (no tokens).");
-                return self
-                    .emit(failure(
-                        exit,
-                        request_id,
-                        sealed_error(api, ErrorKind::BadInput),
-                    ))
-                    .await;
+                return Err(ApiError::invalid(
+                    Some("prompt"),
+                    "A prompt is empty (no tokens).",
+                ));
             }
             if p.len() + request.max_tokens as usize > context {
-                let api = context_length_error(context, p.len(), request.max_tokens);
-                return self
-                    .emit(failure(
-                        exit,
-                        request_id,
-                        sealed_error(api, ErrorKind::BadInput),
-                    ))
-                    .await;
+                return Err(context_length_error(context, p.len(), request.max_tokens));
             }
         }
         let mut receipt_id = [0u8; 16];
@@ -625,7 +606,7 @@ impl StageServer {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let ctx = GenerationContext {
-            request_id,
+            request_id: req.request_id,
             receipt_id,
             endpoint: req.endpoint,
             request,
@@ -638,21 +619,12 @@ impl StageServer {
                 .collect(),
             seed,
             created,
-            request_digest: Sha256Digest::of(&plaintext),
+            request_digest: Sha256Digest::of(plaintext),
             client_nonce: req.client_nonce,
             sealing: req.sealing,
             response_key: key,
         };
-        if self
-            .work
-            .send(Work::BeginGeneration {
-                ctx: Box::new(ctx),
-                prompts: ids,
-            })
-            .is_err()
-        {
-            tracing::error!("compute thread is gone");
-        }
+        Ok((ctx, ids))
     }
 
     /// Checks the key id, refuses replays, and opens the body.
@@ -714,15 +686,7 @@ impl StageServer {
                 })
                 .collect::<Result<Vec<_>, String>>()
         };
-        // Small inputs tokenize in microseconds: do it here rather than pay a
-        // thread hand-off; large ones go to the blocking pool.
-        if total_bytes <= INLINE_TOKENIZE_BYTES {
-            tokenize()
-        } else {
-            tokio::task::spawn_blocking(tokenize)
-                .await
-                .map_err(|e| format!("tokenizer task failed: {e}"))?
-        }
+        off_runtime_if_large(total_bytes, tokenize).await
     }
 
     /// Entry stage of a generation pipeline: sampled tokens from the exit stage.
@@ -836,5 +800,21 @@ impl StageServer {
                     .await;
             }
         }
+    }
+}
+
+/// Runs tokenizer work `f` over `bytes` of text: small inputs tokenize in
+/// microseconds, so inline rather than pay a thread hand-off; large ones go
+/// to the blocking pool so they never stall the runtime.
+async fn off_runtime_if_large<T: Send + 'static>(
+    bytes: usize,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    if bytes <= INLINE_TOKENIZE_BYTES {
+        f()
+    } else {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| format!("tokenizer task failed: {e}"))?
     }
 }

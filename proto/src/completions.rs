@@ -2,7 +2,7 @@
 //! stage), and the response body and Server-Sent-Event chunks (exit stage).
 //! Like [`crate::openai`], free of I/O so that every rule is unit-tested.
 
-use crate::openai::ApiError;
+use crate::openai::{json_object, model_field, user_field, ApiError};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
@@ -200,26 +200,9 @@ fn stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
 
 /// Parses and validates a request body for a model with `vocab` tokens.
 pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, ApiError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| ApiError::invalid(None, "The request body must be a JSON object."))?;
-    let model = match obj.get("model") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("model"),
-                "`model` must be a non-empty string.",
-            ))
-        }
-        None => {
-            return Err(ApiError::invalid(
-                Some("model"),
-                "You must provide a model parameter.",
-            ))
-        }
-    };
+    let v = json_object(body)?;
+    let obj = v.as_object().expect("checked");
+    let model = model_field(obj)?;
     let prompts = prompts(obj.get("prompt"), vocab)?;
     let int = |key: &str, lo: u64, hi: u64, default: u64| -> Result<u64, ApiError> {
         match obj.get(key) {
@@ -361,11 +344,7 @@ pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, 
             ))
         }
     };
-    if let Some(u) = obj.get("user") {
-        if !u.is_string() {
-            return Err(ApiError::invalid(Some("user"), "`user` must be a string."));
-        }
-    }
+    user_field(obj)?;
     Ok(CompletionsRequest {
         model,
         prompts,

@@ -94,32 +94,53 @@ const TOKEN_IDS: &str = "Token-id arrays are not supported as `input`: send the 
 (a string or an array of strings). LangChain's OpenAIEmbeddings sends token ids by default; \
 set `check_embedding_ctx_length=False` (and `tiktoken_enabled=False`) to send text.";
 
+/// Parses a request body that must be a JSON object.
+pub(crate) fn json_object(body: &[u8]) -> Result<Value, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::invalid(
+            None,
+            "The request body must be a JSON object.",
+        ));
+    }
+    Ok(v)
+}
+
+/// The required, non-empty `model` field.
+pub(crate) fn model_field(obj: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
+    match obj.get("model") {
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        Some(_) => Err(ApiError::invalid(
+            Some("model"),
+            "`model` must be a non-empty string.",
+        )),
+        None => Err(ApiError::invalid(
+            Some("model"),
+            "You must provide a model parameter.",
+        )),
+    }
+}
+
+/// The optional `user` field (accepted, never used or logged) must be a string.
+pub(crate) fn user_field(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    match obj.get("user") {
+        Some(u) if !u.is_string() => {
+            Err(ApiError::invalid(Some("user"), "`user` must be a string."))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Parses and validates a request body.
 pub fn parse_embeddings(
     body: &[u8],
     max_inputs: usize,
     native_dim: usize,
 ) -> Result<EmbeddingsRequest, ApiError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| ApiError::invalid(None, "The request body must be a JSON object."))?;
-    let model = match obj.get("model") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("model"),
-                "`model` must be a non-empty string.",
-            ))
-        }
-        None => {
-            return Err(ApiError::invalid(
-                Some("model"),
-                "You must provide a model parameter.",
-            ))
-        }
-    };
+    let v = json_object(body)?;
+    let obj = v.as_object().expect("checked");
+    let model = model_field(obj)?;
     let inputs = match obj.get("input") {
         None | Some(Value::Null) => {
             return Err(ApiError::invalid(
@@ -205,11 +226,7 @@ pub fn parse_embeddings(
             ))
         }
     };
-    if let Some(u) = obj.get("user") {
-        if !u.is_string() {
-            return Err(ApiError::invalid(Some("user"), "`user` must be a string."));
-        }
-    }
+    user_field(obj)?;
     Ok(EmbeddingsRequest {
         model,
         inputs,

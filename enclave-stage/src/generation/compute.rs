@@ -135,7 +135,6 @@ pub struct Generator {
     limits: GenLimits,
     sched: Option<Scheduler>,
     requests: HashMap<u64, GenRequest>,
-    kv_used: usize,
     next_step: u64,
 }
 
@@ -166,13 +165,17 @@ impl Generator {
             limits,
             sched,
             requests: HashMap::new(),
-            kv_used: 0,
             next_step: 0,
         }
     }
 
     fn is_exit(&self) -> bool {
         self.model.is_exit()
+    }
+
+    /// KV-cache tokens this stage has allocated (derived from the caches).
+    fn kv_tokens_used(&self) -> usize {
+        self.part.kv_bytes_allocated() / self.part.bytes_per_token().max(1)
     }
 
     /// Runs until the work queue closes: drains everything queued, then runs
@@ -422,11 +425,7 @@ impl Generator {
     fn forget(&mut self, request_id: u64) -> Option<GenRequest> {
         let r = self.requests.remove(&request_id)?;
         for c in 0..r.received.len() as u32 {
-            let key = seq_key(request_id, c);
-            if let Some(cache) = self.part.cache(key) {
-                self.kv_used = self.kv_used.saturating_sub(cache.capacity());
-            }
-            self.part.free(key);
+            self.part.free(seq_key(request_id, c));
         }
         Some(r)
     }
@@ -646,15 +645,14 @@ impl Generator {
                     .map_or(0, |r| r.reserve(s.choice, self.model.config.max_seq_len)),
             }
             .max((s.pos + s.len) as usize);
-            if self.kv_used + want > self.limits.kv_tokens {
+            let used = self.kv_tokens_used();
+            if used + want > self.limits.kv_tokens {
                 bail!(
-                    "KV budget exceeded: {} + {want} tokens > {}",
-                    self.kv_used,
+                    "KV budget exceeded: {used} + {want} tokens > {}",
                     self.limits.kv_tokens
                 );
             }
             self.part.reserve(key, want)?;
-            self.kv_used += want;
         }
         let slices: Vec<SeqSlice> = seqs
             .iter()
@@ -708,7 +706,9 @@ impl Generator {
     /// Exit stage: samples one token per sequence, streams what may be
     /// streamed, sends the tokens back, finishes requests.
     fn sample(&mut self, seqs: &[StepSeq], mut logits: Vec<Vec<f32>>) {
-        let Some(tok) = self.model.tokenizer.clone() else {
+        // An Arc clone, so the tokenizer can be borrowed while requests change.
+        let model = self.model.clone();
+        let Some(tok) = model.tokenizer.as_ref() else {
             return;
         };
         let mut next = Vec::with_capacity(seqs.len());
@@ -722,7 +722,7 @@ impl Generator {
             let Some(choice) = ex.choices.get_mut(s.choice as usize) else {
                 continue;
             };
-            let token = choice.step(row, &ex.rules, &tok);
+            let token = choice.step(row, &ex.rules, tok);
             let finish = choice.finish();
             if let Some(st) = ex.stream.as_ref() {
                 let text = choice.take_stream_text(&ex.rules.stop);

@@ -30,23 +30,8 @@ impl GenModel {
     /// Checks the manifest and files in `model_dir` and reads the model's
     /// configuration; the weights are loaded by [`GenModel::load_part`].
     pub fn load(model_dir: &std::path::Path, spec: &StageSpec) -> Result<Self> {
-        let manifest = LoadedManifest::load(model_dir)?;
+        let (manifest, claims) = spec.open_manifest(model_dir, "llama", "completion")?;
         let m = &manifest.manifest;
-        if m.architecture != "llama" || m.task != "completion" {
-            bail!(
-                "model {} is a {} {} model; expected a llama completion model",
-                m.model_id,
-                m.architecture,
-                m.task
-            );
-        }
-        if spec.num_stages == 0 || spec.stage_index >= spec.num_stages {
-            bail!(
-                "stage index {} out of {} stages",
-                spec.stage_index,
-                spec.num_stages
-            );
-        }
         let gguf_name = m
             .files
             .iter()
@@ -83,16 +68,6 @@ impl GenModel {
             )
         } else {
             None
-        };
-        let claims = StageClaims {
-            stage_index: spec.stage_index,
-            num_stages: spec.num_stages,
-            layer_start: spec.layers.start as u32,
-            layer_end: spec.layers.end as u32,
-            model_id: m.model_id.clone(),
-            manifest_sha256: manifest.digest,
-            receipt_key: [0; 32],
-            hpke_keys: Vec::new(),
         };
         Ok(Self {
             manifest,
