@@ -39,7 +39,7 @@ struct Args {
 fn parse_args() -> Result<Args> {
     let mut a = Args {
         max_tokens: 64,
-        single_runs: 5,
+        single_runs: 10,
         concurrency: vec![1, 4, 16],
         out: PathBuf::from("benchmark_results/completions"),
         baseline_worker: false,
@@ -60,7 +60,7 @@ fn parse_args() -> Result<Args> {
             "--out" => a.out = it.next().context("value")?.into(),
             "--baseline-worker" => a.baseline_worker = true,
             "--help" | "-h" => {
-                println!("bench_completions [--max-tokens 64] [--single-runs 5] [--concurrency 1,4,16] [--out benchmark_results/completions]");
+                println!("bench_completions [--max-tokens 64] [--single-runs 10] [--concurrency 1,4,16] [--out benchmark_results/completions]");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other}"),
@@ -285,49 +285,71 @@ async fn stream_one(
     Ok((first.unwrap_or(f64::NAN), gaps, tokens))
 }
 
-async fn bench_gateway(args: &Args, stages: &[[u32; 2]], dir: &Path) -> Result<Value> {
-    let mut gw = start_gateway(stages, dir)?;
+/// Benchmarks several gateways (one per stage layout) side by side: every
+/// single-stream run and every concurrency level goes to each gateway in
+/// turn, so that drift on a shared machine hits all of them alike.
+async fn bench_gateways(args: &Args, layouts: &[&[[u32; 2]]], dir: &Path) -> Result<Vec<Value>> {
+    let mut gws = Vec::new();
+    for (i, stages) in layouts.iter().enumerate() {
+        gws.push(start_gateway(stages, &dir.join(format!("gw{i}")))?);
+    }
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(600))
         .build()?;
+    let n = gws.len();
     let result = async {
-        stream_one(&http, &gw.url, PROMPTS[0], 8).await?; // warm-up
-        let mut ttft = Vec::new();
-        let mut gaps = Vec::new();
+        for gw in &gws {
+            stream_one(&http, &gw.url, PROMPTS[0], 8).await?; // warm-up
+        }
+        let mut ttft = vec![Vec::new(); n];
+        let mut gaps = vec![Vec::new(); n];
         for r in 0..args.single_runs {
-            let (t, g, _) =
-                stream_one(&http, &gw.url, PROMPTS[r % PROMPTS.len()], args.max_tokens).await?;
-            ttft.push(t);
-            gaps.extend(g);
-        }
-        let mut agg = serde_json::Map::new();
-        for &c in &args.concurrency {
-            let t0 = Instant::now();
-            let futs = (0..c)
-                .map(|i| stream_one(&http, &gw.url, PROMPTS[i % PROMPTS.len()], args.max_tokens));
-            let res = futures_util::future::join_all(futs).await;
-            let secs = t0.elapsed().as_secs_f64();
-            let mut tokens = 0;
-            for r in res {
-                tokens += r?.2;
+            for (i, gw) in gws.iter().enumerate() {
+                let (t, g, _) =
+                    stream_one(&http, &gw.url, PROMPTS[r % PROMPTS.len()], args.max_tokens).await?;
+                ttft[i].push(t);
+                gaps[i].extend(g);
             }
-            agg.insert(
-                c.to_string(),
-                json!({"tokens_per_s": tokens as f64 / secs, "tokens": tokens}),
-            );
         }
-        Ok::<_, anyhow::Error>(json!({
-            "ttft_ms_p50": pct(&ttft, 0.5),
-            "per_token_ms_p50": pct(&gaps, 0.5),
-            "per_token_ms_p99": pct(&gaps, 0.99),
-            "aggregate": agg,
-        }))
+        let mut agg = vec![serde_json::Map::new(); n];
+        for &c in &args.concurrency {
+            for (i, gw) in gws.iter().enumerate() {
+                let t0 = Instant::now();
+                let futs = (0..c).map(|j| {
+                    stream_one(&http, &gw.url, PROMPTS[j % PROMPTS.len()], args.max_tokens)
+                });
+                let res = futures_util::future::join_all(futs).await;
+                let secs = t0.elapsed().as_secs_f64();
+                let mut tokens = 0;
+                for r in res {
+                    tokens += r?.2;
+                }
+                agg[i].insert(
+                    c.to_string(),
+                    json!({"tokens_per_s": tokens as f64 / secs, "tokens": tokens}),
+                );
+            }
+        }
+        Ok::<_, anyhow::Error>(
+            (0..n)
+                .map(|i| {
+                    json!({
+                        "ttft_ms_p50": pct(&ttft[i], 0.5),
+                        "per_token_ms_p50": pct(&gaps[i], 0.5),
+                        "per_token_ms_p99": pct(&gaps[i], 0.99),
+                        "aggregate": agg[i],
+                    })
+                })
+                .collect(),
+        )
     }
     .await;
-    let _ = Command::new("kill")
-        .args(["-INT", &gw.child.id().to_string()])
-        .status();
-    let _ = gw.child.wait();
+    for gw in &mut gws {
+        let _ = Command::new("kill")
+            .args(["-INT", &gw.child.id().to_string()])
+            .status();
+        let _ = gw.child.wait();
+    }
     result
 }
 
@@ -345,7 +367,9 @@ fn markdown(out: &Value, args: &Args) -> String {
     md += &format!(
         "One run of `scripts/bench_completions.sh` on {} ({}). Greedy, end-of-sequence suppressed, {} tokens per request; \
          single stream = {} sequential streamed requests (TTFT and gaps between streamed tokens, as a client sees them); \
-         aggregate = N concurrent streams, total tokens / wall time. Each stage runs one compute thread; the baseline is \
+         aggregate = N concurrent streams, total tokens / wall time. The 1-stage and 2-stage gateways run side by side and \
+         take turns request by request (and level by level), so that drift on a shared machine hits both alike. \
+         Each stage runs one compute thread; the baseline is \
          the same Llama code (`enclave-stage/src/llama.rs`, f32 weights) called in-process on one thread.\n\n",
         out["machine"].as_str().unwrap_or("?"), out["when"].as_str().unwrap_or("?"), args.max_tokens, args.single_runs
     );
@@ -422,10 +446,15 @@ fn main() -> Result<()> {
     let baseline: Value = serde_json::from_slice(&out.stdout)?;
     let rt = tokio::runtime::Runtime::new()?;
     let tmp = std::env::temp_dir().join(format!("bench-completions-{}", std::process::id()));
-    eprintln!("gateway, 1 stage…");
-    let one = rt.block_on(bench_gateway(&args, &[[0, 30]], &tmp.join("one")))?;
-    eprintln!("gateway, 2 stages…");
-    let two = rt.block_on(bench_gateway(&args, &[[0, 15], [15, 30]], &tmp.join("two")))?;
+    eprintln!("gateway, 1 stage and 2 stages, interleaved…");
+    let mut both = rt
+        .block_on(bench_gateways(
+            &args,
+            &[&[[0, 30]], &[[0, 15], [15, 30]]],
+            &tmp,
+        ))?
+        .into_iter();
+    let (one, two) = (both.next().context("1 stage")?, both.next().context("2 stages")?);
     let c1 = |v: &Value| f(&v["aggregate"]["1"]["tokens_per_s"]);
     let c16 = |v: &Value| f(&v["aggregate"]["16"]["tokens_per_s"]);
     let ratios = json!({
