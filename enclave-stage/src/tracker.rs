@@ -19,7 +19,7 @@ use proto::frames::{
 };
 use proto::openai::{embeddings_response, ApiError};
 use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody};
-use proto::sealing::seal_response;
+use proto::sealing::{seal_response, seal_response_with_trailer};
 use proto::tensor::TensorFrame;
 use std::collections::HashMap;
 
@@ -244,7 +244,9 @@ impl Tracker {
                 chain,
             },
         );
-        let sealed = seal_response(&r.ctx.response_key, &body)
+        // The receipt travels twice: beside the body for the host (headers,
+        // the receipt store) and as the sealed body's trailer for the client.
+        let sealed = seal_response_with_trailer(&r.ctx.response_key, &body, &receipt)
             .map_err(|_| fail("sealing the response failed"))?;
         Ok(Finished::Response(ResultMessage::Response {
             request_id: r.ctx.request_id,

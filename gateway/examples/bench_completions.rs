@@ -454,7 +454,10 @@ fn main() -> Result<()> {
             &tmp,
         ))?
         .into_iter();
-    let (one, two) = (both.next().context("1 stage")?, both.next().context("2 stages")?);
+    let (one, two) = (
+        both.next().context("1 stage")?,
+        both.next().context("2 stages")?,
+    );
     let c1 = |v: &Value| f(&v["aggregate"]["1"]["tokens_per_s"]);
     let c16 = |v: &Value| f(&v["aggregate"]["16"]["tokens_per_s"]);
     let ratios = json!({

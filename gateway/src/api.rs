@@ -16,9 +16,9 @@ use base64::Engine as _;
 use proto::bundle::{EvidenceBundle, StageEvidence};
 use proto::receipt::Sealing;
 use proto::sealing::{
-    open_request, open_response, seal_request, seal_response, Aead, ClientResponseKey, KeyConfig,
-    ReplayGuard, ResponseKeyMaterial, ResponseOpener, ResponseSealer, SealLimits, SealedHeaders,
-    ServerKey, HEADER_KEY_ID, KEYS_MEDIA_TYPE,
+    open_request, open_response, seal_request, seal_response, seal_response_with_trailer, Aead,
+    ClientResponseKey, KeyConfig, ReplayGuard, ResponseKeyMaterial, ResponseOpener, ResponseSealer,
+    SealLimits, SealedHeaders, ServerKey, HEADER_KEY_ID, KEYS_MEDIA_TYPE,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -745,9 +745,17 @@ async fn pump_stream(
         let out = match (&mut mode, opener.as_mut()) {
             (StreamMode::Relay, _) => Ok(data),
             (StreamMode::Open(_), Some(o)) => o.feed(&data).map(|parts| parts.concat()),
-            (StreamMode::Reseal(_, sealer), Some(o)) => o
-                .feed(&data)
-                .and_then(|parts| sealer.seal(&parts.concat(), last)),
+            (StreamMode::Reseal(_, sealer), Some(o)) => o.feed(&data).and_then(|parts| {
+                // The stage's trailer (its receipt) goes on to the client.
+                match (last, o.trailer()) {
+                    (true, Some(trailer)) => {
+                        let mut out = sealer.seal(&parts.concat(), false)?;
+                        out.extend(sealer.finish_with_trailer(trailer)?);
+                        Ok(out)
+                    }
+                    _ => sealer.seal(&parts.concat(), last),
+                }
+            }),
             _ => Ok(Vec::new()),
         };
         let out = match out {
@@ -856,8 +864,12 @@ async fn via_gateway_key(
             receipt,
             retry_after,
         } => {
-            let sealed_body = seal_response(&material, &body)
-                .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
+            // A receipt rides along as the sealed body's trailer.
+            let sealed_body = match &receipt {
+                Some((_, r)) => seal_response_with_trailer(&material, &body, r),
+                None => seal_response(&material, &body),
+            }
+            .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
             let mut r = sealed_response(status, sealed_body);
             if let Some((id, receipt)) = receipt {
                 attach_receipt(s, &mut r, id, receipt);

@@ -17,10 +17,10 @@
 
 mod common;
 
-use common::{assert_error_shape, client, root, temp_dir, Gateway, Options};
+use common::{assert_error_shape, client, p, root, temp_dir, Gateway, Options};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "SmolLM2-135M-Instruct";
@@ -195,10 +195,6 @@ fn sse_events(body: &[u8]) -> Vec<String> {
         .filter(|e| !e.is_empty())
         .map(|e| e.strip_prefix("data: ").expect("data event").to_string())
         .collect()
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread")]

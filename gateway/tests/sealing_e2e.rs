@@ -8,7 +8,7 @@ use common::*;
 use proto::bundle::EvidenceBundle;
 use proto::policy::Policy;
 use proto::receipt::{verify_receipt, VerifyInputs};
-use proto::sealing::{open_response, seal_request, Aead, KeyConfig};
+use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
 use serde_json::json;
 
 const MODEL: &str = "all-MiniLM-L6-v2";
@@ -170,9 +170,11 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
             serde_json::from_slice::<serde_json::Value>(&sealed).is_err(),
             "the host relays ciphertext"
         );
-        let plain = open_response(&client_key, &sealed).unwrap();
+        let (plain, trailer) = open_response_with_trailer(&client_key, &sealed).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&plain).unwrap();
         assert_eq!(v["data"][0]["embedding"].as_array().unwrap().len(), 384);
+        // The exit stage sealed the same receipt into the response.
+        assert_eq!(trailer.as_deref(), Some(&receipt[..]), "receipt trailer");
         let mut inputs = VerifyInputs::new(&receipt, &verified.stage_keys);
         inputs.request = Some(&request);
         inputs.response = Some(&plain);
@@ -202,7 +204,13 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
     let receipt = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(r.headers()["receipt"].to_str().unwrap())
         .unwrap();
-    let plain = open_response(&client_key, &r.bytes().await.unwrap()).unwrap();
+    let (plain, trailer) =
+        open_response_with_trailer(&client_key, &r.bytes().await.unwrap()).unwrap();
+    assert_eq!(
+        trailer.as_deref(),
+        Some(&receipt[..]),
+        "re-sealed receipt trailer"
+    );
     let mut inputs = VerifyInputs::new(&receipt, &verified.stage_keys);
     inputs.request = Some(&request);
     inputs.response = Some(&plain);
@@ -249,7 +257,9 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
     .unwrap();
     let r = post_sealed(&gw.url, &headers, body).await;
     assert_eq!(r.status(), 404);
-    let plain = open_response(&client_key, &r.bytes().await.unwrap()).unwrap();
+    let (plain, trailer) =
+        open_response_with_trailer(&client_key, &r.bytes().await.unwrap()).unwrap();
+    assert_eq!(trailer, None, "an error has no receipt");
     let e: serde_json::Value = serde_json::from_slice(&plain).unwrap();
     assert_eq!(e["error"]["code"], "model_not_found");
 }

@@ -24,6 +24,11 @@
 //!   AAD `0x00` and then `0x01`. A truncated body (the final chunk removed) is
 //!   [`SealError::Truncated`]; bytes after the final chunk are
 //!   [`SealError::TrailingData`].
+//! - A **response** may end with a *trailer* instead: a final chunk sealed
+//!   with AAD `0x02` whose plaintext is not part of the body. The exit stage
+//!   puts the receipt there, so a sealed client gets the receipt inside the
+//!   same authenticated stream ([`ResponseSealer::finish_with_trailer`],
+//!   [`ResponseOpener::trailer`]). Requests never carry a trailer.
 //!
 //! One-shot helpers ([`seal_request`], [`open_request`], [`seal_response`],
 //! [`open_response`]) wrap the streaming types ([`ChunkSealer`],
@@ -80,6 +85,7 @@ pub const DEFAULT_MAX_BODY: u64 = 64 << 20;
 
 const AAD_NOT_FINAL: [u8; 1] = [0x00];
 const AAD_FINAL: [u8; 1] = [0x01];
+const AAD_TRAILER: [u8; 1] = [0x02];
 const AEAD_NONCE_LEN: usize = 12;
 
 /// Sealing errors. Each names its reason; the HTTP layer maps them to
@@ -873,6 +879,30 @@ impl ChunkSealer {
         self.seal(&[], true)
     }
 
+    /// Ends the body with a trailer: one final chunk sealed with the trailer
+    /// AAD (only responses use it). The trailer must fit in one chunk.
+    fn seal_trailer(&mut self, trailer: &[u8]) -> Result<Vec<u8>, SealError> {
+        if self.finished {
+            return Err(SealError::Finished);
+        }
+        if trailer.len() > self.max_chunk {
+            return Err(SealError::Malformed(format!(
+                "trailer of {} bytes exceeds the chunk size {}",
+                trailer.len(),
+                self.max_chunk
+            )));
+        }
+        let ct = match &mut self.cipher {
+            SealCipher::Hpke(c) => c.seal(trailer, &AAD_TRAILER)?,
+            SealCipher::Direct(c) => c.seal(trailer, &AAD_TRAILER)?,
+        };
+        let mut out = std::mem::take(&mut self.prefix);
+        out.extend_from_slice(&(ct.len() as u32).to_be_bytes());
+        out.extend_from_slice(&ct);
+        self.finished = true;
+        Ok(out)
+    }
+
     /// Whether the final chunk was sealed.
     pub fn is_finished(&self) -> bool {
         self.finished
@@ -898,16 +928,21 @@ pub struct ChunkOpener {
     buf: Vec<u8>,
     received: u64,
     state: OpenState,
+    /// Whether a trailer may end the body (responses only).
+    allow_trailer: bool,
+    trailer: Option<Vec<u8>>,
 }
 
 impl ChunkOpener {
-    fn new(cipher: OpenCipher, limits: SealLimits) -> Self {
+    fn new(cipher: OpenCipher, limits: SealLimits, allow_trailer: bool) -> Self {
         Self {
             cipher,
             limits,
             buf: Vec::new(),
             received: 0,
             state: OpenState::Open,
+            allow_trailer,
+            trailer: None,
         }
     }
 
@@ -950,16 +985,22 @@ impl ChunkOpener {
                 break;
             }
             let ct = &self.buf[pos + LEN_PREFIX..pos + LEN_PREFIX + len];
-            let pt = if let Some(pt) = self.cipher.open(ct, &AAD_NOT_FINAL) {
-                pt
+            if let Some(pt) = self.cipher.open(ct, &AAD_NOT_FINAL) {
+                out.push(pt);
             } else if let Some(pt) = self.cipher.open(ct, &AAD_FINAL) {
                 self.state = OpenState::Done;
-                pt
+                out.push(pt);
+            } else if let Some(pt) = self
+                .allow_trailer
+                .then(|| self.cipher.open(ct, &AAD_TRAILER))
+                .flatten()
+            {
+                self.state = OpenState::Done;
+                self.trailer = Some(pt);
             } else {
                 return Err(SealError::Open);
-            };
+            }
             pos += LEN_PREFIX + len;
-            out.push(pt);
         }
         self.buf.drain(..pos);
         if self.state == OpenState::Done && !self.buf.is_empty() {
@@ -1051,7 +1092,10 @@ pub fn open_request_stream(
         enc: headers.enc,
         secret,
     };
-    Ok((ChunkOpener::new(OpenCipher::Hpke(ctx), limits), material))
+    Ok((
+        ChunkOpener::new(OpenCipher::Hpke(ctx), limits, false),
+        material,
+    ))
 }
 
 /// Seals a whole request body (one-shot).
@@ -1121,6 +1165,13 @@ impl ResponseSealer {
         self.inner.finish()
     }
 
+    /// Ends the body with `trailer` (e.g. the receipt) as its final chunk,
+    /// authenticated with the trailer AAD so that it can never be read as
+    /// response data. At most one chunk ([`DEFAULT_MAX_CHUNK`] unless set).
+    pub fn finish_with_trailer(&mut self, trailer: &[u8]) -> Result<Vec<u8>, SealError> {
+        self.inner.seal_trailer(trailer)
+    }
+
     /// Whether the final chunk was sealed.
     pub fn is_finished(&self) -> bool {
         self.inner.is_finished()
@@ -1176,7 +1227,7 @@ impl ResponseOpener {
                 return Ok(Vec::new());
             }
             let cipher = Direct::for_response(&self.key.0, &self.nonce)?;
-            let mut opener = ChunkOpener::new(OpenCipher::Direct(cipher), self.limits);
+            let mut opener = ChunkOpener::new(OpenCipher::Direct(cipher), self.limits, true);
             opener.received = need as u64;
             self.inner = Some(opener);
         }
@@ -1186,6 +1237,12 @@ impl ResponseOpener {
     /// Whether the final chunk has been opened.
     pub fn is_complete(&self) -> bool {
         self.inner.as_ref().is_some_and(|o| o.is_complete())
+    }
+
+    /// The trailer (the receipt) if the body ended with one; `None` before
+    /// the end or when the body ended with a plain final chunk.
+    pub fn trailer(&self) -> Option<&[u8]> {
+        self.inner.as_ref().and_then(|o| o.trailer.as_deref())
     }
 
     /// Ends the body: `Ok` only if the final chunk arrived and nothing
@@ -1209,12 +1266,35 @@ pub fn seal_response(
     ResponseSealer::new(material)?.seal(plaintext, true)
 }
 
-/// Opens a whole sealed response body (one-shot, default limits).
+/// Seals a whole response body and ends it with `trailer` (one-shot).
+pub fn seal_response_with_trailer(
+    material: &ResponseKeyMaterial,
+    plaintext: &[u8],
+    trailer: &[u8],
+) -> Result<Vec<u8>, SealError> {
+    let mut sealer = ResponseSealer::new(material)?;
+    let mut out = sealer.seal(plaintext, false)?;
+    out.extend(sealer.finish_with_trailer(trailer)?);
+    Ok(out)
+}
+
+/// Opens a whole sealed response body (one-shot, default limits); a
+/// trailer, if any, is authenticated and dropped.
 pub fn open_response(key: &ClientResponseKey, body: &[u8]) -> Result<Vec<u8>, SealError> {
+    open_response_with_trailer(key, body).map(|(plaintext, _)| plaintext)
+}
+
+/// Opens a whole sealed response body (one-shot, default limits) and
+/// returns it with its trailer (the receipt), if it ended with one.
+pub fn open_response_with_trailer(
+    key: &ClientResponseKey,
+    body: &[u8],
+) -> Result<(Vec<u8>, Option<Vec<u8>>), SealError> {
     let mut opener = ResponseOpener::new(key, SealLimits::default());
     let plaintext = opener.feed(body)?.concat();
+    let trailer = opener.trailer().map(<[u8]>::to_vec);
     opener.finish()?;
-    Ok(plaintext)
+    Ok((plaintext, trailer))
 }
 
 // ---------------------------------------------------------------------------
@@ -1330,6 +1410,56 @@ mod tests {
                 assert_eq!(open_response(&ck, &resp).unwrap(), b"the answer");
             }
         }
+    }
+
+    #[test]
+    fn response_trailer_is_separate_and_authenticated() {
+        for aead in Aead::ALL {
+            let (h, body, ck) = seal_request(&key().config(), aead, b"q").unwrap();
+            let (_, material) = open_request(&key(), &h, &body).unwrap();
+            // Streamed: data chunks, then the trailer; fed byte by byte.
+            let mut s = ResponseSealer::new(&material).unwrap();
+            let mut wire = s.seal(b"data: a\n\n", false).unwrap();
+            wire.extend(s.seal(b"data: [DONE]\n\n", false).unwrap());
+            wire.extend(s.finish_with_trailer(b"RECEIPT").unwrap());
+            assert!(s.is_finished());
+            assert_eq!(s.seal(b"more", true), Err(SealError::Finished));
+            let mut o = ResponseOpener::new(&ck, limits());
+            let mut data = Vec::new();
+            for b in &wire {
+                data.extend(o.feed(std::slice::from_ref(b)).unwrap().concat());
+            }
+            assert_eq!(data, b"data: a\n\ndata: [DONE]\n\n");
+            assert_eq!(o.trailer(), Some(&b"RECEIPT"[..]));
+            o.finish().unwrap();
+            // One-shot helpers agree; open_response drops the trailer.
+            let whole = seal_response_with_trailer(&material, b"body", b"R").unwrap();
+            assert_eq!(
+                open_response_with_trailer(&ck, &whole).unwrap(),
+                (b"body".to_vec(), Some(b"R".to_vec()))
+            );
+            assert_eq!(open_response(&ck, &whole).unwrap(), b"body");
+            // A plain final chunk has no trailer.
+            let plain = seal_response(&material, b"body").unwrap();
+            assert_eq!(open_response_with_trailer(&ck, &plain).unwrap().1, None);
+            // Dropping the trailer chunk leaves the body truncated.
+            let cut = whole.len() - (LEN_PREFIX + 1 + TAG_LEN);
+            assert_eq!(open_response(&ck, &whole[..cut]), Err(SealError::Truncated));
+            // A flipped byte in the trailer fails to open.
+            let mut bad = whole.clone();
+            *bad.last_mut().unwrap() ^= 1;
+            assert_eq!(open_response(&ck, &bad), Err(SealError::Open));
+        }
+    }
+
+    #[test]
+    fn requests_never_accept_a_trailer() {
+        // A request body cannot end with a trailer chunk: the request opener
+        // does not try the trailer AAD.
+        let (h, mut sealer, _) = seal_request_stream(&key().config(), Aead::Aes128Gcm).unwrap();
+        let mut body = sealer.seal(b"{}", false).unwrap();
+        body.extend(sealer.seal_trailer(b"x").unwrap());
+        assert_eq!(open_all(&h, &body), Err(SealError::Open));
     }
 
     #[test]

@@ -35,7 +35,7 @@ use proto::frames::{
 };
 use proto::openai::ApiError;
 use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody};
-use proto::sealing::{seal_response, ResponseSealer};
+use proto::sealing::{seal_response, seal_response_with_trailer, ResponseSealer};
 use proto::tensor::TensorFrame;
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
@@ -921,15 +921,26 @@ impl Generator {
             },
         );
         Ok(match stream {
-            Some((mut st, tail)) => Output::Result(ResultMessage::StreamEnd {
-                request_id: r.ctx.request_id,
-                data: st.sealer.seal(&tail, true).map_err(|e| anyhow!("{e}"))?,
-                receipt: Some(receipt),
-            }),
+            // The sealed stream or body ends with the receipt as its trailer
+            // (the client's copy); the host gets it beside the bytes.
+            Some((mut st, tail)) => {
+                let mut data = st.sealer.seal(&tail, false).map_err(|e| anyhow!("{e}"))?;
+                data.extend(
+                    st.sealer
+                        .finish_with_trailer(&receipt)
+                        .map_err(|e| anyhow!("{e}"))?,
+                );
+                Output::Result(ResultMessage::StreamEnd {
+                    request_id: r.ctx.request_id,
+                    data,
+                    receipt: Some(receipt),
+                })
+            }
             None => Output::Result(ResultMessage::Response {
                 request_id: r.ctx.request_id,
                 status: 200,
-                body: seal_response(&r.ctx.response_key, &body).map_err(|e| anyhow!("{e}"))?,
+                body: seal_response_with_trailer(&r.ctx.response_key, &body, &receipt)
+                    .map_err(|e| anyhow!("{e}"))?,
                 receipt,
                 receipt_id: r.ctx.receipt_id,
             }),

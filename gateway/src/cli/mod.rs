@@ -141,13 +141,18 @@ pub(crate) fn base_url(url: &str) -> Result<String> {
     Ok(u.to_string())
 }
 
-/// Fetches the evidence bundle for `nonce` from a gateway (CBOR).
+/// Fetches the evidence bundle for `nonce` from a gateway (CBOR): the
+/// pipeline serving `model`, or the default one.
 pub(crate) async fn fetch_bundle(
     client: &reqwest::Client,
     base: &str,
     nonce: &[u8],
+    model: Option<&str>,
 ) -> Result<EvidenceBundle> {
-    let url = format!("{base}/v1/attestation?nonce={}", hex::encode(nonce));
+    let mut url = format!("{base}/v1/attestation?nonce={}", hex::encode(nonce));
+    if let Some(m) = model {
+        url += &format!("&model={}", percent_encode(m));
+    }
     let r = client
         .get(&url)
         .header(reqwest::header::ACCEPT, "application/cbor")
@@ -163,6 +168,19 @@ pub(crate) async fn fetch_bundle(
         );
     }
     decode_bundle(&body).with_context(|| format!("GET {url}"))
+}
+
+/// Percent-encodes a query value (model ids are usually plain already).
+pub(crate) fn percent_encode(v: &str) -> String {
+    v.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
 }
 
 /// A fresh random nonce.

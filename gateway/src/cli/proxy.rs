@@ -1,21 +1,36 @@
 //! `gateway proxy`: a local OpenAI-compatible endpoint in the client's own
 //! trust domain.
 //!
-//! At start it fetches `/v1/attestation` from the upstream gateway with a
-//! fresh random nonce and verifies the bundle against the policy; it refuses
-//! to start when that fails. The entry stage's HPKE key is taken from the
-//! verified evidence (never from the unauthenticated `/.well-known`
-//! endpoint). Then, for each API request:
+//! At start it lists the upstream's models (`GET /v1/models`) and, for each,
+//! fetches `/v1/attestation?model=…` with a fresh random nonce and verifies
+//! the bundle against the policies given (`--policy`, repeatable: one per
+//! pipeline, e.g. embeddings and completions). Every policy must verify at
+//! least one model's evidence, or the proxy refuses to start. A model whose
+//! evidence no policy accepts is not served. The entry stage's HPKE key is
+//! taken from the verified evidence (never from the unauthenticated
+//! `/.well-known` endpoint). Then, for each API request (routed by its
+//! `model`):
 //!
-//! 1. the plaintext body is sealed to that key and forwarded with the
-//!    sealing headers and a fresh `receipt-nonce` (or the client's own);
-//! 2. the sealed response is opened;
-//! 3. the receipt (`receipt` header, or `GET /v1/receipts/{id}` when it was
-//!    too large for a header) is verified against the verified stage keys,
-//!    the exact request and response bytes and the nonce;
-//! 4. the plaintext is returned with the receipt headers, `receipt-verified:
-//!    true` and `receipt-nonce`; a receipt that does not verify turns the
-//!    answer into a 502 (OpenAI error shape, code `receipt_verification_failed`).
+//! 1. the plaintext body is sealed to that model's entry key and forwarded
+//!    with the sealing headers and a fresh `receipt-nonce` (or the client's);
+//! 2. the sealed response is opened as it arrives;
+//! 3. the receipt, which the exit stage sealed into the response as its
+//!    trailer (or, from an older upstream, the `receipt` header or `GET
+//!    /v1/receipts/{id}`), is verified against the verified stage keys, the
+//!    exact request and response bytes and the nonce;
+//! 4. whole responses: the plaintext is returned with the receipt headers,
+//!    `receipt-verified: true` and `receipt-nonce`; a receipt that does not
+//!    verify turns the answer into a 502 (OpenAI error shape, code
+//!    `receipt_verification_failed`). Streams (`stream: true`): events are
+//!    forwarded as they open, except the one carrying `data: [DONE]`, which
+//!    is held back until the receipt over the whole event stream verifies;
+//!    if it does not, the client gets an error event instead and no `[DONE]`.
+//!
+//! Verified receipts are kept (last [`RECEIPTS_KEPT`]) and served at `GET
+//! /v1/receipts/{id}`; with `--archive DIR` every verified exchange is also
+//! written to `DIR/<receipt id>/` (request, response, receipt, nonce and the
+//! evidence it was checked against) so that an auditor can re-run `gateway
+//! verify receipt` on it offline.
 //!
 //! When the upstream answers `hpke_key_unknown` (its stages restarted with
 //! new keys), the proxy re-attests once and seals again. A plain 400 to a
@@ -25,11 +40,6 @@
 //! a key the proxy does not know triggers one re-attestation before it is
 //! rejected. New evidence must verify against the same policy; if it does
 //! not, the request fails with 502 `evidence_not_verified`.
-//!
-//! Responses are handled whole ([`Proxy::finish_buffered`]); a streamed
-//! (SSE) path plugs in next to it: the upstream body is fed to
-//! `proto::sealing::ResponseOpener` chunk by chunk, forwarded as it opens,
-//! and the receipt (over the whole event stream) is checked at the end.
 
 use super::seal::{aead_name, pick_key, AeadArg};
 use super::verify::verify_evidence;
@@ -44,23 +54,30 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
 use clap::Args;
-use proto::bundle::VerifiedBundle;
+use proto::bundle::{EvidenceBundle, VerifiedBundle};
 use proto::policy::Policy;
 use proto::receipt::{verify_receipt, ReceiptError, Sealing, VerifyInputs, VerifyReport};
-use proto::sealing::{open_response, seal_request, Aead, ClientResponseKey};
+use proto::sealing::{
+    open_response_with_trailer, seal_request, Aead, ClientResponseKey, ResponseOpener, SealLimits,
+};
 use serde_json::json;
-use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 /// Response header the proxy adds when the receipt verified.
 pub const HEADER_RECEIPT_VERIFIED: &str = "receipt-verified";
 /// Response header with the sealing the receipt records.
 pub const HEADER_RECEIPT_SEALING: &str = "receipt-sealing";
+/// How many verified receipts the proxy keeps for `GET /v1/receipts/{id}`.
+pub const RECEIPTS_KEPT: usize = 4096;
 const HEADER_RECEIPT: &str = "receipt";
 const HEADER_RECEIPT_ID: &str = "receipt-id";
 const HEADER_RECEIPT_NONCE: &str = "receipt-nonce";
 const MAX_RECEIPT_HEADER: usize = 8 * 1024;
+/// The event that ends a successful stream.
+const STREAM_DONE: &[u8] = b"data: [DONE]\n\n";
 
 /// `gateway proxy`
 #[derive(Args, Debug)]
@@ -68,30 +85,50 @@ pub struct ProxyArgs {
     /// The upstream gateway, e.g. http://127.0.0.1:8080 (plain HTTP).
     #[arg(long)]
     pub upstream: String,
-    /// Measurement policy the upstream's evidence must satisfy.
-    #[arg(long)]
-    pub policy: PathBuf,
+    /// Measurement policy a pipeline's evidence must satisfy; repeat it for
+    /// each pipeline to use (e.g. config/policy.toml for embeddings and
+    /// config/policy-completions.toml for completions).
+    #[arg(long, required = true)]
+    pub policy: Vec<PathBuf>,
     /// Where to listen (keep it on loopback: this side sees plaintext).
     #[arg(long, default_value = "127.0.0.1:8081")]
     pub listen: String,
     /// AEAD for the sealed requests.
     #[arg(long, value_enum, default_value = "aes128gcm")]
     pub aead: AeadArg,
-    /// Upstream request timeout in seconds.
+    /// Upstream request timeout in seconds (for a stream: the longest
+    /// silence between two pieces of it).
     #[arg(long, default_value_t = 120)]
     pub timeout_secs: u64,
     /// Largest request body accepted.
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// Write every verified exchange to DIR/<receipt id>/ (request, response,
+    /// receipt, nonces, evidence) for offline re-verification. The folder
+    /// holds plaintext: keep it in the client's trust domain.
+    #[arg(long)]
+    pub archive: Option<PathBuf>,
 }
 
-/// What the proxy trusts: the last verified evidence.
+/// What the proxy trusts for one model: the last verified evidence.
 struct Trusted {
     verified: VerifiedBundle,
+    /// The bundle and the nonce it was fetched with (for the archive).
+    bundle: EvidenceBundle,
+    nonce: Vec<u8>,
     /// Bumped by every re-attestation.
     epoch: u64,
     /// When it was verified.
     at: Instant,
+}
+
+/// One attested pipeline: a model and the policy its evidence satisfies.
+struct Route {
+    model: String,
+    policy: Policy,
+    trusted: RwLock<Arc<Trusted>>,
+    /// Serializes re-attestations.
+    reattest: tokio::sync::Mutex<()>,
 }
 
 /// A plain 400 to a sealed request may mean the stages restarted with a new
@@ -102,13 +139,13 @@ const SUSPECT_REATTEST_INTERVAL: Duration = Duration::from_secs(10);
 /// Shared proxy state.
 pub struct Proxy {
     upstream: String,
-    policy: Policy,
     aead: Aead,
     client: reqwest::Client,
     max_body: usize,
-    trusted: RwLock<Arc<Trusted>>,
-    /// Serializes re-attestations.
-    reattest: tokio::sync::Mutex<()>,
+    idle: Duration,
+    routes: Vec<Route>,
+    receipts: Mutex<VecDeque<([u8; 16], Vec<u8>)>>,
+    archive: Option<PathBuf>,
 }
 
 /// Why attestation failed.
@@ -138,6 +175,14 @@ struct Sent {
     trusted: Arc<Trusted>,
 }
 
+/// One request as the client sent it.
+struct Exchange<'a> {
+    endpoint: &'static str,
+    route: &'a Route,
+    request: &'a [u8],
+    nonce: &'a [u8],
+}
+
 fn error(status: StatusCode, kind: &'static str, code: &'static str, msg: String) -> ApiError {
     ApiError {
         status,
@@ -153,77 +198,90 @@ fn bad_gateway(code: &'static str, msg: impl Into<String>) -> ApiError {
     error(StatusCode::BAD_GATEWAY, "server_error", code, msg.into())
 }
 
-impl Proxy {
-    async fn attest(&self) -> Result<VerifiedBundle, AttestError> {
-        let nonce = random_nonce(32);
-        let bundle = fetch_bundle(&self.client, &self.upstream, &nonce)
-            .await
-            .map_err(|e| AttestError::Unreachable(format!("{e:#}")))?;
-        let out = verify_evidence(&bundle, &self.policy, Some(&nonce), None);
-        let ok = out.ok();
-        match out.verified.filter(|_| ok) {
-            Some(v) => Ok(v),
-            None => Err(AttestError::Rejected(
-                out.lines
-                    .iter()
-                    .filter(|l| l.status == super::verify::Status::Fail)
-                    .map(|l| l.text())
-                    .collect(),
-            )),
-        }
+/// Fetches one model's evidence with a fresh nonce and checks it.
+async fn attest(
+    client: &reqwest::Client,
+    upstream: &str,
+    model: &str,
+    policy: &Policy,
+) -> Result<(VerifiedBundle, EvidenceBundle, Vec<u8>), AttestError> {
+    let nonce = random_nonce(32);
+    let bundle = fetch_bundle(client, upstream, &nonce, Some(model))
+        .await
+        .map_err(|e| AttestError::Unreachable(format!("{e:#}")))?;
+    let out = verify_evidence(&bundle, policy, Some(&nonce), None);
+    let ok = out.ok();
+    match out.verified.filter(|_| ok) {
+        Some(v) => Ok((v, bundle, nonce)),
+        None => Err(AttestError::Rejected(
+            out.lines
+                .iter()
+                .filter(|l| l.status == super::verify::Status::Fail)
+                .map(|l| l.text())
+                .collect(),
+        )),
     }
+}
 
+impl Route {
     fn current(&self) -> Arc<Trusted> {
         self.trusted.read().expect("lock").clone()
     }
+}
 
-    /// Re-attests unless someone already did since `seen_epoch`.
-    async fn refresh(&self, seen_epoch: u64) -> Result<Arc<Trusted>, ApiError> {
-        let _guard = self.reattest.lock().await;
-        let cur = self.current();
+impl Proxy {
+    /// The route for a request's `model`.
+    fn route(&self, model: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.model == model)
+    }
+
+    /// Re-attests `route` unless someone already did since `seen_epoch`.
+    async fn refresh(&self, route: &Route, seen_epoch: u64) -> Result<Arc<Trusted>, ApiError> {
+        let _guard = route.reattest.lock().await;
+        let cur = route.current();
         if cur.epoch != seen_epoch {
             return Ok(cur);
         }
-        match self.attest().await {
-            Ok(verified) => {
-                log_verified(&verified, "re-attested upstream");
+        match attest(&self.client, &self.upstream, &route.model, &route.policy).await {
+            Ok((verified, bundle, nonce)) => {
+                log_verified(&route.model, &verified, "re-attested upstream");
                 let t = Arc::new(Trusted {
                     verified,
+                    bundle,
+                    nonce,
                     epoch: cur.epoch + 1,
                     at: Instant::now(),
                 });
-                *self.trusted.write().expect("lock") = t.clone();
+                *route.trusted.write().expect("lock") = t.clone();
                 Ok(t)
             }
             Err(e) => {
-                tracing::error!("{}", e.message());
+                tracing::error!(model = %route.model, "{}", e.message());
                 Err(bad_gateway("evidence_not_verified", e.message()))
             }
         }
     }
 
-    /// Seals `request` to the trusted entry key and sends it; re-attests
+    /// Seals the request to the trusted entry key and sends it; re-attests
     /// once if the upstream no longer knows the key.
     async fn send_sealed(
         &self,
-        endpoint: &str,
-        request: &[u8],
-        nonce: &[u8],
+        x: &Exchange<'_>,
         auth: Option<&HeaderValue>,
     ) -> Result<Sent, ProxyError> {
-        let mut trusted = self.current();
+        let mut trusted = x.route.current();
         let mut refreshed = false;
         loop {
             let key = pick_key(&trusted.verified.entry_keys, None, self.aead).map_err(|e| {
                 bad_gateway("hpke_key_unavailable", format!("attested entry key: {e}"))
             })?;
-            let (headers, body, client_key) = seal_request(&key, self.aead, request)
+            let (headers, body, client_key) = seal_request(&key, self.aead, x.request)
                 .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
             let mut rb = self
                 .client
-                .post(format!("{}{endpoint}", self.upstream))
+                .post(format!("{}{}", self.upstream, x.endpoint))
                 .header(header::CONTENT_TYPE, "application/octet-stream")
-                .header(HEADER_RECEIPT_NONCE, hex::encode(nonce))
+                .header(HEADER_RECEIPT_NONCE, hex::encode(x.nonce))
                 .body(body);
             for (k, v) in headers.to_header_values() {
                 rb = rb.header(k, v);
@@ -251,7 +309,7 @@ impl Proxy {
                         code = code.as_deref().unwrap_or("none"),
                         "upstream refused a sealed request: re-attesting to check its keys"
                     );
-                    let fresh = self.refresh(trusted.epoch).await?;
+                    let fresh = self.refresh(x.route, trusted.epoch).await?;
                     if key_unknown || fresh.verified.entry_keys != trusted.verified.entry_keys {
                         trusted = fresh;
                         refreshed = true;
@@ -272,21 +330,59 @@ impl Proxy {
         }
     }
 
-    /// Reads a whole sealed response, opens it and verifies its receipt.
-    async fn finish_buffered(
+    /// An upstream answer that is not a sealed success: a host-made error
+    /// passes through, a sealed stage error is opened.
+    async fn not_success(
         &self,
-        endpoint: &str,
-        request: &[u8],
-        nonce: &[u8],
-        sent: Sent,
-    ) -> Result<Response, ProxyError> {
+        response: reqwest::Response,
+        client_key: &ClientResponseKey,
+    ) -> ProxyError {
+        let status = response.status();
+        let sealed = is_sealed(&response);
+        let headers = response.headers().clone();
+        let body = match response.bytes().await {
+            Ok(b) => b,
+            Err(e) => {
+                return bad_gateway(
+                    "upstream_unreachable",
+                    format!("reading the upstream response: {e}"),
+                )
+                .into()
+            }
+        };
+        if !sealed {
+            if status.is_success() {
+                return bad_gateway(
+                    "response_not_sealed",
+                    "the upstream answered a sealed request with an unsealed response",
+                )
+                .into();
+            }
+            // An error the host answered itself (OpenAI-shaped): pass it on.
+            return ProxyError::Upstream(PassThrough {
+                status,
+                headers,
+                body,
+            });
+        }
+        match open_response_with_trailer(client_key, &body) {
+            // An error from the stages, sealed to us; no receipt.
+            Ok((plain, _)) => ProxyError::Sealed(status, plain),
+            Err(e) => unopenable(e).into(),
+        }
+    }
+
+    /// Reads a whole sealed response, opens it and verifies its receipt.
+    async fn finish_buffered(&self, x: &Exchange<'_>, sent: Sent) -> Result<Response, ProxyError> {
         let Sent {
             response,
             client_key,
-            mut trusted,
+            trusted,
         } = sent;
+        if !response.status().is_success() || !is_sealed(&response) {
+            return Err(self.not_success(response, &client_key).await);
+        }
         let status = response.status();
-        let sealed = is_sealed(&response);
         let headers = response.headers().clone();
         let body = response.bytes().await.map_err(|e| {
             bad_gateway(
@@ -294,70 +390,13 @@ impl Proxy {
                 format!("reading the upstream response: {e}"),
             )
         })?;
-        if !sealed {
-            if status.is_success() {
-                return Err(bad_gateway(
-                    "response_not_sealed",
-                    "the upstream answered a sealed request with an unsealed response",
-                )
-                .into());
-            }
-            // An error the host answered itself (OpenAI-shaped): pass it on.
-            return Err(ProxyError::Upstream(PassThrough {
-                status,
-                headers,
-                body,
-            }));
-        }
-        let plain = open_response(&client_key, &body).map_err(|e| {
-            bad_gateway(
-                "response_unopenable",
-                format!("the upstream's sealed response does not open: {e}"),
-            )
-        })?;
-        if !status.is_success() {
-            // An error from the stages, sealed to us; no receipt.
-            return Ok(json_response(status, plain));
-        }
-        let receipt = self.receipt_for(&headers).await?;
-        let mut report = check_receipt(
-            &trusted,
-            &self.policy,
-            endpoint,
-            &receipt,
-            request,
-            &plain,
-            nonce,
-        );
-        if matches!(
-            report.failure(),
-            Some(ReceiptError::UnknownSigner | ReceiptError::LinkUnknownSigner { .. })
-        ) {
-            tracing::info!("receipt signed by a key not in the evidence: re-attesting once");
-            trusted = self.refresh(trusted.epoch).await?;
-            report = check_receipt(
-                &trusted,
-                &self.policy,
-                endpoint,
-                &receipt,
-                request,
-                &plain,
-                nonce,
-            );
-        }
-        if let Some(fail) = report.checks.iter().find(|c| c.error.is_some()) {
-            let code = fail.error.as_ref().map(|e| e.code()).unwrap_or("failed");
-            tracing::error!(check = %fail.name, reason = code, "receipt does not verify: answer withheld");
-            return Err(bad_gateway(
-                "receipt_verification_failed",
-                format!(
-                    "The upstream's receipt does not verify ({code}: {}: {}); the response was withheld.",
-                    fail.name, fail.detail
-                ),
-            )
-            .into());
-        }
-        let body_receipt = report.receipt.as_ref().expect("verified receipt");
+        let (plain, trailer) =
+            open_response_with_trailer(&client_key, &body).map_err(unopenable)?;
+        let receipt = match trailer {
+            Some(r) => r,
+            None => self.receipt_for(&headers).await?,
+        };
+        let body_receipt = self.verified(x, trusted, &receipt, &plain).await?;
         let mut r = json_response(status, plain);
         let h = r.headers_mut();
         h.insert(
@@ -378,12 +417,62 @@ impl Proxy {
         );
         h.insert(
             HEADER_RECEIPT_NONCE,
-            HeaderValue::from_str(&hex::encode(nonce)).expect("hex"),
+            HeaderValue::from_str(&hex::encode(x.nonce)).expect("hex"),
         );
         Ok(r)
     }
 
-    /// The receipt of a response: its header, or fetched by id.
+    /// Verifies `receipt` for this exchange (re-attesting once if a signer is
+    /// unknown), keeps and archives it; the error withholds the answer.
+    async fn verified(
+        &self,
+        x: &Exchange<'_>,
+        mut trusted: Arc<Trusted>,
+        receipt: &[u8],
+        response: &[u8],
+    ) -> Result<proto::receipt::ReceiptBody, ApiError> {
+        let mut report = check_receipt(&trusted, &x.route.policy, x, receipt, response);
+        if matches!(
+            report.failure(),
+            Some(ReceiptError::UnknownSigner | ReceiptError::LinkUnknownSigner { .. })
+        ) {
+            tracing::info!("receipt signed by a key not in the evidence: re-attesting once");
+            trusted = self.refresh(x.route, trusted.epoch).await?;
+            report = check_receipt(&trusted, &x.route.policy, x, receipt, response);
+        }
+        if let Some(fail) = report.checks.iter().find(|c| c.error.is_some()) {
+            let code = fail.error.as_ref().map(|e| e.code()).unwrap_or("failed");
+            tracing::error!(check = %fail.name, reason = code, "receipt does not verify: answer withheld");
+            return Err(bad_gateway(
+                "receipt_verification_failed",
+                format!(
+                    "The upstream's receipt does not verify ({code}: {}: {}); the response was withheld.",
+                    fail.name, fail.detail
+                ),
+            ));
+        }
+        let body = report.receipt.expect("a verified receipt has a body");
+        self.keep(body.receipt_id, receipt);
+        if let Some(dir) = &self.archive {
+            if let Err(e) = archive(dir, &body.receipt_id, x, &trusted, receipt, response) {
+                // The answer verified; an archive that cannot be written is
+                // the operator's problem, not a reason to withhold it.
+                tracing::error!(error = %format!("{e:#}"), "writing the archive failed");
+            }
+        }
+        Ok(body)
+    }
+
+    fn keep(&self, id: [u8; 16], receipt: &[u8]) {
+        let mut kept = self.receipts.lock().expect("lock");
+        if kept.len() == RECEIPTS_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back((id, receipt.to_vec()));
+    }
+
+    /// The receipt of a response from an upstream that sends no trailer:
+    /// its header, or fetched by id.
     async fn receipt_for(&self, headers: &reqwest::header::HeaderMap) -> Result<Vec<u8>, ApiError> {
         if let Some(v) = headers.get(HEADER_RECEIPT).and_then(|v| v.to_str().ok()) {
             return base64::engine::general_purpose::URL_SAFE_NO_PAD
@@ -425,21 +514,201 @@ impl Proxy {
     }
 }
 
+/// A streamed answer: events are forwarded as they open; the `[DONE]` event
+/// waits for the receipt (the sealed stream's trailer) to verify.
+async fn finish_streaming(
+    proxy: Arc<Proxy>,
+    x: OwnedExchange,
+    sent: Sent,
+) -> Result<Response, ProxyError> {
+    let Sent {
+        response,
+        client_key,
+        trusted,
+    } = sent;
+    if !response.status().is_success() || !is_sealed(&response) {
+        return Err(proxy.not_success(response, &client_key).await);
+    }
+    let receipt_id = response.headers().get(HEADER_RECEIPT_ID).cloned();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let nonce = x.nonce.clone();
+    tokio::spawn(async move {
+        let events = pump_stream(&proxy, &x, response, client_key, trusted, &tx).await;
+        if let Err(e) = events {
+            tracing::warn!(error = %e.message, "stream from the upstream ended without a verified receipt");
+            let _ = tx.send(Bytes::from(error_event(&e))).await;
+        }
+    });
+    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    }));
+    let mut r = (
+        StatusCode::OK,
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response();
+    let h = r.headers_mut();
+    if let Some(id) = receipt_id {
+        h.insert(HEADER_RECEIPT_ID, id);
+    }
+    h.insert(
+        HEADER_RECEIPT_NONCE,
+        HeaderValue::from_str(&hex::encode(&nonce)).expect("hex"),
+    );
+    Ok(r)
+}
+
+/// A request's parts, owned (for the task that feeds a stream).
+struct OwnedExchange {
+    endpoint: &'static str,
+    route: usize,
+    request: Bytes,
+    nonce: Vec<u8>,
+}
+
+/// Opens the upstream stream piece by piece and forwards it to `tx`; returns
+/// once `[DONE]` went out after the receipt verified, or with the error to
+/// tell the client. A client that goes away ends it (the upstream request is
+/// dropped, which cancels it in the stages).
+async fn pump_stream(
+    proxy: &Proxy,
+    x: &OwnedExchange,
+    mut response: reqwest::Response,
+    client_key: ClientResponseKey,
+    trusted: Arc<Trusted>,
+    tx: &tokio::sync::mpsc::Sender<Bytes>,
+) -> Result<(), ApiError> {
+    let mut opener = ResponseOpener::new(&client_key, SealLimits::default());
+    // Every plaintext byte the client gets: the receipt binds all of it.
+    let mut all = Vec::new();
+    // What is not forwarded yet: from the start of `[DONE]` on.
+    let mut held = Vec::new();
+    loop {
+        let piece = tokio::time::timeout(proxy.idle, response.chunk())
+            .await
+            .map_err(|_| bad_gateway("upstream_timeout", "The upstream stream stalled."))?
+            .map_err(|e| {
+                bad_gateway(
+                    "upstream_unreachable",
+                    format!("reading the upstream stream: {e}"),
+                )
+            })?;
+        let Some(piece) = piece else { break };
+        let parts = opener.feed(&piece).map_err(unopenable)?;
+        let mut out = Vec::new();
+        for part in parts {
+            all.extend_from_slice(&part);
+            if held.is_empty() {
+                match find(&part, STREAM_DONE) {
+                    Some(at) => {
+                        out.extend_from_slice(&part[..at]);
+                        held.extend_from_slice(&part[at..]);
+                    }
+                    None => out.extend_from_slice(&part),
+                }
+            } else {
+                held.extend_from_slice(&part);
+            }
+        }
+        if !out.is_empty() && tx.send(Bytes::from(out)).await.is_err() {
+            return Ok(());
+        }
+        if opener.is_complete() {
+            break;
+        }
+    }
+    let trailer = opener.trailer().map(<[u8]>::to_vec);
+    opener.finish().map_err(unopenable)?;
+    let Some(receipt) = trailer else {
+        // No receipt: the stage ended the stream with an error event (it is
+        // in `held` only if it came after a [DONE], which it never does).
+        if !held.is_empty() {
+            return Err(bad_gateway(
+                "receipt_verification_failed",
+                "The upstream stream ended without its receipt; [DONE] was withheld.",
+            ));
+        }
+        return Ok(());
+    };
+    let route = &proxy.routes[x.route];
+    let ex = Exchange {
+        endpoint: x.endpoint,
+        route,
+        request: &x.request,
+        nonce: &x.nonce,
+    };
+    proxy.verified(&ex, trusted, &receipt, &all).await?;
+    let _ = tx.send(Bytes::from(held)).await;
+    Ok(())
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// An error as a Server-Sent Event (how OpenAI ends a failed stream).
+fn error_event(e: &ApiError) -> Vec<u8> {
+    let mut ev = b"data: ".to_vec();
+    ev.extend(e.body_bytes());
+    ev.extend(b"\n\n");
+    ev
+}
+
+fn unopenable(e: proto::sealing::SealError) -> ApiError {
+    bad_gateway(
+        "response_unopenable",
+        format!("the upstream's sealed response does not open: {e}"),
+    )
+}
+
+/// Writes one verified exchange to `dir/<receipt id>/` (via a temporary
+/// folder renamed into place, so that a folder is never half-written).
+fn archive(
+    dir: &Path,
+    id: &[u8; 16],
+    x: &Exchange<'_>,
+    trusted: &Trusted,
+    receipt: &[u8],
+    response: &[u8],
+) -> Result<()> {
+    let name = hex::encode(id);
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let (nonce, evidence) = (hex::encode(x.nonce), proto::cbor::to_vec(&trusted.bundle));
+    let evidence_nonce = hex::encode(&trusted.nonce);
+    let files: [(&str, &[u8]); 6] = [
+        ("request.json", x.request),
+        ("response", response),
+        ("receipt.cbor", receipt),
+        ("nonce.hex", nonce.as_bytes()),
+        ("evidence.cbor", &evidence),
+        ("evidence-nonce.hex", evidence_nonce.as_bytes()),
+    ];
+    for (f, bytes) in files {
+        std::fs::write(tmp.join(f), bytes).with_context(|| format!("writing {f}"))?;
+    }
+    std::fs::rename(&tmp, dir.join(&name)).with_context(|| format!("renaming {}", tmp.display()))
+}
+
 /// Verifies a receipt for a request this proxy sealed to the entry stage.
 fn check_receipt(
     trusted: &Trusted,
     policy: &Policy,
-    endpoint: &str,
+    x: &Exchange<'_>,
     receipt: &[u8],
-    request: &[u8],
     response: &[u8],
-    nonce: &[u8],
 ) -> VerifyReport {
     let v = &trusted.verified;
     let mut inputs = VerifyInputs::new(receipt, &v.stage_keys);
-    inputs.request = Some(request);
+    inputs.request = Some(x.request);
     inputs.response = Some(response);
-    inputs.expected_nonce = Some(nonce);
+    inputs.expected_nonce = Some(x.nonce);
     inputs.expected_manifest = Some(v.manifest_digest);
     inputs.allow_mock = policy.allow_mock;
     let mut report = verify_receipt(&inputs);
@@ -467,10 +736,10 @@ fn check_receipt(
         );
         extra(
             "proxy.endpoint",
-            r.endpoint == endpoint,
+            r.endpoint == x.endpoint,
             format!(
-                "receipt names endpoint {}, the request went to {endpoint}",
-                r.endpoint
+                "receipt names endpoint {}, the request went to {}",
+                r.endpoint, x.endpoint
             ),
         );
     }
@@ -484,10 +753,12 @@ struct PassThrough {
     body: Bytes,
 }
 
-/// Either an OpenAI error made here or an upstream error passed through.
+/// An OpenAI error made here, an upstream error passed through, or a stage
+/// error that came sealed and was opened.
 enum ProxyError {
     Api(ApiError),
     Upstream(PassThrough),
+    Sealed(StatusCode, Vec<u8>),
 }
 
 impl From<ApiError> for ProxyError {
@@ -500,6 +771,7 @@ impl IntoResponse for ProxyError {
     fn into_response(self) -> Response {
         match self {
             ProxyError::Api(e) => e.into_response(),
+            ProxyError::Sealed(status, body) => json_response(status, body),
             ProxyError::Upstream(p) => {
                 // Errors the host answered itself are OpenAI-shaped already:
                 // pass status, body and Retry-After on unchanged.
@@ -529,9 +801,10 @@ fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-fn log_verified(v: &VerifiedBundle, what: &str) {
+fn log_verified(model: &str, v: &VerifiedBundle, what: &str) {
     for (k, m) in v.stage_keys.iter().zip(&v.measurements) {
         tracing::info!(
+            model,
             stage = k.stage_index,
             layers = ?k.layers,
             measurement = %m,
@@ -551,14 +824,14 @@ async fn sealed_handler(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match sealed_inner(&s, endpoint, &headers, body).await {
+    match sealed_inner(s, endpoint, &headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
 async fn sealed_inner(
-    s: &Proxy,
+    s: AppState,
     endpoint: &'static str,
     headers: &HeaderMap,
     body: Body,
@@ -571,16 +844,17 @@ async fn sealed_inner(
             format!("Request body exceeds the limit of {} bytes.", s.max_body),
         )
     })?;
-    if endpoint == "/v1/completions"
-        && serde_json::from_slice::<serde_json::Value>(&request)
-            .is_ok_and(|v| v["stream"] == serde_json::Value::Bool(true))
-    {
-        return Err(ApiError::invalid(
-            Some("stream"),
-            "Streaming is not supported by gateway proxy yet; send the request without `stream`.",
-        )
-        .into());
-    }
+    let json: serde_json::Value = serde_json::from_slice(&request)
+        .map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))?;
+    let model = json["model"]
+        .as_str()
+        .ok_or_else(|| ApiError::invalid(Some("model"), "`model` (a string) is required."))?;
+    let route = s
+        .routes
+        .iter()
+        .position(|r| r.model == model)
+        .ok_or_else(|| ApiError::model_not_found(model))?;
+    let stream = json["stream"] == serde_json::Value::Bool(true);
     let nonce = match headers.get(HEADER_RECEIPT_NONCE) {
         None => random_nonce(16),
         Some(v) => v
@@ -596,11 +870,27 @@ async fn sealed_inner(
             })?,
     };
     let auth = headers.get(header::AUTHORIZATION);
-    let sent = s.send_sealed(endpoint, &request, &nonce, auth).await?;
-    s.finish_buffered(endpoint, &request, &nonce, sent).await
+    let x = Exchange {
+        endpoint,
+        route: &s.routes[route],
+        request: &request,
+        nonce: &nonce,
+    };
+    let sent = s.send_sealed(&x, auth).await?;
+    if stream {
+        let owned = OwnedExchange {
+            endpoint,
+            route,
+            request: request.clone(),
+            nonce: nonce.clone(),
+        };
+        return finish_streaming(s.clone(), owned, sent).await;
+    }
+    s.finish_buffered(&x, sent).await
 }
 
-/// Forwards a GET unchanged (model listing: nothing confidential).
+/// Forwards a GET unchanged (model listing: nothing confidential), keeping
+/// to the models this proxy attested.
 async fn forward_get(s: &Proxy, path: &str, headers: &HeaderMap) -> Response {
     let url = format!("{}{path}", s.upstream);
     let mut req = s.client.get(&url);
@@ -620,9 +910,60 @@ async fn forward_get(s: &Proxy, path: &str, headers: &HeaderMap) -> Response {
         .get(header::CONTENT_TYPE)
         .cloned()
         .unwrap_or(HeaderValue::from_static("application/json"));
-    match r.bytes().await {
-        Ok(b) => (status, [(header::CONTENT_TYPE, ct)], b).into_response(),
-        Err(e) => bad_gateway("upstream_unreachable", format!("GET {path}: {e}")).into_response(),
+    let body = match r.bytes().await {
+        Ok(b) => b,
+        Err(e) => {
+            return bad_gateway("upstream_unreachable", format!("GET {path}: {e}")).into_response()
+        }
+    };
+    let body = if path == "/v1/models" && status.is_success() {
+        match serde_json::from_slice::<serde_json::Value>(&body) {
+            Ok(mut v) => {
+                if let Some(list) = v["data"].as_array_mut() {
+                    list.retain(|m| m["id"].as_str().is_some_and(|id| s.route(id).is_some()));
+                }
+                Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
+            }
+            Err(_) => body,
+        }
+    } else {
+        body
+    };
+    (status, [(header::CONTENT_TYPE, ct)], body).into_response()
+}
+
+/// `GET /v1/receipts/{id}`: a receipt this proxy verified.
+fn kept_receipt(s: &Proxy, id: &str) -> Response {
+    let found = parse_hex("receipt id", id).ok().and_then(|id| {
+        s.receipts
+            .lock()
+            .expect("lock")
+            .iter()
+            .find(|(k, _)| k[..] == id[..])
+            .map(|(_, r)| r.clone())
+    });
+    match found {
+        Some(r) => (
+            StatusCode::OK,
+            [
+                (header::CONTENT_TYPE, "application/cose"),
+                (
+                    header::HeaderName::from_static(HEADER_RECEIPT_VERIFIED),
+                    "true",
+                ),
+            ],
+            r,
+        )
+            .into_response(),
+        None => error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "receipt_not_found",
+            format!(
+                "No receipt {id} was verified by this proxy (it keeps the last {RECEIPTS_KEPT})."
+            ),
+        )
+        .into_response(),
     }
 }
 
@@ -650,11 +991,7 @@ fn router(state: AppState) -> Router {
             "/v1/models/{id}",
             get(
                 |State(s): State<AppState>, h: HeaderMap, UrlPath(id): UrlPath<String>| async move {
-                    if id.is_empty()
-                        || !id
-                            .bytes()
-                            .all(|b| b.is_ascii_graphic() && b != b'/' && b != b'?' && b != b'#')
-                    {
+                    if s.route(&id).is_none() {
                         return ApiError::model_not_found(&id).into_response();
                     }
                     forward_get(&s, &format!("/v1/models/{id}"), &h).await
@@ -662,14 +999,32 @@ fn router(state: AppState) -> Router {
             ),
         )
         .route(
+            "/v1/receipts/{id}",
+            get(
+                |State(s): State<AppState>, UrlPath(id): UrlPath<String>| async move {
+                    kept_receipt(&s, &id)
+                },
+            ),
+        )
+        .route(
             "/healthz",
             get(|State(s): State<AppState>| async move {
-                let t = s.current();
+                let models: Vec<_> = s
+                    .routes
+                    .iter()
+                    .map(|r| {
+                        let t = r.current();
+                        json!({
+                            "model": r.model,
+                            "mock": t.verified.mock,
+                            "measurements": t.verified.measurements,
+                        })
+                    })
+                    .collect();
                 Json(json!({
                     "status": "ok",
                     "upstream": s.upstream,
-                    "mock": t.verified.mock,
-                    "measurements": t.verified.measurements,
+                    "models": models,
                     "aead": aead_name(s.aead),
                 }))
             }),
@@ -683,54 +1038,118 @@ fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// The upstream's model ids (`GET /v1/models`).
+async fn upstream_models(client: &reqwest::Client, upstream: &str) -> Result<Vec<String>> {
+    let url = format!("{upstream}/v1/models");
+    let r = client
+        .get(&url)
+        .send()
+        .await
+        .with_context(|| format!("GET {url}"))?;
+    let status = r.status();
+    let v: serde_json::Value = r.json().await.with_context(|| format!("GET {url}"))?;
+    if !status.is_success() {
+        anyhow::bail!("GET {url}: {status}: {v}");
+    }
+    Ok(v["data"]
+        .as_array()
+        .map(|l| {
+            l.iter()
+                .filter_map(|m| m["id"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+/// Attests every upstream model against the policies: each policy must
+/// accept at least one model. Returns the routes, or the lines to print.
+async fn attest_all(
+    client: &reqwest::Client,
+    upstream: &str,
+    policies: Vec<(PathBuf, Policy)>,
+) -> Result<Vec<Route>, Vec<String>> {
+    let models = upstream_models(client, upstream)
+        .await
+        .map_err(|e| vec![format!("fetching the upstream's evidence failed: {e:#}")])?;
+    let mut routes: Vec<Route> = Vec::new();
+    for (path, policy) in policies {
+        let mut why = Vec::new();
+        let mut accepted = false;
+        let free: Vec<String> = models
+            .iter()
+            .filter(|m| !routes.iter().any(|r| &r.model == *m))
+            .cloned()
+            .collect();
+        for model in &free {
+            match attest(client, upstream, model, &policy).await {
+                Ok((verified, bundle, nonce)) => {
+                    log_verified(model, &verified, "attested upstream");
+                    routes.push(Route {
+                        model: model.clone(),
+                        policy: policy.clone(),
+                        trusted: RwLock::new(Arc::new(Trusted {
+                            verified,
+                            bundle,
+                            nonce,
+                            epoch: 1,
+                            at: Instant::now(),
+                        })),
+                        reattest: tokio::sync::Mutex::new(()),
+                    });
+                    accepted = true;
+                }
+                Err(e) => why.push(format!("model {model}: {}", e.message())),
+            }
+        }
+        if !accepted {
+            let mut lines = vec![format!(
+                "policy {}: no upstream model's evidence verifies against it",
+                path.display()
+            )];
+            lines.extend(why);
+            return Err(lines);
+        }
+    }
+    Ok(routes)
+}
+
 /// Runs `gateway proxy`; returns the exit code.
 pub fn run(a: ProxyArgs) -> Result<i32> {
-    let policy = Policy::load(&a.policy).map_err(|e| anyhow!(e))?;
+    let policies = a
+        .policy
+        .iter()
+        .map(|p| Ok((p.clone(), Policy::load(p).map_err(|e| anyhow!(e))?)))
+        .collect::<Result<Vec<_>>>()?;
     let upstream = base_url(&a.upstream)?;
     let client = http_client(Duration::from_secs(a.timeout_secs))?;
+    if let Some(dir) = &a.archive {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let placeholder = Proxy {
-            upstream: upstream.clone(),
-            policy,
-            aead: a.aead.into(),
-            client,
-            max_body: a.max_body_bytes,
-            trusted: RwLock::new(Arc::new(Trusted {
-                verified: VerifiedBundle {
-                    stage_keys: Vec::new(),
-                    entry_keys: Vec::new(),
-                    manifest_digest: proto::digest::Sha256Digest([0; 32]),
-                    mock: false,
-                    measurements: Vec::new(),
-                },
-                epoch: 0,
-                at: Instant::now(),
-            })),
-            reattest: tokio::sync::Mutex::new(()),
-        };
-        let verified = match placeholder.attest().await {
-            Ok(v) => v,
-            Err(e) => {
-                if let AttestError::Rejected(lines) = &e {
-                    for l in lines {
-                        eprintln!("{l}");
-                    }
+        let routes = match attest_all(&client, &upstream, policies).await {
+            Ok(r) => r,
+            Err(lines) => {
+                for l in &lines {
+                    eprintln!("{l}");
                 }
-                eprintln!("refusing to start: {}", e.message());
+                eprintln!("refusing to start: the upstream's evidence does not verify against the policy");
                 return Ok(EXIT_FAILED);
             }
         };
-        log_verified(&verified, "attested upstream");
-        *placeholder.trusted.write().expect("lock") = Arc::new(Trusted {
-            verified,
-            epoch: 1,
-            at: Instant::now(),
+        let state = Arc::new(Proxy {
+            upstream: upstream.clone(),
+            aead: a.aead.into(),
+            client,
+            max_body: a.max_body_bytes,
+            idle: Duration::from_secs(a.timeout_secs),
+            routes,
+            receipts: Mutex::new(VecDeque::new()),
+            archive: a.archive,
         });
-        let state = Arc::new(placeholder);
         let listener = tokio::net::TcpListener::bind(&a.listen)
             .await
             .with_context(|| format!("binding {}", a.listen))?;

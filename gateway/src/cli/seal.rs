@@ -27,7 +27,9 @@ use super::{read_input, runtime, write_output, EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use proto::policy::Policy;
-use proto::sealing::{open_response, seal_request, Aead, ClientResponseKey, KeyConfig};
+use proto::sealing::{
+    open_response_with_trailer, seal_request, Aead, ClientResponseKey, KeyConfig,
+};
 use serde_json::json;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -113,6 +115,10 @@ pub struct SealArgs {
     /// HTTP timeout in seconds (with --gateway).
     #[arg(long, default_value_t = 60)]
     pub timeout_secs: u64,
+    /// With --gateway: the model whose pipeline to seal to (e.g. the
+    /// completions model); default: the gateway's default pipeline.
+    #[arg(long, requires = "gateway")]
+    pub model: Option<String>,
 }
 
 /// `gateway open`
@@ -127,6 +133,10 @@ pub struct OpenArgs {
     /// Where to write the plaintext response; `-` (default) for stdout.
     #[arg(long, default_value = "-")]
     pub out: PathBuf,
+    /// Where to write the receipt the exit stage sealed into the response
+    /// (its trailer), for `gateway verify receipt --receipt`.
+    #[arg(long)]
+    pub receipt_out: Option<PathBuf>,
 }
 
 /// What `gateway seal` keeps for `gateway open` (and for the receipt check).
@@ -268,10 +278,13 @@ fn keys_for(a: &SealArgs) -> Result<(Vec<KeyConfig>, bool)> {
         if let Some(p) = &a.policy {
             let policy = load_policy(Some(p))?;
             let nonce = random_nonce(32);
-            let bundle = fetch_bundle(&client, &base, &nonce).await?;
+            let bundle = fetch_bundle(&client, &base, &nonce, a.model.as_deref()).await?;
             return verified_keys(&bundle, &policy, Some(&nonce)).map(|k| (k, true));
         }
-        let url = format!("{base}/.well-known/hpke-keys");
+        let mut url = format!("{base}/.well-known/hpke-keys");
+        if let Some(m) = &a.model {
+            url += &format!("?model={}", super::percent_encode(m));
+        }
         let r = client
             .get(&url)
             .send()
@@ -371,9 +384,20 @@ pub fn run_open(a: OpenArgs) -> Result<i32> {
     let file = ClientKeyFile::from_json(&key_json)
         .with_context(|| format!("client key {}", a.key.display()))?;
     let body = read_input(&a.input)?;
-    match open_response(&file.key, &body) {
-        Ok(plain) => {
+    match open_response_with_trailer(&file.key, &body) {
+        Ok((plain, trailer)) => {
             write_output(&a.out, &plain)?;
+            match (&a.receipt_out, trailer) {
+                (Some(path), Some(receipt)) => std::fs::write(path, receipt)
+                    .with_context(|| format!("writing {}", path.display()))?,
+                (Some(_), None) => {
+                    eprintln!(
+                        "error: the sealed response carries no receipt (an error answer has none)"
+                    );
+                    return Ok(EXIT_FAILED);
+                }
+                (None, _) => {}
+            }
             Ok(EXIT_OK)
         }
         Err(e) => {
@@ -397,7 +421,7 @@ pub fn run_open(a: OpenArgs) -> Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proto::sealing::{open_request, seal_response, ServerKey};
+    use proto::sealing::{open_request, open_response, seal_response, ServerKey};
 
     #[test]
     fn client_key_file_round_trips_and_opens() {

@@ -532,3 +532,155 @@ pub fn assert_error_shape(body: &serde_json::Value) {
         "param/code missing in {body}"
     );
 }
+
+/// The `gateway` binary under test.
+pub fn gateway_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_gateway")
+}
+
+/// A path as `&str` (test paths are UTF-8).
+pub fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// Runs `gateway ARGS` to completion: (exit code, stdout, stderr).
+pub fn cli(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(gateway_bin())
+        .args(args)
+        .env("NO_COLOR", "1")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run gateway");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A running `gateway proxy`.
+pub struct ProxyProc {
+    pub child: Child,
+    pub url: String,
+}
+
+impl Drop for ProxyProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `gateway proxy --upstream U --policy P… EXTRA…`; `Err((exit code,
+/// stderr))` if it exits first.
+pub fn start_proxy(
+    upstream: &str,
+    policies: &[&Path],
+    extra: &[&str],
+    dir: &Path,
+) -> Result<ProxyProc, (i32, String)> {
+    let stderr_path = dir.join(format!(
+        "proxy-{}.log",
+        policies[0].file_stem().unwrap().to_str().unwrap()
+    ));
+    let mut cmd = Command::new(gateway_bin());
+    cmd.args(["proxy", "--upstream", upstream, "--listen", "127.0.0.1:0"]);
+    for policy in policies {
+        cmd.arg("--policy").arg(policy);
+    }
+    let mut child = cmd
+        .args(extra)
+        .env("NO_COLOR", "1")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&stderr_path).unwrap())
+        .spawn()
+        .expect("spawn proxy");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let url = lines.find_map(|l| {
+        l.ok()
+            .and_then(|l| l.strip_prefix("PROXY LISTENING ").map(str::to_string))
+    });
+    std::thread::spawn(move || for _ in lines {});
+    match url {
+        Some(url) => Ok(ProxyProc { child, url }),
+        None => {
+            let status = child.wait().unwrap();
+            Err((
+                status.code().unwrap_or(-1),
+                std::fs::read_to_string(&stderr_path).unwrap_or_default(),
+            ))
+        }
+    }
+}
+
+/// What a [`tampering_relay`] changes in the gateway's answers to POSTs.
+#[derive(Clone, Copy)]
+pub enum Tamper {
+    /// Flips the last byte (the signature) of the `receipt` header.
+    ReceiptHeader,
+    /// Flips the last byte of the body (for a sealed answer: its trailer).
+    LastBodyByte,
+}
+
+/// An HTTP relay in front of a gateway that tampers with the answers to
+/// POST requests; everything else passes. It runs on its own thread (test
+/// threads block on child processes). Bodies are buffered whole.
+pub fn tampering_relay(upstream: String, tamper: Tamper) -> String {
+    use axum::body::{to_bytes, Body};
+    use axum::http::{HeaderValue, Method, Request};
+    use axum::response::Response;
+    use base64::Engine as _;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().fallback(move |req: Request<Body>| {
+        let upstream = upstream.clone();
+        async move {
+            let (parts, body) = req.into_parts();
+            let post = parts.method == Method::POST;
+            let body = to_bytes(body, 64 << 20).await.unwrap();
+            let url = format!("{upstream}{}", parts.uri);
+            let mut rb = client().request(parts.method, url).body(body);
+            for (k, v) in &parts.headers {
+                if k != "host" && k != "content-length" {
+                    rb = rb.header(k, v);
+                }
+            }
+            let r = rb.send().await.unwrap();
+            let mut out = Response::builder().status(r.status());
+            for (k, v) in r.headers() {
+                if post && k == "receipt" && matches!(tamper, Tamper::ReceiptHeader) {
+                    let mut rc = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                        .decode(v.to_str().unwrap())
+                        .unwrap();
+                    *rc.last_mut().unwrap() ^= 1;
+                    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rc);
+                    out = out.header(k, HeaderValue::from_str(&b64).unwrap());
+                } else if k != "content-length" && k != "transfer-encoding" {
+                    out = out.header(k, v);
+                }
+            }
+            let mut bytes = r.bytes().await.unwrap().to_vec();
+            if post && matches!(tamper, Tamper::LastBodyByte) {
+                if let Some(b) = bytes.last_mut() {
+                    *b ^= 1;
+                }
+            }
+            out.body(Body::from(bytes)).unwrap()
+        }
+    });
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            axum::serve(listener, app).await.unwrap()
+        })
+    });
+    format!("http://{addr}")
+}

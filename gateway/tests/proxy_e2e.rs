@@ -1,0 +1,278 @@
+//! `gateway proxy` end to end with both pipelines: the stock `openai`
+//! Python SDK (or reqwest where it is not importable) sends embeddings, a
+//! completion and a streamed completion through the proxy, which seals each
+//! to the attested entry stage of the right pipeline and checks the receipt
+//! the exit stage sealed into the response (for the stream: over the whole
+//! event stream, `[DONE]` held back until it verifies).
+//!
+//! - streamed text == non-streamed text for the same seed;
+//! - every exchange is archived, and `gateway verify receipt` passes on each
+//!   archive offline; the proxy serves the receipts it verified;
+//! - a host that tampers with the sealed stream: the client's stream ends
+//!   with an error event, never `[DONE]`.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+const EMBED_MODEL: &str = "all-MiniLM-L6-v2";
+const GEN_MODEL: &str = "SmolLM2-135M-Instruct";
+
+/// A gateway with a 1-stage embeddings and a 2-stage completions pipeline.
+fn start_gateway() -> Gateway {
+    let dir = temp_dir("proxy-policy");
+    let policy = dir.join("policy-completions.toml");
+    std::fs::write(
+        &policy,
+        "allow_mock = true\ntrust_local_build = true\n[[stages]]\nindex = 0\nlayers = [0, 15]\n[[stages]]\nindex = 1\nlayers = [15, 30]\n",
+    )
+    .unwrap();
+    let extra = format!(
+        "[completions]\npolicy = {:?}\nmodel_dir = {:?}\n[[completions.stages]]\nlayers = [0, 15]\n[[completions.stages]]\nlayers = [15, 30]\n",
+        policy,
+        root().join("models/smollm2-135m-instruct")
+    );
+    Gateway::start(Options {
+        stages: vec![[0, 6]],
+        extra,
+        ..Options::default()
+    })
+}
+
+/// Policies that pin what the gateway's stages report (as a client would
+/// after checking the measurements out of band): (embeddings, completions).
+async fn pinned_policies(url: &str, dir: &Path) -> (PathBuf, PathBuf) {
+    let ready: Value = client()
+        .get(format!("{url}/readyz"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let policy = |model: &str| {
+        let pipeline = ready["pipelines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["model"] == model)
+            .unwrap_or_else(|| panic!("{model} in /readyz: {ready}"));
+        let mut text = String::from("allow_mock = true\n");
+        for st in pipeline["stages"].as_array().unwrap() {
+            text += &format!(
+                "[[stages]]\nindex = {}\nlayers = {}\nmeasurements = [{}]\n",
+                st["index"], st["layers"], st["measurement"]
+            );
+        }
+        let path = dir.join(format!("pinned-{model}.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    (policy(EMBED_MODEL), policy(GEN_MODEL))
+}
+
+fn python_openai_available() -> bool {
+    Command::new("python3")
+        .args(["-c", "import openai"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+const SDK_SCRIPT: &str = r#"
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="not-needed-by-the-proxy", max_retries=0)
+emb = client.embeddings.with_raw_response.create(model=sys.argv[2], input=["hello through the proxy"])
+args = dict(model=sys.argv[3], prompt="Once upon a time", max_tokens=24, temperature=0.8, seed=7)
+whole = client.completions.with_raw_response.create(**args)
+raw = client.completions.with_raw_response.create(stream=True, **args)
+text = "".join(c.choices[0].text for c in raw.parse() if c.choices)
+print(json.dumps({
+    "emb_verified": emb.headers.get("receipt-verified"),
+    "dim": len(emb.parse().data[0].embedding),
+    "whole_verified": whole.headers.get("receipt-verified"),
+    "whole_text": whole.parse().choices[0].text,
+    "stream_text": text,
+    "stream_receipt_id": raw.headers.get("receipt-id"),
+}))
+"#;
+
+/// The same three calls with reqwest: the SDK script's output shape.
+async fn drive_with_reqwest(url: &str) -> Value {
+    let post = |path: &str, body: Value| client().post(format!("{url}{path}")).json(&body).send();
+    let emb = post(
+        "/v1/embeddings",
+        json!({"model": EMBED_MODEL, "input": ["hello through the proxy"]}),
+    )
+    .await
+    .unwrap();
+    let emb_verified = emb.headers()["receipt-verified"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let emb: Value = emb.json().await.unwrap();
+    let args = json!({"model": GEN_MODEL, "prompt": "Once upon a time", "max_tokens": 24,
+                      "temperature": 0.8, "seed": 7});
+    let whole = post("/v1/completions", args.clone()).await.unwrap();
+    let whole_verified = whole.headers()["receipt-verified"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let whole: Value = whole.json().await.unwrap();
+    let mut stream_args = args.clone();
+    stream_args["stream"] = json!(true);
+    let r = post("/v1/completions", stream_args).await.unwrap();
+    let id = r.headers()["receipt-id"].to_str().unwrap().to_string();
+    let body = r.text().await.unwrap();
+    let mut text = String::new();
+    for ev in body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
+        if ev != "[DONE]" {
+            let v: Value = serde_json::from_str(ev).unwrap();
+            text += v["choices"][0]["text"].as_str().unwrap_or("");
+        }
+    }
+    json!({
+        "emb_verified": emb_verified,
+        "dim": emb["data"][0]["embedding"].as_array().unwrap().len(),
+        "whole_verified": whole_verified,
+        "whole_text": whole["choices"][0]["text"],
+        "stream_text": text,
+        "stream_receipt_id": id,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
+    let gw = start_gateway();
+    let (pe, pc) = pinned_policies(&gw.url, &gw.dir).await;
+    let archive = gw.dir.join("archive");
+    let proxy = start_proxy(&gw.url, &[&pe, &pc], &["--archive", p(&archive)], &gw.dir)
+        .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
+
+    let result: Value = if python_openai_available() {
+        let out = Command::new("python3")
+            .args(["-c", SDK_SCRIPT, &proxy.url, EMBED_MODEL, GEN_MODEL])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "openai SDK through the proxy failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    } else {
+        eprintln!("python3 + openai not importable: driving the proxy with reqwest");
+        drive_with_reqwest(&proxy.url).await
+    };
+    assert_eq!(result["emb_verified"], "true", "{result}");
+    assert_eq!(result["dim"], 384);
+    assert_eq!(result["whole_verified"], "true", "{result}");
+    assert!(!result["whole_text"].as_str().unwrap().is_empty());
+    assert_eq!(
+        result["stream_text"], result["whole_text"],
+        "streamed text concatenates to the non-streamed text"
+    );
+
+    // The proxy serves the stream's receipt, which it verified.
+    let id = result["stream_receipt_id"].as_str().unwrap();
+    let r = client()
+        .get(format!("{}/v1/receipts/{id}", proxy.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["receipt-verified"], "true");
+
+    // Every exchange is archived and verifies offline.
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&archive)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|d| !d.file_name().unwrap().to_str().unwrap().starts_with('.'))
+        .collect();
+    dirs.sort();
+    assert_eq!(dirs.len(), 3, "{dirs:?}");
+    let stream_dir = archive.join(id);
+    assert!(dirs.contains(&stream_dir));
+    let streamed = std::fs::read(stream_dir.join("response")).unwrap();
+    assert!(streamed.ends_with(b"data: [DONE]\n\n"));
+    for d in &dirs {
+        let request: Value =
+            serde_json::from_slice(&std::fs::read(d.join("request.json")).unwrap()).unwrap();
+        let policy = if request["model"] == GEN_MODEL {
+            &pc
+        } else {
+            &pe
+        };
+        let read = |f: &str| std::fs::read_to_string(d.join(f)).unwrap();
+        let verify = |response: &Path| {
+            cli(&[
+                "verify",
+                "receipt",
+                "--evidence",
+                p(&d.join("evidence.cbor")),
+                "--evidence-nonce",
+                &read("evidence-nonce.hex"),
+                "--policy",
+                p(policy),
+                "--request",
+                p(&d.join("request.json")),
+                "--response",
+                p(response),
+                "--nonce",
+                &read("nonce.hex"),
+                "--receipt",
+                p(&d.join("receipt.cbor")),
+            ])
+        };
+        let (code, out, err) = verify(&d.join("response"));
+        assert_eq!(code, 0, "{}:\n{out}\n{err}", d.display());
+        // The same check on a response with one byte changed fails.
+        let mut bytes = std::fs::read(d.join("response")).unwrap();
+        bytes[0] ^= 1;
+        let tampered = d.join("response.tampered");
+        std::fs::write(&tampered, bytes).unwrap();
+        let (code, out, _) = verify(&tampered);
+        assert_eq!(code, 1, "{out}");
+    }
+    drop(proxy);
+
+    // A host that flips a byte of the sealed stream (in its receipt
+    // trailer): the stream ends with an error event, never [DONE].
+    let relay = tampering_relay(gw.url.clone(), Tamper::LastBodyByte);
+    let proxy = start_proxy(&relay, &[&pe, &pc], &[], &gw.dir)
+        .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
+    let r = client()
+        .post(format!("{}/v1/completions", proxy.url))
+        .json(
+            &json!({"model": GEN_MODEL, "prompt": "Once upon a time", "max_tokens": 8,
+                      "temperature": 0, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    let events: Vec<&str> = body
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect();
+    assert!(!events.contains(&"[DONE]"), "{body}");
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "response_unopenable", "{body}");
+    let r = client()
+        .post(format!("{}/v1/embeddings", proxy.url))
+        .json(&json!({"model": EMBED_MODEL, "input": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    let e: Value = r.json().await.unwrap();
+    assert_error_shape(&e);
+    assert_eq!(e["error"]["code"], "response_unopenable", "{e}");
+}
