@@ -8,12 +8,15 @@
 //! - streamed text == non-streamed text for the same seed;
 //! - every exchange is archived, and `gateway verify receipt` passes on each
 //!   archive offline; the proxy serves the receipts it verified;
+//! - a stream sealed to the gateway-held key comes back re-sealed with the
+//!   stages' receipt as its trailer;
 //! - a host that tampers with the sealed stream: the client's stream ends
 //!   with an error event, never `[DONE]`.
 
 mod common;
 
 use common::*;
+use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -241,6 +244,57 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
         assert_eq!(code, 1, "{out}");
     }
     drop(proxy);
+
+    // A stream sealed to the gateway-held key (0x80): the gateway opens the
+    // stages' stream and seals it again, receipt trailer included.
+    let keys = client()
+        .get(format!(
+            "{}/.well-known/hpke-keys?model={GEN_MODEL}",
+            gw.url
+        ))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let keys = KeyConfig::decode_list(&keys).unwrap();
+    let gateway_key = keys.iter().find(|k| k.key_id == 0x80).unwrap();
+    let request = serde_json::to_vec(&json!({"model": GEN_MODEL, "prompt": "Hello",
+        "max_tokens": 6, "temperature": 0, "stream": true}))
+    .unwrap();
+    let (headers, body, client_key) = seal_request(gateway_key, Aead::Aes128Gcm, &request).unwrap();
+    let mut rb = client()
+        .post(format!("{}/v1/completions", gw.url))
+        .body(body);
+    for (k, v) in headers.to_header_values() {
+        rb = rb.header(k, v);
+    }
+    let r = rb.send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let id = r.headers()["receipt-id"].to_str().unwrap().to_string();
+    let (events, trailer) =
+        open_response_with_trailer(&client_key, &r.bytes().await.unwrap()).unwrap();
+    assert!(events.ends_with(b"data: [DONE]\n\n"));
+    let stored = client()
+        .get(format!("{}/v1/receipts/{id}", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    assert_eq!(
+        trailer.as_deref(),
+        Some(&stored[..]),
+        "re-sealed receipt trailer"
+    );
+    let (body, _) = proto::receipt::parse_unverified(&stored).unwrap();
+    assert_eq!(body.sealing.as_str(), "gateway");
+    assert_eq!(
+        body.response_digest,
+        proto::digest::Sha256Digest::of(&events)
+    );
 
     // A host that flips a byte of the sealed stream (in its receipt
     // trailer): the stream ends with an error event, never [DONE].
