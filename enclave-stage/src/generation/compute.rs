@@ -261,9 +261,25 @@ impl Generator {
 
     // ---- request lifecycle ----
 
-    fn register(&mut self, ctx: GenerationContext) {
+    /// Registers a request; `false` (and the request failed) when the exit
+    /// stage cannot seal to its response key.
+    fn register(&mut self, ctx: GenerationContext) -> bool {
         let n = ctx.prompts.len() * ctx.request.n as usize;
-        let exit = self.is_exit().then(|| self.exit_state(&ctx));
+        let exit = match self.is_exit().then(|| self.exit_state(&ctx)).transpose() {
+            Ok(exit) => exit,
+            Err(e) => {
+                tracing::error!(request_id = ctx.request_id, error = %e, "unusable response key");
+                let err = PipelineError {
+                    kind: ErrorKind::Internal,
+                    status: 500,
+                    message: "the request's response key is unusable".into(),
+                    retry_after_secs: None,
+                    sealed_body: None,
+                };
+                self.send(failure(true, ctx.request_id, err));
+                return false;
+            }
+        };
         let entry = self.model.is_entry();
         self.requests.insert(
             ctx.request_id,
@@ -276,9 +292,10 @@ impl Generator {
                 ctx,
             },
         );
+        true
     }
 
-    fn exit_state(&self, ctx: &GenerationContext) -> ExitState {
+    fn exit_state(&self, ctx: &GenerationContext) -> Result<ExitState, proto::sealing::SealError> {
         let r = &ctx.request;
         let cfg = &self.model.config;
         let tok = self.model.tokenizer.as_ref();
@@ -308,17 +325,20 @@ impl Generator {
                 ));
             }
         }
-        let stream = r.stream.then(|| Streaming {
-            identity: StreamIdentity {
-                id: completion_id(&ctx.receipt_id),
-                created: ctx.created,
-                model: self.model.claims.model_id.clone(),
-                include_usage: r.include_usage,
-            },
-            sealer: ResponseSealer::new(&ctx.response_key).expect("response key is usable"),
-            bytes: Vec::new(),
-        });
-        ExitState {
+        let stream = match r.stream {
+            true => Some(Streaming {
+                identity: StreamIdentity {
+                    id: completion_id(&ctx.receipt_id),
+                    created: ctx.created,
+                    model: self.model.claims.model_id.clone(),
+                    include_usage: r.include_usage,
+                },
+                sealer: ResponseSealer::new(&ctx.response_key)?,
+                bytes: Vec::new(),
+            }),
+            false => None,
+        };
+        Ok(ExitState {
             rules: ChoiceRules {
                 max_tokens: r.max_tokens,
                 context: cfg.max_seq_len,
@@ -333,7 +353,7 @@ impl Generator {
             stream,
             prompt_tokens,
             finished: 0,
-        }
+        })
     }
 
     /// Entry stage: a newly opened request with its tokenized prompts.
@@ -349,7 +369,9 @@ impl Generator {
                 choices.push((p.clone(), reserve));
             }
         }
-        self.register(ctx.clone());
+        if !self.register(ctx.clone()) {
+            return;
+        }
         let sched = self.sched.as_mut().expect("entry stage");
         let reject = match sched.offer(request_id, choices) {
             Admission::Running | Admission::Waiting => None,
@@ -403,8 +425,7 @@ impl Generator {
                 Box::new(ctx.clone()),
             )));
         }
-        self.register(ctx);
-        if self.is_exit() {
+        if self.register(ctx) && self.is_exit() {
             self.start_stream(request_id);
         }
     }
