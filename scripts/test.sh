@@ -20,7 +20,7 @@ cargo test --release --workspace "${FEATURES[@]}"
 
 echo "== the nitro feature (NSM provider; everything but /dev/nsm itself)"
 cargo test --release -p proto --features nitro --lib
-cargo test --release -p enclave-stage --features nitro --lib provider
+cargo test --release -p enclave-stage --features nitro --lib -- provider role
 echo "== Nitro deployment scripts (docs/deploy-nitro.md; no hardware needed)"
 scripts/test-nitro-scripts.sh
 

@@ -54,8 +54,8 @@ pub fn from_cid(cid: u32, base: u32, layers: &str) -> Result<Role> {
         .with_context(|| {
             format!(
                 "vsock CID {cid} is not a stage of this pipeline: --stage-from-cid {base} \
-                 takes CIDs {base}..{} (start the enclaves with those --enclave-cid values)",
-                base as usize + ranges.len()
+                 takes CIDs {base} to {} (start the enclaves with those --enclave-cid values)",
+                base as usize + ranges.len() - 1
             )
         })?;
     Ok(Role {

@@ -189,7 +189,10 @@ mod tests {
         })
     }
 
-    fn fields(r: Request) -> (Option<Vec<u8>>, Option<Vec<u8>>, Option<Vec<u8>>) {
+    /// Public key, user data and nonce of an attestation request.
+    type Fields = (Option<Vec<u8>>, Option<Vec<u8>>, Option<Vec<u8>>);
+
+    fn fields(r: Request) -> Fields {
         match r {
             Request::Attestation {
                 user_data,
