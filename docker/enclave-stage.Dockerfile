@@ -4,13 +4,19 @@
 # Build context: target/images/<tag>/stage/, assembled by
 # scripts/build-images.sh (do not build it by hand):
 #   enclave-stage                 static (musl) release binary
-#   models/all-minilm-l6-v2/      the model files and manifest.json
+#   models/<MODEL>/               the model files and manifest.json
 #   policy.toml                   the policy that pins the stage measurement
 #                                 (used to verify the neighbouring stages)
 #
-# The arguments that differ per stage (index, count, layers, listen address)
-# come from CMD; the defaults run the whole model as a single stage.
+# The model folder is the build argument MODEL (all-minilm-l6-v2, or
+# smollm2-135m-instruct for the completions stages), passed to the stage as
+# STAGE_MODEL_DIR. The arguments that differ per stage (index, count, layers,
+# listen address, generation limits) come from CMD; the defaults run the
+# whole embedding model as a single stage. scripts/build-eif.sh derives the
+# enclave image from this one with a CMD for Nitro (vsock, --attestation nitro).
 FROM scratch
+ARG MODEL=all-minilm-l6-v2
+ENV STAGE_MODEL_DIR=/models/${MODEL}
 COPY enclave-stage /enclave-stage
 COPY models/ /models/
 COPY policy.toml /config/policy.toml
@@ -20,5 +26,5 @@ EXPOSE 9000
 # The stage exits cleanly on SIGINT (Ctrl-C); it installs no SIGTERM handler,
 # and as PID 1 it would ignore SIGTERM until `docker stop` kills it.
 STOPSIGNAL SIGINT
-ENTRYPOINT ["/enclave-stage", "--model-dir", "/models/all-minilm-l6-v2", "--policy", "/config/policy.toml"]
+ENTRYPOINT ["/enclave-stage", "--policy", "/config/policy.toml"]
 CMD ["--listen", "tcp://0.0.0.0:9000", "--stage-index", "0", "--num-stages", "1", "--layers", "0..6"]

@@ -113,7 +113,7 @@ echo "$MEASUREMENT" >"$OUT/measurement"
 STAGE_IMAGE="$PREFIX/enclave-stage:$TAG"
 GATEWAY_IMAGE="$PREFIX/gateway:$TAG"
 echo "== docker build $STAGE_IMAGE"
-docker build -q -f docker/enclave-stage.Dockerfile -t "$STAGE_IMAGE" "$OUT/stage"
+docker build -q -f docker/enclave-stage.Dockerfile --build-arg "MODEL=$model" -t "$STAGE_IMAGE" "$OUT/stage"
 echo "== docker build $GATEWAY_IMAGE"
 docker build -q -f docker/gateway.Dockerfile -t "$GATEWAY_IMAGE" "$OUT/gateway"
 cat >"$OUT/images.env" <<EOF

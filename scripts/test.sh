@@ -4,7 +4,9 @@
 #   2. release build with the test-only fault-injection switch compiled into
 #      the stage (tests that start the binaries need it);
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
-#   4. the stock `openai` Python SDK against a live gateway.
+#   4. the `nitro` feature's unit tests and the Nitro scripts' checks
+#      (scripts/test-nitro-scripts.sh, no hardware needed);
+#   5. the stock `openai` Python SDK against a live gateway.
 # CONTAINERS_E2E=1 adds the multi-container test (gateway/tests/containers_e2e.rs:
 # static musl build, images, compose; needs Docker, docs/containers.md). Off by
 # default: its static build is a second release build.
@@ -15,6 +17,12 @@ FEATURES=(--features enclave-stage/fault-injection)
 scripts/setup.sh
 cargo build --release --workspace "${FEATURES[@]}"
 cargo test --release --workspace "${FEATURES[@]}"
+
+echo "== the nitro feature (NSM provider; everything but /dev/nsm itself)"
+cargo test --release -p proto --features nitro --lib
+cargo test --release -p enclave-stage --features nitro --lib -- provider role
+echo "== Nitro deployment scripts (docs/deploy-nitro.md; no hardware needed)"
+scripts/test-nitro-scripts.sh
 
 echo "== openai SDK against a live gateway"
 log="$(mktemp)"

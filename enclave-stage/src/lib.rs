@@ -10,6 +10,8 @@ pub mod fault;
 pub mod generation;
 pub mod keys;
 pub mod llama;
+pub mod provider;
+pub mod role;
 pub mod sampling;
 pub mod server;
 pub mod tracker;

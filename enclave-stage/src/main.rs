@@ -1,7 +1,7 @@
 //! `enclave-stage`: runs one pipeline stage. Prints `LISTENING <endpoint>`
 //! on stdout once the model is loaded and the listener is bound.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use enclave_stage::batcher::BatchLimits;
 use enclave_stage::compute::Compute;
@@ -9,8 +9,9 @@ use enclave_stage::engine::{Engine, StageSpec};
 use enclave_stage::generation::compute::{GenLimits, Generator};
 use enclave_stage::generation::model::GenModel;
 use enclave_stage::keys::StageKeys;
+use enclave_stage::provider::{self, AttestationKind};
+use enclave_stage::role;
 use enclave_stage::server::{StageModel, StageServer, StageSetup};
-use proto::attestation::{mock_measurement, AttestationProvider, MockProvider, MOCK_WARNING};
 use proto::digest::Sha256Digest;
 use proto::manifest::LoadedManifest;
 use proto::policy::Policy;
@@ -25,7 +26,7 @@ use std::sync::Arc;
 )]
 struct Args {
     /// Model folder with manifest.json.
-    #[arg(long)]
+    #[arg(long, env = "STAGE_MODEL_DIR")]
     model_dir: PathBuf,
     /// This stage's position (0 = entry stage).
     #[arg(long, default_value_t = 0)]
@@ -33,12 +34,23 @@ struct Args {
     /// Number of stages in the pipeline.
     #[arg(long, default_value_t = 1)]
     num_stages: u32,
-    /// Layers to run, `START..END` (end exclusive).
+    /// Layers to run, `START..END` (end exclusive); with `--stage-from-cid`
+    /// one range per stage, comma-separated (`0..3,3..6`).
     #[arg(long)]
     layers: String,
-    /// Endpoint to listen on (`tcp://127.0.0.1:0` picks a port).
+    /// Take the stage index from this enclave's vsock CID: stage
+    /// `CID - BASE` (one enclave image for every stage; overrides
+    /// `--stage-index` and `--num-stages`).
+    #[arg(long, value_name = "BASE")]
+    stage_from_cid: Option<u32>,
+    /// Endpoint to listen on (`tcp://127.0.0.1:0` picks a port;
+    /// `vsock://any:9000` inside a Nitro enclave).
     #[arg(long, default_value = "tcp://127.0.0.1:0")]
     listen: String,
+    /// Attestation provider: `mock` (development, proves nothing) or
+    /// `nitro` (/dev/nsm; needs a build with the `nitro` feature).
+    #[arg(long, default_value = "mock")]
+    attestation: AttestationKind,
     /// Measurement policy used to verify neighbouring stages.
     #[arg(long)]
     policy: PathBuf,
@@ -79,26 +91,31 @@ enum Loaded {
     Generation(GenModel),
 }
 
-fn parse_layers(s: &str) -> Result<std::ops::Range<usize>> {
-    let (a, b) = s.split_once("..").context("--layers takes START..END")?;
-    let (a, b): (usize, usize) = (a.trim().parse()?, b.trim().parse()?);
-    if a >= b {
-        bail!("--layers {s}: empty range");
-    }
-    Ok(a..b)
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     // Before any thread exists: Candle reads these once.
     std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
     std::env::set_var("CANDLE_NUM_THREADS", args.threads.to_string());
     proto::logging::init();
-    let spec = StageSpec {
-        stage_index: args.stage_index,
-        num_stages: args.num_stages,
-        layers: parse_layers(&args.layers)?,
+    let spec = match args.stage_from_cid {
+        Some(base) => {
+            let cid = proto::transport::local_cid()?;
+            let r = role::from_cid(cid, base, &args.layers)?;
+            tracing::info!(cid, stage = r.stage_index, "stage index from the vsock CID");
+            StageSpec {
+                stage_index: r.stage_index,
+                num_stages: r.num_stages,
+                layers: r.layers,
+            }
+        }
+        None => StageSpec {
+            stage_index: args.stage_index,
+            num_stages: args.num_stages,
+            layers: role::parse_layers(&args.layers)?,
+        },
     };
+    // Before the model loads: a build without Nitro support says so at once.
+    provider::ensure_supported(args.attestation)?;
     let policy = Policy::load(&args.policy).map_err(anyhow::Error::msg)?;
     let architecture = LoadedManifest::load(&args.model_dir)
         .context("stage refuses to start")?
@@ -118,17 +135,15 @@ fn main() -> Result<()> {
         Loaded::Embedding(e) => (e.manifest_digest(), e.manifest.manifest.model_id.clone()),
         Loaded::Generation(g) => (g.manifest_digest(), g.manifest.manifest.model_id.clone()),
     };
-    let measurement = mock_measurement(&binary, &manifest_digest);
-    tracing::warn!("{MOCK_WARNING}");
-    tracing::warn!(
-        stage = spec.stage_index,
-        measurement = %measurement.pinned_form(),
-        "MOCK ATTESTATION in use: this stage's evidence is signed by a public mock key"
-    );
-    let provider: Arc<dyn AttestationProvider> = Arc::new(MockProvider::new(
-        format!("mock-stage-{}", spec.stage_index),
-        &measurement,
-    ));
+    let provider::Selected {
+        provider,
+        measurement,
+    } = provider::select(
+        args.attestation,
+        spec.stage_index,
+        &binary,
+        &manifest_digest,
+    )?;
     let claims = match &mut loaded {
         Loaded::Embedding(e) => &mut e.claims,
         Loaded::Generation(g) => &mut g.claims,

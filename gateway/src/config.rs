@@ -189,6 +189,14 @@ fn validate_stages(
             );
         }
         expect = s.layers[1];
+        if let Some(p) = &s.peer_address {
+            let key = k(&format!("{section}.stages[{i}].peer_address"));
+            if launch != Launch::Remote {
+                bail!("{key}: only with pipeline.launch = \"remote\"");
+            }
+            p.parse::<proto::transport::Endpoint>()
+                .map_err(|e| anyhow!("{key}: {e}"))?;
+        }
         if launch == Launch::Remote && s.address.is_none() {
             bail!(
                 "{}: required when pipeline.launch = \"remote\"",
@@ -264,9 +272,15 @@ pub struct PipelineSpec {
 pub struct StageConfig {
     /// Layers `[start, end)`.
     pub layers: [u32; 2],
-    /// `tcp://host:port` (required for `remote`).
+    /// `tcp://host:port` or `vsock://CID:PORT` (required for `remote`).
     #[serde(default)]
     pub address: Option<String>,
+    /// Where the other stages reach this one, when not at `address` (remote
+    /// only). On Nitro the gateway dials an enclave at `vsock://CID:PORT`,
+    /// but an enclave reaches its neighbour only through the parent's
+    /// `gateway host-proxy`: `vsock://3:PORT`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_address: Option<String>,
 }
 
 fn default_max_body() -> usize {
@@ -670,6 +684,26 @@ mod tests {
             ]
         );
         assert!(cfg.server.allow_plain_http && cfg.server.tls.is_none());
+    }
+
+    #[test]
+    fn nitro_config_has_vsock_stages_and_a_peer_address() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway-nitro.toml");
+        let cfg = GatewayConfig::load(&path).unwrap();
+        assert_eq!(cfg.pipeline.launch, Launch::Remote);
+        let s = &cfg.pipeline.stages;
+        assert_eq!(s[0].address.as_deref(), Some("vsock://16:9000"));
+        assert_eq!(s[1].peer_address.as_deref(), Some("vsock://3:8001"));
+        // A bad peer address, or one without remote stages, names the key.
+        let text = std::fs::read_to_string(&path).unwrap();
+        let bad = text.replace("vsock://3:8001", "vsock://three:8001");
+        let e = format!("{:#}", GatewayConfig::parse(&bad, env(&[])).unwrap_err());
+        assert!(e.contains("pipeline.stages[1].peer_address"), "{e}");
+        let e = format!(
+            "{:#}",
+            GatewayConfig::parse(&text, env(&[("GATEWAY_PIPELINE__LAUNCH", "local")])).unwrap_err()
+        );
+        assert!(e.contains("peer_address: only with"), "{e}");
     }
 
     #[test]

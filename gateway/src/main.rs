@@ -7,6 +7,7 @@ mod api;
 mod auth;
 mod cli;
 mod config;
+mod host_proxy;
 mod launcher;
 mod metrics;
 mod openai_error;
@@ -49,6 +50,9 @@ enum Command {
     /// model, computed from the files, for a policy's `[[stages]] measurements`
     /// (e.g. of the binary copied into a container image).
     Measure(MeasureArgs),
+    /// Relay bytes between endpoints (vsock <-> TCP) on a Nitro parent
+    /// instance; one `--route LISTEN=TARGET` per relay. Sees ciphertext only.
+    HostProxy(host_proxy::HostProxyArgs),
     #[command(flatten)]
     Client(cli::ClientCommand),
 }
@@ -89,6 +93,7 @@ fn main() -> Result<()> {
         Some(Command::HashKey) => return hash_key(),
         Some(Command::CheckConfig(a)) => std::process::exit(check_config(&a.config)),
         Some(Command::Measure(a)) => return measure(&a),
+        Some(Command::HostProxy(a)) => return host_proxy::main(a),
         None => ServeArgs {
             config: "config/gateway.toml".into(),
             listen: None,
@@ -423,11 +428,15 @@ async fn start_pipeline(
     let targets: Vec<StageTarget> = endpoints
         .into_iter()
         .zip(&spec.stages)
-        .map(|(endpoint, s)| StageTarget {
-            endpoint,
-            layers: s.layers,
+        .map(|(endpoint, s)| {
+            Ok(StageTarget {
+                endpoint,
+                layers: s.layers,
+                peer: s.peer_address.as_deref().map(str::parse).transpose()?,
+            })
         })
-        .collect();
+        .collect::<Result<_, String>>()
+        .map_err(anyhow::Error::msg)?;
     // Only a binary the gateway launches itself can stand for "the local build".
     let stage_binary = match cfg.pipeline.launch {
         Launch::Local => cfg.stage_binary().ok(),

@@ -35,6 +35,16 @@ pub struct StageTarget {
     pub endpoint: Endpoint,
     /// Layers it must claim.
     pub layers: [u32; 2],
+    /// Where the other stages reach it, when not at `endpoint` (on Nitro:
+    /// the parent's host-proxy port for it, `vsock://3:PORT`).
+    pub peer: Option<Endpoint>,
+}
+
+impl StageTarget {
+    /// The endpoint the other stages dial to reach this stage.
+    pub fn peer_endpoint(&self) -> &Endpoint {
+        self.peer.as_ref().unwrap_or(&self.endpoint)
+    }
 }
 
 /// Why connecting the pipeline failed.
@@ -271,10 +281,10 @@ impl Pipeline {
                         rejected: matches!(e, ChannelError::PeerRejected(_)),
                         reason: format!("stage {i} at {}: {e}", t.endpoint),
                     })?;
-            let next = (i + 1 < n).then(|| targets[i + 1].endpoint.to_string());
+            let next = (i + 1 < n).then(|| targets[i + 1].peer_endpoint().to_string());
             // A generation exit stage sends sampled tokens back to the entry stage.
             let feedback = (self.is_generation() && n > 1 && i + 1 == n)
-                .then(|| targets[0].endpoint.to_string());
+                .then(|| targets[0].peer_endpoint().to_string());
             tx.send_msg(&HostMessage::Configure { next, feedback })
                 .await
                 .map_err(|e| ConnectError::unreachable(format!("stage {i}: {e}")))?;

@@ -312,6 +312,19 @@ pub struct StageProc {
 impl StageProc {
     /// Starts stage `index` of `n` on `layers` with `policy`; waits for LISTENING.
     pub fn start(index: u32, n: u32, layers: [u32; 2], policy: &Path, dir: &Path) -> StageProc {
+        Self::start_on(index, n, layers, policy, dir, "tcp://127.0.0.1:0")
+    }
+
+    /// [`Self::start`] listening on `listen` (e.g. the endpoint of a stage
+    /// it replaces).
+    pub fn start_on(
+        index: u32,
+        n: u32,
+        layers: [u32; 2],
+        policy: &Path,
+        dir: &Path,
+        listen: &str,
+    ) -> StageProc {
         let mut child = Command::new(stage_binary())
             .arg("--model-dir")
             .arg(model_dir())
@@ -324,6 +337,7 @@ impl StageProc {
             .args(["--layers", &format!("{}..{}", layers[0], layers[1])])
             .arg("--policy")
             .arg(policy)
+            .args(["--listen", listen])
             .arg("--exit-with-stdin")
             .env("NO_COLOR", "1")
             .stdin(Stdio::piped())
@@ -332,7 +346,10 @@ impl StageProc {
             .spawn()
             .unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let line = lines.next().unwrap().unwrap();
+        let line = lines
+            .next()
+            .and_then(Result::ok)
+            .unwrap_or_else(|| panic!("stage {index} did not start (see {})", dir.display()));
         let endpoint = line.strip_prefix("LISTENING ").unwrap().to_string();
         std::thread::spawn(move || for _ in lines {});
         StageProc { child, endpoint }

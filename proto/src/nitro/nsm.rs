@@ -145,6 +145,17 @@ impl<D: NsmDevice> AttestationProvider for NitroProvider<D> {
     }
 }
 
+/// This enclave's own measurement (its PCRs): a document the provider makes
+/// binding nothing, checked by `verifier` (the pinned AWS root). A stage
+/// accepts a neighbour running the same image with it (`trust_same_image`).
+pub fn own_measurement(
+    provider: &dyn AttestationProvider,
+    verifier: &crate::nitro::NitroVerifier,
+) -> Result<crate::attestation::Measurement, AttestError> {
+    let evidence = provider.attest(&[], &[], &[])?;
+    Ok(verifier.verify(&evidence.document)?.document.measurement)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,7 +189,10 @@ mod tests {
         })
     }
 
-    fn fields(r: Request) -> (Option<Vec<u8>>, Option<Vec<u8>>, Option<Vec<u8>>) {
+    /// Public key, user data and nonce of an attestation request.
+    type Fields = (Option<Vec<u8>>, Option<Vec<u8>>, Option<Vec<u8>>);
+
+    fn fields(r: Request) -> Fields {
         match r {
             Request::Attestation {
                 user_data,
@@ -287,6 +301,37 @@ mod tests {
             let e = recorder(answer).attest(b"k", b"u", b"n").unwrap_err();
             assert!(matches!(e, AttestError::Provider(_)), "{e}");
         }
+    }
+
+    #[test]
+    fn own_measurement_is_the_verified_documents_pcrs() {
+        let p = recorder(|| Response::Attestation {
+            document: RECORDED.to_vec(),
+        });
+        let m = own_measurement(&p, &NitroVerifier::aws().at(RECORDED_AT)).unwrap();
+        let crate::attestation::Measurement::Nitro(pcrs) = &m else {
+            panic!("{m:?}")
+        };
+        assert!(pcrs.get(0).is_some() && pcrs.get(1).is_some() && pcrs.get(2).is_some());
+        // It asked for a document binding nothing.
+        let seen = p.device.seen.lock().unwrap();
+        assert_eq!(
+            seen[0],
+            format!("{:?}", attestation_request(&[], &[], &[]).unwrap())
+        );
+        drop(seen);
+        // A document that does not verify (another root) is refused.
+        let other = rcgen::generate_simple_self_signed(vec!["x".into()]).unwrap();
+        let e = own_measurement(&p, &NitroVerifier::with_root_der(other.cert.der().to_vec()))
+            .unwrap_err();
+        assert!(!e.to_string().is_empty());
+        // An NSM error is a provider error.
+        let e = own_measurement(
+            &recorder(|| Response::Error(ErrorCode::InternalError)),
+            &NitroVerifier::aws().at(RECORDED_AT),
+        )
+        .unwrap_err();
+        assert!(matches!(e, AttestError::Provider(_)), "{e}");
     }
 
     #[test]

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# Starts a pipeline on a Nitro parent instance (docs/deploy-nitro.md): one
+# enclave per stage from the EIF that scripts/build-eif.sh built, the
+# `gateway host-proxy` relaying stage i-1 -> stage i (and, for completions,
+# the exit stage's feedback to the entry stage), and the gateway with
+# config/gateway-nitro.toml (vsock addresses and the PCR policy set here).
+#
+# Usage: scripts/run-nitro.sh [--build DIR] [options] [--dry-run]
+#   --build DIR            target/eif/NAME from build-eif.sh (reads its eif.env;
+#                          default target/eif/all-minilm-l6-v2)
+#   --eif FILE --policy FILE --model DIR --layers LIST --cid-base N --port N
+#                          instead of / over eif.env
+#   --proxy-port-base N    host-proxy vsock ports: N+i reaches stage i (default 8000)
+#   --kv-cache-tokens N    generation KV budget per stage (default 16384)
+#   --debug-mode           nitro-cli --debug-mode (console readable, PCRs zero:
+#                          the shipped policy refuses it)
+#   --config FILE          gateway config (default config/gateway-nitro.toml)
+#   --dry-run              print the sizing and every command, start nothing
+#
+# Sizing, per stage, in MiB (printed; every term rounded up):
+#   memory = roundup_256(eif + weights + kv + activations + 512)
+#     eif          the EIF file (its initramfs, binary and all model files,
+#                  lives in enclave memory; estimated as model folder + 64
+#                  when the EIF does not exist yet, e.g. in a dry run)
+#     weights      resident weights: weight files (*.safetensors, *.gguf) x
+#                  expansion to f32 (safetensors: 1, assumed f32; GGUF: 32 /
+#                  bits per weight from the file name, Q4_1 5, Q4_0 4.5, Q8_0
+#                  8.5, F16 16, else 4); the whole model, as an upper bound
+#                  for any stage
+#     kv           llama only: kv-cache-tokens x stage layers x
+#                  KV_BYTES_PER_TOKEN_LAYER (env, default 1536 = K and V x 3
+#                  KV heads x 64 dims x 4 bytes, SmolLM2-135M)
+#     activations  embedding models: the stage's --memory-budget-mib, 192
+#     512          kernel, runtime, channel buffers
+#   cpus = 2 if weights < 1024 MiB, 4 if < 4096, else 8 (even: Nitro gives
+#          whole cores; override with CPU_COUNT)
+# nitro-cli refuses a memory size below what the EIF needs and names the
+# minimum (error E26); raise it with MEMORY_MIB.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+BUILD=target/eif/all-minilm-l6-v2
+EIF="" POLICY="" MODEL_DIR="" LAYERS="" CID_BASE="" PORT=""
+PROXY_BASE=8000
+KV_TOKENS=16384
+DEBUG=()
+CONFIG=config/gateway-nitro.toml
+DRY_RUN=0
+declare -A SET=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --build) BUILD="$2"; shift 2 ;;
+    --eif) SET[EIF]="$2"; shift 2 ;;
+    --policy) SET[POLICY]="$2"; shift 2 ;;
+    --model) SET[MODEL_DIR]="$2"; shift 2 ;;
+    --layers) SET[LAYERS]="$2"; shift 2 ;;
+    --cid-base) SET[CID_BASE]="$2"; shift 2 ;;
+    --port) SET[PORT]="$2"; shift 2 ;;
+    --proxy-port-base) PROXY_BASE="$2"; shift 2 ;;
+    --kv-cache-tokens) KV_TOKENS="$2"; shift 2 ;;
+    --debug-mode) DEBUG=(--debug-mode); shift ;;
+    --config) CONFIG="$2"; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+    *) echo "run-nitro: unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+if [[ -f "$BUILD/eif.env" ]]; then
+  # shellcheck disable=SC1091
+  source "$BUILD/eif.env"
+fi
+for k in "${!SET[@]}"; do printf -v "$k" '%s' "${SET[$k]}"; done
+EIF="${EIF:-$BUILD/stage.eif}"
+POLICY="${POLICY:-$BUILD/policy.toml}"
+MODEL_DIR="${MODEL_DIR:-models/all-minilm-l6-v2}"
+LAYERS="${LAYERS:-0..3,3..6}"
+CID_BASE="${CID_BASE:-16}"
+PORT="${PORT:-9000}"
+[[ -f "$MODEL_DIR/manifest.json" ]] || { echo "run-nitro: no $MODEL_DIR/manifest.json" >&2; exit 1; }
+ARCH="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["architecture"])' "$MODEL_DIR/manifest.json")"
+IFS=',' read -ra RANGES <<<"$LAYERS"
+N=${#RANGES[@]}
+
+mib_up() { echo $(( ($1 + 1048575) / 1048576 )); }
+# Bits per weight of a GGUF file, from its name.
+gguf_bits() {
+  case "$1" in
+    *Q4_0*) echo 4.5 ;; *Q4_1*) echo 5 ;; *Q5_0*) echo 5.5 ;; *Q5_1*) echo 6 ;;
+    *Q8_0*) echo 8.5 ;; *F16*|*f16*) echo 16 ;; *) echo 8 ;;
+  esac
+}
+files_bytes=$(du -sbL "$MODEL_DIR" | cut -f1)
+weights_bytes=0
+shopt -s nullglob
+for f in "$MODEL_DIR"/*.safetensors; do weights_bytes=$(( weights_bytes + $(stat -L -c %s "$f") )); done
+for f in "$MODEL_DIR"/*.gguf; do
+  weights_bytes=$(python3 -c "import math,sys; print($weights_bytes + math.ceil(int(sys.argv[1]) * 32 / float(sys.argv[2])))" "$(stat -L -c %s "$f")" "$(gguf_bits "$f")")
+done
+if [[ -f "$EIF" ]]; then
+  eif_mib=$(mib_up "$(stat -L -c %s "$EIF")"); eif_how="EIF size"
+else
+  eif_mib=$(( $(mib_up "$files_bytes") + 64 )); eif_how="estimated: model folder + 64"
+fi
+weights_mib=$(mib_up "$weights_bytes")
+KV_BYTES_PER_TOKEN_LAYER="${KV_BYTES_PER_TOKEN_LAYER:-1536}"
+if [[ -n "${CPU_COUNT:-}" ]]; then cpus=$CPU_COUNT
+elif (( weights_mib < 1024 )); then cpus=2
+elif (( weights_mib < 4096 )); then cpus=4
+else cpus=8; fi
+
+run() {
+  if [[ $DRY_RUN == 1 ]]; then printf '+'; printf ' %q' "$@"; printf '\n'; else "$@"; fi
+}
+if [[ $DRY_RUN == 0 ]]; then
+  command -v nitro-cli >/dev/null || {
+    echo "run-nitro: nitro-cli is not installed: run this on an AWS Nitro Enclaves parent instance (docs/deploy-nitro.md); --dry-run prints the commands" >&2
+    exit 1
+  }
+  [[ -f "$EIF" ]] || { echo "run-nitro: no EIF at $EIF (scripts/build-eif.sh)" >&2; exit 1; }
+  [[ -f "$POLICY" ]] || { echo "run-nitro: no policy at $POLICY (scripts/build-eif.sh)" >&2; exit 1; }
+fi
+
+echo "== sizing ($ARCH, $N stages): eif $eif_mib MiB ($eif_how), weights $weights_mib MiB, cpus $cpus"
+routes=()
+# Embedding models are [pipeline], llama models [completions] in the config.
+S=PIPELINE
+[[ "$ARCH" == llama ]] && S=COMPLETIONS
+env_over=(GATEWAY_${S}__POLICY="$POLICY" GATEWAY_${S}__MODEL_DIR="$MODEL_DIR")
+for i in "${!RANGES[@]}"; do
+  r="${RANGES[$i]}"; start=${r%%..*}; end=${r##*..}
+  if [[ "$ARCH" == llama ]]; then
+    kv_mib=$(mib_up $(( KV_TOKENS * (end - start) * KV_BYTES_PER_TOKEN_LAYER )))
+    act_mib=0
+  else
+    kv_mib=0; act_mib=192
+  fi
+  sum=$(( eif_mib + weights_mib + kv_mib + act_mib + 512 ))
+  mem=$(( (sum + 255) / 256 * 256 ))
+  mem="${MEMORY_MIB:-$mem}"
+  cid=$(( CID_BASE + i ))
+  echo "stage $i: layers $start..$end cid $cid: memory $mem MiB = roundup_256($eif_mib eif + $weights_mib weights + $kv_mib kv + $act_mib activations + 512), cpus $cpus"
+  run nitro-cli run-enclave --eif-path "$EIF" --cpu-count "$cpus" --memory "$mem" --enclave-cid "$cid" "${DEBUG[@]}"
+  routes+=(--route "vsock://any:$(( PROXY_BASE + i ))=vsock://$cid:$PORT")
+  env_over+=(GATEWAY_${S}__STAGES__${i}__LAYERS="[$start, $end]" GATEWAY_${S}__STAGES__${i}__ADDRESS="vsock://$cid:$PORT")
+  if (( i > 0 )); then
+    env_over+=(GATEWAY_${S}__STAGES__${i}__PEER_ADDRESS="vsock://3:$(( PROXY_BASE + i ))")
+  elif [[ "$ARCH" == llama && $N -gt 1 ]]; then
+    # The exit stage sends sampled tokens back to the entry stage.
+    env_over+=(GATEWAY_${S}__STAGES__0__PEER_ADDRESS="vsock://3:$PROXY_BASE")
+  fi
+done
+if [[ "$ARCH" == llama ]]; then
+  echo "note: these stages are the config's [completions] pipeline: $CONFIG must have one, and its"
+  echo "      [pipeline] (embeddings) enclaves must run too (docs/deploy-nitro.md, two pipelines)."
+fi
+
+GATEWAY=target/release/gateway
+echo "== host proxy"
+if [[ $DRY_RUN == 1 ]]; then
+  run "$GATEWAY" host-proxy "${routes[@]}"
+else
+  "$GATEWAY" host-proxy "${routes[@]}" &
+  proxy=$!
+  trap 'kill $proxy 2>/dev/null || true' EXIT
+fi
+echo "== gateway ($CONFIG)"
+run env "${env_over[@]}" "$GATEWAY" serve --config "$CONFIG"

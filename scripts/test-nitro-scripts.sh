@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Checks the Nitro deployment scripts without Nitro hardware (scripts/test.sh
+# runs it; a few seconds): build-eif.sh's PCR parsing and policy writing on
+# a sample of nitro-cli build-enclave's output, the policy loading in the
+# gateway's config check, the refusal without nitro-cli, and run-nitro.sh's
+# sizing and commands in a dry run. Needs target/release/gateway and the
+# models from scripts/setup.sh.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+SAMPLE=scripts/testdata/nitro-cli-build-enclave.txt
+PCR0=7fb5c55bc2ecbb68ed99a13d7122abfc0666b926a79d5379bc58b9445c84217f59cfdd36c08b2c79552928702efe23e4
+
+echo "== build-eif.sh: PCRs from nitro-cli's output into a policy"
+scripts/build-eif.sh --policy-from "$SAMPLE" --policy-out "$tmp/policy.toml" >/dev/null
+grep -q '^allow_mock = false' "$tmp/policy.toml" || fail "policy allows mock"
+[[ $(grep -c "^pcr0 = \"$PCR0\"" "$tmp/policy.toml") == 2 ]] || fail "PCR0 not pinned for both stages"
+[[ $(grep -c '^pcr2 = "0f0ac32c' "$tmp/policy.toml") == 2 ]] || fail "PCR2 not pinned"
+grep -q '^layers = \[3, 6\]' "$tmp/policy.toml" || fail "stage 1 layers"
+grep -q "^manifest_sha256 = \"$(sha256sum models/all-minilm-l6-v2/manifest.json | cut -d' ' -f1)\"" "$tmp/policy.toml" \
+  || fail "manifest not pinned"
+# The gateway loads it with the Nitro config.
+GATEWAY_PIPELINE__POLICY="$tmp/policy.toml" target/release/gateway check-config \
+  --config config/gateway-nitro.toml >"$tmp/check.out" || { cat "$tmp/check.out"; fail "check-config"; }
+grep -q "remote" "$tmp/check.out" || fail "check-config summary"
+grep -q "MOCK" "$tmp/check.out" && fail "the Nitro policy must not allow mock"
+# Broken output is refused, naming what is wrong.
+sed 's/"PCR1": "235c/"PCR1": "zz5c/' "$SAMPLE" >"$tmp/bad.txt"
+if scripts/build-eif.sh --policy-from "$tmp/bad.txt" --policy-out "$tmp/bad.toml" 2>"$tmp/err"; then
+  fail "a bad PCR1 was accepted"
+fi
+grep -q "PCR1 is not 96 hex digits" "$tmp/err" || { cat "$tmp/err"; fail "bad PCR message"; }
+echo "no json here" >"$tmp/none.txt"
+scripts/build-eif.sh --policy-from "$tmp/none.txt" --policy-out "$tmp/x.toml" 2>"$tmp/err" && fail "no JSON accepted"
+grep -q "no JSON object" "$tmp/err" || fail "no-JSON message"
+
+echo "== build-eif.sh: without nitro-cli, a clear refusal; --dry-run prints the commands"
+if ! command -v nitro-cli >/dev/null; then
+  if scripts/build-eif.sh 2>"$tmp/err"; then fail "build-eif.sh succeeded without nitro-cli"; fi
+  grep -q "nitro-cli is not installed" "$tmp/err" || fail "no nitro-cli message"
+fi
+scripts/build-eif.sh --dry-run --model models/smollm2-135m-instruct --layers 0..15,15..30 \
+  --stage-args "--kv-cache-tokens 16384" >"$tmp/dry.out"
+grep -q "cargo build .*--features nitro" "$tmp/dry.out" || fail "dry run: static build"
+grep -q "MODEL=smollm2-135m-instruct" "$tmp/dry.out" || fail "dry run: MODEL build arg"
+grep -q 'CMD \["--attestation", "nitro", "--listen", "vsock://any:9000", "--stage-from-cid", "16", "--layers", "0..15,15..30", "--kv-cache-tokens", "16384"\]' "$tmp/dry.out" \
+  || { cat "$tmp/dry.out"; fail "dry run: enclave CMD"; }
+grep -q "nitro-cli build-enclave --docker-uri confidential-inference/enclave-stage-nitro:smollm2-135m-instruct" "$tmp/dry.out" \
+  || fail "dry run: nitro-cli build-enclave"
+
+echo "== run-nitro.sh --dry-run: sizing and commands"
+scripts/run-nitro.sh --dry-run --build "$tmp/none" >"$tmp/run.out"
+cat "$tmp/run.out"
+mini_files=$(du -sbL models/all-minilm-l6-v2 | cut -f1)
+mini_weights=$(stat -L -c %s models/all-minilm-l6-v2/model.safetensors)
+up() { echo $(( ($1 + 1048575) / 1048576 )); }
+want=$(( ( ($(up "$mini_files") + 64) + $(up "$mini_weights") + 192 + 512 + 255) / 256 * 256 ))
+[[ $(grep -c "nitro-cli run-enclave --eif-path $tmp/none/stage.eif --cpu-count 2 --memory $want --enclave-cid 1[67]" "$tmp/run.out") == 2 ]] \
+  || fail "embeddings: expected two enclaves of $want MiB, 2 CPUs"
+grep -q -- "host-proxy --route vsock://any:8000=vsock://16:9000 --route vsock://any:8001=vsock://17:9000" "$tmp/run.out" \
+  || fail "host-proxy routes"
+grep -q "GATEWAY_PIPELINE__STAGES__1__PEER_ADDRESS=vsock://3:8001" "$tmp/run.out" || fail "peer address"
+grep -q "serve --config config/gateway-nitro.toml" "$tmp/run.out" || fail "gateway command"
+# SmolLM2 (GGUF Q4_1, dequantized to f32) with a KV budget: 15 layers per stage.
+scripts/run-nitro.sh --dry-run --build "$tmp/none" --model models/smollm2-135m-instruct \
+  --layers 0..15,15..30 --kv-cache-tokens 16384 >"$tmp/run2.out"
+gguf=models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+s_files=$(du -sbL models/smollm2-135m-instruct | cut -f1)
+s_weights=$(( ($(stat -L -c %s $gguf) * 32 + 4) / 5 ))
+kv=$(up $(( 16384 * 15 * 1536 )))
+want=$(( ( ($(up "$s_files") + 64) + $(up "$s_weights") + kv + 512 + 255) / 256 * 256 ))
+grep -q "memory $want MiB = .* + $kv kv + 0 activations" "$tmp/run2.out" || { cat "$tmp/run2.out"; fail "completions sizing ($want MiB, kv $kv)"; }
+grep -q "GATEWAY_COMPLETIONS__STAGES__0__PEER_ADDRESS=vsock://3:8000" "$tmp/run2.out" || fail "feedback route"
+echo "nitro scripts: OK"
