@@ -12,7 +12,7 @@ use base64::Engine as _;
 use common::*;
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 const MODEL: &str = "all-MiniLM-L6-v2";
 
@@ -493,20 +493,6 @@ async fn seal_open_checks(c: &Ctx) {
     ]);
     assert_ne!(code, 0);
     assert!(err.contains("refusing to seal"), "{err}");
-}
-
-/// Whether the stock SDK can be used (`CLI_E2E_NO_PYTHON=1` forces the
-/// reqwest path).
-fn python_openai_available() -> bool {
-    if std::env::var_os("CLI_E2E_NO_PYTHON").is_some() {
-        return false;
-    }
-    Command::new("python3")
-        .args(["-c", "import openai"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
 }
 
 const OPENAI_SCRIPT: &str = r#"

@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{assert_error_shape, client, p, root, temp_dir, Gateway, Options};
+use common::{assert_error_shape, client, p, pinned_policy, root, temp_dir, Gateway, Options};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -283,29 +283,7 @@ async fn streamed_text_equals_non_streamed_and_its_receipt_verifies() {
     tampered[at] ^= 1;
     std::fs::write(dir.join("tampered.txt"), &tampered).unwrap();
     // An offline verifier pins the measurement the stages report.
-    let ready: Value = client()
-        .get(format!("{}/readyz", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let pipeline = ready["pipelines"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["model"] == MODEL)
-        .unwrap();
-    let mut policy_text = String::from("allow_mock = true\n");
-    for st in pipeline["stages"].as_array().unwrap() {
-        policy_text += &format!(
-            "[[stages]]\nindex = {}\nlayers = {}\nmeasurements = [{}]\n",
-            st["index"], st["layers"], st["measurement"]
-        );
-    }
-    let policy = dir.join("policy-offline.toml");
-    std::fs::write(&policy, policy_text).unwrap();
+    let policy = pinned_policy(&gw.url, MODEL, &dir.join("policy-offline.toml")).await;
     let verify = |response: &str| {
         std::process::Command::new(env!("CARGO_BIN_EXE_gateway"))
             .args([

@@ -19,7 +19,7 @@ use common::*;
 use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 const EMBED_MODEL: &str = "all-MiniLM-L6-v2";
 const GEN_MODEL: &str = "SmolLM2-135M-Instruct";
@@ -43,47 +43,6 @@ fn start_gateway() -> Gateway {
         extra,
         ..Options::default()
     })
-}
-
-/// Policies that pin what the gateway's stages report (as a client would
-/// after checking the measurements out of band): (embeddings, completions).
-async fn pinned_policies(url: &str, dir: &Path) -> (PathBuf, PathBuf) {
-    let ready: Value = client()
-        .get(format!("{url}/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let policy = |model: &str| {
-        let pipeline = ready["pipelines"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["model"] == model)
-            .unwrap_or_else(|| panic!("{model} in /readyz: {ready}"));
-        let mut text = String::from("allow_mock = true\n");
-        for st in pipeline["stages"].as_array().unwrap() {
-            text += &format!(
-                "[[stages]]\nindex = {}\nlayers = {}\nmeasurements = [{}]\n",
-                st["index"], st["layers"], st["measurement"]
-            );
-        }
-        let path = dir.join(format!("pinned-{model}.toml"));
-        std::fs::write(&path, text).unwrap();
-        path
-    };
-    (policy(EMBED_MODEL), policy(GEN_MODEL))
-}
-
-fn python_openai_available() -> bool {
-    Command::new("python3")
-        .args(["-c", "import openai"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
 }
 
 const SDK_SCRIPT: &str = r#"
@@ -152,7 +111,8 @@ async fn drive_with_reqwest(url: &str) -> Value {
 #[tokio::test(flavor = "multi_thread")]
 async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
     let gw = start_gateway();
-    let (pe, pc) = pinned_policies(&gw.url, &gw.dir).await;
+    let pe = pinned_policy(&gw.url, EMBED_MODEL, &gw.dir.join("pinned-e.toml")).await;
+    let pc = pinned_policy(&gw.url, GEN_MODEL, &gw.dir.join("pinned-c.toml")).await;
     let archive = gw.dir.join("archive");
     let proxy = start_proxy(&gw.url, &[&pe, &pc], &["--archive", p(&archive)], &gw.dir)
         .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));

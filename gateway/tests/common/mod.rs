@@ -701,3 +701,46 @@ pub fn tampering_relay(upstream: String, tamper: Tamper) -> String {
     });
     format!("http://{addr}")
 }
+
+/// Whether `python3` can import the stock `openai` SDK (`NO_PYTHON_SDK=1`
+/// forces the reqwest fallbacks).
+pub fn python_openai_available() -> bool {
+    if std::env::var_os("NO_PYTHON_SDK").is_some() {
+        return false;
+    }
+    Command::new("python3")
+        .args(["-c", "import openai"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Writes a policy to `path` that pins the measurements `model`'s stages
+/// report in `/readyz` (mock allowed), as a client would after checking them
+/// out of band; returns `path`.
+pub async fn pinned_policy(url: &str, model: &str, path: &Path) -> PathBuf {
+    let ready: serde_json::Value = client()
+        .get(format!("{url}/readyz"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let pipeline = ready["pipelines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["model"] == model)
+        .unwrap_or_else(|| panic!("{model} in /readyz: {ready}"));
+    let mut text = String::from("allow_mock = true\n");
+    for st in pipeline["stages"].as_array().unwrap() {
+        text += &format!(
+            "[[stages]]\nindex = {}\nlayers = {}\nmeasurements = [{}]\n",
+            st["index"], st["layers"], st["measurement"]
+        );
+    }
+    std::fs::write(path, text).unwrap();
+    path.to_path_buf()
+}
