@@ -62,21 +62,27 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// `log softmax(logits)[token]`, computed in f64 (the model's own
-/// distribution, before temperature or top-p).
-pub fn log_prob(logits: &[f32], token: u32) -> f64 {
+/// `log Σ exp(logits)` in f64 (NaN entries ignored), the normalizer of
+/// [`log_prob`].
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
     let max = logits
         .iter()
         .copied()
         .filter(|v| !v.is_nan())
         .fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits
+    logits
         .iter()
         .filter(|v| !v.is_nan())
         .map(|&v| (v as f64 - max).exp())
         .sum::<f64>()
         .ln()
-        + max;
+        + max
+}
+
+/// `log softmax(logits)[token]`, computed in f64 (the model's own
+/// distribution, before temperature or top-p).
+pub fn log_prob(logits: &[f32], token: u32) -> f64 {
+    let lse = log_sum_exp(logits);
     logits
         .get(token as usize)
         .map_or(f64::NEG_INFINITY, |&v| v as f64 - lse)

@@ -9,7 +9,7 @@
 //! holds back any tail that could be the start of a stop sequence, so a
 //! stream never shows text that the non-streamed response would not.
 
-use crate::sampling::{log_prob, Sampler, SamplingParams};
+use crate::sampling::{log_sum_exp, Sampler, SamplingParams};
 use proto::completions::{Choice, FinishReason, Logprobs};
 use std::collections::HashMap;
 
@@ -115,14 +115,24 @@ impl ChoiceOut {
             .logprobs
             .as_ref()
             .map(|_| top_k(logits, rules.logprobs));
+        // With logprobs on: the raw logits that bias and penalties change
+        // (first value wins: the model's own).
+        let mut raw = Vec::new();
+        let keep = alternatives.is_some();
         for &(t, b) in &rules.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
+                if keep {
+                    raw.push((t, *l));
+                }
                 *l += b;
             }
         }
         if rules.presence_penalty != 0.0 || rules.frequency_penalty != 0.0 {
             for (&t, &c) in &self.counts {
                 if let Some(l) = logits.get_mut(t as usize) {
+                    if keep {
+                        raw.push((t, *l));
+                    }
                     *l -= rules.presence_penalty + rules.frequency_penalty * c as f32;
                 }
             }
@@ -130,10 +140,15 @@ impl ChoiceOut {
         let token = self.sampler.sample(logits);
         if let (Some(lp), Some(alts)) = (self.logprobs.as_mut(), alternatives) {
             // The model's own distribution, before bias and penalties.
-            let raw = alts.raw;
+            let logit = raw
+                .iter()
+                .find(|&&(t, _)| t == token)
+                .map(|&(_, l)| l)
+                .or_else(|| logits.get(token as usize).copied());
             lp.text_offset.push(self.text.len());
             lp.tokens.push(tok.text(&[token]));
-            lp.token_logprobs.push(log_prob(&raw, token));
+            lp.token_logprobs
+                .push(logit.map_or(f64::NEG_INFINITY, |l| l as f64 - alts.lse));
             lp.top_logprobs
                 .push(alts.top.iter().map(|&(t, l)| (tok.text(&[t]), l)).collect());
         }
@@ -247,30 +262,32 @@ fn held_back(text: &str, stop: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// The log-probability normalizer of one position and its `k` most likely
+/// tokens.
 struct Alternatives {
-    raw: Vec<f32>,
+    lse: f64,
     top: Vec<(u32, f64)>,
 }
 
-/// The `k` most likely tokens with their log-probabilities, and a copy of
-/// the raw logits (for the chosen token's log-probability).
+/// The `k` most likely tokens with their log-probabilities (one
+/// normalization pass over the vocabulary, no copy of the logits).
 fn top_k(logits: &[f32], k: Option<u32>) -> Alternatives {
     let k = k.unwrap_or(0) as usize;
-    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let lse = log_sum_exp(logits);
     let top = if k > 0 {
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
         let key = |i: &u32| std::cmp::Reverse(ordered(logits[*i as usize]));
         let nth = k.min(idx.len()) - 1;
         idx.select_nth_unstable_by_key(nth, key);
         idx.truncate(k);
         idx.sort_by_key(key);
-        idx.iter().map(|&t| (t, log_prob(logits, t))).collect()
+        idx.iter()
+            .map(|&t| (t, logits[t as usize] as f64 - lse))
+            .collect()
     } else {
         Vec::new()
     };
-    Alternatives {
-        raw: logits.to_vec(),
-        top,
-    }
+    Alternatives { lse, top }
 }
 
 /// A total order on f32 with NaN lowest.
@@ -310,6 +327,35 @@ mod tests {
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
         }
+    }
+
+    #[test]
+    fn logprobs_are_the_models_own_before_bias_and_penalties() {
+        let table = Table(vec!["Hel", "lo", " wor", "ld", "\n", "EN", "D", "x"]);
+        let mut r = rules(2, &[]);
+        r.logprobs = Some(2);
+        r.logit_bias = vec![(7, 50.0)];
+        r.presence_penalty = 1.0;
+        let mut c = ChoiceOut::new(0, SamplingParams::greedy(), 0, 1, String::new(), true);
+        // Eight tokens (the table's); token 1 is the model's favourite.
+        let mut logits = vec![0.0, 4.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0];
+        let raw = logits.clone();
+        // The bias makes greedy pick 7; its log-probability is the raw one.
+        assert_eq!(c.step(&mut logits, &r, &table), 7);
+        let mut logits = vec![0.0, 4.0, 1.0, 0.5, 0.0, 0.0, 0.0, 5.0];
+        let raw2 = logits.clone();
+        // Token 7 now carries the bias and the presence penalty: still raw.
+        assert_eq!(c.step(&mut logits, &r, &table), 7);
+        let lp = c.into_choice().logprobs.unwrap();
+        let want = [
+            crate::sampling::log_prob(&raw, 7),
+            crate::sampling::log_prob(&raw2, 7),
+        ];
+        for (got, want) in lp.token_logprobs.iter().zip(want) {
+            assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+        }
+        assert_eq!(lp.top_logprobs[0][0].0, "lo");
+        assert!((lp.top_logprobs[0][0].1 - crate::sampling::log_prob(&raw, 1)).abs() < 1e-12);
     }
 
     /// Logits that make greedy pick `t`.
