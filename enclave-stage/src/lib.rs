@@ -12,4 +12,5 @@ pub mod keys;
 pub mod llama;
 pub mod sampling;
 pub mod server;
+pub mod stats;
 pub mod tracker;
