@@ -66,6 +66,16 @@ impl UsageCounters {
     }
 }
 
+/// A usage counter family: name, help, value.
+type UsageFamily = (&'static str, &'static str, fn(&UsageCounters) -> u64);
+/// A stage family: name, type, help, value.
+type StageFamily = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&StageStats) -> f64,
+);
+
 fn pipeline_label(p: &Pipeline) -> &'static str {
     if p.is_generation() {
         "completions"
@@ -133,7 +143,7 @@ pub fn render_with(pipelines: &[&Arc<Pipeline>], stats: &[Vec<Option<StageStats>
 }
 
 fn render_usage(o: &mut String, pipelines: &[&Arc<Pipeline>]) {
-    let counters: [(&str, &str, fn(&UsageCounters) -> u64); 3] = [
+    let counters: [UsageFamily; 3] = [
         (
             "gateway_genai_requests_total",
             "Requests answered with a response by the exit stage, by operation.",
@@ -227,7 +237,7 @@ fn render_stages(o: &mut String, pipelines: &[&Arc<Pipeline>], stats: &[Vec<Opti
             );
         }
     }
-    let gauges: [(&str, &str, &str, fn(&StageStats) -> f64); 7] = [
+    let gauges: [StageFamily; 7] = [
         (
             "gateway_stage_requests",
             "gauge",
