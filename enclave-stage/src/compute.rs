@@ -17,14 +17,15 @@ use crate::batcher::{plan, BatchLimits, Seq, ShapeInfo};
 use crate::engine::{Engine, Padded};
 use crate::fault::Fault;
 use crate::keys::StageKeys;
+use crate::stats::STATS;
 use crate::tracker::{row_digest, Finished, Tracker};
 use proto::frames::{
     ActivationBatch, ActivationMessage, BatchItem, ErrorKind, FeedbackMessage, GenerationContext,
-    PipelineError, RequestContext, ResultMessage,
+    PipelineError, RequestContext, ResultMessage, StageTiming,
 };
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::Sender;
 
 /// Work for the compute thread, in arrival order.
@@ -41,6 +42,8 @@ pub enum Work {
         request_id: u64,
         /// Links in stage order.
         links: Vec<Vec<u8>>,
+        /// The same stages' timings of the request.
+        timings: Vec<StageTiming>,
     },
     /// A request failed upstream.
     Failed {
@@ -141,8 +144,12 @@ impl Compute {
                     }
                     Work::Seqs(s) => seqs.extend(s),
                     Work::Batch(b) => self.run_activation_batch(b),
-                    Work::Links { request_id, links } => {
-                        self.tracker.upstream_links(request_id, links);
+                    Work::Links {
+                        request_id,
+                        links,
+                        timings,
+                    } => {
+                        self.tracker.upstream_links(request_id, links, timings);
                         self.try_finish(request_id);
                     }
                     Work::Failed { request_id, error } => {
@@ -161,12 +168,29 @@ impl Compute {
                     self.run_seqs(mb);
                 }
             }
+            STATS.gauges(self.tracker.len(), 0, 0, 0);
+        }
+    }
+
+    /// Counts a micro-batch that began at `began` and took `took`, in the
+    /// stage's counters and in each of its requests' timings.
+    fn record_batch(&mut self, items: &[BatchItem], began: Instant, took: std::time::Duration) {
+        let tokens = items.iter().map(|i| i.tokens as u64).sum();
+        STATS.batch(items.len(), tokens, took);
+        let mut requests: Vec<u64> = items.iter().map(|i| i.request_id).collect();
+        requests.sort_unstable();
+        requests.dedup();
+        for r in requests {
+            self.tracker.computed(r, began, took);
         }
     }
 
     fn run_seqs(&mut self, seqs: Vec<Seq>) {
         let items: Vec<BatchItem> = seqs.iter().map(|s| s.item).collect();
-        match self.process(&items, Input::Tokens(&seqs)) {
+        let began = Instant::now();
+        let r = self.process(&items, Input::Tokens(&seqs));
+        self.record_batch(&items, began, began.elapsed());
+        match r {
             Ok(out) => self.emit(items, out),
             Err(e) if seqs.len() > 1 => {
                 tracing::warn!(rows = seqs.len(), error = %e, "micro-batch failed; retrying its sequences one by one");
@@ -194,7 +218,10 @@ impl Compute {
     }
 
     fn run_padded(&mut self, items: Vec<BatchItem>, input: Padded) {
-        match self.process(&items, Input::Hidden(&input)) {
+        let began = Instant::now();
+        let r = self.process(&items, Input::Hidden(&input));
+        self.record_batch(&items, began, began.elapsed());
+        match r {
             Ok(out) => self.emit(items, out),
             Err(e) if items.len() > 1 => {
                 tracing::warn!(rows = items.len(), error = %e, "micro-batch failed; retrying its sequences one by one");

@@ -14,4 +14,5 @@ pub mod provider;
 pub mod role;
 pub mod sampling;
 pub mod server;
+pub mod stats;
 pub mod tracker;

@@ -309,6 +309,7 @@ impl StageServer {
                     self.accept_request(req).await;
                     None
                 }
+                HostMessage::Stats => Some(StageReply::Stats(crate::stats::STATS.snapshot())),
                 HostMessage::Attest { nonce } => {
                     if nonce.len() > MAX_NONCE {
                         tracing::warn!("attestation nonce too long; closing");
@@ -513,6 +514,7 @@ impl StageServer {
             client_nonce: req.client_nonce,
             sealing: req.sealing,
             response_key: key,
+            trace: req.trace,
         };
         if self.work.send(Work::Begin(Box::new(ctx))).is_err()
             || self.work.send(Work::Seqs(seqs)).is_err()
@@ -623,6 +625,7 @@ impl StageServer {
             client_nonce: req.client_nonce,
             sealing: req.sealing,
             response_key: key,
+            trace: req.trace,
         };
         Ok((ctx, ids))
     }
@@ -718,9 +721,14 @@ impl StageServer {
                 Ok(Some(m @ ActivationMessage::BeginGeneration(_)))
                 | Ok(Some(m @ ActivationMessage::Step(_))) => Work::Activation(m),
                 Ok(Some(ActivationMessage::Batch(b))) => Work::Batch(b),
-                Ok(Some(ActivationMessage::Links { request_id, links })) => Work::Links {
+                Ok(Some(ActivationMessage::Links {
+                    request_id,
+                    links,
+                    timings,
+                })) => Work::Links {
                     request_id,
                     links: links.into_iter().map(|l| l.into_vec()).collect(),
+                    timings,
                 },
                 Ok(Some(ActivationMessage::Failed { request_id, error })) => {
                     Work::Failed { request_id, error }

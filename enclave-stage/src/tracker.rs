@@ -12,10 +12,11 @@
 //! received digest when nothing was changed in between.
 
 use crate::keys::StageKeys;
+use crate::stats::RequestTimer;
 use proto::digest::Sha256Digest;
 use proto::frames::{
-    ActivationMessage, BatchItem, ErrorKind, PipelineError, RequestContext, ResultMessage,
-    StageClaims,
+    ActivationMessage, BatchItem, ErrorKind, PipelineError, RequestContext, RequestTelemetry,
+    ResultMessage, StageClaims, StageTiming,
 };
 use proto::openai::{embeddings_response, ApiError};
 use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody};
@@ -54,6 +55,8 @@ struct Request {
     vectors: Vec<Option<Vec<f32>>>,
     tokens: Vec<u32>,
     upstream_links: Option<Vec<Vec<u8>>>,
+    upstream_timings: Vec<StageTiming>,
+    timer: RequestTimer,
 }
 
 /// What a finished request produces.
@@ -97,8 +100,32 @@ impl Tracker {
                 vectors: vec![None; n],
                 tokens: vec![0; n],
                 upstream_links: entry.then(Vec::new),
+                upstream_timings: Vec::new(),
+                timer: RequestTimer::start(),
             },
         );
+    }
+
+    /// Requests being tracked.
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Whether no request is being tracked.
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// A request took part in a micro-batch that began at `began` and took `took`.
+    pub fn computed(
+        &mut self,
+        request_id: u64,
+        began: std::time::Instant,
+        took: std::time::Duration,
+    ) {
+        if let Some(r) = self.requests.get_mut(&request_id) {
+            r.timer.computed(began, took);
+        }
     }
 
     /// Whether a request is being tracked (rows of failed requests are ignored).
@@ -134,10 +161,16 @@ impl Tracker {
         }
     }
 
-    /// Records the earlier stages' links.
-    pub fn upstream_links(&mut self, request_id: u64, links: Vec<Vec<u8>>) {
+    /// Records the earlier stages' links and timings.
+    pub fn upstream_links(
+        &mut self,
+        request_id: u64,
+        links: Vec<Vec<u8>>,
+        timings: Vec<StageTiming>,
+    ) {
         if let Some(r) = self.requests.get_mut(&request_id) {
             r.upstream_links = Some(links);
+            r.upstream_timings = timings;
         }
     }
 
@@ -194,6 +227,8 @@ impl Tracker {
                 .ok(),
         };
         let upstream = r.upstream_links.clone().unwrap_or_default();
+        let mut timings = r.upstream_timings.clone();
+        timings.push(r.timer.finish(self.claims.stage_index));
         let received = if self.is_entry() {
             r.ctx.request_digest
         } else {
@@ -217,11 +252,17 @@ impl Tracker {
             return Ok(Finished::Links(ActivationMessage::Links {
                 request_id: r.ctx.request_id,
                 links: links.into_iter().map(serde_bytes::ByteBuf::from).collect(),
+                timings,
             }));
         }
         let vectors: Option<Vec<Vec<f32>>> = r.vectors.into_iter().collect();
         let vectors = vectors.ok_or_else(|| fail("a row is missing its vector"))?;
         let body = embeddings_response(&r.ctx.request, &c.model_id, &vectors, &r.tokens);
+        let telemetry = RequestTelemetry {
+            stages: timings,
+            input_tokens: r.tokens.iter().map(|&t| t as u64).sum(),
+            ..Default::default()
+        };
         let body = serde_json::to_vec(&body).map_err(|_| fail("response encoding failed"))?;
         let response_digest = Sha256Digest::of(&body);
         link.sent_digest = response_digest;
@@ -254,6 +295,7 @@ impl Tracker {
             body: sealed,
             receipt,
             receipt_id: r.ctx.receipt_id,
+            telemetry: Some(telemetry),
         }))
     }
 }

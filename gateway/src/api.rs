@@ -161,6 +161,10 @@ pub fn router(state: AppState) -> Router {
             ApiError::method_not_allowed(method.as_str(), uri.path())
         })
         .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::telemetry::trace_request,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
             state.limits.routes.clone(),
             crate::timeouts::enforce,
         ))
@@ -210,12 +214,14 @@ async fn request_id(mut req: axum::extract::Request, next: axum::middleware::Nex
 }
 
 async fn metrics_handler(State(s): State<AppState>) -> Response {
+    let mut text = s.metrics.render(Some(&s.pipeline));
+    text += &crate::stage_metrics::render(&s.pipelines()).await;
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        s.metrics.render(Some(&s.pipeline)),
+        text,
     )
         .into_response()
 }

@@ -39,6 +39,9 @@ pub struct GatewayConfig {
     /// The text-generation pipeline for `/v1/completions` (none: not served).
     #[serde(default)]
     pub completions: Option<CompletionsConfig>,
+    /// OpenTelemetry traces (off unless `otlp_endpoint` is set).
+    #[serde(default)]
+    pub telemetry: crate::telemetry::TelemetryConfig,
 }
 
 /// `[completions]`: a second pipeline of stages serving a Llama model for
@@ -411,6 +414,7 @@ impl GatewayConfig {
             }
         }
         self.check_listen()?;
+        self.telemetry.validate(&k)?;
         if self.server.max_inputs == 0 {
             bail!("{}: must be at least 1", k("server.max_inputs"));
         }

@@ -14,6 +14,8 @@ mod openai_error;
 mod pipeline;
 mod receipts;
 mod shutdown;
+mod stage_metrics;
+mod telemetry;
 mod timeouts;
 mod tls;
 
@@ -86,7 +88,12 @@ struct MeasureArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    proto::logging::init();
+    // `serve` reads its config first: traces need their exporter in the subscriber.
+    telemetry::init_logging(match &cli.command {
+        Some(Command::Serve(a)) => Some(a.config.as_path()),
+        None => Some(std::path::Path::new("config/gateway.toml")),
+        _ => None,
+    });
     let args = match cli.command {
         Some(Command::Serve(a)) => a,
         Some(Command::Client(c)) => std::process::exit(cli::run(c)),
@@ -385,6 +392,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     for s in stages {
         s.stop().await;
     }
+    telemetry::shutdown();
     tracing::info!("stopped");
     Ok(())
 }

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 /// Latency histogram bucket bounds, seconds.
-const BUCKETS: [f64; 14] = [
+pub(crate) const BUCKETS: [f64; 14] = [
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
@@ -55,15 +55,17 @@ impl AuthRejection {
     }
 }
 
+/// A histogram over [`BUCKETS`] (cumulative counts per bound).
 #[derive(Default)]
-struct Histogram {
-    counts: [u64; BUCKETS.len()],
-    count: u64,
-    sum: f64,
+pub(crate) struct Histogram {
+    pub(crate) counts: [u64; BUCKETS.len()],
+    pub(crate) count: u64,
+    pub(crate) sum: f64,
 }
 
 impl Histogram {
-    fn observe(&mut self, v: f64) {
+    /// Adds one observation.
+    pub(crate) fn observe(&mut self, v: f64) {
         for (c, b) in self.counts.iter_mut().zip(BUCKETS) {
             if v <= b {
                 *c += 1;

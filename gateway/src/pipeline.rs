@@ -15,7 +15,8 @@ use proto::channel::{
 };
 use proto::digest::Sha256Digest;
 use proto::frames::{
-    HostMessage, PipelineError, ResultMessage, SealedRequest, StageClaims, StageReply,
+    HostMessage, PipelineError, RequestTelemetry, ResultMessage, SealedRequest, StageClaims,
+    StageReply, StageStats,
 };
 use proto::manifest::LoadedManifest;
 use proto::policy::Policy;
@@ -25,7 +26,7 @@ use proto::transport::{self, Endpoint};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, Mutex, Notify};
 
 /// What the pipeline needs to know about its stages.
@@ -138,6 +139,9 @@ struct Connected {
 }
 
 type AttestWaiters = HashMap<(usize, Vec<u8>), Vec<oneshot::Sender<Evidence>>>;
+type StatsWaiters = HashMap<usize, Vec<oneshot::Sender<StageStats>>>;
+/// A reply with what the exit stage reported about the request (counts, timings).
+type Answer = (Reply, Option<RequestTelemetry>);
 
 /// The orchestrator.
 pub struct Pipeline {
@@ -154,8 +158,11 @@ pub struct Pipeline {
     pub endpoint: &'static str,
     connected: StdMutex<Option<Connected>>,
     not_ready_reason: StdMutex<String>,
-    pending: StdMutex<HashMap<u64, mpsc::UnboundedSender<Reply>>>,
+    pending: StdMutex<HashMap<u64, mpsc::UnboundedSender<Answer>>>,
     attest_waiters: StdMutex<AttestWaiters>,
+    stats_waiters: StdMutex<StatsWaiters>,
+    /// Requests, tokens, finish reasons and time to first token (metrics).
+    pub usage: crate::stage_metrics::UsageCounters,
     next_id: AtomicU64,
     epoch: AtomicU64,
     broken: Notify,
@@ -200,6 +207,8 @@ impl Pipeline {
             not_ready_reason: StdMutex::new("pipeline is starting".into()),
             pending: StdMutex::new(HashMap::new()),
             attest_waiters: StdMutex::new(HashMap::new()),
+            stats_waiters: StdMutex::new(HashMap::new()),
+            usage: Default::default(),
             next_id: AtomicU64::new(1),
             epoch: AtomicU64::new(0),
             broken: Notify::new(),
@@ -400,6 +409,12 @@ impl Pipeline {
                         let _ = w.send(evidence.clone());
                     }
                 }
+                Ok(Some(StageReply::Stats(stats))) => {
+                    let waiters = self.stats_waiters.lock().unwrap().remove(&index);
+                    for w in waiters.into_iter().flatten() {
+                        let _ = w.send(stats.clone());
+                    }
+                }
                 Ok(Some(StageReply::DownstreamLost(why))) => {
                     break format!("stage {index} lost its next stage: {why}")
                 }
@@ -428,11 +443,13 @@ impl Pipeline {
         // Dropping the waiters' senders fails every pending request with 503.
         let failed = self.pending.lock().unwrap().drain().count();
         self.attest_waiters.lock().unwrap().clear();
+        self.stats_waiters.lock().unwrap().clear();
         tracing::warn!(reason = %reason, failed_requests = failed, "pipeline broken");
         self.broken.notify_one();
     }
 
     fn on_result(&self, m: ResultMessage) {
+        let mut telemetry = None;
         let (request_id, reply, last) = match m {
             ResultMessage::Response {
                 request_id,
@@ -440,16 +457,17 @@ impl Pipeline {
                 body,
                 receipt,
                 receipt_id,
-            } => (
-                request_id,
-                Reply::Response {
+                telemetry: t,
+            } => {
+                telemetry = t;
+                let reply = Reply::Response {
                     status,
                     body,
                     receipt,
                     receipt_id,
-                },
-                true,
-            ),
+                };
+                (request_id, reply, true)
+            }
             ResultMessage::Failed { request_id, error } => (request_id, Reply::Failed(error), true),
             ResultMessage::StreamStart {
                 request_id,
@@ -462,7 +480,11 @@ impl Pipeline {
                 request_id,
                 data,
                 receipt,
-            } => (request_id, Reply::StreamEnd { data, receipt }, true),
+                telemetry: t,
+            } => {
+                telemetry = t;
+                (request_id, Reply::StreamEnd { data, receipt }, true)
+            }
         };
         let mut pending = self.pending.lock().unwrap();
         let w = if last {
@@ -472,7 +494,7 @@ impl Pipeline {
         };
         match w {
             Some(w) => {
-                let _ = w.send(reply);
+                let _ = w.send((reply, telemetry));
             }
             None => tracing::debug!(
                 request_id,
@@ -498,11 +520,17 @@ impl Pipeline {
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (done, rx) = mpsc::unbounded_channel();
         self.pending.lock().unwrap().insert(request_id, done);
+        let span = crate::telemetry::current_request_span();
+        let trace = span.as_ref().and_then(crate::telemetry::trace_context);
         let mut sub = Submission {
             pipeline: self.clone(),
             request_id,
             rx,
             finished: false,
+            span,
+            submitted: Instant::now(),
+            submitted_unix_ns: crate::stage_metrics::unix_ns(),
+            streamed: false,
         };
         let msg = HostMessage::Request(SealedRequest {
             request_id,
@@ -511,6 +539,7 @@ impl Pipeline {
             body,
             client_nonce,
             sealing,
+            trace,
         });
         if let Err(e) = entry.lock().await.send_msg(&msg).await {
             sub.finished = true;
@@ -570,6 +599,39 @@ impl Pipeline {
             }
         }
         Ok(out)
+    }
+
+    /// Every stage's load counters (`None` for a stage that did not answer
+    /// within `timeout`, or when the pipeline is down).
+    pub async fn stats(&self, timeout: Duration) -> Vec<Option<StageStats>> {
+        let n = self.stage_count();
+        let mut waits = Vec::new();
+        for i in 0..n {
+            let Ok(sender) = self.sender(i) else {
+                waits.push(None);
+                continue;
+            };
+            let (tx, rx) = oneshot::channel();
+            self.stats_waiters
+                .lock()
+                .unwrap()
+                .entry(i)
+                .or_default()
+                .push(tx);
+            let sent = sender.lock().await.send_msg(&HostMessage::Stats).await;
+            waits.push(sent.is_ok().then_some(rx));
+        }
+        let mut out = Vec::new();
+        for w in waits {
+            out.push(match w {
+                Some(rx) => tokio::time::timeout(timeout, rx)
+                    .await
+                    .ok()
+                    .and_then(Result::ok),
+                None => None,
+            });
+        }
+        out
     }
 
     /// After the first connection: waits for a break, then reconnects until
@@ -665,15 +727,22 @@ pub fn check_boot_evidence(
 pub struct Submission {
     pipeline: Arc<Pipeline>,
     request_id: u64,
-    rx: mpsc::UnboundedReceiver<Reply>,
+    rx: mpsc::UnboundedReceiver<Answer>,
     finished: bool,
+    /// The request's trace span (tracing on); kept open until the answer ends.
+    span: Option<tracing::Span>,
+    submitted: Instant,
+    submitted_unix_ns: u64,
+    /// A stream's first bytes came (time to first token is measured there).
+    streamed: bool,
 }
 
 impl Submission {
     /// The next part of the answer, within `timeout`.
     pub async fn next(&mut self, timeout: Duration) -> Result<Reply, Failure> {
         match tokio::time::timeout(timeout, self.rx.recv()).await {
-            Ok(Some(r)) => {
+            Ok(Some((r, telemetry))) => {
+                self.observe(&r, telemetry.as_ref());
                 if matches!(
                     r,
                     Reply::Response { .. } | Reply::Failed(_) | Reply::StreamEnd { .. }
@@ -691,8 +760,36 @@ impl Submission {
     }
 }
 
+impl Submission {
+    /// Metrics and the trace span from an answer: time to first token when
+    /// a stream's first bytes come, counts and stage spans at the end.
+    fn observe(&mut self, r: &Reply, telemetry: Option<&RequestTelemetry>) {
+        let p = &self.pipeline;
+        if matches!(r, Reply::StreamData(_)) && !self.streamed {
+            self.streamed = true;
+            p.usage.first_token(self.submitted.elapsed());
+        }
+        let Some(t) = telemetry else { return };
+        if !self.streamed && p.is_generation() {
+            if let Some(first) = t.first_token_unix_ns {
+                let ns = first.saturating_sub(self.submitted_unix_ns);
+                p.usage.first_token(Duration::from_nanos(ns));
+            }
+        }
+        p.usage.finished(t);
+        if let Some(span) = &self.span {
+            crate::telemetry::record_outcome(span, &p.model_id, p.is_generation(), t);
+        }
+    }
+}
+
 impl Drop for Submission {
     fn drop(&mut self) {
+        if let Some(span) = &self.span {
+            // The OpenTelemetry layer ends a span at its last exit: a stream's
+            // span ends here, with the stream, not with the response headers.
+            span.in_scope(|| {});
+        }
         self.pipeline
             .pending
             .lock()

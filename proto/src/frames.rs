@@ -110,6 +110,8 @@ pub enum HostMessage {
         #[serde(with = "serde_bytes")]
         nonce: Vec<u8>,
     },
+    /// Asks for the stage's load counters ([`StageReply::Stats`]).
+    Stats,
 }
 
 /// An API request as the entry stage receives it: always HPKE-sealed (by the
@@ -130,7 +132,91 @@ pub struct SealedRequest {
     pub client_nonce: Option<Vec<u8>>,
     /// Who sealed the body, as the gateway reports it (recorded in the receipt).
     pub sealing: Sealing,
+    /// The gateway's trace context when tracing is on (ids only, no content).
+    #[serde(default)]
+    pub trace: Option<TraceContext>,
 }
+
+/// W3C trace context of a request: which trace and parent span the stages'
+/// timings belong to. Random ids chosen by the gateway or its caller; never
+/// derived from request content.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceContext {
+    /// Trace id.
+    #[serde(with = "serde_bytes")]
+    pub trace_id: [u8; 16],
+    /// The gateway's request span id (the parent of the stages' spans).
+    #[serde(with = "serde_bytes")]
+    pub span_id: [u8; 8],
+    /// W3C trace flags (bit 0: sampled).
+    pub flags: u8,
+}
+
+/// One stage's timing of one request, reported back so that the gateway can
+/// emit the per-stage spans (stages cannot reach a collector).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageTiming {
+    /// Stage index.
+    pub stage_index: u32,
+    /// Unix time (ns, the stage's clock) when the request reached the stage
+    /// (its announcement was taken up by the compute thread).
+    pub start_unix_ns: u64,
+    /// From arrival to the request's first micro-batch or step (ns).
+    pub queue_ns: u64,
+    /// Time of the micro-batches or steps the request took part in (ns;
+    /// a batch shared by several requests counts for each of them).
+    pub compute_ns: u64,
+    /// Unix time (ns) when the stage finished its part.
+    pub end_unix_ns: u64,
+    /// Micro-batches or steps the request took part in.
+    pub batches: u32,
+}
+
+/// What the exit stage reports about a finished request besides its sealed
+/// response: counts and timings only (the host sees the ciphertext's size
+/// and timing anyway), never content.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestTelemetry {
+    /// Every stage's timing, entry stage first.
+    pub stages: Vec<StageTiming>,
+    /// Prompt (input) tokens.
+    pub input_tokens: u64,
+    /// Generated tokens (0 for embeddings).
+    pub output_tokens: u64,
+    /// Finish reason of each choice (`stop`, `length`); empty for embeddings.
+    pub finish_reasons: Vec<String>,
+    /// Unix time (ns, exit stage clock) when the first token was sampled.
+    pub first_token_unix_ns: Option<u64>,
+}
+
+/// A stage's load counters, answered to [`HostMessage::Stats`]. Counters
+/// are totals since the stage started.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageStats {
+    /// Requests this stage holds now (announced, not yet finished here).
+    pub requests: u64,
+    /// Requests waiting for KV-cache room (generation entry stage).
+    pub waiting: u64,
+    /// Sequences being generated (generation stages).
+    pub active_sequences: u64,
+    /// KV-cache tokens allocated (generation stages).
+    pub kv_tokens_used: u64,
+    /// Micro-batches (or generation steps) run.
+    pub batches: u64,
+    /// Rows (sequences) over all micro-batches or steps.
+    pub batch_rows: u64,
+    /// Micro-batches by rows, one count per bound of [`BATCH_SIZE_BOUNDS`]
+    /// (not cumulative: bucket *i* counts sizes in `(bound[i-1], bound[i]]`),
+    /// plus one for larger ones.
+    pub batch_size_counts: Vec<u64>,
+    /// Tokens run through this stage's layers.
+    pub tokens: u64,
+    /// Time spent computing (ns).
+    pub compute_ns: u64,
+}
+
+/// Upper bounds of the micro-batch size buckets of [`StageStats`].
+pub const BATCH_SIZE_BOUNDS: [u64; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
 /// Stage → gateway on the host channel.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -143,6 +229,8 @@ pub enum StageReply {
     },
     /// Configuration failed; the reason names the peer and check.
     ConfigureFailed(String),
+    /// The stage's load counters.
+    Stats(StageStats),
     /// Fresh evidence for an `Attest` request.
     Evidence {
         /// The nonce it binds.
@@ -204,6 +292,9 @@ pub struct RequestContext {
     pub sealing: Sealing,
     /// Key material that seals the response to the client.
     pub response_key: ResponseKeyMaterial,
+    /// The gateway's trace context, when tracing is on.
+    #[serde(default)]
+    pub trace: Option<TraceContext>,
 }
 
 /// One prompt of a completions request as later stages see it.
@@ -242,6 +333,9 @@ pub struct GenerationContext {
     pub sealing: Sealing,
     /// Key material that seals the response to the client.
     pub response_key: ResponseKeyMaterial,
+    /// The gateway's trace context, when tracing is on.
+    #[serde(default)]
+    pub trace: Option<TraceContext>,
 }
 
 /// One sequence's tokens in a generation step.
@@ -314,6 +408,9 @@ pub enum ActivationMessage {
         request_id: u64,
         /// COSE_Sign1 links in stage order.
         links: Vec<serde_bytes::ByteBuf>,
+        /// The timings of the same stages, in the same order.
+        #[serde(default)]
+        timings: Vec<StageTiming>,
     },
     /// A request failed upstream; pass it on.
     Failed {
@@ -341,6 +438,9 @@ pub enum ResultMessage {
         receipt: Vec<u8>,
         /// Its id.
         receipt_id: ReceiptId,
+        /// Counts and per-stage timings (no content).
+        #[serde(default)]
+        telemetry: Option<RequestTelemetry>,
     },
     /// A request failed somewhere in the pipeline.
     Failed {
@@ -375,5 +475,8 @@ pub enum ResultMessage {
         /// The signed receipt; `None` when the stream ended with an error.
         #[serde(with = "serde_bytes")]
         receipt: Option<Vec<u8>>,
+        /// Counts and per-stage timings (no content); `None` on error.
+        #[serde(default)]
+        telemetry: Option<RequestTelemetry>,
     },
 }

@@ -5,26 +5,46 @@
 //! anywhere carries request content, keys or tokens.
 
 use std::io::IsTerminal;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::Layer as _;
+
+/// A further layer beside the log output (the gateway's trace exporter),
+/// with its own filter.
+pub type ExtraLayer =
+    Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync + 'static>;
 
 /// Installs the global subscriber.
 pub fn init() {
+    init_with(None)
+}
+
+/// Installs the global subscriber with `extra` beside the log output; the
+/// `RUST_LOG` filter applies to the log output only.
+pub fn init_with(extra: Option<ExtraLayer>) {
     let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+        || tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     let json = match std::env::var("LOG_FORMAT").as_deref() {
         Ok("json") => true,
         Ok("text") => false,
         _ => !std::io::stderr().is_terminal(),
     };
-    let builder = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(filter);
-    if json {
-        builder
+    let text_layer = (!json).then(|| {
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_filter(filter())
+    });
+    let json_layer = json.then(|| {
+        tracing_subscriber::fmt::layer()
             .json()
             .with_current_span(true)
             .with_span_list(false)
-            .init();
-    } else {
-        builder.init();
-    }
+            .with_writer(std::io::stderr)
+            .with_filter(filter())
+    });
+    tracing_subscriber::registry()
+        .with(extra)
+        .with(text_layer)
+        .with(json_layer)
+        .init();
 }

@@ -22,6 +22,7 @@ use crate::fault::Fault;
 use crate::keys::StageKeys;
 use crate::llama::{LlamaPart, SeqSlice};
 use crate::sampling::SamplingParams;
+use crate::stats::{unix_ns, RequestTimer, STATS};
 use anyhow::{anyhow, bail, Result};
 use candle_core::Tensor;
 use proto::completions::{
@@ -31,7 +32,7 @@ use proto::completions::{
 use proto::digest::Sha256Digest;
 use proto::frames::{
     ActivationMessage, BatchItem, ErrorKind, FeedbackMessage, GenerationContext, NextToken,
-    PipelineError, ResultMessage, StepBatch, StepSeq,
+    PipelineError, RequestTelemetry, ResultMessage, StageTiming, StepBatch, StepSeq,
 };
 use proto::openai::ApiError;
 use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody};
@@ -40,7 +41,7 @@ use proto::tensor::TensorFrame;
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::Sender;
 
 /// Budgets of a generation stage.
@@ -93,6 +94,8 @@ struct ExitState {
     stream: Option<Streaming>,
     prompt_tokens: u64,
     finished: usize,
+    /// Unix ns when this request's first token was sampled.
+    first_token_unix_ns: Option<u64>,
 }
 
 struct GenRequest {
@@ -103,6 +106,10 @@ struct GenRequest {
     /// Every choice has finished in this stage's view.
     done: bool,
     exit: Option<ExitState>,
+    /// Earlier stages' timings (with their links).
+    upstream_timings: Vec<StageTiming>,
+    /// This stage's timing.
+    timer: RequestTimer,
 }
 
 impl GenRequest {
@@ -204,6 +211,29 @@ impl Generator {
                     self.run_entry_step(plan);
                 }
             }
+            self.update_gauges();
+        }
+    }
+
+    /// Publishes this stage's gauges (requests, waiting, sequences, KV).
+    fn update_gauges(&self) {
+        let (waiting, active) = match &self.sched {
+            Some(s) => (s.waiting(), s.active_seqs()),
+            None => (0, self.requests.values().map(|r| r.received.len()).sum()),
+        };
+        STATS.gauges(self.requests.len(), waiting, active, self.kv_tokens_used());
+    }
+
+    /// Counts a step that began at `began` (ends now) in the stage's
+    /// counters and in each of its requests' timings.
+    fn record_step(&mut self, seqs: &[StepSeq], began: Instant) {
+        let took = began.elapsed();
+        let tokens = seqs.iter().map(|s| s.len as u64).sum();
+        STATS.batch(seqs.len(), tokens, took);
+        for id in request_ids(seqs) {
+            if let Some(r) = self.requests.get_mut(&id) {
+                r.timer.computed(began, took);
+            }
         }
     }
 
@@ -219,7 +249,11 @@ impl Generator {
                 }
                 self.forget(request_id);
             }
-            Work::Links { request_id, links } => self.upstream_links(request_id, links),
+            Work::Links {
+                request_id,
+                links,
+                timings,
+            } => self.upstream_links(request_id, links, timings),
             Work::Failed { request_id, error } => self.upstream_failed(request_id, error),
             Work::Cancel { request_id } => self.cancel(request_id),
             Work::Begin(_) | Work::Seqs(_) | Work::Batch(_) | Work::Activation(_) => {
@@ -290,6 +324,8 @@ impl Generator {
                 done: false,
                 exit,
                 ctx,
+                upstream_timings: Vec::new(),
+                timer: RequestTimer::start(),
             },
         );
         true
@@ -353,6 +389,7 @@ impl Generator {
             stream,
             prompt_tokens,
             finished: 0,
+            first_token_unix_ns: None,
         })
     }
 
@@ -502,6 +539,7 @@ impl Generator {
             request_id,
             data,
             receipt: None,
+            telemetry: None,
         }));
     }
 
@@ -652,6 +690,7 @@ impl Generator {
         {
             bail!("injected fault");
         }
+        let began = Instant::now();
         // Reserve KV room on each sequence's first step.
         for (i, s) in seqs.iter().enumerate() {
             let key = seq_key(s.request_id, s.choice);
@@ -692,6 +731,7 @@ impl Generator {
         let out = self.part.forward(&hidden, &slices)?;
         if self.is_exit() {
             let logits = self.part.logits_last(&out, &slices)?.to_vec2::<f32>()?;
+            self.record_step(seqs, began);
             self.sample(seqs, logits);
         } else {
             let values = out.flatten_all()?.to_vec1::<f32>()?;
@@ -713,6 +753,7 @@ impl Generator {
                 }
                 off += len;
             }
+            self.record_step(seqs, began);
             let step_id = self.next_step;
             self.next_step += 1;
             self.send(Output::Activation(ActivationMessage::Step(StepBatch {
@@ -740,6 +781,9 @@ impl Generator {
                 continue;
             };
             let Some(ex) = r.exit.as_mut() else { continue };
+            if ex.first_token_unix_ns.is_none() {
+                ex.first_token_unix_ns = Some(unix_ns());
+            }
             let Some(choice) = ex.choices.get_mut(s.choice as usize) else {
                 continue;
             };
@@ -821,12 +865,13 @@ impl Generator {
         }
     }
 
-    fn upstream_links(&mut self, request_id: u64, links: Vec<Vec<u8>>) {
+    fn upstream_links(&mut self, request_id: u64, links: Vec<Vec<u8>>, timings: Vec<StageTiming>) {
         let exit = self.is_exit();
         let Some(r) = self.requests.get_mut(&request_id) else {
             return;
         };
         r.upstream_links = Some(links);
+        r.upstream_timings = timings;
         // Middle stages: the previous stage finished, so every step of this
         // request has passed through here.
         if !exit {
@@ -867,6 +912,8 @@ impl Generator {
     fn finish(&self, r: GenRequest) -> Result<Output> {
         let c = &self.model.claims;
         let upstream = r.upstream_links.clone().unwrap_or_default();
+        let mut timings = r.upstream_timings.clone();
+        timings.push(r.timer.finish(c.stage_index));
         let received = if self.model.is_entry() {
             r.ctx.request_digest
         } else {
@@ -887,6 +934,7 @@ impl Generator {
             return Ok(Output::Activation(ActivationMessage::Links {
                 request_id: r.ctx.request_id,
                 links: links.into_iter().map(serde_bytes::ByteBuf::from).collect(),
+                timings,
             }));
         }
         let ex = r.exit.ok_or_else(|| anyhow!("exit state missing"))?;
@@ -897,6 +945,17 @@ impl Generator {
                 .iter()
                 .map(|c| c.completion_tokens() as u64)
                 .sum(),
+        };
+        let telemetry = RequestTelemetry {
+            stages: timings,
+            input_tokens: usage.prompt_tokens,
+            output_tokens: usage.completion_tokens,
+            finish_reasons: ex
+                .choices
+                .iter()
+                .filter_map(|c| c.finish().map(|f| f.as_str().to_string()))
+                .collect(),
+            first_token_unix_ns: ex.first_token_unix_ns,
         };
         let (body, stream) = match ex.stream {
             Some(mut st) => {
@@ -955,6 +1014,7 @@ impl Generator {
                     request_id: r.ctx.request_id,
                     data,
                     receipt: Some(receipt),
+                    telemetry: Some(telemetry),
                 })
             }
             None => Output::Result(ResultMessage::Response {
@@ -964,6 +1024,7 @@ impl Generator {
                     .map_err(|e| anyhow!("{e}"))?,
                 receipt,
                 receipt_id: r.ctx.receipt_id,
+                telemetry: Some(telemetry),
             }),
         })
     }

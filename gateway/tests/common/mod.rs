@@ -153,7 +153,14 @@ impl Gateway {
                 _ => break None,
             }
         };
-        std::thread::spawn(move || for _ in lines {});
+        // The rest of stdout is kept in `dir/stdout.log` (tests search it).
+        let mut stdout_log = std::fs::File::create(dir.join("stdout.log")).unwrap();
+        std::thread::spawn(move || {
+            use std::io::Write as _;
+            for l in lines.map_while(Result::ok) {
+                let _ = writeln!(stdout_log, "{l}");
+            }
+        });
         match url {
             Some(url) => Ok(Gateway { child, url, dir }),
             None => {
@@ -179,9 +186,14 @@ impl Gateway {
         }
     }
 
-    /// The gateway's log so far.
+    /// The gateway's log so far (its stderr, which its local stages share).
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("stderr.log")).unwrap_or_default()
+    }
+
+    /// What the gateway printed on stdout after its listening line.
+    pub fn stdout(&self) -> String {
+        std::fs::read_to_string(self.dir.join("stdout.log")).unwrap_or_default()
     }
 
     /// Pids of the stage processes (children of the gateway).

@@ -1,0 +1,309 @@
+//! The pipelines' part of `/metrics`: stage health and attestation failures
+//! of every pipeline, what the stages report about their load (asked over
+//! the host channel with a `Stats` frame at each scrape: requests held,
+//! requests waiting for KV room, sequences, KV tokens, micro-batch sizes,
+//! tokens and compute time), and what the gateway derives from the exit
+//! stage's per-request report (requests, input and output tokens, finish
+//! reasons, time to first token).
+//!
+//! Label values are fixed: the pipeline (`embeddings`, `completions`), the
+//! stage index, the operation and the finish reason (`stop`, `length`,
+//! anything else as `other`). No request content can become a label.
+
+use crate::metrics::{Histogram, BUCKETS};
+use crate::pipeline::Pipeline;
+use proto::frames::{RequestTelemetry, StageStats, BATCH_SIZE_BOUNDS};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// How long a scrape waits for a stage's counters.
+pub const STATS_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Unix time in nanoseconds.
+pub fn unix_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// Per pipeline: what the exit stage reported about finished requests, and
+/// time to first token.
+#[derive(Default)]
+pub struct UsageCounters {
+    requests: AtomicU64,
+    input_tokens: AtomicU64,
+    output_tokens: AtomicU64,
+    finish_reasons: Mutex<BTreeMap<&'static str, u64>>,
+    first_token: Mutex<Histogram>,
+}
+
+impl UsageCounters {
+    /// A request finished with a response; `t` is the exit stage's report.
+    pub fn finished(&self, t: &RequestTelemetry) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.input_tokens
+            .fetch_add(t.input_tokens, Ordering::Relaxed);
+        self.output_tokens
+            .fetch_add(t.output_tokens, Ordering::Relaxed);
+        let mut f = self.finish_reasons.lock().unwrap();
+        for r in &t.finish_reasons {
+            let label = match r.as_str() {
+                "stop" => "stop",
+                "length" => "length",
+                _ => "other",
+            };
+            *f.entry(label).or_default() += 1;
+        }
+    }
+
+    /// Time from submission to the first generated token.
+    pub fn first_token(&self, d: Duration) {
+        self.first_token.lock().unwrap().observe(d.as_secs_f64());
+    }
+}
+
+/// A usage counter family: name, help, value.
+type UsageFamily = (&'static str, &'static str, fn(&UsageCounters) -> u64);
+/// A stage family: name, type, help, value.
+type StageFamily = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&StageStats) -> f64,
+);
+
+fn pipeline_label(p: &Pipeline) -> &'static str {
+    if p.is_generation() {
+        "completions"
+    } else {
+        "embeddings"
+    }
+}
+
+fn operation(p: &Pipeline) -> &'static str {
+    if p.is_generation() {
+        "text_completion"
+    } else {
+        "embeddings"
+    }
+}
+
+fn family(o: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// Asks every stage of every pipeline for its counters and renders the
+/// pipeline families.
+pub async fn render(pipelines: &[&Arc<Pipeline>]) -> String {
+    let stats =
+        futures_util::future::join_all(pipelines.iter().map(|p| p.stats(STATS_TIMEOUT))).await;
+    render_with(pipelines, &stats)
+}
+
+/// The pipeline families, given each pipeline's stage counters.
+pub fn render_with(pipelines: &[&Arc<Pipeline>], stats: &[Vec<Option<StageStats>>]) -> String {
+    let mut o = String::new();
+    family(
+        &mut o,
+        "gateway_pipeline_stage_up",
+        "gauge",
+        "Per pipeline and stage: 1 when connected over a verified attested channel, else 0.",
+    );
+    for p in pipelines {
+        let up = u8::from(p.status().is_ok());
+        for i in 0..p.stage_count() {
+            let _ = writeln!(
+                o,
+                "gateway_pipeline_stage_up{{pipeline=\"{}\",stage=\"{i}\"}} {up}",
+                pipeline_label(p)
+            );
+        }
+    }
+    family(
+        &mut o,
+        "gateway_pipeline_attestation_failures_total",
+        "counter",
+        "Per pipeline: stage connection attempts refused because evidence or claims failed the policy.",
+    );
+    for p in pipelines {
+        let _ = writeln!(
+            o,
+            "gateway_pipeline_attestation_failures_total{{pipeline=\"{}\"}} {}",
+            pipeline_label(p),
+            p.attestation_failures.load(Ordering::Relaxed)
+        );
+    }
+    render_usage(&mut o, pipelines);
+    render_stages(&mut o, pipelines, stats);
+    o
+}
+
+fn render_usage(o: &mut String, pipelines: &[&Arc<Pipeline>]) {
+    let counters: [UsageFamily; 3] = [
+        (
+            "gateway_genai_requests_total",
+            "Requests answered with a response by the exit stage, by operation.",
+            |u| u.requests.load(Ordering::Relaxed),
+        ),
+        (
+            "gateway_genai_input_tokens_total",
+            "Input (prompt) tokens of answered requests, as the exit stage counted them.",
+            |u| u.input_tokens.load(Ordering::Relaxed),
+        ),
+        (
+            "gateway_genai_output_tokens_total",
+            "Generated tokens of answered requests; rate() of it is tokens per second.",
+            |u| u.output_tokens.load(Ordering::Relaxed),
+        ),
+    ];
+    for (name, help, get) in counters {
+        family(o, name, "counter", help);
+        for p in pipelines {
+            let _ = writeln!(
+                o,
+                "{name}{{pipeline=\"{}\",operation=\"{}\"}} {}",
+                pipeline_label(p),
+                operation(p),
+                get(&p.usage)
+            );
+        }
+    }
+    let gen: Vec<_> = pipelines.iter().filter(|p| p.is_generation()).collect();
+    family(
+        o,
+        "gateway_completions_finish_reasons_total",
+        "counter",
+        "Finished completion choices by finish reason (stop, length).",
+    );
+    for p in &gen {
+        let f = p.usage.finish_reasons.lock().unwrap();
+        for reason in ["stop", "length", "other"] {
+            let _ = writeln!(
+                o,
+                "gateway_completions_finish_reasons_total{{pipeline=\"completions\",reason=\"{reason}\"}} {}",
+                f.get(reason).copied().unwrap_or(0)
+            );
+        }
+    }
+    let name = "gateway_completions_time_to_first_token_seconds";
+    family(
+        o,
+        name,
+        "histogram",
+        "From submission to the entry stage until the first token: the first stream bytes reaching the gateway, or (not streamed) the exit stage's sampling time.",
+    );
+    for p in &gen {
+        let h = p.usage.first_token.lock().unwrap();
+        let labels = "pipeline=\"completions\"";
+        for (b, c) in BUCKETS.iter().zip(h.counts) {
+            let _ = writeln!(o, "{name}_bucket{{{labels},le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(
+            o,
+            "{name}_bucket{{{labels},le=\"+Inf\"}} {}\n{name}_sum{{{labels}}} {}\n{name}_count{{{labels}}} {}",
+            h.count, h.sum, h.count
+        );
+    }
+}
+
+fn render_stages(o: &mut String, pipelines: &[&Arc<Pipeline>], stats: &[Vec<Option<StageStats>>]) {
+    let each = |o: &mut String, f: &dyn Fn(&mut String, &str, &StageStats)| {
+        for (p, st) in pipelines.iter().zip(stats) {
+            for (i, s) in st.iter().enumerate() {
+                if let Some(s) = s {
+                    let labels = format!("pipeline=\"{}\",stage=\"{i}\"", pipeline_label(p));
+                    f(o, &labels, s);
+                }
+            }
+        }
+    };
+    family(
+        o,
+        "gateway_stage_stats_up",
+        "gauge",
+        "1 when the stage answered the scrape's Stats request in time (its stage_* samples are present), else 0.",
+    );
+    for (p, st) in pipelines.iter().zip(stats) {
+        for (i, s) in st.iter().enumerate() {
+            let _ = writeln!(
+                o,
+                "gateway_stage_stats_up{{pipeline=\"{}\",stage=\"{i}\"}} {}",
+                pipeline_label(p),
+                u8::from(s.is_some())
+            );
+        }
+    }
+    let gauges: [StageFamily; 7] = [
+        (
+            "gateway_stage_requests",
+            "gauge",
+            "Requests the stage holds now (queued or being computed there): its queue depth.",
+            |s| s.requests as f64,
+        ),
+        (
+            "gateway_stage_waiting_requests",
+            "gauge",
+            "Requests waiting for KV-cache room (completions entry stage).",
+            |s| s.waiting as f64,
+        ),
+        (
+            "gateway_stage_active_sequences",
+            "gauge",
+            "Sequences being generated in the stage.",
+            |s| s.active_sequences as f64,
+        ),
+        (
+            "gateway_stage_kv_cache_tokens",
+            "gauge",
+            "KV-cache tokens allocated in the stage.",
+            |s| s.kv_tokens_used as f64,
+        ),
+        (
+            "gateway_stage_tokens_total",
+            "counter",
+            "Tokens run through the stage's layers; rate() of it is the stage's tokens per second.",
+            |s| s.tokens as f64,
+        ),
+        (
+            "gateway_stage_compute_seconds_total",
+            "counter",
+            "Time the stage spent computing micro-batches or steps.",
+            |s| s.compute_ns as f64 / 1e9,
+        ),
+        (
+            "gateway_stage_batches_total",
+            "counter",
+            "Micro-batches (embeddings) or steps (completions) the stage ran.",
+            |s| s.batches as f64,
+        ),
+    ];
+    for (name, kind, help, get) in gauges {
+        family(o, name, kind, help);
+        each(o, &|o, labels, s| {
+            let _ = writeln!(o, "{name}{{{labels}}} {}", get(s));
+        });
+    }
+    let name = "gateway_stage_batch_size";
+    family(
+        o,
+        name,
+        "histogram",
+        "Sequences per micro-batch (embeddings) or step (completions), as the stage counted them.",
+    );
+    each(o, &|o, labels, s| {
+        let mut cum = 0u64;
+        for (b, c) in BATCH_SIZE_BOUNDS.iter().zip(&s.batch_size_counts) {
+            cum += c;
+            let _ = writeln!(o, "{name}_bucket{{{labels},le=\"{b}\"}} {cum}");
+        }
+        let _ = writeln!(
+            o,
+            "{name}_bucket{{{labels},le=\"+Inf\"}} {}\n{name}_sum{{{labels}}} {}\n{name}_count{{{labels}}} {}",
+            s.batches, s.batch_rows, s.batches
+        );
+    });
+}
