@@ -21,17 +21,24 @@ pub struct StageCounters {
 }
 
 /// The stage's counters.
-pub static STATS: StageCounters = StageCounters {
-    requests: AtomicU64::new(0),
-    waiting: AtomicU64::new(0),
-    active_sequences: AtomicU64::new(0),
-    kv_tokens_used: AtomicU64::new(0),
-    batches: AtomicU64::new(0),
-    batch_rows: AtomicU64::new(0),
-    batch_sizes: [const { AtomicU64::new(0) }; BATCH_SIZE_BOUNDS.len() + 1],
-    tokens: AtomicU64::new(0),
-    compute_ns: AtomicU64::new(0),
-};
+pub static STATS: StageCounters = StageCounters::zeroed();
+
+impl StageCounters {
+    /// All counters at zero.
+    const fn zeroed() -> Self {
+        StageCounters {
+            requests: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            active_sequences: AtomicU64::new(0),
+            kv_tokens_used: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
+            batch_rows: AtomicU64::new(0),
+            batch_sizes: [const { AtomicU64::new(0) }; BATCH_SIZE_BOUNDS.len() + 1],
+            tokens: AtomicU64::new(0),
+            compute_ns: AtomicU64::new(0),
+        }
+    }
+}
 
 impl StageCounters {
     /// One micro-batch (or step) of `rows` sequences and `tokens` tokens ran for `took`.
@@ -139,17 +146,7 @@ mod tests {
 
     #[test]
     fn batch_sizes_land_in_their_buckets() {
-        let c = StageCounters {
-            requests: AtomicU64::new(0),
-            waiting: AtomicU64::new(0),
-            active_sequences: AtomicU64::new(0),
-            kv_tokens_used: AtomicU64::new(0),
-            batches: AtomicU64::new(0),
-            batch_rows: AtomicU64::new(0),
-            batch_sizes: [const { AtomicU64::new(0) }; BATCH_SIZE_BOUNDS.len() + 1],
-            tokens: AtomicU64::new(0),
-            compute_ns: AtomicU64::new(0),
-        };
+        let c = StageCounters::zeroed();
         for rows in [1, 2, 3, 300] {
             c.batch(rows, 10, Duration::from_millis(1));
         }
