@@ -342,6 +342,23 @@ impl StageServer {
         }
     }
 
+    /// Connects to another stage and runs the attested channel handshake
+    /// as initiator; `check` judges the peer's evidence and claims.
+    async fn dial(
+        &self,
+        ep: &Endpoint,
+        what: &str,
+        check: channel::PeerCheck<'_>,
+    ) -> Result<(ChannelSender, ChannelReceiver), String> {
+        let stream = transport::connect(ep)
+            .await
+            .map_err(|e| format!("connecting to {what} at {ep}: {e}"))?;
+        let (tx, rx, _peer) = channel::initiate(stream, &self.identity(), self.limits, check)
+            .await
+            .map_err(|e| format!("{what} at {ep}: {e}"))?;
+        Ok((tx, rx))
+    }
+
     /// Sets the output sink: the next stage, or (exit stage) this host channel.
     async fn configure(
         self: &Arc<Self>,
@@ -355,14 +372,8 @@ impl StageServer {
                 if self.model.is_exit() && !self.model.is_entry() =>
             {
                 let ep: Endpoint = ep.parse()?;
-                let stream = transport::connect(&ep)
-                    .await
-                    .map_err(|e| format!("connecting to the entry stage at {ep}: {e}"))?;
                 let check = |p: &PeerInfo| self.check_loop_peer(p, 0);
-                let (tx, _rx, _peer) =
-                    channel::initiate(stream, &self.identity(), self.limits, &check)
-                        .await
-                        .map_err(|e| format!("entry stage at {ep}: {e}"))?;
+                let (tx, _rx) = self.dial(&ep, "the entry stage", &check).await?;
                 *self.feedback.lock().await = Some(Arc::new(Mutex::new(tx)));
                 tracing::info!(entry = %ep, "connected and attested the entry stage for feedback");
             }
@@ -388,14 +399,8 @@ impl StageServer {
             }
             (Some(ep), false) => {
                 let ep: Endpoint = ep.parse()?;
-                let stream = transport::connect(&ep)
-                    .await
-                    .map_err(|e| format!("connecting to next stage at {ep}: {e}"))?;
                 let check = |p: &PeerInfo| self.check_neighbour(p, 1);
-                let (tx, rx, _peer) =
-                    channel::initiate(stream, &self.identity(), self.limits, &check)
-                        .await
-                        .map_err(|e| format!("next stage at {ep}: {e}"))?;
+                let (tx, rx) = self.dial(&ep, "next stage", &check).await?;
                 let tx = Arc::new(Mutex::new(tx));
                 *self.sink.lock().await = Some(Sink {
                     id,
