@@ -1,6 +1,7 @@
 //! Per-request crypto cost against single-sentence inference, in one process
-//! on one machine: HPKE open + seal (request and response), the receipt
-//! signatures of a two-stage pipeline, and the digests the stages compute,
+//! on one machine: HPKE open + seal (request and response), the two receipt
+//! signatures of a two-stage pipeline (stage 0's link; the receipt, which
+//! carries the exit stage's link), and the digests the stages compute,
 //! against bare in-process Candle embedding one sentence (all 6 layers).
 //!
 //! Run: `scripts/bench_crypto.sh` (writes `benchmark_results/crypto.{json,md}`).
@@ -54,7 +55,8 @@ fn main() -> anyhow::Result<()> {
     let key = ServerKey::generate(1);
     let config = key.config();
     let signer = SigningKey::from_bytes(&[7; 32]);
-    // Two stages: each signs its link, the exit stage also the receipt.
+    // Two stages: stage 0 signs its link, the exit stage the receipt that
+    // carries its own link.
     let sign_all = || {
         let d = Sha256Digest::of(&request);
         let link0 = sign_link(
@@ -69,18 +71,15 @@ fn main() -> anyhow::Result<()> {
                 prev_link_digest: None,
             },
         );
-        let link1 = sign_link(
-            &signer,
-            &Link {
-                receipt_id: [1; 16],
-                stage_index: 1,
-                layers: [3, 6],
-                evidence_digest: d,
-                received_digest: d,
-                sent_digest: Sha256Digest::of(&response),
-                prev_link_digest: Some(link_digest(&link0)),
-            },
-        );
+        let exit_link = Link {
+            receipt_id: [1; 16],
+            stage_index: 1,
+            layers: [3, 6],
+            evidence_digest: d,
+            received_digest: d,
+            sent_digest: Sha256Digest::of(&response),
+            prev_link_digest: Some(link_digest(&link0)),
+        };
         sign_receipt(
             &signer,
             &ReceiptBody {
@@ -95,7 +94,8 @@ fn main() -> anyhow::Result<()> {
                 sequence: 0,
                 mock: true,
                 sealing: Sealing::Plain,
-                chain: vec![link0, link1],
+                chain: vec![link0],
+                exit_link,
             },
         );
     };
@@ -219,7 +219,8 @@ fn main() -> anyhow::Result<()> {
         "Bare in-process Candle, one sentence, all 6 layers: **{inference_us:.0} µs** (p50).\n\n"
     );
     md += "Enclave-side crypto per request, all stages together: open the sealed request, \
-seal the response, sign two links and the receipt (open + seal + sign: the issue's measure), \
+seal the response, sign stage 0's link and the receipt that carries the exit stage's link \
+(two Ed25519 signatures; open + seal + sign: the issue's measure), \
 and hash the activations that cross the stage boundary (digests). Shares are medians of the \
 per-round ratios:\n\n";
     md += "| AEAD | open µs | seal response µs | signing µs | digests µs | open + seal + sign, share of inference | with digests, share | (client seal+open, both sides, µs) |\n|---|---|---|---|---|---|---|---|\n";
@@ -246,7 +247,7 @@ thread runs the model). Timed on its **first** call right after an inference on 
     );
     md += "\nTarget: open + seal + sign ≤ 1 % of single-sentence inference. The stages run in \
 parallel, so each stage's own share is smaller than the total (stage 0: open + one link + one \
-digest; exit stage: seal + link + receipt + one digest). Rerun: `scripts/bench_crypto.sh` \
+digest; exit stage: seal + receipt + one digest). Rerun: `scripts/bench_crypto.sh` \
 (about 20 s).\n";
     std::fs::create_dir_all("benchmark_results")?;
     std::fs::write("benchmark_results/crypto.md", &md)?;

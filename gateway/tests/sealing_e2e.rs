@@ -83,7 +83,9 @@ async fn plain_request_gets_a_receipt_that_verifies() {
     let report = verify(&request, &response, Some(receipt_nonce));
     assert!(report.ok(), "{:#?}", report.checks);
     let receipt = report.receipt.as_ref().unwrap();
-    assert_eq!(receipt.chain.len(), 2, "one link per stage");
+    assert_eq!(receipt.links(), 2, "one link per stage");
+    assert_eq!(receipt.chain.len(), 1, "stage 0's signed link");
+    assert_eq!(receipt.exit_link.stage_index, 1);
     assert!(receipt.mock);
     assert_eq!(receipt.sealing.as_str(), "plain");
 

@@ -1,18 +1,21 @@
 //! Signed receipts: COSE_Sign1 (EdDSA / Ed25519) over deterministic CBOR.
 //!
 //! A receipt says which request went through which attested stages and what
-//! came out. It has two layers:
+//! came out. Every stage makes one **link** ([`Link`]): the receipt id, the
+//! stage index and layer range, the digest of the stage's evidence, the
+//! digests of what the stage received and what it sent, and the digest of the
+//! previous stage's signed link (a hash chain).
 //!
-//! - one **link** per pipeline stage, signed by that stage's receipt key as
-//!   its own COSE_Sign1 ([`Link`], [`sign_link`]): the receipt id, the stage
-//!   index and layer range, the digest of the stage's evidence, the digests
-//!   of what the stage received and what it sent, and the digest of the
-//!   previous stage's link (a hash chain);
-//! - the **receipt** itself, signed by the exit stage's receipt key
-//!   ([`ReceiptBody`], [`sign_receipt`]): id, time, endpoint, model, the
-//!   digests of the exact request and response bytes, the client's nonce, a
-//!   per-key sequence number, the mock flag, how the request was sealed, and
-//!   the links in stage order.
+//! - Each stage before the exit stage signs its link with its receipt key as
+//!   its own COSE_Sign1 ([`sign_link`]) and passes it on.
+//! - The exit stage puts its own link, unsigned on its own, into the
+//!   **receipt** ([`ReceiptBody`], [`sign_receipt`]), which it signs with the
+//!   same key: id, time, endpoint, model, the digests of the exact request and
+//!   response bytes, the client's nonce, a per-key sequence number, the mock
+//!   flag, how the request was sealed, the signed links of the stages before
+//!   it in stage order, and its link. One signature covers both statements
+//!   (one Ed25519 signature fewer per request than a separately signed exit
+//!   link; the per-request crypto budget in `benchmark_results/crypto.md`).
 //!
 //! Payloads are maps with small unsigned integer keys in **deterministic
 //! CBOR** (RFC 8949 §4.2.1: keys sorted by their encoded bytes, definite
@@ -20,8 +23,7 @@
 //! re-encodes every payload and rejects it unless the bytes are identical
 //! ([`ReceiptError::NotCanonical`]). COSE objects are untagged; the protected
 //! header holds exactly `alg` (EdDSA, -8), `content type` (3,
-//! [`RECEIPT_CONTENT_TYPE`] or [`LINK_CONTENT_TYPE`], which separates the two
-//! kinds of statement signed by the exit stage's key) and `kid` (4, the
+//! [`RECEIPT_CONTENT_TYPE`] or [`LINK_CONTENT_TYPE`]) and `kid` (4, the
 //! signer's 32-byte Ed25519 public key); the unprotected header is empty;
 //! the external AAD is empty.
 //!
@@ -38,7 +40,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// COSE content type of a receipt.
-pub const RECEIPT_CONTENT_TYPE: &str = "application/vnd.ci.receipt.v1+cbor";
+pub const RECEIPT_CONTENT_TYPE: &str = "application/vnd.ci.receipt.v2+cbor";
 /// COSE content type of a stage link.
 pub const LINK_CONTENT_TYPE: &str = "application/vnd.ci.receipt-link.v1+cbor";
 /// Length of a receipt id.
@@ -82,8 +84,8 @@ pub enum ReceiptError {
     /// The receipt names another model manifest than expected.
     #[error("manifest digest differs from the evidence")]
     ManifestMismatch,
-    /// The chain has another number of links than there are stages
-    /// (a stage dropped or duplicated).
+    /// The chain has another number of links (signed links plus the exit
+    /// stage's) than there are stages (a stage dropped or duplicated).
     #[error("chain has {got} links, the evidence has {expected} stages")]
     ChainLength {
         /// Number of stages in the evidence.
@@ -99,7 +101,7 @@ pub enum ReceiptError {
         /// What is wrong.
         detail: String,
     },
-    /// A link's signature does not verify under its `kid`.
+    /// A signed link's signature does not verify under its `kid`.
     #[error("link {position}: signature does not verify")]
     LinkBadSignature {
         /// Position in the chain.
@@ -507,7 +509,9 @@ impl Sealing {
 ///   9 => uint,                 ; sequence (per signing key)
 ///   10 => bool,                ; mock
 ///   11 => "enclave" / "gateway" / "plain", ; sealing
-///   12 => [+ bstr],            ; chain: signed links (COSE_Sign1 bytes), stage order
+///   12 => [* bstr],            ; chain: signed links (COSE_Sign1 bytes) of the
+///                              ;   stages before the exit stage, stage order
+///   13 => link,                ; the exit stage's link (signed by this receipt)
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -534,11 +538,19 @@ pub struct ReceiptBody {
     pub mock: bool,
     /// Which key the client sealed to.
     pub sealing: Sealing,
-    /// Each stage's signed link ([`sign_link`] output), in stage order.
+    /// The signed links ([`sign_link`] output) of the stages before the
+    /// exit stage, in stage order (empty for a one-stage pipeline).
     pub chain: Vec<Vec<u8>>,
+    /// The exit stage's link, covered by the receipt's signature.
+    pub exit_link: Link,
 }
 
 impl ReceiptBody {
+    /// Number of links (one per stage): the signed ones and the exit link.
+    pub fn links(&self) -> usize {
+        self.chain.len() + 1
+    }
+
     fn to_value(&self) -> Value {
         int_map(vec![
             (1, Value::Bytes(self.receipt_id.to_vec())),
@@ -561,6 +573,7 @@ impl ReceiptBody {
                 12,
                 Value::Array(self.chain.iter().cloned().map(Value::Bytes).collect()),
             ),
+            (13, self.exit_link.to_value()),
         ])
     }
 
@@ -576,7 +589,7 @@ impl ReceiptBody {
     }
 
     fn from_value(value: Value) -> Result<Self, String> {
-        let mut f = Fields::new(value, 12)?;
+        let mut f = Fields::new(value, 13)?;
         let client_nonce = match f.take(8) {
             Value::Null => None,
             Value::Bytes(b) => Some(b),
@@ -606,6 +619,7 @@ impl ReceiptBody {
             mock: f.boolean(10)?,
             sealing: Sealing::parse(&sealing).ok_or("key 11: unknown sealing")?,
             chain,
+            exit_link: Link::from_value(f.take(13)).map_err(|e| format!("key 13: {e}"))?,
         })
     }
 }
@@ -635,8 +649,8 @@ pub fn sign_link(key: &SigningKey, link: &Link) -> Vec<u8> {
     sign(key, LINK_CONTENT_TYPE, link.to_cbor())
 }
 
-/// Signs a receipt with the exit stage's receipt key; returns the
-/// COSE_Sign1 bytes (the receipt).
+/// Signs a receipt (and with it the exit stage's link) with the exit
+/// stage's receipt key; returns the COSE_Sign1 bytes (the receipt).
 pub fn sign_receipt(key: &SigningKey, body: &ReceiptBody) -> Vec<u8> {
     sign(key, RECEIPT_CONTENT_TYPE, body.to_cbor())
 }
@@ -913,7 +927,7 @@ impl VerifyReport {
                 "sequence": r.sequence,
                 "mock": r.mock,
                 "sealing": r.sealing.as_str(),
-                "stages": r.chain.len(),
+                "stages": r.links(),
             })
         });
         serde_json::json!({
@@ -1152,21 +1166,43 @@ fn verify_into(inputs: &VerifyInputs<'_>, r: &mut Report) -> Option<ReceiptBody>
 }
 
 fn check_chain(body: &ReceiptBody, stages: &[StageKeys], r: &mut Report) {
+    let links = body.links();
     r.check(
         "chain.length",
-        if body.chain.len() == stages.len() {
-            Ok(format!("{} links", body.chain.len()))
+        if links == stages.len() {
+            Ok(format!(
+                "{} signed links and the exit stage's link",
+                body.chain.len()
+            ))
         } else {
             Err(ReceiptError::ChainLength {
                 expected: stages.len(),
-                got: body.chain.len(),
+                got: links,
             })
         },
     );
+    let exit_stage = stages[stages.len() - 1].stage_index;
     let mut prev: Option<Link> = None;
-    for (i, (bytes, stage)) in body.chain.iter().zip(stages).enumerate() {
+    for (i, stage) in stages.iter().enumerate().take(links) {
         let name = |what: &str| format!("link[{i}].{what}");
-        let link = check_link(i, bytes, stage, stages, r);
+        let link = match body.chain.get(i) {
+            Some(bytes) => check_link(i, bytes, stage, stages, r),
+            None => {
+                // The exit stage's link: signed by the receipt's signature,
+                // whose key `receipt.signer` found to be the exit stage's.
+                r.pass(name("signature"), "covered by the receipt's signature");
+                let signer = if stage.stage_index == exit_stage {
+                    Ok(format!("exit stage {exit_stage}'s receipt key"))
+                } else {
+                    Err(ReceiptError::LinkWrongStage {
+                        position: i,
+                        signer_stage: exit_stage,
+                    })
+                };
+                r.check(name("signer"), signer)
+                    .then(|| body.exit_link.clone())
+            }
+        };
         let Some(link) = link else {
             prev = None;
             continue;
@@ -1241,7 +1277,7 @@ fn check_chain(body: &ReceiptBody, stages: &[StageKeys], r: &mut Report) {
         }
         prev = Some(link);
     }
-    if body.chain.len() == stages.len() {
+    if links == stages.len() {
         match &prev {
             Some(last) => {
                 r.check(
@@ -1377,18 +1413,22 @@ mod tests {
             .collect()
     }
 
-    /// Signs links in order, filling prev_link_digest.
-    fn chain(f: &Fixture, links: &[Link]) -> Vec<Vec<u8>> {
+    /// Signs the links before the exit stage's in order, filling
+    /// prev_link_digest; returns them and the exit stage's (unsigned) link.
+    fn chain(f: &Fixture, links: &[Link]) -> (Vec<Vec<u8>>, Link) {
         let mut out: Vec<Vec<u8>> = Vec::new();
-        for (i, l) in links.iter().enumerate() {
+        let (exit, upstream) = links.split_last().unwrap();
+        for (i, l) in upstream.iter().enumerate() {
             let mut l = l.clone();
             l.prev_link_digest = out.last().map(|p| link_digest(p));
             out.push(sign_link(&f.keys[i], &l));
         }
-        out
+        let mut exit = exit.clone();
+        exit.prev_link_digest = out.last().map(|p| link_digest(p));
+        (out, exit)
     }
 
-    fn body(f: &Fixture, chain: Vec<Vec<u8>>) -> ReceiptBody {
+    fn body(f: &Fixture, (chain, exit_link): (Vec<Vec<u8>>, Link)) -> ReceiptBody {
         ReceiptBody {
             receipt_id: [7; 16],
             issued_at_ms: 1_700_000_000_000,
@@ -1402,6 +1442,7 @@ mod tests {
             mock: true,
             sealing: Sealing::Enclave,
             chain,
+            exit_link,
         }
     }
 
@@ -1456,8 +1497,8 @@ mod tests {
         let f = fixture();
         let b = body(&f, chain(&f, &links(&f, [7; 16])));
         let bytes = b.to_cbor();
-        // Map of 12 entries, keys 1..12 in order, each a one-byte uint.
-        assert_eq!(bytes[0], 0xac);
+        // Map of 13 entries, keys 1..13 in order, each a one-byte uint.
+        assert_eq!(bytes[0], 0xad);
         let Value::Map(entries) = decode_canonical(&bytes).unwrap() else {
             panic!()
         };
@@ -1465,7 +1506,7 @@ mod tests {
             .iter()
             .map(|(k, _)| u64::try_from(k.as_integer().unwrap()).unwrap())
             .collect();
-        assert_eq!(keys, (1..=12).collect::<Vec<_>>());
+        assert_eq!(keys, (1..=13).collect::<Vec<_>>());
         assert_eq!(&bytes[1..3], &[0x01, 0x50]); // key 1, bstr(16)
         assert_eq!(ReceiptBody::from_cbor(&bytes).unwrap(), b);
 
@@ -1548,7 +1589,7 @@ mod tests {
             Some(ReceiptError::SignerNotExitStage { stage: 0 })
         );
         // A link is not a receipt, even though the exit stage signed it.
-        let link2 = chain(&f, &links(&f, [7; 16])).remove(2);
+        let link2 = sign_link(&f.keys[2], &chain(&f, &links(&f, [7; 16])).1);
         assert!(matches!(
             reason(&f, &link2),
             Some(ReceiptError::BadHeader(_))
@@ -1559,8 +1600,8 @@ mod tests {
     fn chain_attacks() {
         let f = fixture();
         let ls = links(&f, [7; 16]);
-        let good = chain(&f, &ls);
-        let with_chain = |c: Vec<Vec<u8>>| sign_receipt(&f.keys[2], &body(&f, c));
+        let (good, exit) = chain(&f, &ls);
+        let with_chain = |c: Vec<Vec<u8>>| sign_receipt(&f.keys[2], &body(&f, (c, exit.clone())));
 
         // Swapped for an unattested stage: link 1 signed by a foreign key.
         let mut c = good.clone();
@@ -1572,7 +1613,7 @@ mod tests {
             Some(ReceiptError::LinkUnknownSigner { position: 1 })
         );
         // Reordered.
-        let c = vec![good[1].clone(), good[0].clone(), good[2].clone()];
+        let c = vec![good[1].clone(), good[0].clone()];
         assert_eq!(
             reason(&f, &with_chain(c)),
             Some(ReceiptError::LinkWrongStage {
@@ -1581,7 +1622,7 @@ mod tests {
             })
         );
         // Dropped.
-        let c = vec![good[0].clone(), good[2].clone()];
+        let c = vec![good[0].clone()];
         assert_eq!(
             reason(&f, &with_chain(c)),
             Some(ReceiptError::ChainLength {
@@ -1590,12 +1631,7 @@ mod tests {
             })
         );
         // Duplicated (extra link).
-        let c = vec![
-            good[0].clone(),
-            good[1].clone(),
-            good[1].clone(),
-            good[2].clone(),
-        ];
+        let c = vec![good[0].clone(), good[1].clone(), good[1].clone()];
         assert_eq!(
             reason(&f, &with_chain(c)),
             Some(ReceiptError::ChainLength {
@@ -1604,12 +1640,35 @@ mod tests {
             })
         );
         // Duplicated in place of another.
-        let c = vec![good[0].clone(), good[1].clone(), good[1].clone()];
+        let c = vec![good[0].clone(), good[0].clone()];
         assert_eq!(
             reason(&f, &with_chain(c)),
             Some(ReceiptError::LinkWrongStage {
-                position: 2,
-                signer_stage: 1
+                position: 1,
+                signer_stage: 0
+            })
+        );
+        // The exit stage's link signed on its own and put into the chain
+        // as well: one link too many.
+        let c = vec![
+            good[0].clone(),
+            good[1].clone(),
+            sign_link(&f.keys[2], &exit),
+        ];
+        assert_eq!(
+            reason(&f, &with_chain(c)),
+            Some(ReceiptError::ChainLength {
+                expected: 3,
+                got: 4
+            })
+        );
+        // A one-stage chain for a three-stage pipeline: the exit stage's
+        // link lands at position 0.
+        assert_eq!(
+            reason(&f, &with_chain(Vec::new())),
+            Some(ReceiptError::ChainLength {
+                expected: 3,
+                got: 1
             })
         );
         // A link's signature broken.
@@ -1670,23 +1729,50 @@ mod tests {
             case(&|ls| ls[2].sent_digest = Sha256Digest::of(b"other")),
             Some(ReceiptError::ChainResponseDigest)
         );
-        // prev_link_digest wrong: signed by hand after chaining.
-        let mut c = chain(&f, &base);
-        let mut l2 = base[2].clone();
-        l2.prev_link_digest = Some(link_digest(&c[0]));
-        c[2] = sign_link(&f.keys[2], &l2);
+        // The exit stage's link points at link 0 instead of link 1.
+        let (c, mut exit) = chain(&f, &base);
+        exit.prev_link_digest = Some(link_digest(&c[0]));
         assert_eq!(
-            reason(&f, &sign_receipt(&f.keys[2], &body(&f, c))),
+            reason(&f, &sign_receipt(&f.keys[2], &body(&f, (c, exit)))),
             Some(ReceiptError::LinkPrevDigest { position: 2 })
         );
+        // A signed link pointing at the wrong link.
+        let (mut c, exit) = chain(&f, &base);
+        let mut l1 = base[1].clone();
+        l1.prev_link_digest = Some(link_digest(&c[1]));
+        c[1] = sign_link(&f.keys[1], &l1);
+        assert_eq!(
+            reason(&f, &sign_receipt(&f.keys[2], &body(&f, (c, exit)))),
+            Some(ReceiptError::LinkPrevDigest { position: 1 })
+        );
         // Stage 0 with a non-null previous digest.
-        let mut c = chain(&f, &base);
+        let (mut c, exit) = chain(&f, &base);
         let mut l0 = base[0].clone();
         l0.prev_link_digest = Some(Sha256Digest::of(b"x"));
         c[0] = sign_link(&f.keys[0], &l0);
         assert_eq!(
-            reason(&f, &sign_receipt(&f.keys[2], &body(&f, c))),
+            reason(&f, &sign_receipt(&f.keys[2], &body(&f, (c, exit)))),
             Some(ReceiptError::LinkPrevDigest { position: 0 })
+        );
+        // A one-stage pipeline: the exit stage's link is the whole chain.
+        let one = &f.stages[..1];
+        let mut only = base[0].clone();
+        only.sent_digest = Sha256Digest::of(&f.response);
+        let mut b = body(&f, (Vec::new(), only));
+        let rc = sign_receipt(&f.keys[0], &b);
+        let mut i = inputs(&f, &rc);
+        i.stages = one;
+        assert!(verify_receipt(&i).ok());
+        b.exit_link.stage_index = 1;
+        let rc = sign_receipt(&f.keys[0], &b);
+        let mut i = inputs(&f, &rc);
+        i.stages = one;
+        assert_eq!(
+            verify_receipt(&i).failure(),
+            Some(&ReceiptError::LinkStageIndex {
+                position: 0,
+                got: 1
+            })
         );
     }
 
@@ -1760,7 +1846,7 @@ mod tests {
         let Value::Map(mut entries) = b.to_value() else {
             panic!()
         };
-        entries.push((uint(13), Value::Null));
+        entries.push((uint(14), Value::Null));
         let rc = sign(
             &f.keys[2],
             RECEIPT_CONTENT_TYPE,

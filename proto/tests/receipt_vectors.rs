@@ -106,18 +106,23 @@ impl Gen {
             .collect()
     }
 
-    /// Signs the links in order (each by its stage's key), chaining digests.
-    fn chain(&self, links: &[Link]) -> Vec<Vec<u8>> {
+    /// Signs the links before the exit stage's in order (each by its
+    /// stage's key), chaining digests; returns them and the exit stage's
+    /// link, which the receipt carries unsigned on its own.
+    fn chain(&self, links: &[Link]) -> (Vec<Vec<u8>>, Link) {
+        let (exit, upstream) = links.split_last().unwrap();
         let mut out: Vec<Vec<u8>> = Vec::new();
-        for (i, l) in links.iter().enumerate() {
+        for (i, l) in upstream.iter().enumerate() {
             let mut l = l.clone();
             l.prev_link_digest = out.last().map(|p| link_digest(p));
             out.push(sign_link(&self.keys[i], &l));
         }
-        out
+        let mut exit = exit.clone();
+        exit.prev_link_digest = out.last().map(|p| link_digest(p));
+        (out, exit)
     }
 
-    fn body(&self, chain: Vec<Vec<u8>>) -> ReceiptBody {
+    fn body(&self, (chain, exit_link): (Vec<Vec<u8>>, Link)) -> ReceiptBody {
         ReceiptBody {
             receipt_id: RECEIPT_ID,
             issued_at_ms: 1_767_225_600_000,
@@ -131,6 +136,7 @@ impl Gen {
             mock: true,
             sealing: Sealing::Enclave,
             chain,
+            exit_link,
         }
     }
 
@@ -144,10 +150,11 @@ impl Gen {
         sign_receipt(self.exit(), &self.body(self.chain(&ls)))
     }
 
-    fn receipt_with_chain(&self, edit: impl Fn(&mut Vec<Vec<u8>>)) -> Vec<u8> {
-        let mut c = self.chain(&self.links());
-        edit(&mut c);
-        sign_receipt(self.exit(), &self.body(c))
+    /// Edits the signed links and the exit stage's link after chaining.
+    fn receipt_with_chain(&self, edit: impl Fn(&mut Vec<Vec<u8>>, &mut Link)) -> Vec<u8> {
+        let (mut c, mut exit) = self.chain(&self.links());
+        edit(&mut c, &mut exit);
+        sign_receipt(self.exit(), &self.body((c, exit)))
     }
 
     /// Every file of the vector directory, by name.
@@ -201,7 +208,7 @@ impl Gen {
         add(
             "stage_swapped",
             "stage 1's link signed by a key in no evidence (an unattested stage)",
-            self.receipt_with_chain(|c| {
+            self.receipt_with_chain(|c, _| {
                 let mut l = self.links()[1].clone();
                 l.prev_link_digest = Some(link_digest(&c[0]));
                 c[1] = sign_link(&key("foreign key"), &l);
@@ -210,14 +217,14 @@ impl Gen {
         );
         add(
             "chain_reordered",
-            "links 1 and 2 swapped",
-            self.receipt_with_chain(|c| c.swap(1, 2)),
+            "signed links 0 and 1 swapped",
+            self.receipt_with_chain(|c, _| c.swap(0, 1)),
             "link_wrong_stage",
         );
         add(
             "chain_dropped",
             "link 1 removed",
-            self.receipt_with_chain(|c| {
+            self.receipt_with_chain(|c, _| {
                 c.remove(1);
             }),
             "chain_length",
@@ -225,16 +232,22 @@ impl Gen {
         add(
             "chain_duplicated",
             "link 1 present twice",
-            self.receipt_with_chain(|c| {
+            self.receipt_with_chain(|c, _| {
                 let l = c[1].clone();
                 c.insert(1, l);
             }),
             "chain_length",
         );
         add(
+            "exit_link_in_chain",
+            "the exit stage's link also signed on its own and appended to the signed links",
+            self.receipt_with_chain(|c, exit| c.push(sign_link(self.exit(), exit))),
+            "chain_length",
+        );
+        add(
             "link_bad_signature",
             "one byte of link 1's payload flipped (receipt re-signed)",
-            self.receipt_with_chain(|c| {
+            self.receipt_with_chain(|c, _| {
                 let n = c[1].len();
                 c[1][n - 100] ^= 0x01;
             }),
@@ -268,12 +281,8 @@ impl Gen {
         );
         add(
             "link_prev_digest",
-            "stage 2's link points at link 0 instead of link 1",
-            self.receipt_with_chain(|c| {
-                let mut l = self.links()[2].clone();
-                l.prev_link_digest = Some(link_digest(&c[0]));
-                c[2] = sign_link(&self.keys[2], &l);
-            }),
+            "the exit stage's link (stage 2) points at link 0 instead of link 1",
+            self.receipt_with_chain(|c, exit| exit.prev_link_digest = Some(link_digest(&c[0]))),
             "link_prev_digest",
         );
         add(

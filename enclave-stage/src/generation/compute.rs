@@ -981,8 +981,6 @@ impl Generator {
         };
         let response_digest = Sha256Digest::of(&body);
         link.sent_digest = response_digest;
-        let mut chain = upstream;
-        chain.push(sign_link(&self.keys.receipt, &link));
         let receipt = sign_receipt(
             &self.keys.receipt,
             &ReceiptBody {
@@ -997,7 +995,10 @@ impl Generator {
                 sequence: self.keys.next_sequence(),
                 mock: self.keys.mock,
                 sealing: r.ctx.sealing,
-                chain,
+                // The exit stage's link rides in the receipt, under its
+                // signature: one Ed25519 signature per request fewer.
+                chain: upstream,
+                exit_link: link,
             },
         );
         Ok(match stream {

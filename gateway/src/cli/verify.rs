@@ -644,7 +644,7 @@ fn receipt_info(r: &ReceiptBody, nonce_given: bool) -> Vec<Line> {
                 r.model_id,
                 r.issued_at_ms,
                 r.sequence,
-                r.chain.len()
+                r.links()
             ),
         ),
         Line::new(
