@@ -21,10 +21,11 @@
 //! 4. whole responses: the plaintext is returned with the receipt headers,
 //!    `receipt-verified: true` and `receipt-nonce`; a receipt that does not
 //!    verify turns the answer into a 502 (OpenAI error shape, code
-//!    `receipt_verification_failed`). Streams (`stream: true`): events are
-//!    forwarded as they open, except the one carrying `data: [DONE]`, which
-//!    is held back until the receipt over the whole event stream verifies;
-//!    if it does not, the client gets an error event instead and no `[DONE]`.
+//!    `receipt_verification_failed`). Streams (`stream: true`): whole events
+//!    are forwarded as they open, except `data: [DONE]` (however the sealed
+//!    chunks split it), which is held back until the receipt over the whole
+//!    event stream verifies; if it does not, the client gets an error event
+//!    instead and no `[DONE]`.
 //!
 //! Verified receipts are kept (last [`RECEIPTS_KEPT`]) and served at `GET
 //! /v1/receipts/{id}`; with `--archive DIR` every verified exchange is also
@@ -175,12 +176,13 @@ struct Sent {
     trusted: Arc<Trusted>,
 }
 
-/// One request as the client sent it.
-struct Exchange<'a> {
+/// One request as the client sent it (owned: a stream's task keeps it).
+struct Exchange {
     endpoint: &'static str,
-    route: &'a Route,
-    request: &'a [u8],
-    nonce: &'a [u8],
+    /// Index into [`Proxy::routes`].
+    route: usize,
+    request: Bytes,
+    nonce: Vec<u8>,
 }
 
 fn error(status: StatusCode, kind: &'static str, code: &'static str, msg: String) -> ApiError {
@@ -266,22 +268,23 @@ impl Proxy {
     /// once if the upstream no longer knows the key.
     async fn send_sealed(
         &self,
-        x: &Exchange<'_>,
+        x: &Exchange,
         auth: Option<&HeaderValue>,
     ) -> Result<Sent, ProxyError> {
-        let mut trusted = x.route.current();
+        let route = &self.routes[x.route];
+        let mut trusted = route.current();
         let mut refreshed = false;
         loop {
             let key = pick_key(&trusted.verified.entry_keys, None, self.aead).map_err(|e| {
                 bad_gateway("hpke_key_unavailable", format!("attested entry key: {e}"))
             })?;
-            let (headers, body, client_key) = seal_request(&key, self.aead, x.request)
+            let (headers, body, client_key) = seal_request(&key, self.aead, &x.request)
                 .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
             let mut rb = self
                 .client
                 .post(format!("{}{}", self.upstream, x.endpoint))
                 .header(header::CONTENT_TYPE, "application/octet-stream")
-                .header(HEADER_RECEIPT_NONCE, hex::encode(x.nonce))
+                .header(HEADER_RECEIPT_NONCE, hex::encode(&x.nonce))
                 .body(body);
             for (k, v) in headers.to_header_values() {
                 rb = rb.header(k, v);
@@ -309,7 +312,7 @@ impl Proxy {
                         code = code.as_deref().unwrap_or("none"),
                         "upstream refused a sealed request: re-attesting to check its keys"
                     );
-                    let fresh = self.refresh(x.route, trusted.epoch).await?;
+                    let fresh = self.refresh(route, trusted.epoch).await?;
                     if key_unknown || fresh.verified.entry_keys != trusted.verified.entry_keys {
                         trusted = fresh;
                         refreshed = true;
@@ -373,7 +376,7 @@ impl Proxy {
     }
 
     /// Reads a whole sealed response, opens it and verifies its receipt.
-    async fn finish_buffered(&self, x: &Exchange<'_>, sent: Sent) -> Result<Response, ProxyError> {
+    async fn finish_buffered(&self, x: &Exchange, sent: Sent) -> Result<Response, ProxyError> {
         let Sent {
             response,
             client_key,
@@ -417,7 +420,7 @@ impl Proxy {
         );
         h.insert(
             HEADER_RECEIPT_NONCE,
-            HeaderValue::from_str(&hex::encode(x.nonce)).expect("hex"),
+            HeaderValue::from_str(&hex::encode(&x.nonce)).expect("hex"),
         );
         Ok(r)
     }
@@ -426,19 +429,20 @@ impl Proxy {
     /// unknown), keeps and archives it; the error withholds the answer.
     async fn verified(
         &self,
-        x: &Exchange<'_>,
+        x: &Exchange,
         mut trusted: Arc<Trusted>,
         receipt: &[u8],
         response: &[u8],
     ) -> Result<proto::receipt::ReceiptBody, ApiError> {
-        let mut report = check_receipt(&trusted, &x.route.policy, x, receipt, response);
+        let route = &self.routes[x.route];
+        let mut report = check_receipt(&trusted, &route.policy, x, receipt, response);
         if matches!(
             report.failure(),
             Some(ReceiptError::UnknownSigner | ReceiptError::LinkUnknownSigner { .. })
         ) {
             tracing::info!("receipt signed by a key not in the evidence: re-attesting once");
-            trusted = self.refresh(x.route, trusted.epoch).await?;
-            report = check_receipt(&trusted, &x.route.policy, x, receipt, response);
+            trusted = self.refresh(route, trusted.epoch).await?;
+            report = check_receipt(&trusted, &route.policy, x, receipt, response);
         }
         if let Some(fail) = report.checks.iter().find(|c| c.error.is_some()) {
             let code = fail.error.as_ref().map(|e| e.code()).unwrap_or("failed");
@@ -518,7 +522,7 @@ impl Proxy {
 /// waits for the receipt (the sealed stream's trailer) to verify.
 async fn finish_streaming(
     proxy: Arc<Proxy>,
-    x: OwnedExchange,
+    x: Exchange,
     sent: Sent,
 ) -> Result<Response, ProxyError> {
     let Sent {
@@ -564,21 +568,13 @@ async fn finish_streaming(
     Ok(r)
 }
 
-/// A request's parts, owned (for the task that feeds a stream).
-struct OwnedExchange {
-    endpoint: &'static str,
-    route: usize,
-    request: Bytes,
-    nonce: Vec<u8>,
-}
-
 /// Opens the upstream stream piece by piece and forwards it to `tx`; returns
 /// once `[DONE]` went out after the receipt verified, or with the error to
 /// tell the client. A client that goes away ends it (the upstream request is
 /// dropped, which cancels it in the stages).
 async fn pump_stream(
     proxy: &Proxy,
-    x: &OwnedExchange,
+    x: &Exchange,
     mut response: reqwest::Response,
     client_key: ClientResponseKey,
     trusted: Arc<Trusted>,
@@ -587,8 +583,9 @@ async fn pump_stream(
     let mut opener = ResponseOpener::new(&client_key, SealLimits::default());
     // Every plaintext byte the client gets: the receipt binds all of it.
     let mut all = Vec::new();
-    // What is not forwarded yet: from the start of `[DONE]` on.
-    let mut held = Vec::new();
+    // How much of `all` went out, and where `[DONE]` starts once seen.
+    let mut forwarded = 0;
+    let mut done_at = None;
     loop {
         let piece = tokio::time::timeout(proxy.idle, response.chunk())
             .await
@@ -600,24 +597,21 @@ async fn pump_stream(
                 )
             })?;
         let Some(piece) = piece else { break };
-        let parts = opener.feed(&piece).map_err(unopenable)?;
-        let mut out = Vec::new();
-        for part in parts {
+        for part in opener.feed(&piece).map_err(unopenable)? {
             all.extend_from_slice(&part);
-            if held.is_empty() {
-                match find(&part, STREAM_DONE) {
-                    Some(at) => {
-                        out.extend_from_slice(&part[..at]);
-                        held.extend_from_slice(&part[at..]);
-                    }
-                    None => out.extend_from_slice(&part),
-                }
-            } else {
-                held.extend_from_slice(&part);
-            }
         }
-        if !out.is_empty() && tx.send(Bytes::from(out)).await.is_err() {
-            return Ok(());
+        if done_at.is_none() {
+            // Whole events only, so a `[DONE]` split across sealed chunks
+            // is still seen before any of it goes out.
+            let (upto, done) = forwardable(&all, forwarded);
+            done_at = done;
+            if upto > forwarded {
+                let out = Bytes::copy_from_slice(&all[forwarded..upto]);
+                forwarded = upto;
+                if tx.send(out).await.is_err() {
+                    return Ok(());
+                }
+            }
         }
         if opener.is_complete() {
             break;
@@ -626,30 +620,38 @@ async fn pump_stream(
     let trailer = opener.trailer().map(<[u8]>::to_vec);
     opener.finish().map_err(unopenable)?;
     let Some(receipt) = trailer else {
-        // No receipt: the stage ended the stream with an error event (it is
-        // in `held` only if it came after a [DONE], which it never does).
-        if !held.is_empty() {
+        // No receipt: the stage ended the stream with an error event, which
+        // never follows a [DONE].
+        if done_at.is_some() {
             return Err(bad_gateway(
                 "receipt_verification_failed",
                 "The upstream stream ended without its receipt; [DONE] was withheld.",
             ));
         }
+        if forwarded < all.len() {
+            let _ = tx.send(Bytes::copy_from_slice(&all[forwarded..])).await;
+        }
         return Ok(());
     };
-    let route = &proxy.routes[x.route];
-    let ex = Exchange {
-        endpoint: x.endpoint,
-        route,
-        request: &x.request,
-        nonce: &x.nonce,
-    };
-    proxy.verified(&ex, trusted, &receipt, &all).await?;
-    let _ = tx.send(Bytes::from(held)).await;
+    proxy.verified(x, trusted, &receipt, &all).await?;
+    if forwarded < all.len() {
+        let _ = tx.send(Bytes::copy_from_slice(&all[forwarded..])).await;
+    }
     Ok(())
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+/// How far into `all` the stream may go out, starting at `from` (an event
+/// boundary): up to the end of its last complete event, or up to the start
+/// of the `[DONE]` event (returned too), which waits for the receipt.
+fn forwardable(all: &[u8], from: usize) -> (usize, Option<usize>) {
+    let mut at = from;
+    while let Some(len) = all[at..].windows(2).position(|w| w == b"\n\n") {
+        if all[at..].starts_with(STREAM_DONE) {
+            return (at, Some(at));
+        }
+        at += len + 2;
+    }
+    (at, None)
 }
 
 /// An error as a Server-Sent Event (how OpenAI ends a failed stream).
@@ -672,7 +674,7 @@ fn unopenable(e: proto::sealing::SealError) -> ApiError {
 fn archive(
     dir: &Path,
     id: &[u8; 16],
-    x: &Exchange<'_>,
+    x: &Exchange,
     trusted: &Trusted,
     receipt: &[u8],
     response: &[u8],
@@ -680,10 +682,10 @@ fn archive(
     let name = hex::encode(id);
     let tmp = dir.join(format!(".{name}.tmp"));
     std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let (nonce, evidence) = (hex::encode(x.nonce), proto::cbor::to_vec(&trusted.bundle));
+    let (nonce, evidence) = (hex::encode(&x.nonce), proto::cbor::to_vec(&trusted.bundle));
     let evidence_nonce = hex::encode(&trusted.nonce);
     let files: [(&str, &[u8]); 6] = [
-        ("request.json", x.request),
+        ("request.json", &x.request),
         ("response", response),
         ("receipt.cbor", receipt),
         ("nonce.hex", nonce.as_bytes()),
@@ -700,15 +702,15 @@ fn archive(
 fn check_receipt(
     trusted: &Trusted,
     policy: &Policy,
-    x: &Exchange<'_>,
+    x: &Exchange,
     receipt: &[u8],
     response: &[u8],
 ) -> VerifyReport {
     let v = &trusted.verified;
     let mut inputs = VerifyInputs::new(receipt, &v.stage_keys);
-    inputs.request = Some(x.request);
+    inputs.request = Some(&x.request);
     inputs.response = Some(response);
-    inputs.expected_nonce = Some(x.nonce);
+    inputs.expected_nonce = Some(&x.nonce);
     inputs.expected_manifest = Some(v.manifest_digest);
     inputs.allow_mock = policy.allow_mock;
     let mut report = verify_receipt(&inputs);
@@ -872,19 +874,13 @@ async fn sealed_inner(
     let auth = headers.get(header::AUTHORIZATION);
     let x = Exchange {
         endpoint,
-        route: &s.routes[route],
-        request: &request,
-        nonce: &nonce,
+        route,
+        request,
+        nonce,
     };
     let sent = s.send_sealed(&x, auth).await?;
     if stream {
-        let owned = OwnedExchange {
-            endpoint,
-            route,
-            request: request.clone(),
-            nonce: nonce.clone(),
-        };
-        return finish_streaming(s.clone(), owned, sent).await;
+        return finish_streaming(s.clone(), x, sent).await;
     }
     s.finish_buffered(&x, sent).await
 }
@@ -1169,4 +1165,31 @@ pub fn run(a: ProxyArgs) -> Result<i32> {
             .await?;
         Ok(EXIT_OK)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{forwardable, STREAM_DONE};
+
+    #[test]
+    fn whole_events_go_out_and_done_waits() {
+        let ev = b"data: {\"a\":1}\n\n";
+        // A partial event waits for the rest.
+        assert_eq!(forwardable(&ev[..7], 0), (0, None));
+        assert_eq!(forwardable(ev, 0), (ev.len(), None));
+        let mut all = ev.to_vec();
+        all.extend_from_slice(ev);
+        all.extend_from_slice(&STREAM_DONE[..8]);
+        // `[DONE]` split across pieces: nothing of it goes out...
+        assert_eq!(forwardable(&all, ev.len()), (2 * ev.len(), None));
+        all.extend_from_slice(&STREAM_DONE[8..]);
+        // ...and once whole it is recognised and held.
+        assert_eq!(
+            forwardable(&all, 2 * ev.len()),
+            (2 * ev.len(), Some(2 * ev.len()))
+        );
+        // `data: [DONE]` inside an event's text is not the end.
+        let inner = b"data: {\"t\":\"data: [DONE]\"}\n\n";
+        assert_eq!(forwardable(inner, 0), (inner.len(), None));
+    }
 }
