@@ -137,7 +137,7 @@ impl Compute {
             while let Some(w) = next.take().or_else(|| rx.try_recv().ok()) {
                 match w {
                     Work::Begin(ctx) => {
-                        if !self.engine.is_exit() {
+                        if !self.engine.claims.is_exit() {
                             self.send(Output::Activation(ActivationMessage::Begin(ctx.clone())));
                         }
                         self.tracker.begin(*ctx);
@@ -154,7 +154,7 @@ impl Compute {
                     }
                     Work::Failed { request_id, error } => {
                         self.tracker.forget(request_id);
-                        self.send(failure(self.engine.is_exit(), request_id, error));
+                        self.send(failure(self.engine.claims.is_exit(), request_id, error));
                     }
                     Work::Cancel { request_id } => self.tracker.forget(request_id),
                     Work::BeginGeneration { .. } | Work::Activation(_) | Work::Feedback(_) => {
@@ -255,7 +255,7 @@ impl Compute {
     fn emit(&mut self, items: Vec<BatchItem>, out: Padded) {
         let micro_batch_id = self.next_batch;
         self.next_batch += 1;
-        if !self.engine.is_exit() {
+        if !self.engine.claims.is_exit() {
             let (hidden, mask) = match out.to_frames() {
                 Ok(f) => f,
                 Err(e) => return self.fail(&items, &e),
@@ -300,7 +300,7 @@ impl Compute {
             None => {}
             Some(Ok(Finished::Links(m))) => self.send(Output::Activation(m)),
             Some(Ok(Finished::Response(m))) => self.send(Output::Result(m)),
-            Some(Err(e)) => self.send(failure(self.engine.is_exit(), request_id, e)),
+            Some(Err(e)) => self.send(failure(self.engine.claims.is_exit(), request_id, e)),
         }
     }
 
@@ -318,7 +318,7 @@ impl Compute {
                 self.engine.claims.stage_index
             );
             let err = self.tracker.fail(request_id, ErrorKind::Internal, message);
-            self.send(failure(self.engine.is_exit(), request_id, err));
+            self.send(failure(self.engine.claims.is_exit(), request_id, err));
         }
     }
 

@@ -7,7 +7,6 @@ use crate::bert::{mean_pool_normalize, BertConfig, BertPart};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use proto::digest::Sha256Digest;
 use proto::frames::StageClaims;
 use proto::manifest::LoadedManifest;
 use proto::tensor::TensorFrame;
@@ -132,21 +131,6 @@ impl Engine {
         })
     }
 
-    /// Digest of the manifest.
-    pub fn manifest_digest(&self) -> Sha256Digest {
-        self.manifest.digest
-    }
-
-    /// Whether this is the entry stage (tokenizes and embeds).
-    pub fn is_entry(&self) -> bool {
-        self.claims.stage_index == 0
-    }
-
-    /// Whether this is the exit stage (pools).
-    pub fn is_exit(&self) -> bool {
-        self.claims.is_exit()
-    }
-
     /// Shape numbers for the activation-memory estimate.
     pub fn shape(&self) -> crate::batcher::ShapeInfo {
         let c = self.part.config();
@@ -216,7 +200,7 @@ impl Engine {
     /// Embeds texts entirely in this process (requires a single-stage
     /// engine). Used by tests and the benchmark baseline.
     pub fn embed_texts(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
-        if !(self.is_entry() && self.is_exit()) {
+        if !(self.claims.is_entry() && self.claims.is_exit()) {
             bail!("embed_texts needs a single-stage engine");
         }
         let seqs: Vec<Vec<u32>> = texts

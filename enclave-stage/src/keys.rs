@@ -40,7 +40,7 @@ impl StageKeys {
         provider: &dyn AttestationProvider,
     ) -> Result<Self, AttestError> {
         let receipt = SigningKey::generate(&mut rand::rngs::OsRng);
-        let hpke = (claims.stage_index == 0).then(|| {
+        let hpke = claims.is_entry().then(|| {
             use rand::Rng;
             ServerKey::generate(rand::rngs::OsRng.gen_range(ENCLAVE_HPKE_KEY_IDS))
         });

@@ -132,8 +132,8 @@ fn main() -> Result<()> {
     let binary =
         Sha256Digest::of_file(&exe).with_context(|| format!("hashing {}", exe.display()))?;
     let (manifest_digest, model_id) = match &loaded {
-        Loaded::Embedding(e) => (e.manifest_digest(), e.manifest.manifest.model_id.clone()),
-        Loaded::Generation(g) => (g.manifest_digest(), g.manifest.manifest.model_id.clone()),
+        Loaded::Embedding(e) => (e.manifest.digest, e.manifest.manifest.model_id.clone()),
+        Loaded::Generation(g) => (g.manifest.digest, g.manifest.manifest.model_id.clone()),
     };
     let provider::Selected {
         provider,

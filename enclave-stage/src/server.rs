@@ -52,16 +52,6 @@ impl StageModel {
         }
     }
 
-    /// Whether this is the entry stage.
-    pub fn is_entry(&self) -> bool {
-        self.claims().stage_index == 0
-    }
-
-    /// Whether this is the exit stage.
-    pub fn is_exit(&self) -> bool {
-        self.claims().is_exit()
-    }
-
     /// The API path the model serves.
     pub fn endpoint(&self) -> &'static str {
         match self {
@@ -157,7 +147,7 @@ impl StageServer {
     fn is_feedback_peer(&self, peer: &PeerInfo) -> bool {
         let me = self.claims();
         matches!(self.model, StageModel::Generation(_))
-            && me.stage_index == 0
+            && me.is_entry()
             && me.num_stages > 1
             && peer
                 .claims
@@ -302,7 +292,7 @@ impl StageServer {
                     None
                 }
                 HostMessage::Request(req) => {
-                    if !self.model.is_entry() {
+                    if !self.model.claims().is_entry() {
                         tracing::warn!("request sent to a non-entry stage; closing");
                         break;
                     }
@@ -369,7 +359,7 @@ impl StageServer {
         let id = self.next_sink.fetch_add(1, Ordering::Relaxed);
         match (&feedback, &self.model) {
             (Some(ep), StageModel::Generation(_))
-                if self.model.is_exit() && !self.model.is_entry() =>
+                if self.model.claims().is_exit() && !self.model.claims().is_entry() =>
             {
                 let ep: Endpoint = ep.parse()?;
                 let check = |p: &PeerInfo| self.check_loop_peer(p, 0);
@@ -377,7 +367,9 @@ impl StageServer {
                 *self.feedback.lock().await = Some(Arc::new(Mutex::new(tx)));
                 tracing::info!(entry = %ep, "connected and attested the entry stage for feedback");
             }
-            (None, StageModel::Generation(_)) if self.model.is_exit() && !self.model.is_entry() => {
+            (None, StageModel::Generation(_))
+                if self.model.claims().is_exit() && !self.model.claims().is_entry() =>
+            {
                 return Err(
                     "a generation exit stage needs the entry stage's endpoint (feedback)".into(),
                 )
@@ -387,7 +379,7 @@ impl StageServer {
                 return Err("only a generation exit stage takes a feedback endpoint".into())
             }
         }
-        match (next, self.model.is_exit()) {
+        match (next, self.model.claims().is_exit()) {
             (None, true) => {
                 *self.sink.lock().await = Some(Sink {
                     id,
@@ -430,7 +422,7 @@ impl StageServer {
     /// context and sequences to the compute thread. Errors after the body is
     /// open are sealed to the client.
     async fn accept_request(&self, req: SealedRequest) {
-        let exit = self.model.is_exit();
+        let exit = self.model.claims().is_exit();
         let request_id = req.request_id;
         let (plaintext, key) = match self.open(&req) {
             Ok(v) => v,
@@ -551,7 +543,7 @@ impl StageServer {
             }
             Err(api) => {
                 let err = sealed_error(api, ErrorKind::BadInput);
-                self.emit(failure(self.model.is_exit(), request_id, err))
+                self.emit(failure(self.model.claims().is_exit(), request_id, err))
                     .await
             }
         }

@@ -82,14 +82,10 @@ impl Tracker {
         }
     }
 
-    fn is_entry(&self) -> bool {
-        self.claims.stage_index == 0
-    }
-
     /// Starts tracking a request.
     pub fn begin(&mut self, ctx: RequestContext) {
         let n = ctx.n_inputs as usize;
-        let entry = self.is_entry();
+        let entry = self.claims.is_entry();
         self.requests.insert(
             ctx.request_id,
             Request {
@@ -229,7 +225,7 @@ impl Tracker {
         let upstream = r.upstream_links.clone().unwrap_or_default();
         let mut timings = r.upstream_timings.clone();
         timings.push(r.timer.finish(self.claims.stage_index));
-        let received = if self.is_entry() {
+        let received = if self.claims.is_entry() {
             r.ctx.request_digest
         } else {
             combine(&r.received).ok_or_else(|| fail("a received row is missing its digest"))?

@@ -47,6 +47,12 @@ pub struct StageClaims {
 }
 
 impl StageClaims {
+    /// Whether this stage is the first one (opens, validates and tokenizes
+    /// requests).
+    pub fn is_entry(&self) -> bool {
+        self.stage_index == 0
+    }
+
     /// Whether this stage is the last one.
     pub fn is_exit(&self) -> bool {
         self.stage_index + 1 == self.num_stages

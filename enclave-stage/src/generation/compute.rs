@@ -154,7 +154,7 @@ impl Generator {
         out: Sender<Output>,
         limits: GenLimits,
     ) -> Self {
-        let sched = model.is_entry().then(|| {
+        let sched = model.claims.is_entry().then(|| {
             Scheduler::new(SchedulerLimits {
                 kv_tokens: limits.kv_tokens,
                 step_tokens: limits.step_tokens,
@@ -177,7 +177,7 @@ impl Generator {
     }
 
     fn is_exit(&self) -> bool {
-        self.model.is_exit()
+        self.model.claims.is_exit()
     }
 
     /// KV-cache tokens this stage has allocated (derived from the caches).
@@ -314,7 +314,7 @@ impl Generator {
                 return false;
             }
         };
-        let entry = self.model.is_entry();
+        let entry = self.model.claims.is_entry();
         self.requests.insert(
             ctx.request_id,
             GenRequest {
@@ -572,7 +572,7 @@ impl Generator {
     }
 
     fn send_feedback(&mut self, m: FeedbackMessage) {
-        if self.model.is_entry() {
+        if self.model.claims.is_entry() {
             // One-stage pipeline: the feedback loop is in this thread.
             if let FeedbackMessage::Tokens(t) = m {
                 self.feedback(t);
@@ -914,7 +914,7 @@ impl Generator {
         let upstream = r.upstream_links.clone().unwrap_or_default();
         let mut timings = r.upstream_timings.clone();
         timings.push(r.timer.finish(c.stage_index));
-        let received = if self.model.is_entry() {
+        let received = if self.model.claims.is_entry() {
             r.ctx.request_digest
         } else {
             combine(&r.received)

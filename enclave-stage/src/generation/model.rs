@@ -6,7 +6,6 @@ use crate::engine::StageSpec;
 use crate::llama::{LlamaConfig, LlamaPart};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
-use proto::digest::Sha256Digest;
 use proto::frames::StageClaims;
 use proto::manifest::LoadedManifest;
 use std::path::PathBuf;
@@ -85,8 +84,8 @@ impl GenModel {
         LlamaPart::load(
             path,
             self.spec.layers.clone(),
-            self.is_entry(),
-            self.is_exit(),
+            self.claims.is_entry(),
+            self.claims.is_exit(),
         )
         .with_context(|| {
             format!(
@@ -95,21 +94,6 @@ impl GenModel {
                 path.display()
             )
         })
-    }
-
-    /// Digest of the manifest.
-    pub fn manifest_digest(&self) -> Sha256Digest {
-        self.manifest.digest
-    }
-
-    /// Whether this is the entry stage (tokenizes, schedules).
-    pub fn is_entry(&self) -> bool {
-        self.claims.stage_index == 0
-    }
-
-    /// Whether this is the exit stage (samples, writes the response).
-    pub fn is_exit(&self) -> bool {
-        self.claims.is_exit()
     }
 
     /// Tokenizes a prompt (no special tokens added: the model's reference
