@@ -154,7 +154,7 @@ fn main() -> Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let (work_tx, work_rx) = std::sync::mpsc::channel();
         let (out_tx, out_rx) = tokio::sync::mpsc::channel(8);
         let model = match loaded {
@@ -234,5 +234,10 @@ fn main() -> Result<()> {
             _ = sigterm.recv() => tracing::info!("SIGTERM; exiting"),
         }
         Ok::<_, anyhow::Error>(())
-    })
+    });
+    // Without waiting for blocking tasks: the `--exit-with-stdin` reader
+    // blocks until the supervisor closes stdin, which would keep a stage
+    // told to stop by a signal alive.
+    rt.shutdown_background();
+    served
 }

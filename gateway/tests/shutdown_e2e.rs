@@ -164,3 +164,18 @@ async fn each_route_has_its_own_deadline() {
         "{m}"
     );
 }
+
+#[test]
+fn a_stage_stops_on_sigterm_while_its_supervisor_holds_stdin() {
+    // `--exit-with-stdin` reads stdin on a blocking thread; a signal must
+    // still stop the stage while the supervisor keeps the pipe open.
+    let dir = temp_dir("stage-sigterm");
+    let policy = root().join("config/policy.toml");
+    let stage = StageProc::start(0, 1, [0, 6], &policy, &dir);
+    let pid = stage.child.id();
+    signal(pid, "TERM");
+    let log = || std::fs::read_to_string(dir.join("stage0.log")).unwrap_or_default();
+    wait_gone(&[pid], &log());
+    assert!(log().contains("SIGTERM; exiting"), "{}", log());
+    drop(stage);
+}
