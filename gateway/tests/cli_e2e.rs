@@ -608,6 +608,24 @@ async fn proxy_checks(c: &Ctx) {
         .unwrap();
     assert_eq!(r.status(), 400);
     assert_error_shape(&r.json().await.unwrap());
+    // An input only the entry stage can refuse (the host sees ciphertext):
+    // its error comes back sealed and the proxy opens it.
+    let r = client()
+        .post(format!("{}/v1/embeddings", proxy.url))
+        .json(&json!({"model": MODEL, "input": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let e: serde_json::Value = r.json().await.unwrap();
+    assert_error_shape(&e);
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("must not be an empty array"),
+        "{e}"
+    );
     let r = client()
         .get(format!("{}/v1/nothing-here", proxy.url))
         .send()

@@ -169,7 +169,8 @@ impl AttestError {
     }
 }
 
-/// A request sealed and sent; its response not read yet.
+/// A request sealed and sent, answered with a sealed success whose body is
+/// not read yet.
 struct Sent {
     response: reqwest::Response,
     client_key: ClientResponseKey,
@@ -265,7 +266,8 @@ impl Proxy {
     }
 
     /// Seals the request to the trusted entry key and sends it; re-attests
-    /// once if the upstream no longer knows the key.
+    /// once if the upstream no longer knows the key. Any answer but a sealed
+    /// success is the error the client gets.
     async fn send_sealed(
         &self,
         x: &Exchange,
@@ -325,6 +327,9 @@ impl Proxy {
                     body: bytes,
                 }));
             }
+            if !response.status().is_success() || !is_sealed(&response) {
+                return Err(self.not_success(response, &client_key).await);
+            }
             return Ok(Sent {
                 response,
                 client_key,
@@ -382,9 +387,6 @@ impl Proxy {
             client_key,
             trusted,
         } = sent;
-        if !response.status().is_success() || !is_sealed(&response) {
-            return Err(self.not_success(response, &client_key).await);
-        }
         let status = response.status();
         let headers = response.headers().clone();
         let body = response.bytes().await.map_err(|e| {
@@ -530,9 +532,6 @@ async fn finish_streaming(
         client_key,
         trusted,
     } = sent;
-    if !response.status().is_success() || !is_sealed(&response) {
-        return Err(proxy.not_success(response, &client_key).await);
-    }
     let receipt_id = response.headers().get(HEADER_RECEIPT_ID).cloned();
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     let nonce = x.nonce.clone();
