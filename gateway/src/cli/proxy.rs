@@ -582,9 +582,9 @@ async fn pump_stream(
     let mut opener = ResponseOpener::new(&client_key, SealLimits::default());
     // Every plaintext byte the client gets: the receipt binds all of it.
     let mut all = Vec::new();
-    // How much of `all` went out, and where `[DONE]` starts once seen.
+    // How much of `all` went out; whether it stopped at `[DONE]`.
     let mut forwarded = 0;
-    let mut done_at = None;
+    let mut at_done = false;
     loop {
         let piece = tokio::time::timeout(proxy.idle, response.chunk())
             .await
@@ -599,11 +599,11 @@ async fn pump_stream(
         for part in opener.feed(&piece).map_err(unopenable)? {
             all.extend_from_slice(&part);
         }
-        if done_at.is_none() {
+        if !at_done {
             // Whole events only, so a `[DONE]` split across sealed chunks
             // is still seen before any of it goes out.
             let (upto, done) = forwardable(&all, forwarded);
-            done_at = done;
+            at_done = done;
             if upto > forwarded {
                 let out = Bytes::copy_from_slice(&all[forwarded..upto]);
                 forwarded = upto;
@@ -618,21 +618,20 @@ async fn pump_stream(
     }
     let trailer = opener.trailer().map(<[u8]>::to_vec);
     opener.finish().map_err(unopenable)?;
-    let Some(receipt) = trailer else {
+    match trailer {
+        Some(receipt) => {
+            proxy.verified(x, trusted, &receipt, &all).await?;
+        }
         // No receipt: the stage ended the stream with an error event, which
         // never follows a [DONE].
-        if done_at.is_some() {
+        None if at_done => {
             return Err(bad_gateway(
                 "receipt_verification_failed",
                 "The upstream stream ended without its receipt; [DONE] was withheld.",
-            ));
+            ))
         }
-        if forwarded < all.len() {
-            let _ = tx.send(Bytes::copy_from_slice(&all[forwarded..])).await;
-        }
-        return Ok(());
-    };
-    proxy.verified(x, trusted, &receipt, &all).await?;
+        None => {}
+    }
     if forwarded < all.len() {
         let _ = tx.send(Bytes::copy_from_slice(&all[forwarded..])).await;
     }
@@ -641,16 +640,16 @@ async fn pump_stream(
 
 /// How far into `all` the stream may go out, starting at `from` (an event
 /// boundary): up to the end of its last complete event, or up to the start
-/// of the `[DONE]` event (returned too), which waits for the receipt.
-fn forwardable(all: &[u8], from: usize) -> (usize, Option<usize>) {
+/// of the `[DONE]` event (then `true`), which waits for the receipt.
+fn forwardable(all: &[u8], from: usize) -> (usize, bool) {
     let mut at = from;
     while let Some(len) = all[at..].windows(2).position(|w| w == b"\n\n") {
         if all[at..].starts_with(STREAM_DONE) {
-            return (at, Some(at));
+            return (at, true);
         }
         at += len + 2;
     }
-    (at, None)
+    (at, false)
 }
 
 /// An error as a Server-Sent Event (how OpenAI ends a failed stream).
@@ -1174,21 +1173,18 @@ mod tests {
     fn whole_events_go_out_and_done_waits() {
         let ev = b"data: {\"a\":1}\n\n";
         // A partial event waits for the rest.
-        assert_eq!(forwardable(&ev[..7], 0), (0, None));
-        assert_eq!(forwardable(ev, 0), (ev.len(), None));
+        assert_eq!(forwardable(&ev[..7], 0), (0, false));
+        assert_eq!(forwardable(ev, 0), (ev.len(), false));
         let mut all = ev.to_vec();
         all.extend_from_slice(ev);
         all.extend_from_slice(&STREAM_DONE[..8]);
         // `[DONE]` split across pieces: nothing of it goes out...
-        assert_eq!(forwardable(&all, ev.len()), (2 * ev.len(), None));
+        assert_eq!(forwardable(&all, ev.len()), (2 * ev.len(), false));
         all.extend_from_slice(&STREAM_DONE[8..]);
         // ...and once whole it is recognised and held.
-        assert_eq!(
-            forwardable(&all, 2 * ev.len()),
-            (2 * ev.len(), Some(2 * ev.len()))
-        );
+        assert_eq!(forwardable(&all, 2 * ev.len()), (2 * ev.len(), true));
         // `data: [DONE]` inside an event's text is not the end.
         let inner = b"data: {\"t\":\"data: [DONE]\"}\n\n";
-        assert_eq!(forwardable(inner, 0), (inner.len(), None));
+        assert_eq!(forwardable(inner, 0), (inner.len(), false));
     }
 }
