@@ -19,6 +19,7 @@ use proto::frames::{
 };
 use proto::openai::{parse_embeddings, ApiError};
 use proto::policy::Policy;
+use proto::receipt::OpenedKey;
 use proto::sealing::{open_request, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
 use proto::transport::{self, Endpoint, Listener};
 use rand::RngCore;
@@ -510,6 +511,7 @@ impl StageServer {
             request_digest: Sha256Digest::of(&plaintext),
             client_nonce: req.client_nonce,
             sealing: req.sealing,
+            opened: OpenedKey::of(req.headers.key_id, &req.headers.enc),
             response_key: key,
             trace: req.trace,
         };
@@ -621,6 +623,7 @@ impl StageServer {
             request_digest: Sha256Digest::of(plaintext),
             client_nonce: req.client_nonce,
             sealing: req.sealing,
+            opened: OpenedKey::of(req.headers.key_id, &req.headers.enc),
             response_key: key,
             trace: req.trace,
         };

@@ -19,7 +19,7 @@ use proto::frames::{
     ResultMessage, StageClaims, StageTiming,
 };
 use proto::openai::{embeddings_response, ApiError};
-use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody};
+use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody, ReceiptVersion};
 use proto::sealing::{seal_response, seal_response_with_trailer};
 use proto::tensor::TensorFrame;
 use std::collections::HashMap;
@@ -239,6 +239,9 @@ impl Tracker {
             received_digest: received,
             sent_digest: received,
             prev_link_digest: upstream.last().map(|l| link_digest(l)),
+            // The entry stage binds which key it opened: what makes the
+            // receipt's `sealing` checkable by the client (docs/receipts.md).
+            opened: c.is_entry().then_some(r.ctx.opened),
         };
         if !c.is_exit() {
             link.sent_digest =
@@ -265,6 +268,7 @@ impl Tracker {
         let receipt = sign_receipt(
             &keys.receipt,
             &ReceiptBody {
+                version: ReceiptVersion::CURRENT,
                 receipt_id: r.ctx.receipt_id,
                 issued_at_ms,
                 endpoint: r.ctx.endpoint.clone(),

@@ -9,7 +9,9 @@
 use ed25519_dalek::SigningKey;
 use enclave_stage::engine::{Engine, StageSpec};
 use proto::digest::Sha256Digest;
-use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody, Sealing};
+use proto::receipt::{
+    link_digest, sign_link, sign_receipt, Link, OpenedKey, ReceiptBody, ReceiptVersion, Sealing,
+};
 use proto::sealing::{open_request, open_response, seal_request, seal_response, Aead, ServerKey};
 use std::time::Instant;
 
@@ -69,6 +71,7 @@ fn main() -> anyhow::Result<()> {
                 received_digest: d,
                 sent_digest: d,
                 prev_link_digest: None,
+                opened: Some(OpenedKey::of(1, &[9; 32])),
             },
         );
         let exit_link = Link {
@@ -79,10 +82,12 @@ fn main() -> anyhow::Result<()> {
             received_digest: d,
             sent_digest: Sha256Digest::of(&response),
             prev_link_digest: Some(link_digest(&link0)),
+            opened: None,
         };
         sign_receipt(
             &signer,
             &ReceiptBody {
+                version: ReceiptVersion::CURRENT,
                 receipt_id: [1; 16],
                 issued_at_ms: 0,
                 endpoint: "/v1/embeddings".into(),

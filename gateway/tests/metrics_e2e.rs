@@ -57,14 +57,7 @@ async fn counters_move_stages_are_up_and_no_content_leaks() {
     }
 
     // Sealed to the enclave key and to the gateway key.
-    let keys = client()
-        .get(format!("{}/.well-known/hpke-keys", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap();
+    let keys = get_bytes(&format!("{}/.well-known/hpke-keys", gw.url)).await;
     for key in KeyConfig::decode_list(&keys).unwrap() {
         let body = serde_json::to_vec(&json!({"model": MODEL, "input": MARKER})).unwrap();
         let (headers, sealed, _) = seal_request(&key, Aead::Aes128Gcm, &body).unwrap();

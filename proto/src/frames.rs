@@ -16,7 +16,7 @@ use crate::attestation::Evidence;
 use crate::completions::CompletionsRequest;
 use crate::digest::Sha256Digest;
 use crate::openai::EmbeddingsRequest;
-use crate::receipt::{ReceiptId, Sealing};
+use crate::receipt::{OpenedKey, ReceiptId, Sealing};
 use crate::sealing::{ResponseKeyMaterial, SealedHeaders};
 use crate::tensor::TensorFrame;
 use serde::{Deserialize, Serialize};
@@ -296,6 +296,9 @@ pub struct RequestContext {
     pub client_nonce: Option<Vec<u8>>,
     /// Who sealed the request.
     pub sealing: Sealing,
+    /// The HPKE key the entry stage opened the request with (bound into
+    /// its receipt link).
+    pub opened: OpenedKey,
     /// Key material that seals the response to the client.
     pub response_key: ResponseKeyMaterial,
     /// The gateway's trace context, when tracing is on.
@@ -337,6 +340,9 @@ pub struct GenerationContext {
     pub client_nonce: Option<Vec<u8>>,
     /// Who sealed the request.
     pub sealing: Sealing,
+    /// The HPKE key the entry stage opened the request with (bound into
+    /// its receipt link).
+    pub opened: OpenedKey,
     /// Key material that seals the response to the client.
     pub response_key: ResponseKeyMaterial,
     /// The gateway's trace context, when tracing is on.

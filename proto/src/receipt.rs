@@ -39,10 +39,15 @@ use ed25519_dalek::{Signer, SigningKey, VerifyingKey};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// COSE content type of a receipt.
-pub const RECEIPT_CONTENT_TYPE: &str = "application/vnd.ci.receipt.v2+cbor";
-/// COSE content type of a stage link.
-pub const LINK_CONTENT_TYPE: &str = "application/vnd.ci.receipt-link.v1+cbor";
+/// COSE content type of a receipt (the current format, v3).
+pub const RECEIPT_CONTENT_TYPE: &str = "application/vnd.ci.receipt.v3+cbor";
+/// COSE content type of a stage link (the current format, link v2).
+pub const LINK_CONTENT_TYPE: &str = "application/vnd.ci.receipt-link.v2+cbor";
+/// COSE content type of a v2 receipt (before links said which key the entry
+/// stage opened); still verified, as what it is.
+pub const RECEIPT_CONTENT_TYPE_V2: &str = "application/vnd.ci.receipt.v2+cbor";
+/// COSE content type of the links inside a v2 receipt.
+pub const LINK_CONTENT_TYPE_V1: &str = "application/vnd.ci.receipt-link.v1+cbor";
 /// Length of a receipt id.
 pub const RECEIPT_ID_LEN: usize = 16;
 
@@ -180,6 +185,19 @@ pub enum ReceiptError {
     /// The receipt carries another nonce than expected.
     #[error("client nonce differs from the expected one")]
     NonceMismatch,
+    /// The entry stage's link does not say which key it opened, or a later
+    /// stage's link claims to have opened one (v3 receipts).
+    #[error("link {position}: the opened-key field is missing or misplaced")]
+    LinkOpened {
+        /// Position in the chain.
+        position: usize,
+    },
+    /// What the entry stage opened contradicts the receipt's `sealing`: it
+    /// opened another encapsulated key than the client's, yet the receipt
+    /// says `enclave` (the host opened the request and re-sealed it), or it
+    /// opened the client's own while the receipt says otherwise.
+    #[error("sealing: {0}")]
+    SealingMismatch(String),
 }
 
 impl ReceiptError {
@@ -213,6 +231,8 @@ impl ReceiptError {
             ResponseMismatch => "response_mismatch",
             NonceMissing => "nonce_missing",
             NonceMismatch => "nonce_mismatch",
+            LinkOpened { .. } => "link_opened",
+            SealingMismatch(_) => "sealing_mismatch",
         }
     }
 }
@@ -369,6 +389,116 @@ impl Fields {
 // ---------------------------------------------------------------------------
 // Payloads.
 
+/// Receipt format versions this code reads. It writes only
+/// [`ReceiptVersion::CURRENT`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReceiptVersion {
+    /// Receipt v2 with link v1: links do not say which key the entry stage
+    /// opened, so `sealing` is only the host's word.
+    V2,
+    /// Receipt v3 with link v2: the entry stage's link binds the HPKE key id
+    /// and the digest of the encapsulated key it opened ([`OpenedKey`]).
+    V3,
+}
+
+impl ReceiptVersion {
+    /// The version this code produces.
+    pub const CURRENT: Self = ReceiptVersion::V3;
+
+    /// The COSE content type of a receipt in this version.
+    pub fn receipt_content_type(self) -> &'static str {
+        match self {
+            ReceiptVersion::V2 => RECEIPT_CONTENT_TYPE_V2,
+            ReceiptVersion::V3 => RECEIPT_CONTENT_TYPE,
+        }
+    }
+
+    /// The COSE content type of a signed link in this version.
+    pub fn link_content_type(self) -> &'static str {
+        match self {
+            ReceiptVersion::V2 => LINK_CONTENT_TYPE_V1,
+            ReceiptVersion::V3 => LINK_CONTENT_TYPE,
+        }
+    }
+
+    fn from_receipt_content_type(ct: &str) -> Option<Self> {
+        [ReceiptVersion::V2, ReceiptVersion::V3]
+            .into_iter()
+            .find(|v| v.receipt_content_type() == ct)
+    }
+
+    /// Number of keys of a link payload in this version.
+    fn link_keys(self) -> u64 {
+        match self {
+            ReceiptVersion::V2 => 7,
+            ReceiptVersion::V3 => 8,
+        }
+    }
+}
+
+/// Which HPKE key the entry stage opened a request with: the key id and
+/// the SHA-256 of the encapsulated key (`enc`) from the request headers.
+/// A client that kept its `enc` (the client key file of `gateway seal`)
+/// learns from this whether the enclave opened *its* ciphertext or one the
+/// host made after opening the request itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenedKey {
+    /// The HPKE key id (`hpke-key-id`).
+    pub key_id: u8,
+    /// SHA-256 of the encapsulated key (`hpke-encapsulated-key`).
+    pub enc_digest: Sha256Digest,
+}
+
+impl OpenedKey {
+    /// The opened key for a request sealed to `key_id` with encapsulated
+    /// key `enc`.
+    pub fn of(key_id: u8, enc: &[u8]) -> Self {
+        Self {
+            key_id,
+            enc_digest: Sha256Digest::of(enc),
+        }
+    }
+
+    fn to_value(self) -> Value {
+        Value::Array(vec![
+            uint(self.key_id.into()),
+            Value::Bytes(self.enc_digest.0.to_vec()),
+        ])
+    }
+
+    fn from_value(v: Value) -> Result<Option<Self>, String> {
+        const WHAT: &str = "key 8: not [uint8, bstr .size 32] or null";
+        match v {
+            Value::Null => Ok(None),
+            Value::Array(a) if a.len() == 2 => {
+                let mut it = a.into_iter();
+                let key_id = match it.next() {
+                    Some(Value::Integer(i)) => u8::try_from(i).map_err(|_| WHAT)?,
+                    _ => return Err(WHAT.into()),
+                };
+                let enc_digest = match it.next() {
+                    Some(Value::Bytes(b)) => Sha256Digest(b.try_into().map_err(|_| WHAT)?),
+                    _ => return Err(WHAT.into()),
+                };
+                Ok(Some(Self { key_id, enc_digest }))
+            }
+            _ => Err(WHAT.into()),
+        }
+    }
+}
+
+impl fmt::Display for OpenedKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "key id {} with encapsulated key sha256 {}",
+            self.key_id,
+            self.enc_digest.hex()
+        )
+    }
+}
+
 /// One stage's statement about one request (signed by that stage).
 ///
 /// ```cddl
@@ -380,6 +510,8 @@ impl Fields {
 ///   5 => bstr .size 32,     ; received_digest
 ///   6 => bstr .size 32,     ; sent_digest
 ///   7 => bstr .size 32 / null, ; prev_link_digest (null for stage 0)
+///   8 => [uint, bstr .size 32] / null, ; opened: key id, sha256(enc)
+///                           ;   (stage 0 only; absent in link v1)
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -399,11 +531,14 @@ pub struct Link {
     pub sent_digest: Sha256Digest,
     /// [`link_digest`] of the previous stage's signed link; `None` for stage 0.
     pub prev_link_digest: Option<Sha256Digest>,
+    /// The key the entry stage opened the request with; `None` for every
+    /// later stage (and in v1 links, which do not have the field).
+    pub opened: Option<OpenedKey>,
 }
 
 impl Link {
-    fn to_value(&self) -> Value {
-        int_map(vec![
+    fn to_value(&self, version: ReceiptVersion) -> Value {
+        let mut entries = vec![
             (1, Value::Bytes(self.receipt_id.to_vec())),
             (2, uint(self.stage_index.into())),
             (
@@ -421,22 +556,37 @@ impl Link {
                 self.prev_link_digest
                     .map_or(Value::Null, |d| Value::Bytes(d.0.to_vec())),
             ),
-        ])
+        ];
+        if version != ReceiptVersion::V2 {
+            entries.push((8, self.opened.map_or(Value::Null, OpenedKey::to_value)));
+        }
+        int_map(entries)
     }
 
-    /// Deterministic CBOR of the link payload.
+    /// Deterministic CBOR of the link payload (current format).
     pub fn to_cbor(&self) -> Vec<u8> {
-        canonical_bytes(&self.to_value()).expect("integer keys are distinct")
+        self.to_cbor_as(ReceiptVersion::CURRENT)
     }
 
-    /// Decodes a link payload (must be deterministic CBOR).
+    /// Deterministic CBOR of the link payload in the link format of
+    /// `version` (an older one only to make test vectors).
+    pub fn to_cbor_as(&self, version: ReceiptVersion) -> Vec<u8> {
+        canonical_bytes(&self.to_value(version)).expect("integer keys are distinct")
+    }
+
+    /// Decodes a link payload of the current format (must be deterministic
+    /// CBOR).
     pub fn from_cbor(bytes: &[u8]) -> Result<Self, ReceiptError> {
-        let value = decode_canonical(bytes)?;
-        Self::from_value(value).map_err(ReceiptError::Malformed)
+        Self::from_cbor_as(bytes, ReceiptVersion::CURRENT)
     }
 
-    fn from_value(value: Value) -> Result<Self, String> {
-        let mut f = Fields::new(value, 7)?;
+    fn from_cbor_as(bytes: &[u8], version: ReceiptVersion) -> Result<Self, ReceiptError> {
+        let value = decode_canonical(bytes)?;
+        Self::from_value(value, version).map_err(ReceiptError::Malformed)
+    }
+
+    fn from_value(value: Value, version: ReceiptVersion) -> Result<Self, String> {
+        let mut f = Fields::new(value, version.link_keys())?;
         let layers = match f.take(3) {
             Value::Array(a) if a.len() == 2 => {
                 let n = |v: &Value| match v {
@@ -450,6 +600,10 @@ impl Link {
             }
             _ => return Err("key 3: not [uint, uint]".into()),
         };
+        let opened = match version {
+            ReceiptVersion::V2 => None,
+            ReceiptVersion::V3 => OpenedKey::from_value(f.take(8))?,
+        };
         Ok(Self {
             receipt_id: f.array(1)?,
             stage_index: f.u32(2)?,
@@ -458,6 +612,7 @@ impl Link {
             received_digest: f.digest(5)?,
             sent_digest: f.digest(6)?,
             prev_link_digest: f.opt_digest(7)?,
+            opened,
         })
     }
 }
@@ -516,6 +671,8 @@ impl Sealing {
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReceiptBody {
+    /// The format version (from the COSE content type; not in the payload).
+    pub version: ReceiptVersion,
     /// Random id (also the `receipt` response header and the lookup key).
     pub receipt_id: ReceiptId,
     /// Issue time, Unix milliseconds.
@@ -536,7 +693,9 @@ pub struct ReceiptBody {
     pub sequence: u64,
     /// Whether the evidence is mock.
     pub mock: bool,
-    /// Which key the client sealed to.
+    /// Which key the client sealed to, as the gateway reported it to the
+    /// entry stage: the host's word. What the entry stage itself opened is
+    /// in the entry link's [`Link::opened`] (v3).
     pub sealing: Sealing,
     /// The signed links ([`sign_link`] output) of the stages before the
     /// exit stage, in stage order (empty for a one-stage pipeline).
@@ -573,22 +732,37 @@ impl ReceiptBody {
                 12,
                 Value::Array(self.chain.iter().cloned().map(Value::Bytes).collect()),
             ),
-            (13, self.exit_link.to_value()),
+            (13, self.exit_link.to_value(self.version)),
         ])
     }
 
-    /// Deterministic CBOR of the receipt payload.
+    /// Deterministic CBOR of the receipt payload (in its `version`).
     pub fn to_cbor(&self) -> Vec<u8> {
         canonical_bytes(&self.to_value()).expect("integer keys are distinct")
     }
 
-    /// Decodes a receipt payload (must be deterministic CBOR).
-    pub fn from_cbor(bytes: &[u8]) -> Result<Self, ReceiptError> {
+    /// Decodes a receipt payload of the given version (must be
+    /// deterministic CBOR).
+    pub fn from_cbor(bytes: &[u8], version: ReceiptVersion) -> Result<Self, ReceiptError> {
         let value = decode_canonical(bytes)?;
-        Self::from_value(value).map_err(ReceiptError::Malformed)
+        Self::from_value(value, version).map_err(ReceiptError::Malformed)
     }
 
-    fn from_value(value: Value) -> Result<Self, String> {
+    /// The entry stage's link, parsed **without verifying** its signature
+    /// (the first signed link, or the exit link of a one-stage pipeline):
+    /// for a client tool that checks [`Link::opened`] before it has the
+    /// evidence. [`verify_receipt`] is what proves it.
+    pub fn entry_link_unverified(&self) -> Result<Link, ReceiptError> {
+        match self.chain.first() {
+            None => Ok(self.exit_link.clone()),
+            Some(bytes) => {
+                let signed = parse_signed(bytes, self.version.link_content_type())?;
+                Link::from_cbor_as(&signed.payload, self.version)
+            }
+        }
+    }
+
+    fn from_value(value: Value, version: ReceiptVersion) -> Result<Self, String> {
         let mut f = Fields::new(value, 13)?;
         let client_nonce = match f.take(8) {
             Value::Null => None,
@@ -607,6 +781,7 @@ impl ReceiptBody {
             _ => return Err("key 12: not an array".into()),
         };
         Ok(Self {
+            version,
             receipt_id: f.array(1)?,
             issued_at_ms: f.uint(2)?,
             endpoint: f.text(3)?,
@@ -619,7 +794,7 @@ impl ReceiptBody {
             mock: f.boolean(10)?,
             sealing: Sealing::parse(&sealing).ok_or("key 11: unknown sealing")?,
             chain,
-            exit_link: Link::from_value(f.take(13)).map_err(|e| format!("key 13: {e}"))?,
+            exit_link: Link::from_value(f.take(13), version).map_err(|e| format!("key 13: {e}"))?,
         })
     }
 }
@@ -646,13 +821,20 @@ fn sign(key: &SigningKey, content_type: &str, payload: Vec<u8>) -> Vec<u8> {
 /// Signs a link with the stage's receipt key; returns the COSE_Sign1 bytes
 /// that go into [`ReceiptBody::chain`].
 pub fn sign_link(key: &SigningKey, link: &Link) -> Vec<u8> {
-    sign(key, LINK_CONTENT_TYPE, link.to_cbor())
+    sign_link_as(key, link, ReceiptVersion::CURRENT)
+}
+
+/// [`sign_link`] in the link format of `version` (an older one only to make
+/// test vectors).
+pub fn sign_link_as(key: &SigningKey, link: &Link, version: ReceiptVersion) -> Vec<u8> {
+    sign(key, version.link_content_type(), link.to_cbor_as(version))
 }
 
 /// Signs a receipt (and with it the exit stage's link) with the exit
-/// stage's receipt key; returns the COSE_Sign1 bytes (the receipt).
+/// stage's receipt key, in the body's `version`; returns the COSE_Sign1
+/// bytes (the receipt).
 pub fn sign_receipt(key: &SigningKey, body: &ReceiptBody) -> Vec<u8> {
-    sign(key, RECEIPT_CONTENT_TYPE, body.to_cbor())
+    sign(key, body.version.receipt_content_type(), body.to_cbor())
 }
 
 /// Digest of a signed link, as the next link's `prev_link_digest`.
@@ -670,6 +852,14 @@ struct Signed {
 /// Parses a COSE_Sign1 and checks its headers: malformed structure →
 /// `Err(Malformed)`, unexpected headers → `Err(BadHeader)`.
 fn parse_signed(bytes: &[u8], content_type: &str) -> Result<Signed, ReceiptError> {
+    parse_signed_any(bytes, &[content_type]).map(|(s, _)| s)
+}
+
+/// [`parse_signed`] accepting any of `content_types`; also returns which.
+fn parse_signed_any<'c>(
+    bytes: &[u8],
+    content_types: &[&'c str],
+) -> Result<(Signed, &'c str), ReceiptError> {
     let sign1 = CoseSign1::from_slice(bytes).map_err(|e| ReceiptError::Malformed(e.to_string()))?;
     if sign1.clone().to_vec().ok().as_deref() != Some(bytes) {
         return Err(ReceiptError::Malformed(
@@ -684,11 +874,16 @@ fn parse_signed(bytes: &[u8], content_type: &str) -> Result<Signed, ReceiptError
     {
         return Err(ReceiptError::BadHeader("algorithm is not EdDSA".into()));
     }
-    if h.content_type != Some(coset::RegisteredLabel::Text(content_type.to_string())) {
-        return Err(ReceiptError::BadHeader(format!(
-            "content type is not {content_type}"
-        )));
-    }
+    let content_type = content_types
+        .iter()
+        .find(|ct| h.content_type == Some(coset::RegisteredLabel::Text(ct.to_string())))
+        .copied()
+        .ok_or_else(|| {
+            ReceiptError::BadHeader(format!(
+                "content type is not {}",
+                content_types.join(" or ")
+            ))
+        })?;
     let kid: [u8; 32] = h
         .key_id
         .clone()
@@ -713,11 +908,22 @@ fn parse_signed(bytes: &[u8], content_type: &str) -> Result<Signed, ReceiptError
         .payload
         .clone()
         .ok_or_else(|| ReceiptError::Malformed("detached payload".into()))?;
-    Ok(Signed {
-        sign1,
-        kid,
-        payload,
-    })
+    Ok((
+        Signed {
+            sign1,
+            kid,
+            payload,
+        },
+        content_type,
+    ))
+}
+
+/// Parses a receipt's COSE_Sign1 in any format version this code reads.
+fn parse_receipt(bytes: &[u8]) -> Result<(Signed, ReceiptVersion), ReceiptError> {
+    let (signed, ct) = parse_signed_any(bytes, &[RECEIPT_CONTENT_TYPE, RECEIPT_CONTENT_TYPE_V2])?;
+    let version =
+        ReceiptVersion::from_receipt_content_type(ct).expect("one of the listed content types");
+    Ok((signed, version))
 }
 
 /// Whether `signed` verifies under `key` (strict Ed25519).
@@ -737,8 +943,11 @@ fn verifies(signed: &Signed, key: &[u8; 32]) -> bool {
 /// Decodes a receipt **without verifying anything** (e.g. to read its id
 /// for storage). Returns the body and the signer's key (`kid`).
 pub fn parse_unverified(receipt: &[u8]) -> Result<(ReceiptBody, [u8; 32]), ReceiptError> {
-    let signed = parse_signed(receipt, RECEIPT_CONTENT_TYPE)?;
-    Ok((ReceiptBody::from_cbor(&signed.payload)?, signed.kid))
+    let (signed, version) = parse_receipt(receipt)?;
+    Ok((
+        ReceiptBody::from_cbor(&signed.payload, version)?,
+        signed.kid,
+    ))
 }
 
 // ---------------------------------------------------------------------------
@@ -815,6 +1024,19 @@ pub struct VerifyInputs<'a> {
     pub expected_manifest: Option<Sha256Digest>,
     /// Whether the caller's policy accepts mock evidence.
     pub allow_mock: bool,
+    /// The HPKE key the client sealed its request to, if it sealed it and
+    /// kept the encapsulated key: checked against what the entry stage says
+    /// it opened ([`Link::opened`]).
+    pub sealed_to: Option<SealedTo<'a>>,
+}
+
+/// The HPKE key a client sealed its request to.
+#[derive(Clone, Copy, Debug)]
+pub struct SealedTo<'a> {
+    /// The key id it sealed to.
+    pub key_id: u8,
+    /// The encapsulated key it sent (`hpke-encapsulated-key`).
+    pub enc: &'a [u8],
 }
 
 impl<'a> VerifyInputs<'a> {
@@ -829,6 +1051,7 @@ impl<'a> VerifyInputs<'a> {
             expected_nonce: None,
             expected_manifest: None,
             allow_mock: false,
+            sealed_to: None,
         }
     }
 }
@@ -881,9 +1104,23 @@ pub struct VerifyReport {
     pub checks: Vec<Check>,
     /// The decoded receipt, once its signature and signer verified.
     pub receipt: Option<ReceiptBody>,
+    /// Whether the receipt's `sealing` was proven against the client's own
+    /// encapsulated key (check `sealing` passed), rather than taken on the
+    /// host's word.
+    pub sealing_proven: bool,
 }
 
 impl VerifyReport {
+    /// `Some(sealing)` only when it was proven against the client's key:
+    /// `Some(Sealing::Enclave)` means the entry stage opened exactly what the
+    /// client sealed, so the host relayed ciphertext only.
+    pub fn proven_sealing(&self) -> Option<Sealing> {
+        self.receipt
+            .as_ref()
+            .filter(|_| self.sealing_proven && self.ok())
+            .map(|r| r.sealing)
+    }
+
     /// Whether every check passed (skipped ones aside).
     pub fn ok(&self) -> bool {
         self.failure().is_none()
@@ -927,6 +1164,8 @@ impl VerifyReport {
                 "sequence": r.sequence,
                 "mock": r.mock,
                 "sealing": r.sealing.as_str(),
+                "sealing_proven": self.sealing_proven,
+                "version": r.version,
                 "stages": r.links(),
             })
         });
@@ -1033,9 +1272,13 @@ fn stage_of(stages: &[StageKeys], key: &[u8; 32]) -> Option<u32> {
 pub fn verify_receipt(inputs: &VerifyInputs<'_>) -> VerifyReport {
     let mut r = Report(Vec::new());
     let receipt = verify_into(inputs, &mut r);
+    let sealing_proven =
+        r.0.iter()
+            .any(|c| c.name == "sealing" && c.status == CheckStatus::Pass);
     VerifyReport {
         checks: r.0,
         receipt,
+        sealing_proven,
     }
 }
 
@@ -1046,7 +1289,7 @@ fn verify_into(inputs: &VerifyInputs<'_>, r: &mut Report) -> Option<ReceiptBody>
     }
     let exit = &stages[stages.len() - 1];
 
-    let signed = match parse_signed(inputs.receipt, RECEIPT_CONTENT_TYPE) {
+    let (signed, version) = match parse_receipt(inputs.receipt) {
         Ok(s) => s,
         Err(e) => {
             r.fail("receipt.structure", e);
@@ -1055,7 +1298,10 @@ fn verify_into(inputs: &VerifyInputs<'_>, r: &mut Report) -> Option<ReceiptBody>
     };
     r.pass(
         "receipt.structure",
-        "COSE_Sign1, EdDSA, receipt content type, 32-byte kid",
+        format!(
+            "COSE_Sign1, EdDSA, {}, 32-byte kid",
+            version.receipt_content_type()
+        ),
     );
     if !r.check(
         "receipt.signature",
@@ -1078,7 +1324,7 @@ fn verify_into(inputs: &VerifyInputs<'_>, r: &mut Report) -> Option<ReceiptBody>
     if !r.check("receipt.signer", signer) {
         return None;
     }
-    let body = match ReceiptBody::from_cbor(&signed.payload) {
+    let body = match ReceiptBody::from_cbor(&signed.payload, version) {
         Ok(b) => b,
         Err(e) => {
             r.fail("receipt.payload", e);
@@ -1119,7 +1365,7 @@ fn verify_into(inputs: &VerifyInputs<'_>, r: &mut Report) -> Option<ReceiptBody>
         None => r.skip("manifest", "no expected manifest given"),
     }
 
-    check_chain(&body, stages, r);
+    let entry_link = check_chain(&body, stages, r);
 
     match inputs.request {
         Some(req) => {
@@ -1162,10 +1408,72 @@ fn verify_into(inputs: &VerifyInputs<'_>, r: &mut Report) -> Option<ReceiptBody>
             );
         }
     }
+    check_sealing(&body, entry_link.as_ref(), inputs.sealed_to, r);
     Some(body)
 }
 
-fn check_chain(body: &ReceiptBody, stages: &[StageKeys], r: &mut Report) {
+/// Whether the entry stage opened the key the client sealed to.
+fn check_sealing(
+    body: &ReceiptBody,
+    entry_link: Option<&Link>,
+    sealed_to: Option<SealedTo<'_>>,
+    r: &mut Report,
+) {
+    let claimed = body.sealing.as_str();
+    if body.version == ReceiptVersion::V2 {
+        r.skip(
+            "sealing",
+            format!(
+                "a v2 receipt does not say which key the entry stage opened: \
+                 sealing {claimed:?} is the host's word"
+            ),
+        );
+        return;
+    }
+    let Some(opened) = entry_link.and_then(|l| l.opened) else {
+        r.skip("sealing", "the entry stage's link is unusable");
+        return;
+    };
+    let Some(client) = sealed_to else {
+        r.skip(
+            "sealing",
+            format!(
+                "the receipt says {claimed:?} (the host's word); the entry stage opened {opened}: \
+                 give the client's encapsulated key to check that it was the client's"
+            ),
+        );
+        return;
+    };
+    let yours = opened == OpenedKey::of(client.key_id, client.enc);
+    let mismatch = || {
+        ReceiptError::SealingMismatch(if yours {
+            format!("the receipt says {claimed:?}, but the entry stage opened the client's own key")
+        } else {
+            format!(
+                "the receipt says {claimed:?}, but the entry stage opened {opened}, not the key \
+                 the client sealed to (key id {}): the host opened the request",
+                client.key_id
+            )
+        })
+    };
+    r.check(
+        "sealing",
+        match (yours, body.sealing) {
+            (true, Sealing::Enclave) => Ok(format!(
+                "enclave: the entry stage opened the key the client sealed to ({opened}); \
+                 the host relayed ciphertext only"
+            )),
+            (false, Sealing::Gateway) => Ok(format!(
+                "gateway: the entry stage opened {opened}, not the client's: the gateway opened \
+                 the request and re-sealed it (the client sealed to the gateway's key)"
+            )),
+            _ => Err(mismatch()),
+        },
+    );
+}
+
+/// Runs the chain checks; returns the entry stage's link if it is usable.
+fn check_chain(body: &ReceiptBody, stages: &[StageKeys], r: &mut Report) -> Option<Link> {
     let links = body.links();
     r.check(
         "chain.length",
@@ -1183,10 +1491,11 @@ fn check_chain(body: &ReceiptBody, stages: &[StageKeys], r: &mut Report) {
     );
     let exit_stage = stages[stages.len() - 1].stage_index;
     let mut prev: Option<Link> = None;
+    let mut entry: Option<Link> = None;
     for (i, stage) in stages.iter().enumerate().take(links) {
         let name = |what: &str| format!("link[{i}].{what}");
         let link = match body.chain.get(i) {
-            Some(bytes) => check_link(i, bytes, stage, stages, r),
+            Some(bytes) => check_link(i, bytes, body.version, stage, stages, r),
             None => {
                 // The exit stage's link: signed by the receipt's signature,
                 // whose key `receipt.signer` found to be the exit stage's.
@@ -1218,6 +1527,16 @@ fn check_chain(body: &ReceiptBody, stages: &[StageKeys], r: &mut Report) {
                 })
             },
         );
+        if body.version != ReceiptVersion::V2 {
+            r.check(
+                name("opened"),
+                match (i, link.opened) {
+                    (0, Some(o)) => Ok(format!("the entry stage opened {o}")),
+                    (1.., None) => Ok("not the entry stage".into()),
+                    _ => Err(ReceiptError::LinkOpened { position: i }),
+                },
+            );
+        }
         r.check(
             name("receipt_id"),
             if link.receipt_id == body.receipt_id {
@@ -1275,6 +1594,9 @@ fn check_chain(body: &ReceiptBody, stages: &[StageKeys], r: &mut Report) {
         } else {
             r.skip(name("data_flow"), "previous link unusable");
         }
+        if i == 0 {
+            entry = Some(link.clone());
+        }
         prev = Some(link);
     }
     if links == stages.len() {
@@ -1292,12 +1614,14 @@ fn check_chain(body: &ReceiptBody, stages: &[StageKeys], r: &mut Report) {
             None => r.skip("chain.response", "last link unusable"),
         }
     }
+    entry
 }
 
 /// Structure, signature, signer and payload of link `i`.
 fn check_link(
     i: usize,
     bytes: &[u8],
+    version: ReceiptVersion,
     stage: &StageKeys,
     stages: &[StageKeys],
     r: &mut Report,
@@ -1307,7 +1631,7 @@ fn check_link(
         position: i,
         detail,
     };
-    let signed = match parse_signed(bytes, LINK_CONTENT_TYPE) {
+    let signed = match parse_signed(bytes, version.link_content_type()) {
         Ok(s) => s,
         Err(e) => {
             r.fail(name("structure"), malformed(e.to_string()));
@@ -1336,7 +1660,7 @@ fn check_link(
     if !r.check(name("signer"), signer) {
         return None;
     }
-    match Link::from_cbor(&signed.payload) {
+    match Link::from_cbor_as(&signed.payload, version) {
         Ok(l) => {
             r.pass(name("payload"), "decodes");
             Some(l)
@@ -1363,6 +1687,8 @@ mod tests {
         request: Vec<u8>,
         response: Vec<u8>,
         nonce: Vec<u8>,
+        /// The client's encapsulated key (sealed to key id 7).
+        enc: Vec<u8>,
     }
 
     fn signing_key(label: &str) -> SigningKey {
@@ -1387,6 +1713,7 @@ mod tests {
             request: br#"{"input":"hi"}"#.to_vec(),
             response: br#"{"data":[]}"#.to_vec(),
             nonce: b"nonce-1".to_vec(),
+            enc: Sha256Digest::of(b"client enc").0.to_vec(),
         }
     }
 
@@ -1409,6 +1736,7 @@ mod tests {
                     Sha256Digest::of(format!("act {i}").as_bytes())
                 },
                 prev_link_digest: None,
+                opened: (i == 0).then(|| OpenedKey::of(7, &f.enc)),
             })
             .collect()
     }
@@ -1416,12 +1744,17 @@ mod tests {
     /// Signs the links before the exit stage's in order, filling
     /// prev_link_digest; returns them and the exit stage's (unsigned) link.
     fn chain(f: &Fixture, links: &[Link]) -> (Vec<Vec<u8>>, Link) {
+        chain_as(f, links, ReceiptVersion::CURRENT)
+    }
+
+    /// [`chain`] with the links signed in the link format of `version`.
+    fn chain_as(f: &Fixture, links: &[Link], version: ReceiptVersion) -> (Vec<Vec<u8>>, Link) {
         let mut out: Vec<Vec<u8>> = Vec::new();
         let (exit, upstream) = links.split_last().unwrap();
         for (i, l) in upstream.iter().enumerate() {
             let mut l = l.clone();
             l.prev_link_digest = out.last().map(|p| link_digest(p));
-            out.push(sign_link(&f.keys[i], &l));
+            out.push(sign_link_as(&f.keys[i], &l, version));
         }
         let mut exit = exit.clone();
         exit.prev_link_digest = out.last().map(|p| link_digest(p));
@@ -1430,6 +1763,7 @@ mod tests {
 
     fn body(f: &Fixture, (chain, exit_link): (Vec<Vec<u8>>, Link)) -> ReceiptBody {
         ReceiptBody {
+            version: ReceiptVersion::CURRENT,
             receipt_id: [7; 16],
             issued_at_ms: 1_700_000_000_000,
             endpoint: "/v1/embeddings".into(),
@@ -1460,6 +1794,10 @@ mod tests {
             expected_nonce: Some(&f.nonce),
             expected_manifest: Some(Sha256Digest::of(b"manifest")),
             allow_mock: true,
+            sealed_to: Some(SealedTo {
+                key_id: 7,
+                enc: &f.enc,
+            }),
         }
     }
 
@@ -1508,7 +1846,10 @@ mod tests {
             .collect();
         assert_eq!(keys, (1..=13).collect::<Vec<_>>());
         assert_eq!(&bytes[1..3], &[0x01, 0x50]); // key 1, bstr(16)
-        assert_eq!(ReceiptBody::from_cbor(&bytes).unwrap(), b);
+        assert_eq!(
+            ReceiptBody::from_cbor(&bytes, ReceiptVersion::CURRENT).unwrap(),
+            b
+        );
 
         // Canonical ordering is by encoded bytes: 10 (0x0a) < 23 (0x17) < 24 (0x1818) < -1 (0x20).
         let v = Value::Map(vec![
@@ -1556,7 +1897,15 @@ mod tests {
         ));
         let link = links(&f, [7; 16]).remove(0);
         assert_eq!(Link::from_cbor(&link.to_cbor()).unwrap(), link);
-        assert_eq!(link.to_cbor()[0], 0xa7);
+        // Link v2: 8 keys, the entry stage's key 8 = [key id, sha256(enc)].
+        assert_eq!(link.to_cbor()[0], 0xa8);
+        let v1 = link.to_cbor_as(ReceiptVersion::V2);
+        assert_eq!(v1[0], 0xa7);
+        let back = Link::from_cbor_as(&v1, ReceiptVersion::V2).unwrap();
+        assert_eq!(back.opened, None);
+        // A link of one format does not parse as the other.
+        assert!(Link::from_cbor(&v1).is_err());
+        assert!(Link::from_cbor_as(&link.to_cbor(), ReceiptVersion::V2).is_err());
     }
 
     #[test]
@@ -1828,6 +2177,155 @@ mod tests {
             verify_receipt(&VerifyInputs::new(&rc, &bad)).failure(),
             Some(ReceiptError::BadStageKeys(_))
         ));
+    }
+
+    /// Signs a receipt over `links` with `edit` applied to the body.
+    fn receipt_with(f: &Fixture, ls: &[Link], edit: impl Fn(&mut ReceiptBody)) -> Vec<u8> {
+        let mut b = body(f, chain(f, ls));
+        edit(&mut b);
+        sign_receipt(&f.keys[2], &b)
+    }
+
+    fn check_status(report: &VerifyReport, name: &str) -> Option<CheckStatus> {
+        report
+            .checks
+            .iter()
+            .find(|c| c.name == name)
+            .map(|c| c.status)
+    }
+
+    #[test]
+    fn sealing_is_proven_only_against_the_clients_own_key() {
+        let f = fixture();
+        let rc = valid(&f);
+        // The entry stage opened the client's key: enclave, proven.
+        let report = verify_receipt(&inputs(&f, &rc));
+        assert!(report.ok(), "{:#?}", report.checks);
+        assert_eq!(report.proven_sealing(), Some(Sealing::Enclave));
+        assert_eq!(report.to_json()["receipt"]["sealing_proven"], true);
+
+        // A host that opened the client's request (sealed to a key of its
+        // own) and re-sealed it to the entry stage: the entry stage opened
+        // another encapsulated key, yet the receipt says "enclave".
+        let other_enc = Sha256Digest::of(b"host's enc").0.to_vec();
+        let mut ls = links(&f, [7; 16]);
+        ls[0].opened = Some(OpenedKey::of(7, &other_enc));
+        let resealed = receipt_with(&f, &ls, |_| {});
+        let report = verify_receipt(&inputs(&f, &resealed));
+        assert!(
+            matches!(report.failure(), Some(ReceiptError::SealingMismatch(_))),
+            "{:#?}",
+            report.checks
+        );
+        assert_eq!(report.proven_sealing(), None);
+        // The same key id with the client's enc but another key id also fails.
+        let mut ls = links(&f, [7; 16]);
+        ls[0].opened = Some(OpenedKey::of(8, &f.enc));
+        let report = verify_receipt(&inputs(&f, &receipt_with(&f, &ls, |_| {})));
+        assert_eq!(report.failure().map(|e| e.code()), Some("sealing_mismatch"));
+
+        // Sealed to the gateway's key: the entry stage opened the gateway's
+        // re-sealing, and the receipt says so.
+        let mut ls = links(&f, [7; 16]);
+        ls[0].opened = Some(OpenedKey::of(3, &other_enc));
+        let gw = receipt_with(&f, &ls, |b| b.sealing = Sealing::Gateway);
+        let report = verify_receipt(&inputs(&f, &gw));
+        assert!(report.ok(), "{:#?}", report.checks);
+        assert_eq!(report.proven_sealing(), Some(Sealing::Gateway));
+        // "gateway" (or "plain") although the enclave opened the client's key.
+        for s in [Sealing::Gateway, Sealing::Plain] {
+            let lie = receipt_with(&f, &links(&f, [7; 16]), |b| b.sealing = s);
+            assert_eq!(reason(&f, &lie).map(|e| e.code()), Some("sealing_mismatch"));
+        }
+
+        // Without the client's key the claim is the host's word: skipped.
+        let mut bare = inputs(&f, &rc);
+        bare.sealed_to = None;
+        let report = verify_receipt(&bare);
+        assert!(report.ok());
+        assert_eq!(check_status(&report, "sealing"), Some(CheckStatus::Skipped));
+        assert_eq!(report.proven_sealing(), None);
+        let mut bare = inputs(&f, &resealed);
+        bare.sealed_to = None;
+        assert!(verify_receipt(&bare).ok());
+    }
+
+    #[test]
+    fn opened_key_belongs_to_the_entry_link_only() {
+        let f = fixture();
+        let mut ls = links(&f, [7; 16]);
+        ls[0].opened = None;
+        assert_eq!(
+            reason(&f, &receipt_with(&f, &ls, |_| {})),
+            Some(ReceiptError::LinkOpened { position: 0 })
+        );
+        for i in 1..3 {
+            let mut ls = links(&f, [7; 16]);
+            ls[i].opened = Some(OpenedKey::of(7, &f.enc));
+            assert_eq!(
+                reason(&f, &receipt_with(&f, &ls, |_| {})),
+                Some(ReceiptError::LinkOpened { position: i })
+            );
+        }
+    }
+
+    #[test]
+    fn v2_receipts_verify_as_what_they_are() {
+        let f = fixture();
+        // A v2 receipt: v1 links (no key 8), the v2 content types.
+        let mut ls = links(&f, [7; 16]);
+        ls[0].opened = None;
+        let mut b = body(&f, chain_as(&f, &ls, ReceiptVersion::V2));
+        b.version = ReceiptVersion::V2;
+        let rc = sign_receipt(&f.keys[2], &b);
+        let report = verify_receipt(&inputs(&f, &rc));
+        assert!(report.ok(), "{:#?}", report.checks);
+        assert_eq!(check_status(&report, "sealing"), Some(CheckStatus::Skipped));
+        assert_eq!(report.proven_sealing(), None);
+        assert_eq!(report.receipt.as_ref().unwrap().version, ReceiptVersion::V2);
+        // A v3 link inside a v2 receipt (or the reverse) is refused.
+        let mut mixed = b.clone();
+        mixed.chain[0] = sign_link(&f.keys[0], &links(&f, [7; 16])[0]);
+        assert_eq!(
+            reason(&f, &sign_receipt(&f.keys[2], &mixed)).map(|e| e.code()),
+            Some("link_malformed")
+        );
+        let mut mixed = body(&f, chain_v3_with_v1_link(&f));
+        mixed.version = ReceiptVersion::V3;
+        assert_eq!(
+            reason(&f, &sign_receipt(&f.keys[2], &mixed)).map(|e| e.code()),
+            Some("link_malformed")
+        );
+        // Unverified parsing reads both.
+        assert_eq!(parse_unverified(&rc).unwrap().0.version, ReceiptVersion::V2);
+        assert_eq!(
+            parse_unverified(&valid(&f)).unwrap().0.version,
+            ReceiptVersion::V3
+        );
+    }
+
+    /// A v3 chain whose first link is signed in the v1 link format.
+    fn chain_v3_with_v1_link(f: &Fixture) -> (Vec<Vec<u8>>, Link) {
+        let (mut c, exit) = chain(f, &links(f, [7; 16]));
+        c[0] = sign_link_as(&f.keys[0], &links(f, [7; 16])[0], ReceiptVersion::V2);
+        (c, exit)
+    }
+
+    #[test]
+    fn entry_link_unverified_reads_the_opened_key() {
+        let f = fixture();
+        let (b, _) = parse_unverified(&valid(&f)).unwrap();
+        assert_eq!(
+            b.entry_link_unverified().unwrap().opened,
+            Some(OpenedKey::of(7, &f.enc))
+        );
+        // One stage: the exit link is the entry link.
+        let mut one = body(&f, (Vec::new(), links(&f, [7; 16]).remove(0)));
+        one.chain.clear();
+        assert_eq!(
+            one.entry_link_unverified().unwrap().opened,
+            Some(OpenedKey::of(7, &f.enc))
+        );
     }
 
     #[test]

@@ -11,8 +11,9 @@ use coset::{iana, CborSerializable, CoseSign1Builder, HeaderBuilder};
 use ed25519_dalek::{Signer, SigningKey};
 use proto::digest::Sha256Digest;
 use proto::receipt::{
-    link_digest, sign_link, sign_receipt, verify_receipt, Link, ReceiptBody, ReceiptId, Sealing,
-    StageKeys, VerifyInputs, RECEIPT_CONTENT_TYPE,
+    link_digest, sign_link, sign_receipt, verify_receipt, CheckStatus, Link, OpenedKey,
+    ReceiptBody, ReceiptId, ReceiptVersion, SealedTo, Sealing, StageKeys, VerifyInputs,
+    RECEIPT_CONTENT_TYPE,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -39,8 +40,32 @@ struct Case {
     manifest: Option<String>,
     /// Whether the policy allows mock receipts.
     allow_mock: bool,
+    /// The key the client sealed to: `{"key_id", "enc" (hex)}`, if given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sealed_to: Option<SealedToJson>,
     /// `"ok"` or the reason code of the first failure.
     expect: String,
+}
+
+/// The `sealed_to` input of a case.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SealedToJson {
+    key_id: u8,
+    /// The client's encapsulated key, hex.
+    enc: String,
+}
+
+/// The key the valid receipt's entry stage opened: the client's.
+const KEY_ID: u8 = 5;
+const ENC: [u8; 32] = [0x11; 32];
+/// What a host that opened the request itself sends on instead.
+const HOST_ENC: [u8; 32] = [0x22; 32];
+
+fn client_sealing() -> Option<SealedToJson> {
+    Some(SealedToJson {
+        key_id: KEY_ID,
+        enc: hex::encode(ENC),
+    })
 }
 
 const MANIFEST: &str = "e987b465c0e39202d4a9e9736c2502597037cf732e4e2eceba5f0dd82e47f7e4";
@@ -102,6 +127,7 @@ impl Gen {
                     act(i)
                 },
                 prev_link_digest: None,
+                opened: (i == 0).then(|| OpenedKey::of(KEY_ID, &ENC)),
             })
             .collect()
     }
@@ -124,6 +150,7 @@ impl Gen {
 
     fn body(&self, (chain, exit_link): (Vec<Vec<u8>>, Link)) -> ReceiptBody {
         ReceiptBody {
+            version: ReceiptVersion::CURRENT,
             receipt_id: RECEIPT_ID,
             issued_at_ms: 1_767_225_600_000,
             endpoint: "/v1/embeddings".into(),
@@ -173,6 +200,7 @@ impl Gen {
                 nonce: Some(hex::encode(NONCE)),
                 manifest: Some(MANIFEST.into()),
                 allow_mock: true,
+                sealed_to: client_sealing(),
                 expect: expect.into(),
             });
         };
@@ -305,6 +333,38 @@ impl Gen {
             self.receipt_with_links(|ls| ls[2].sent_digest = Sha256Digest::of(OTHER_RESPONSE)),
             "chain_response_digest",
         );
+        add(
+            "sealing_resealed_by_host",
+            "the entry stage opened another encapsulated key than the client's (the host \
+             opened the request and re-sealed it), yet the receipt says \"enclave\"",
+            self.receipt_with_links(|ls| ls[0].opened = Some(OpenedKey::of(KEY_ID, &HOST_ENC))),
+            "sealing_mismatch",
+        );
+        add(
+            "link_opened_missing",
+            "the entry stage's link does not say which key it opened",
+            self.receipt_with_links(|ls| ls[0].opened = None),
+            "link_opened",
+        );
+        add(
+            "link_opened_misplaced",
+            "a later stage's link claims to have opened the request",
+            self.receipt_with_links(|ls| ls[1].opened = Some(OpenedKey::of(KEY_ID, &ENC))),
+            "link_opened",
+        );
+        let mut gateway = self.body(self.chain(&{
+            let mut ls = self.links();
+            ls[0].opened = Some(OpenedKey::of(0x80, &HOST_ENC));
+            ls
+        }));
+        gateway.sealing = Sealing::Gateway;
+        add(
+            "sealing_gateway",
+            "sealed to the gateway's key: the entry stage opened the gateway's re-sealing \
+             and the receipt says \"gateway\"",
+            sign_receipt(self.exit(), &gateway),
+            "ok",
+        );
         let mut no_nonce = self.body(self.chain(&self.links()));
         no_nonce.client_nonce = None;
         add(
@@ -354,6 +414,7 @@ impl Gen {
             nonce: Some(hex::encode(NONCE)),
             manifest: Some(MANIFEST.into()),
             allow_mock: true,
+            sealed_to: client_sealing(),
             expect: expect.into(),
         };
         cases.push(Case {
@@ -361,6 +422,7 @@ impl Gen {
             response: None,
             nonce: None,
             manifest: None,
+            sealed_to: None,
             ..reuse(
                 "valid_minimal",
                 "the valid receipt with no optional input (request, response, nonce, manifest skipped)",
@@ -408,6 +470,17 @@ impl Gen {
             )
         });
 
+        cases.push(Case {
+            sealed_to: Some(SealedToJson {
+                key_id: KEY_ID,
+                enc: hex::encode(HOST_ENC),
+            }),
+            ..reuse(
+                "sealing_not_the_clients_key",
+                "the valid receipt checked by a client that sealed with another encapsulated key",
+                "sealing_mismatch",
+            )
+        });
         let mut json = |name: &str, bytes: Vec<u8>| {
             files.insert(name.to_string(), bytes);
         };
@@ -491,7 +564,17 @@ fn vectors_verify_as_expected() {
                 .as_deref()
                 .map(|m| Sha256Digest::from_hex(m).unwrap()),
             allow_mock: case.allow_mock,
+            sealed_to: None,
         };
+        let enc = case
+            .sealed_to
+            .as_ref()
+            .map(|s| hex::decode(&s.enc).unwrap());
+        let mut inputs = inputs;
+        inputs.sealed_to = case.sealed_to.as_ref().map(|s| SealedTo {
+            key_id: s.key_id,
+            enc: enc.as_deref().unwrap(),
+        });
         let report = verify_receipt(&inputs);
         let got = report.failure().map_or("ok", |e| e.code());
         assert_eq!(
@@ -525,4 +608,44 @@ fn vectors_verify_as_expected() {
         bad[i] ^= 0x80;
         assert!(!verify(&bad), "flip at byte {i} accepted");
     }
+}
+
+/// A v2 receipt (before links said which key the entry stage opened),
+/// kept as the stages of that format made it: it still verifies, and says
+/// that its `sealing` is the host's word.
+#[test]
+fn v2_receipt_still_verifies_as_v2() {
+    let dir = dir().join("v2");
+    let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
+    let stages: Vec<StageKeys> = serde_json::from_slice(&read("stage_keys.json")).unwrap();
+    let receipt = read("valid.cbor");
+    let request = read("request.json");
+    let response = read("response.json");
+    let mut inputs = VerifyInputs::new(&receipt, &stages);
+    inputs.request = Some(&request);
+    inputs.response = Some(&response);
+    inputs.expected_nonce = Some(NONCE);
+    inputs.expected_manifest = Some(Sha256Digest::from_hex(MANIFEST).unwrap());
+    inputs.allow_mock = true;
+    inputs.sealed_to = Some(SealedTo {
+        key_id: KEY_ID,
+        enc: &ENC,
+    });
+    let report = verify_receipt(&inputs);
+    assert!(report.ok(), "{:#?}", report.checks);
+    let body = report.receipt.as_ref().unwrap();
+    assert_eq!(body.version, ReceiptVersion::V2);
+    assert_eq!(body.sealing, Sealing::Enclave);
+    let sealing = report.checks.iter().find(|c| c.name == "sealing").unwrap();
+    assert_eq!(sealing.status, CheckStatus::Skipped);
+    assert!(sealing.detail.contains("v2"), "{}", sealing.detail);
+    assert_eq!(report.proven_sealing(), None);
+    // Its bytes still matter: one flipped response byte fails.
+    let mut other = response.clone();
+    other[10] ^= 1;
+    inputs.response = Some(&other);
+    assert_eq!(
+        verify_receipt(&inputs).failure().map(|e| e.code()),
+        Some("response_mismatch")
+    );
 }

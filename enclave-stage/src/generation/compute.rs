@@ -35,7 +35,7 @@ use proto::frames::{
     PipelineError, RequestTelemetry, ResultMessage, StageTiming, StepBatch, StepSeq,
 };
 use proto::openai::ApiError;
-use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody};
+use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody, ReceiptVersion};
 use proto::sealing::{seal_response, seal_response_with_trailer, ResponseSealer};
 use proto::tensor::TensorFrame;
 use std::collections::HashMap;
@@ -927,6 +927,9 @@ impl Generator {
             received_digest: received,
             sent_digest: combine(&r.sent),
             prev_link_digest: upstream.last().map(|l| link_digest(l)),
+            // The entry stage binds which key it opened: what makes the
+            // receipt's `sealing` checkable by the client (docs/receipts.md).
+            opened: c.is_entry().then_some(r.ctx.opened),
         };
         if !self.is_exit() {
             let mut links = upstream;
@@ -984,6 +987,7 @@ impl Generator {
         let receipt = sign_receipt(
             &self.keys.receipt,
             &ReceiptBody {
+                version: ReceiptVersion::CURRENT,
                 receipt_id: r.ctx.receipt_id,
                 issued_at_ms: Self::now_ms(),
                 endpoint: r.ctx.endpoint.clone(),

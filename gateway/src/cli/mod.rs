@@ -15,6 +15,7 @@
 //! proxy refuses to start), 2 for usage and I/O errors.
 //! The walkthrough is `docs/curl.md`.
 
+pub mod client_key;
 pub mod proxy;
 pub mod seal;
 pub mod verify;

@@ -42,7 +42,8 @@
 //! rejected. New evidence must verify against the same policy; if it does
 //! not, the request fails with 502 `evidence_not_verified`.
 
-use super::seal::{aead_name, pick_key, AeadArg};
+use super::client_key::aead_name;
+use super::seal::{pick_key, AeadArg};
 use super::verify::verify_evidence;
 use super::{base_url, fetch_bundle, http_client, parse_hex, random_nonce, EXIT_FAILED, EXIT_OK};
 use crate::openai_error::ApiError;
@@ -57,7 +58,7 @@ use base64::Engine as _;
 use clap::Args;
 use proto::bundle::{EvidenceBundle, VerifiedBundle};
 use proto::policy::Policy;
-use proto::receipt::{verify_receipt, ReceiptError, Sealing, VerifyInputs, VerifyReport};
+use proto::receipt::{verify_receipt, ReceiptError, SealedTo, Sealing, VerifyInputs, VerifyReport};
 use proto::sealing::{
     open_response_with_trailer, seal_request, Aead, ClientResponseKey, ResponseOpener, SealLimits,
 };
@@ -174,6 +175,9 @@ impl AttestError {
 struct Sent {
     response: reqwest::Response,
     client_key: ClientResponseKey,
+    /// The key id the request was sealed to (with `client_key`'s `enc`:
+    /// what the receipt's entry link must say was opened).
+    key_id: u8,
     trusted: Arc<Trusted>,
 }
 
@@ -333,6 +337,7 @@ impl Proxy {
             return Ok(Sent {
                 response,
                 client_key,
+                key_id: key.key_id,
                 trusted,
             });
         }
@@ -385,6 +390,7 @@ impl Proxy {
         let Sent {
             response,
             client_key,
+            key_id,
             trusted,
         } = sent;
         let status = response.status();
@@ -401,7 +407,13 @@ impl Proxy {
             Some(r) => r,
             None => self.receipt_for(&headers).await?,
         };
-        let body_receipt = self.verified(x, trusted, &receipt, &plain).await?;
+        let sealed_to = SealedTo {
+            key_id,
+            enc: client_key.material().enc(),
+        };
+        let body_receipt = self
+            .verified(x, trusted, sealed_to, &receipt, &plain)
+            .await?;
         let mut r = json_response(status, plain);
         let h = r.headers_mut();
         h.insert(
@@ -433,18 +445,22 @@ impl Proxy {
         &self,
         x: &Exchange,
         mut trusted: Arc<Trusted>,
+        sealed_to: SealedTo<'_>,
         receipt: &[u8],
         response: &[u8],
     ) -> Result<proto::receipt::ReceiptBody, ApiError> {
         let route = &self.routes[x.route];
-        let mut report = check_receipt(&trusted, &route.policy, x, receipt, response);
+        let allow_mock = route.policy.allow_mock;
+        let check =
+            |t: &Trusted| check_receipt(&t.verified, allow_mock, x, sealed_to, receipt, response);
+        let mut report = check(&trusted);
         if matches!(
             report.failure(),
             Some(ReceiptError::UnknownSigner | ReceiptError::LinkUnknownSigner { .. })
         ) {
             tracing::info!("receipt signed by a key not in the evidence: re-attesting once");
             trusted = self.refresh(route, trusted.epoch).await?;
-            report = check_receipt(&trusted, &route.policy, x, receipt, response);
+            report = check(&trusted);
         }
         if let Some(fail) = report.checks.iter().find(|c| c.error.is_some()) {
             let code = fail.error.as_ref().map(|e| e.code()).unwrap_or("failed");
@@ -530,13 +546,14 @@ async fn finish_streaming(
     let Sent {
         response,
         client_key,
+        key_id,
         trusted,
     } = sent;
     let receipt_id = response.headers().get(HEADER_RECEIPT_ID).cloned();
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     let nonce = x.nonce.clone();
     tokio::spawn(async move {
-        let events = pump_stream(&proxy, &x, response, client_key, trusted, &tx).await;
+        let events = pump_stream(&proxy, &x, response, (key_id, client_key), trusted, &tx).await;
         if let Err(e) = events {
             tracing::warn!(error = %e.message, "stream from the upstream ended without a verified receipt");
             let _ = tx.send(Bytes::from(error_event(&e))).await;
@@ -575,7 +592,7 @@ async fn pump_stream(
     proxy: &Proxy,
     x: &Exchange,
     mut response: reqwest::Response,
-    client_key: ClientResponseKey,
+    (key_id, client_key): (u8, ClientResponseKey),
     trusted: Arc<Trusted>,
     tx: &tokio::sync::mpsc::Sender<Bytes>,
 ) -> Result<(), ApiError> {
@@ -620,7 +637,13 @@ async fn pump_stream(
     opener.finish().map_err(unopenable)?;
     match trailer {
         Some(receipt) => {
-            proxy.verified(x, trusted, &receipt, &all).await?;
+            let sealed_to = SealedTo {
+                key_id,
+                enc: client_key.material().enc(),
+            };
+            proxy
+                .verified(x, trusted, sealed_to, &receipt, &all)
+                .await?;
         }
         // No receipt: the stage ended the stream with an error event, which
         // never follows a [DONE].
@@ -698,21 +721,25 @@ fn archive(
 
 /// Verifies a receipt for a request this proxy sealed to the entry stage.
 fn check_receipt(
-    trusted: &Trusted,
-    policy: &Policy,
+    v: &VerifiedBundle,
+    allow_mock: bool,
     x: &Exchange,
+    sealed_to: SealedTo<'_>,
     receipt: &[u8],
     response: &[u8],
 ) -> VerifyReport {
-    let v = &trusted.verified;
     let mut inputs = VerifyInputs::new(receipt, &v.stage_keys);
+    inputs.sealed_to = Some(sealed_to);
     inputs.request = Some(&x.request);
     inputs.response = Some(response);
     inputs.expected_nonce = Some(&x.nonce);
     inputs.expected_manifest = Some(v.manifest_digest);
-    inputs.allow_mock = policy.allow_mock;
+    inputs.allow_mock = allow_mock;
     let mut report = verify_receipt(&inputs);
     // What verify_receipt cannot know: how this request was sent.
+    // `sealing` must be proven against this proxy's own encapsulated key (a
+    // v3 receipt's entry link), not taken on the host's word.
+    let proven = report.proven_sealing();
     if let Some(r) = report.receipt.clone() {
         let mut extra = |name: &str, ok: bool, detail: String| {
             report.checks.push(proto::receipt::Check {
@@ -728,11 +755,18 @@ fn check_receipt(
         };
         extra(
             "proxy.sealing",
-            r.sealing == Sealing::Enclave,
-            format!(
-                "receipt records sealing {:?}, the proxy sealed to the enclave key",
-                r.sealing.as_str()
-            ),
+            proven == Some(Sealing::Enclave),
+            match proven {
+                Some(s) => format!(
+                    "the entry stage opened {:?}-sealed bytes; the proxy sealed to the enclave key",
+                    s.as_str()
+                ),
+                None => format!(
+                    "receipt records sealing {:?}, but does not prove that the entry stage \
+                     opened the proxy's own encapsulated key",
+                    r.sealing.as_str()
+                ),
+            },
         );
         extra(
             "proxy.endpoint",
@@ -1186,5 +1220,106 @@ mod tests {
         // `data: [DONE]` inside an event's text is not the end.
         let inner = b"data: {\"t\":\"data: [DONE]\"}\n\n";
         assert_eq!(forwardable(inner, 0), (inner.len(), false));
+    }
+
+    /// A one-stage receipt for `request`/`response` whose entry link says it
+    /// opened `opened`, in format `version`.
+    fn receipt(
+        key: &ed25519_dalek::SigningKey,
+        stage: &proto::receipt::StageKeys,
+        x: &super::Exchange,
+        response: &[u8],
+        opened: proto::receipt::OpenedKey,
+        version: proto::receipt::ReceiptVersion,
+    ) -> Vec<u8> {
+        use proto::digest::Sha256Digest;
+        use proto::receipt::{sign_receipt, Link, ReceiptBody, Sealing};
+        let link = Link {
+            receipt_id: [1; 16],
+            stage_index: 0,
+            layers: stage.layers,
+            evidence_digest: stage.evidence_digest,
+            received_digest: Sha256Digest::of(&x.request),
+            sent_digest: Sha256Digest::of(response),
+            prev_link_digest: None,
+            opened: (version != proto::receipt::ReceiptVersion::V2).then_some(opened),
+        };
+        sign_receipt(
+            key,
+            &ReceiptBody {
+                version,
+                receipt_id: [1; 16],
+                issued_at_ms: 0,
+                endpoint: x.endpoint.into(),
+                model_id: "m".into(),
+                manifest_digest: Sha256Digest::of(b"manifest"),
+                request_digest: Sha256Digest::of(&x.request),
+                response_digest: Sha256Digest::of(response),
+                client_nonce: Some(x.nonce.clone()),
+                sequence: 0,
+                mock: true,
+                sealing: Sealing::Enclave,
+                chain: Vec::new(),
+                exit_link: link,
+            },
+        )
+    }
+
+    /// The proxy accepts a receipt only when its entry stage says it opened
+    /// the proxy's own encapsulated key: a host that opened the request and
+    /// re-sealed it (the receipt still saying "enclave") is refused, and so
+    /// is a v2 receipt, which cannot say.
+    #[test]
+    fn receipts_must_prove_the_enclave_opened_the_proxys_key() {
+        use proto::digest::Sha256Digest;
+        use proto::receipt::{OpenedKey, ReceiptVersion, SealedTo, StageKeys};
+        let key = ed25519_dalek::SigningKey::from_bytes(&[3; 32]);
+        let stage = StageKeys {
+            stage_index: 0,
+            layers: [0, 30],
+            evidence_digest: Sha256Digest::of(b"evidence"),
+            receipt_key: key.verifying_key().to_bytes(),
+        };
+        let verified = proto::bundle::VerifiedBundle {
+            stage_keys: vec![stage.clone()],
+            entry_keys: Vec::new(),
+            manifest_digest: Sha256Digest::of(b"manifest"),
+            mock: true,
+            measurements: Vec::new(),
+        };
+        let x = super::Exchange {
+            endpoint: "/v1/completions",
+            route: 0,
+            request: super::Bytes::from_static(b"{\"prompt\":\"hi\"}"),
+            nonce: vec![9; 16],
+        };
+        let response = b"{\"choices\":[]}";
+        let enc = [0x11; 32];
+        let sealed_to = SealedTo {
+            key_id: 5,
+            enc: &enc,
+        };
+        let check = |opened: OpenedKey, version: ReceiptVersion| {
+            let rc = receipt(&key, &stage, &x, response, opened, version);
+            super::check_receipt(&verified, true, &x, sealed_to, &rc, response)
+        };
+        let honest = check(OpenedKey::of(5, &enc), ReceiptVersion::CURRENT);
+        assert!(honest.ok(), "{:#?}", honest.checks);
+        let resealed = check(OpenedKey::of(5, &[0x22; 32]), ReceiptVersion::CURRENT);
+        assert_eq!(
+            resealed.failure().map(|e| e.code()),
+            Some("sealing_mismatch"),
+            "{:#?}",
+            resealed.checks
+        );
+        let old = check(OpenedKey::of(5, &enc), ReceiptVersion::V2);
+        assert!(!old.ok());
+        let failed: Vec<_> = old
+            .checks
+            .iter()
+            .filter(|c| c.error.is_some())
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(failed, ["proxy.sealing"], "{:#?}", old.checks);
     }
 }

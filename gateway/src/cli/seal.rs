@@ -21,22 +21,17 @@
 //!   context). Anyone holding it can read the response; delete it after
 //!   `gateway open`.
 
+use super::client_key::{aead_name, ClientKeyFile};
 use super::verify::{verify_evidence, Status};
 use super::{base_url, fetch_bundle, http_client, load_bundle, parse_hex, random_nonce};
 use super::{read_input, runtime, write_output, EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use proto::policy::Policy;
-use proto::sealing::{
-    open_response_with_trailer, seal_request, Aead, ClientResponseKey, KeyConfig,
-};
-use serde_json::json;
+use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-/// The `kind` field of a client key file.
-pub const CLIENT_KEY_KIND: &str = "gateway-client-response-key";
 
 /// An AEAD on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -55,14 +50,6 @@ impl From<AeadArg> for Aead {
             AeadArg::Aes128Gcm => Aead::Aes128Gcm,
             AeadArg::ChaCha20Poly1305 => Aead::ChaCha20Poly1305,
         }
-    }
-}
-
-/// The command-line name of an AEAD.
-pub fn aead_name(a: Aead) -> &'static str {
-    match a {
-        Aead::Aes128Gcm => "aes128gcm",
-        Aead::ChaCha20Poly1305 => "chacha20poly1305",
     }
 }
 
@@ -137,84 +124,6 @@ pub struct OpenArgs {
     /// (its trailer), for `gateway verify receipt --receipt`.
     #[arg(long)]
     pub receipt_out: Option<PathBuf>,
-}
-
-/// What `gateway seal` keeps for `gateway open` (and for the receipt check).
-#[derive(Debug)]
-pub struct ClientKeyFile {
-    /// Opens the response.
-    pub key: ClientResponseKey,
-    /// The key id sealed to.
-    pub key_id: u8,
-    /// The receipt nonce sent, if any.
-    pub receipt_nonce: Option<Vec<u8>>,
-    /// SHA-256 of the plaintext request.
-    pub request_sha256: String,
-}
-
-impl ClientKeyFile {
-    /// The JSON form:
-    /// `{"kind", "version": 1, "aead", "key_id", "enc" (hex, the
-    /// encapsulated key), "secret" (hex, the exported response secret),
-    /// "receipt_nonce" (hex or null), "request_sha256" (hex)}`.
-    pub fn to_json(&self) -> Result<serde_json::Value> {
-        let m = self.key.material();
-        let raw = serde_json::to_value(&self.key)?;
-        let bytes = |field: &str| -> Result<String> {
-            let v: Vec<u8> = serde_json::from_value(raw[field].clone())
-                .with_context(|| format!("client key field {field}"))?;
-            Ok(hex::encode(v))
-        };
-        Ok(json!({
-            "kind": CLIENT_KEY_KIND,
-            "version": 1,
-            "aead": aead_name(m.aead()),
-            "key_id": self.key_id,
-            "enc": hex::encode(m.enc()),
-            "secret": bytes("secret")?,
-            "receipt_nonce": self.receipt_nonce.as_ref().map(hex::encode),
-            "request_sha256": self.request_sha256,
-        }))
-    }
-
-    /// Parses the JSON form.
-    pub fn from_json(v: &serde_json::Value) -> Result<Self> {
-        if v["kind"] != CLIENT_KEY_KIND || v["version"] != 1 {
-            bail!("not a client key file written by `gateway seal` (kind {CLIENT_KEY_KIND:?}, version 1)");
-        }
-        let hex_field = |f: &str| -> Result<Vec<u8>> {
-            let s = v[f]
-                .as_str()
-                .ok_or_else(|| anyhow!("client key file: `{f}` missing"))?;
-            hex::decode(s).map_err(|e| anyhow!("client key file: `{f}` is not hex: {e}"))
-        };
-        let aead = match v["aead"].as_str() {
-            Some("aes128gcm") => Aead::Aes128Gcm,
-            Some("chacha20poly1305") => Aead::ChaCha20Poly1305,
-            other => bail!("client key file: unknown aead {other:?}"),
-        };
-        let raw = json!({
-            "aead": serde_json::to_value(aead)?,
-            "enc": hex_field("enc")?,
-            "secret": hex_field("secret")?,
-        });
-        let key: ClientResponseKey =
-            serde_json::from_value(raw).context("client key file: bad key material")?;
-        Ok(Self {
-            key,
-            key_id: v["key_id"]
-                .as_u64()
-                .and_then(|k| u8::try_from(k).ok())
-                .unwrap_or_default(),
-            receipt_nonce: match &v["receipt_nonce"] {
-                serde_json::Value::String(s) => Some(
-                    hex::decode(s).map_err(|e| anyhow!("client key file: receipt_nonce: {e}"))?,
-                ),
-                _ => None,
-            },
-            request_sha256: v["request_sha256"].as_str().unwrap_or_default().to_string(),
-        })
-    }
 }
 
 /// Writes `data` to `path` with mode 0600 (also when the file existed).
@@ -378,14 +287,26 @@ pub fn run_seal(a: SealArgs) -> Result<()> {
 
 /// Runs `gateway open`; returns the exit code.
 pub fn run_open(a: OpenArgs) -> Result<i32> {
-    let key_text = read_input(&a.key)?;
-    let key_json: serde_json::Value = serde_json::from_slice(&key_text)
-        .with_context(|| format!("{}: not JSON", a.key.display()))?;
-    let file = ClientKeyFile::from_json(&key_json)
-        .with_context(|| format!("client key {}", a.key.display()))?;
+    let file = ClientKeyFile::load(&a.key)?;
     let body = read_input(&a.input)?;
     match open_response_with_trailer(&file.key, &body) {
         Ok((plain, trailer)) => {
+            // The receipt's entry stage must have opened *this* request's
+            // encapsulated key; otherwise the host opened it (it handed out
+            // a key of its own) and re-sealed everything: nothing is written.
+            if let Some(receipt) = &trailer {
+                match file.check_opened(receipt) {
+                    Ok(true) => {}
+                    Ok(false) => eprintln!(
+                        "WARN sealing: a v2 receipt does not say which key the enclave opened; \
+                         whether the host saw the request is not proven"
+                    ),
+                    Err(e) => {
+                        eprintln!("error: {e:#}; the response was not written");
+                        return Ok(EXIT_FAILED);
+                    }
+                }
+            }
             write_output(&a.out, &plain)?;
             match (&a.receipt_out, trailer) {
                 (Some(path), Some(receipt)) => std::fs::write(path, receipt)

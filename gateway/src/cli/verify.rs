@@ -6,6 +6,7 @@
 //! e.g. `[response_mismatch]`), then a `RESULT` line. `--json` prints one
 //! JSON document instead. Exit code 0 only when every check holds.
 
+use super::client_key::ClientKeyFile;
 use super::{load_bundle, parse_hex, read_input, EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Context, Result};
 use base64::Engine as _;
@@ -104,9 +105,15 @@ pub struct ReceiptArgs {
     /// The exact response body the client received (plaintext: opened, if sealed).
     #[arg(long)]
     pub response: Option<PathBuf>,
-    /// The `receipt-nonce` (hex) the client sent with the request.
+    /// The `receipt-nonce` (hex) the client sent with the request (default:
+    /// the one in --client-key).
     #[arg(long)]
     pub nonce: Option<String>,
+    /// The client key file `gateway seal --key-out` wrote: proves the
+    /// receipt's `sealing` against the encapsulated key the request was
+    /// sealed with (without it, `sealing` is the host's word).
+    #[arg(long)]
+    pub client_key: Option<PathBuf>,
     /// The receipt: raw COSE_Sign1 bytes (`GET /v1/receipts/{id}`), the
     /// base64url text of the `receipt` response header, or the response
     /// headers as `curl -D` saved them (the `receipt:` line is used).
@@ -231,7 +238,7 @@ impl EvidenceOutcome {
             "entry_keys": v.map(|v| v.entry_keys.iter().map(|k| json!({
                 "key_id": k.key_id,
                 "public_key": hex::encode(k.public_key),
-                "aeads": k.aeads.iter().map(|a| super::seal::aead_name(*a)).collect::<Vec<_>>(),
+                "aeads": k.aeads.iter().map(|a| super::client_key::aead_name(*a)).collect::<Vec<_>>(),
             })).collect::<Vec<_>>()),
         })
     }
@@ -632,7 +639,39 @@ fn sealing_detail(s: Sealing) -> &'static str {
     }
 }
 
-fn receipt_info(r: &ReceiptBody, nonce_given: bool) -> Vec<Line> {
+fn receipt_info(r: &ReceiptBody, sealing_proven: bool, nonce_given: bool) -> Vec<Line> {
+    // Only "enclave" claims that the host did not see the request; "gateway"
+    // and "plain" say it did, so they need no proof.
+    let sealing = if sealing_proven || r.sealing != Sealing::Enclave {
+        Line::new(
+            Status::Info,
+            "sealing",
+            format!(
+                "{}: {}{}",
+                r.sealing.as_str(),
+                sealing_detail(r.sealing),
+                if sealing_proven {
+                    " (proven: the entry stage's signed link names the key this request was sealed with)"
+                } else {
+                    ""
+                }
+            ),
+        )
+    } else {
+        Line::new(
+            Status::Warn,
+            "sealing",
+            format!(
+                "NOT PROVEN: the receipt says \"enclave\", which is only the host's word ({}); \
+                 a sealed client proves it with --client-key",
+                if r.version == proto::receipt::ReceiptVersion::V2 {
+                    "a v2 receipt does not say which key the enclave opened"
+                } else {
+                    "no client key given"
+                }
+            ),
+        )
+    };
     let mut out = vec![
         Line::new(
             Status::Info,
@@ -647,11 +686,7 @@ fn receipt_info(r: &ReceiptBody, nonce_given: bool) -> Vec<Line> {
                 r.links()
             ),
         ),
-        Line::new(
-            Status::Info,
-            "sealing",
-            format!("{}: {}", r.sealing.as_str(), sealing_detail(r.sealing)),
-        ),
+        sealing,
         Line::new(
             if r.mock { Status::Warn } else { Status::Info },
             "mock",
@@ -691,11 +726,16 @@ fn run_receipt(a: ReceiptArgs) -> Result<i32> {
     };
     let request = a.request.as_deref().map(read_input).transpose()?;
     let response = a.response.as_deref().map(read_input).transpose()?;
-    let nonce = a
-        .nonce
+    let client_key = a
+        .client_key
         .as_deref()
-        .map(|n| parse_hex("--nonce", n))
+        .map(ClientKeyFile::load)
         .transpose()?;
+    let nonce = match (&a.nonce, &client_key) {
+        (Some(n), _) => Some(parse_hex("--nonce", n)?),
+        (None, Some(k)) => k.receipt_nonce.clone(),
+        (None, None) => None,
+    };
 
     let mut evidence = verify_evidence(&bundle, &policy, evidence_nonce.as_deref(), a.at);
     for l in &mut evidence.lines {
@@ -726,6 +766,7 @@ fn run_receipt(a: ReceiptArgs) -> Result<i32> {
     inputs.expected_nonce = nonce.as_deref();
     inputs.expected_manifest = Some(verified.manifest_digest);
     inputs.allow_mock = policy.allow_mock;
+    inputs.sealed_to = client_key.as_ref().map(ClientKeyFile::sealed_to);
     let report = verify_receipt(&inputs);
     let ok = report.ok();
 
@@ -738,6 +779,7 @@ fn run_receipt(a: ReceiptArgs) -> Result<i32> {
         });
         if let Some(r) = &report.receipt {
             doc["sealing"] = json!(r.sealing.as_str());
+            doc["sealing_proven"] = json!(report.sealing_proven);
             doc["mock"] = json!(r.mock);
         }
         println!("{}", serde_json::to_string_pretty(&doc)?);
@@ -756,7 +798,7 @@ fn run_receipt(a: ReceiptArgs) -> Result<i32> {
             });
         }
         if let Some(r) = &report.receipt {
-            lines.extend(receipt_info(r, nonce.is_some()));
+            lines.extend(receipt_info(r, report.sealing_proven, nonce.is_some()));
         }
         print_lines(&lines);
         match report.failure() {

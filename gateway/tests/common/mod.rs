@@ -664,7 +664,6 @@ pub fn tampering_relay(upstream: String, tamper: Tamper) -> String {
     use base64::Engine as _;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
-    let addr = listener.local_addr().unwrap();
     let app = axum::Router::new().fallback(move |req: Request<Body>| {
         let upstream = upstream.clone();
         async move {
@@ -701,6 +700,13 @@ pub fn tampering_relay(upstream: String, tamper: Tamper) -> String {
             out.body(Body::from(bytes)).unwrap()
         }
     });
+    serve_on_thread(listener, app)
+}
+
+/// Serves `app` on `listener` (non-blocking, already bound) from a thread of
+/// its own (test threads block on child processes); returns its URL.
+pub fn serve_on_thread(listener: std::net::TcpListener, app: axum::Router) -> String {
+    let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -712,6 +718,18 @@ pub fn tampering_relay(upstream: String, tamper: Tamper) -> String {
         })
     });
     format!("http://{addr}")
+}
+
+/// `GET url`, the body (panics on a transport error).
+pub async fn get_bytes(url: &str) -> axum::body::Bytes {
+    client()
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
 }
 
 /// Whether `python3` can import the stock `openai` SDK (`NO_PYTHON_SDK=1`
