@@ -61,6 +61,7 @@ impl StageSpec {
             manifest_sha256: manifest.digest,
             receipt_key: [0; 32],
             hpke_keys: Vec::new(),
+            weights: None,
         };
         Ok((manifest, claims))
     }

@@ -11,6 +11,7 @@ pub mod generation;
 pub mod keys;
 pub mod llama;
 pub mod provider;
+pub mod qmatmul;
 pub mod role;
 pub mod sampling;
 pub mod server;

@@ -1,10 +1,16 @@
 //! Llama decoder (SmolLM2-135M-Instruct) split by layers, loaded from a GGUF
 //! file and written on Candle's primitives, with a per-sequence KV cache.
 //!
-//! Weights are **dequantized to f32 at load**: Candle's quantized CPU matmul
-//! rounds activations to int8, which flips near-ties in greedy decoding, so
-//! the quantized path does not reproduce the `transformers` reference (see
-//! docs and `tests/llama_reference.rs`).
+//! The linear layers, the token embedding and the output head are held in
+//! one of three [`WeightFormat`]s: `q4_1` (the default: the packaged GGUF's
+//! blocks as they are), `q8_0` (re-quantized at load, 8-bit blocks of 32
+//! with one scale, as llama.cpp's Q8_0) or `f32` (dequantized at load;
+//! reproduces the `transformers` reference token for token,
+//! `tests/llama_reference.rs`). Quantized weights stay quantized in memory
+//! and are multiplied with f32 activations by [`crate::qmatmul`] (decode
+//! steps) or dequantized per product for an f32 GEMM (prefills), so `q4_1`
+//! computes the f32 model up to summation order. Quality against `f32`:
+//! `tests/llama_quality.rs`, `benchmark_results/quality.md`. Norms stay f32.
 //!
 //! A stage loads only its own tensors: its layer range, plus the token
 //! embedding for the entry stage and the final norm and output head for the
@@ -23,13 +29,43 @@
 //! weights as stored; that is the same function as Hugging Face's
 //! `rotate_half` on the un-permuted weights.
 
-use candle_core::quantized::gguf_file;
+use crate::qmatmul::{Kernel, QMatrix};
+use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
+pub use proto::frames::WeightFormat;
 use std::collections::HashMap;
 use std::fs::File;
 use std::ops::Range;
 use std::path::Path;
+
+/// What [`LlamaPart::teacher_forced`] measured, one entry per predicted
+/// position.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TeacherForced {
+    /// The model's most likely next token at each position.
+    pub top1: Vec<u32>,
+    /// `-ln p(true next token)` at each position.
+    pub nll: Vec<f64>,
+}
+
+impl TeacherForced {
+    /// `exp(mean nll)`.
+    pub fn perplexity(&self) -> f64 {
+        (self.nll.iter().sum::<f64>() / self.nll.len().max(1) as f64).exp()
+    }
+
+    /// Share of positions whose top-1 prediction equals `other`'s.
+    pub fn agreement(&self, other: &TeacherForced) -> f64 {
+        let same = self
+            .top1
+            .iter()
+            .zip(&other.top1)
+            .filter(|(a, b)| a == b)
+            .count();
+        same as f64 / self.top1.len().min(other.top1.len()).max(1) as f64
+    }
+}
 
 /// Hyper-parameters of a Llama model, read from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
@@ -180,22 +216,138 @@ impl KvCache {
     }
 }
 
+/// Products with at least this many activation rows dequantize the weights
+/// and use the f32 GEMM; fewer use the quantized dot products, which read a
+/// quarter (Q8_0) or a sixth (Q4_1) of the f32 weight bytes.
+const DEQUANTIZE_MIN_ROWS: usize = 48;
+
+/// A weight matrix `[out, in]` applied as `x · Wᵀ`: f32 (Candle's GEMM), or
+/// quantized blocks ([`crate::qmatmul`]) with f32 activations.
+enum Weight {
+    Dense(Linear),
+    Quant(QMatrix, Kernel),
+}
+
+impl Weight {
+    /// Loads GGUF tensor `name` in `format`: Q4_1 blocks are taken as
+    /// stored; anything else is dequantized first (and, for Q8_0, quantized
+    /// again).
+    fn load(
+        ct: &gguf_file::Content,
+        file: &mut File,
+        name: &str,
+        format: WeightFormat,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        let q = ct.tensor(file, name, device)?;
+        let (rows, cols) = q.shape().dims2()?;
+        Ok(match format {
+            WeightFormat::F32 => Weight::Dense(Linear::new(q.dequantize(device)?, None)),
+            WeightFormat::Q4_1 => {
+                let m = match q.dtype() {
+                    GgmlDType::Q4_1 => QMatrix::from_ggml_q4_1(&q.data()?, rows, cols),
+                    GgmlDType::Q8_0 => QMatrix::from_ggml_q8_0(&q.data()?, rows, cols),
+                    other => Err(format!(
+                        "stored as {other:?}; q4_1 serves the GGUF's Q4_1 and Q8_0 blocks as they are"
+                    )),
+                }
+                .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+                Weight::Quant(m, Kernel::detect())
+            }
+            WeightFormat::Q8_0 if q.dtype() == GgmlDType::Q8_0 => {
+                let m = QMatrix::from_ggml_q8_0(&q.data()?, rows, cols)
+                    .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+                Weight::Quant(m, Kernel::detect())
+            }
+            WeightFormat::Q8_0 => {
+                let f = q.dequantize(device)?.flatten_all()?.to_vec1::<f32>()?;
+                Weight::Quant(QMatrix::q8_0(&f, rows, cols), Kernel::detect())
+            }
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Weight::Dense(l) => l.forward(x),
+            Weight::Quant(q, kernel) => {
+                let (rows, cols) = q.shape();
+                let (t, k) = x.dims2()?;
+                if k != cols {
+                    candle_core::bail!("activation width {k}, weight has {cols} columns");
+                }
+                if t >= DEQUANTIZE_MIN_ROWS {
+                    // A prefill (or a large decode batch): the matrix is
+                    // dequantized for this product only (a transient f32
+                    // buffer of at most a few MiB) and goes through Candle's
+                    // f32 GEMM, which re-uses each weight across many rows.
+                    // The activations are f32 on both paths, so the result is
+                    // the same product up to summation order.
+                    let w = Tensor::from_vec(q.dequantize(), (rows, cols), x.device())?;
+                    return x.matmul(&w.t()?);
+                }
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut out = vec![0f32; t * rows];
+                q.matmul_t(&xs, &mut out, *kernel);
+                Tensor::from_vec(out, (t, rows), x.device())
+            }
+        }
+    }
+
+    /// Rows `ids` as f32 `[ids, cols]` (the token-embedding lookup).
+    fn rows(&self, ids: &[u32], device: &Device) -> candle_core::Result<Tensor> {
+        match self {
+            Weight::Dense(l) => {
+                let idx = Tensor::new(ids, device)?;
+                l.weight().index_select(&idx, 0)
+            }
+            Weight::Quant(q, _) => {
+                let cols = q.shape().1;
+                let mut out = vec![0f32; ids.len() * cols];
+                for (row, &id) in out.chunks_exact_mut(cols).zip(ids) {
+                    q.dequantize_row(id as usize, row);
+                }
+                Tensor::from_vec(out, (ids.len(), cols), device)
+            }
+        }
+    }
+
+    /// Bytes the weights take in memory.
+    fn bytes(&self) -> usize {
+        match self {
+            Weight::Dense(l) => l.weight().elem_count() * 4,
+            Weight::Quant(q, _) => q.bytes(),
+        }
+    }
+}
+
 struct Block {
     attn_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
+    q: Weight,
+    k: Weight,
+    v: Weight,
+    o: Weight,
     ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+}
+
+impl Block {
+    fn weight_bytes(&self) -> usize {
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
+        .iter()
+        .map(|w| w.bytes())
+        .sum::<usize>()
+            + (self.attn_norm.elem_count() + self.ffn_norm.elem_count()) * 4
+    }
 }
 
 struct Head {
     norm: Tensor,
     /// `[vocab, hidden]`.
-    weight: Tensor,
+    weight: Weight,
 }
 
 /// The part of a Llama model one stage runs, with the KV caches of the
@@ -203,7 +355,10 @@ struct Head {
 pub struct LlamaPart {
     cfg: LlamaConfig,
     layers: Range<usize>,
-    embedding: Option<Tensor>,
+    format: WeightFormat,
+    /// The token embedding `[vocab, hidden]` (entry stage): f32, or the
+    /// quantized table whose rows are dequantized per lookup.
+    embedding: Option<Weight>,
     blocks: Vec<Block>,
     head: Option<Head>,
     /// `[max_seq_len, head_dim / 2]` each.
@@ -224,24 +379,43 @@ fn load_f32(
 }
 
 impl LlamaPart {
-    /// Loads layers `layers` of the GGUF at `path` (on the CPU), plus the token
-    /// embedding if `with_embeddings` and the final norm and output head if
-    /// `with_head`. Weights are dequantized to f32.
+    /// Loads layers `layers` of the GGUF at `path` (on the CPU) with f32
+    /// weights, plus the token embedding if `with_embeddings` and the final
+    /// norm and output head if `with_head`.
     pub fn load(
         path: &Path,
         layers: Range<usize>,
         with_embeddings: bool,
         with_head: bool,
     ) -> candle_core::Result<Self> {
-        Self::load_on(path, layers, with_embeddings, with_head, &Device::Cpu)
+        Self::load_as(path, layers, with_embeddings, with_head, WeightFormat::F32)
     }
 
-    /// [`LlamaPart::load`] on a given device.
+    /// [`LlamaPart::load`] with the weights in `format`.
+    pub fn load_as(
+        path: &Path,
+        layers: Range<usize>,
+        with_embeddings: bool,
+        with_head: bool,
+        format: WeightFormat,
+    ) -> candle_core::Result<Self> {
+        Self::load_on(
+            path,
+            layers,
+            with_embeddings,
+            with_head,
+            format,
+            &Device::Cpu,
+        )
+    }
+
+    /// [`LlamaPart::load_as`] on a given device.
     pub fn load_on(
         path: &Path,
         layers: Range<usize>,
         with_embeddings: bool,
         with_head: bool,
+        format: WeightFormat,
         device: &Device,
     ) -> candle_core::Result<Self> {
         let mut file = File::open(path)
@@ -254,30 +428,40 @@ impl LlamaPart {
                 cfg.num_layers
             );
         }
-        let mut get = |name: &str| load_f32(&ct, &mut file, name, device);
-        let embedding = if with_embeddings || (with_head && cfg.tied_embeddings) {
-            Some(get("token_embd.weight")?)
+        let embedding = if with_embeddings {
+            Some(Weight::load(
+                &ct,
+                &mut file,
+                "token_embd.weight",
+                format,
+                device,
+            )?)
         } else {
             None
         };
         let head = if with_head {
-            let weight = if cfg.tied_embeddings {
-                embedding.clone().expect("loaded above")
+            let name = if cfg.tied_embeddings {
+                "token_embd.weight"
             } else {
-                get("output.weight")?
+                "output.weight"
             };
             Some(Head {
-                norm: get("output_norm.weight")?,
-                weight,
+                norm: load_f32(&ct, &mut file, "output_norm.weight", device)?,
+                weight: Weight::load(&ct, &mut file, name, format, device)?,
             })
         } else {
             None
         };
-        let embedding = if with_embeddings { embedding } else { None };
         let mut blocks = Vec::with_capacity(layers.len());
         for i in layers.clone() {
-            let mut lin = |n: &str| -> candle_core::Result<Linear> {
-                Ok(Linear::new(get(&format!("blk.{i}.{n}.weight"))?, None))
+            let mut lin = |n: &str| -> candle_core::Result<Weight> {
+                Weight::load(
+                    &ct,
+                    &mut file,
+                    &format!("blk.{i}.{n}.weight"),
+                    format,
+                    device,
+                )
             };
             blocks.push(Block {
                 q: lin("attn_q")?,
@@ -287,14 +471,15 @@ impl LlamaPart {
                 gate: lin("ffn_gate")?,
                 up: lin("ffn_up")?,
                 down: lin("ffn_down")?,
-                attn_norm: get(&format!("blk.{i}.attn_norm.weight"))?,
-                ffn_norm: get(&format!("blk.{i}.ffn_norm.weight"))?,
+                attn_norm: load_f32(&ct, &mut file, &format!("blk.{i}.attn_norm.weight"), device)?,
+                ffn_norm: load_f32(&ct, &mut file, &format!("blk.{i}.ffn_norm.weight"), device)?,
             });
         }
         let (cos, sin) = rope_tables(&cfg, device)?;
         Ok(Self {
             cfg,
             layers,
+            format,
             embedding,
             blocks,
             head,
@@ -303,6 +488,21 @@ impl LlamaPart {
             caches: HashMap::new(),
             device: device.clone(),
         })
+    }
+
+    /// The format the weights are held in.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// Bytes this part's weights take in memory (layers, embedding, head).
+    pub fn weight_bytes(&self) -> usize {
+        let emb = self.embedding.as_ref().map_or(0, Weight::bytes);
+        let head = self
+            .head
+            .as_ref()
+            .map_or(0, |h| h.weight.bytes() + h.norm.elem_count() * 4);
+        emb + head + self.blocks.iter().map(Block::weight_bytes).sum::<usize>()
     }
 
     /// The model configuration.
@@ -391,8 +591,7 @@ impl LlamaPart {
                 self.cfg.vocab_size
             );
         }
-        let ids = Tensor::new(tokens, &self.device)?;
-        e.index_select(&ids, 0)
+        e.rows(tokens, &self.device)
     }
 
     /// Runs this part's layers over a packed batch `hidden` `[tokens, hidden]`
@@ -403,6 +602,17 @@ impl LlamaPart {
     /// Either the whole batch is applied or, on error, no cache advances
     /// (a cache created for a new sequence stays, empty, until [`LlamaPart::free`]).
     pub fn forward(&mut self, hidden: &Tensor, batch: &[SeqSlice]) -> candle_core::Result<Tensor> {
+        // Inside the thread pool: the quantized products split their
+        // columns across its threads with a cheap fork/join instead of a
+        // wake-up per product (one hand-off per step instead of ~200).
+        rayon::scope(|_| self.forward_in_pool(hidden, batch))
+    }
+
+    fn forward_in_pool(
+        &mut self,
+        hidden: &Tensor,
+        batch: &[SeqSlice],
+    ) -> candle_core::Result<Tensor> {
         let (t, h) = hidden.dims2()?;
         if h != self.cfg.hidden_size {
             candle_core::bail!("hidden width {h}, model has {}", self.cfg.hidden_size);
@@ -455,7 +665,34 @@ impl LlamaPart {
         let idx = Tensor::new(last.as_slice(), &self.device)?;
         let x = hidden.index_select(&idx, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &head.norm, self.cfg.rms_norm_eps as f32)?;
-        x.matmul(&head.weight.t()?)
+        head.weight.forward(&x)
+    }
+
+    /// Teacher-forced evaluation of a whole model (this part must have the
+    /// embedding and the head): feeds `tokens` one at a time, as decoding
+    /// does (so quantized weights meet int8-rounded activations, as in a
+    /// decode step), and returns, for every position after the first, the
+    /// model's top-1 prediction and the negative log-likelihood of the true
+    /// next token. Uses sequence id `seq_id` and frees it afterwards.
+    pub fn teacher_forced(
+        &mut self,
+        tokens: &[u32],
+        seq_id: u64,
+    ) -> candle_core::Result<TeacherForced> {
+        let mut out = TeacherForced::default();
+        let result = (|| {
+            for (i, pair) in tokens.windows(2).enumerate() {
+                let batch = [SeqSlice::new(seq_id, i, 1)];
+                let h = self.embed(&pair[..1])?;
+                let h = self.forward(&h, &batch)?;
+                let logits = self.logits_last(&h, &batch)?.squeeze(0)?.to_vec1::<f32>()?;
+                out.top1.push(crate::sampling::argmax(&logits));
+                out.nll.push(-crate::sampling::log_prob(&logits, pair[1]));
+            }
+            Ok(())
+        })();
+        self.free(seq_id);
+        result.map(|()| out)
     }
 
     /// Checks a batch against the caches and makes room for it.

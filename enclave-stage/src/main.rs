@@ -9,6 +9,7 @@ use enclave_stage::engine::{Engine, StageSpec};
 use enclave_stage::generation::compute::{GenLimits, Generator};
 use enclave_stage::generation::model::GenModel;
 use enclave_stage::keys::StageKeys;
+use enclave_stage::llama::WeightFormat;
 use enclave_stage::provider::{self, AttestationKind};
 use enclave_stage::role;
 use enclave_stage::server::{StageModel, StageServer, StageSetup};
@@ -76,6 +77,11 @@ struct Args {
     /// Generation: most sequences in one step.
     #[arg(long, default_value_t = 64)]
     max_step_seqs: usize,
+    /// Generation: how the weights are held: `q4_1` (as the GGUF ships
+    /// them), `q8_0` (re-quantized at load) or `f32` (dequantized; the
+    /// reference).
+    #[arg(long, default_value = "q4_1")]
+    weights: WeightFormat,
     /// Generation: most requests waiting for KV room before new ones get 503.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
@@ -123,7 +129,8 @@ fn main() -> Result<()> {
         .architecture;
     let mut loaded = if architecture == "llama" {
         Loaded::Generation(
-            GenModel::load(&args.model_dir, &spec).context("stage refuses to start")?,
+            GenModel::load(&args.model_dir, &spec, args.weights)
+                .context("stage refuses to start")?,
         )
     } else {
         Loaded::Embedding(Engine::load(&args.model_dir, &spec).context("stage refuses to start")?)
@@ -175,6 +182,11 @@ fn main() -> Result<()> {
             }
             Loaded::Generation(model) => {
                 let part = model.load_part().context("stage refuses to start")?;
+                tracing::info!(
+                    weights = %part.format(),
+                    weight_mib = part.weight_bytes() >> 20,
+                    "weights loaded"
+                );
                 let kv_mib = (args.kv_cache_tokens * part.bytes_per_token()) >> 20;
                 tracing::info!(
                     kv_cache_tokens = args.kv_cache_tokens,

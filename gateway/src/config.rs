@@ -69,6 +69,12 @@ pub struct CompletionsConfig {
     /// Most tokens per step (longer prefills run alone).
     #[serde(default = "default_token_budget")]
     pub step_tokens: usize,
+    /// How the stages hold the weights: `q4_1` (default: the GGUF's blocks
+    /// as packaged), `q8_0` (re-quantized at load) or `f32` (dequantized;
+    /// reproduces the `transformers` reference token for token). Quality of
+    /// each: `benchmark_results/quality.md`.
+    #[serde(default)]
+    pub weights: proto::frames::WeightFormat,
     /// The stages, entry stage first.
     pub stages: Vec<StageConfig>,
 }
@@ -528,6 +534,8 @@ impl GatewayConfig {
                     c.max_waiting.to_string(),
                     "--token-budget".into(),
                     c.step_tokens.to_string(),
+                    "--weights".into(),
+                    c.weights.to_string(),
                 ],
             });
         }

@@ -386,6 +386,7 @@ mod tests {
             manifest_sha256: Sha256Digest::of(b"manifest"),
             receipt_key: [7; 32],
             hpke_keys: Vec::new(),
+            weights: None,
         }
     }
 

@@ -57,6 +57,7 @@ fn claims(index: u32) -> StageClaims {
         manifest_sha256: Sha256Digest::of(b"test manifest"),
         receipt_key: [7; 32],
         hpke_keys: Vec::new(),
+        weights: None,
     }
 }
 

@@ -3,7 +3,7 @@
 //! output text), and, for the compute thread, its [`LlamaPart`].
 
 use crate::engine::StageSpec;
-use crate::llama::{LlamaConfig, LlamaPart};
+use crate::llama::{LlamaConfig, LlamaPart, WeightFormat};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use proto::frames::StageClaims;
@@ -23,13 +23,20 @@ pub struct GenModel {
     pub tokenizer: Option<Tokenizer>,
     spec: StageSpec,
     gguf: PathBuf,
+    weights: WeightFormat,
 }
 
 impl GenModel {
     /// Checks the manifest and files in `model_dir` and reads the model's
-    /// configuration; the weights are loaded by [`GenModel::load_part`].
-    pub fn load(model_dir: &std::path::Path, spec: &StageSpec) -> Result<Self> {
-        let (manifest, claims) = spec.open_manifest(model_dir, "llama", "completion")?;
+    /// configuration; the weights are loaded by [`GenModel::load_part`] in
+    /// `weights` (which the stage's claims name).
+    pub fn load(
+        model_dir: &std::path::Path,
+        spec: &StageSpec,
+        weights: WeightFormat,
+    ) -> Result<Self> {
+        let (manifest, mut claims) = spec.open_manifest(model_dir, "llama", "completion")?;
+        claims.weights = Some(weights);
         let m = &manifest.manifest;
         let gguf_name = m
             .files
@@ -75,23 +82,26 @@ impl GenModel {
             tokenizer,
             spec: spec.clone(),
             gguf,
+            weights,
         })
     }
 
     /// Loads this stage's weights from the GGUF checked by [`GenModel::load`].
     pub fn load_part(&self) -> Result<LlamaPart> {
         let path = &self.gguf;
-        LlamaPart::load(
+        LlamaPart::load_as(
             path,
             self.spec.layers.clone(),
             self.claims.is_entry(),
             self.claims.is_exit(),
+            self.weights,
         )
         .with_context(|| {
             format!(
-                "loading layers {:?} from {}",
+                "loading layers {:?} from {} as {}",
                 self.spec.layers,
-                path.display()
+                path.display(),
+                self.weights
             )
         })
     }

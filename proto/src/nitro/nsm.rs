@@ -247,6 +247,7 @@ mod tests {
             manifest_sha256: Sha256Digest::of(b"manifest"),
             receipt_key: [7; 32],
             hpke_keys: vec![9; 300],
+            weights: None,
         };
         let p = recorder(|| Response::Attestation {
             document: RECORDED.to_vec(),

@@ -1,0 +1,623 @@
+//! Block-quantized weight matrices and their products with f32 activations,
+//! for the Llama stages (`WeightFormat::Q8_0` and `WeightFormat::Q4_1`).
+//!
+//! Why written here and not taken from Candle: Candle 0.11's quantized CPU
+//! matmul computes one dot product at a time and rounds the activations to
+//! int8 blocks (as llama.cpp does); its Q4_1 dot product is scalar (8-12
+//! tokens/s on the reference machine), and the int8 rounding of the
+//! activations alone moved 4-5 % of SmolLM2's greedy top-1 choices away
+//! from the f32 weights' on our quality text (benchmark_results/quality.md).
+//! Here the **weights** stay quantized in memory (what decoding is bound
+//! by: every token reads all of them) and are widened to f32 in registers;
+//! the **activations stay f32**. A product with a quantized matrix is then
+//! the f32 product with the dequantized matrix, up to summation order, so
+//! the only quality cost is the weights' own rounding.
+//!
+//! - [`QMatrix::matmul_t`] for a few activation rows (decode steps): four
+//!   weight rows at a time share every load of an activation row; the
+//!   output columns are split across Rayon's threads for large products.
+//! - Many rows (prefills): the caller dequantizes the matrix for that
+//!   product ([`QMatrix::dequantize`]) and uses an f32 GEMM, which re-uses
+//!   each weight across rows better than a dot-product kernel can.
+//!
+//! Kernels, chosen once at run time ([`Kernel::detect`]):
+//! - **AVX2 + FMA** (x86-64): 8 int8 (Q8_0) or 8 nibbles (Q4_1) widened to
+//!   f32 per instruction group, one FMA per 8 values, the block scale applied
+//!   once per 32 values;
+//! - **portable** (every target): the same sums in plain Rust, also the
+//!   reference the AVX2 kernel is tested against.
+//!
+//! An AVX-512 variant (16 lanes) is not written yet: the reference machine
+//! has no AVX-512, so such CPUs use the AVX2 kernel.
+
+use rayon::prelude::*;
+
+/// Values per quantization block (Q8_0 and Q4_1 alike).
+pub const BLOCK: usize = 32;
+
+/// Products smaller than this many multiply-adds run on the calling thread.
+const PARALLEL_MIN_MACS: usize = 64 << 10;
+
+/// Which kernel runs the dot products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// Plain Rust (any CPU).
+    Portable,
+    /// x86-64 AVX2 + FMA.
+    Avx2,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU supports.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Portable
+    }
+
+    /// Its name, for logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Portable => "portable",
+            Kernel::Avx2 => "avx2",
+        }
+    }
+}
+
+/// Rows per interleaved group (the AVX2 kernel's four dot products).
+const GROUP: usize = 4;
+
+/// The weights of a quantized matrix. Rows are padded with zero rows to a
+/// multiple of [`GROUP`] and stored **interleaved**: group `g`'s block `b`
+/// holds block `b` of its four rows one after another, so a dot product of
+/// four rows reads one sequential stream (which the hardware prefetcher
+/// follows; four strided streams measured at a third of the bandwidth).
+/// Scales follow the same order: index `(g · nb + b) · 4 + row % 4`.
+#[derive(Clone, Debug)]
+enum Blocks {
+    /// `w = d · q`, q ∈ [-127, 127]: 32 bytes per block.
+    Q8_0 { qs: Vec<i8>, d: Vec<f32> },
+    /// `w = d · q + m`, q ∈ [0, 15], two per byte as ggml packs them: byte
+    /// `j` of a block holds element `j` (low nibble) and `j + 16` (high);
+    /// 16 bytes per block.
+    Q4_1 {
+        qs: Vec<u8>,
+        d: Vec<f32>,
+        m: Vec<f32>,
+    },
+}
+
+/// A weight matrix `[rows, cols]` in 32-value blocks, applied as `x · Wᵀ`.
+#[derive(Clone, Debug)]
+pub struct QMatrix {
+    /// Rows including the zero padding (a multiple of [`GROUP`]).
+    padded: usize,
+    rows: usize,
+    cols: usize,
+    blocks: Blocks,
+}
+
+fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    for (q, v) in q.iter_mut().zip(x) {
+        *q = (v * inv).round() as i8;
+    }
+    d
+}
+
+/// Q8_0 blocks of `w` (`cols` per row): int8 values and one scale per block.
+fn quantize_q8_0(w: &[f32]) -> (Vec<i8>, Vec<f32>) {
+    let mut qs = vec![0i8; w.len()];
+    let d = w
+        .chunks_exact(BLOCK)
+        .zip(qs.chunks_exact_mut(BLOCK))
+        .map(|(x, q)| quantize_block(x, q))
+        .collect();
+    (qs, d)
+}
+
+/// Per-block sums of activation rows (the Q4_1 min term needs them).
+fn block_sums(x: &[f32]) -> Vec<f32> {
+    x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
+}
+
+/// Number of `size`-byte ggml blocks in `raw`, checked against `[rows, cols]`.
+fn ggml_blocks(
+    kind: &str,
+    raw: &[u8],
+    rows: usize,
+    cols: usize,
+    size: usize,
+) -> Result<usize, String> {
+    let n = rows * cols / BLOCK;
+    if !cols.is_multiple_of(BLOCK) || raw.len() != n * size {
+        return Err(format!(
+            "{kind} data of {} bytes is not a [{rows}, {cols}] matrix",
+            raw.len()
+        ));
+    }
+    Ok(n)
+}
+
+fn f16_bits(lo: u8, hi: u8) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32()
+}
+
+impl QMatrix {
+    /// Quantizes `w` (`[rows, cols]`, row-major) to Q8_0: per block of 32,
+    /// `d = max|w| / 127`, `q = round(w / d)`.
+    pub fn q8_0(w: &[f32], rows: usize, cols: usize) -> Self {
+        assert_eq!(w.len(), rows * cols, "weight shape");
+        assert!(
+            cols.is_multiple_of(BLOCK),
+            "columns must be a multiple of {BLOCK}"
+        );
+        let (qs, d) = quantize_q8_0(w);
+        Self::interleave(rows, cols, Blocks::Q8_0 { qs, d })
+    }
+
+    /// Takes ggml `Q4_1` blocks as stored in a GGUF file (20 bytes each:
+    /// f16 `d`, f16 `m`, 16 bytes of nibbles), `[rows, cols]`.
+    pub fn from_ggml_q4_1(raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
+        const SIZE: usize = 20;
+        let n = ggml_blocks("Q4_1", raw, rows, cols, SIZE)?;
+        let mut qs = Vec::with_capacity(n * 16);
+        let mut d = Vec::with_capacity(n);
+        let mut m = Vec::with_capacity(n);
+        for b in raw.chunks_exact(SIZE) {
+            d.push(f16_bits(b[0], b[1]));
+            m.push(f16_bits(b[2], b[3]));
+            qs.extend_from_slice(&b[4..]);
+        }
+        Ok(Self::interleave(rows, cols, Blocks::Q4_1 { qs, d, m }))
+    }
+
+    /// Takes ggml `Q8_0` blocks as stored in a GGUF file (34 bytes each:
+    /// f16 `d`, 32 int8), `[rows, cols]`.
+    pub fn from_ggml_q8_0(raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
+        const SIZE: usize = 34;
+        let n = ggml_blocks("Q8_0", raw, rows, cols, SIZE)?;
+        let mut qs = Vec::with_capacity(n * BLOCK);
+        let mut d = Vec::with_capacity(n);
+        for b in raw.chunks_exact(SIZE) {
+            d.push(f16_bits(b[0], b[1]));
+            qs.extend(b[2..].iter().map(|&v| v as i8));
+        }
+        Ok(Self::interleave(rows, cols, Blocks::Q8_0 { qs, d }))
+    }
+
+    /// Pads row-major blocks to whole groups and interleaves them.
+    fn interleave(rows: usize, cols: usize, row_major: Blocks) -> Self {
+        let nb = cols / BLOCK;
+        let padded = rows.next_multiple_of(GROUP);
+        // Position of row `r`'s block `b` in the interleaved order.
+        let at = |r: usize, b: usize| ((r / GROUP) * nb + b) * GROUP + r % GROUP;
+        fn spread<T: Copy + Default>(
+            src: &[T],
+            per: usize,
+            rows: usize,
+            padded: usize,
+            nb: usize,
+            at: &dyn Fn(usize, usize) -> usize,
+        ) -> Vec<T> {
+            let mut out = vec![T::default(); padded * nb * per];
+            for r in 0..rows {
+                for b in 0..nb {
+                    let (from, to) = ((r * nb + b) * per, at(r, b) * per);
+                    out[to..to + per].copy_from_slice(&src[from..from + per]);
+                }
+            }
+            out
+        }
+        let blocks = match row_major {
+            Blocks::Q8_0 { qs, d } => Blocks::Q8_0 {
+                qs: spread(&qs, BLOCK, rows, padded, nb, &at),
+                d: spread(&d, 1, rows, padded, nb, &at),
+            },
+            Blocks::Q4_1 { qs, d, m } => Blocks::Q4_1 {
+                qs: spread(&qs, BLOCK / 2, rows, padded, nb, &at),
+                d: spread(&d, 1, rows, padded, nb, &at),
+                m: spread(&m, 1, rows, padded, nb, &at),
+            },
+        };
+        Self {
+            padded,
+            rows,
+            cols,
+            blocks,
+        }
+    }
+
+    /// Index of row `r`'s block `b` (in blocks; scales use it directly).
+    fn at(&self, r: usize, b: usize) -> usize {
+        let nb = self.cols / BLOCK;
+        ((r / GROUP) * nb + b) * GROUP + r % GROUP
+    }
+
+    /// `[rows, cols]`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Bytes the blocks take in memory.
+    pub fn bytes(&self) -> usize {
+        match &self.blocks {
+            Blocks::Q8_0 { qs, d } => qs.len() + d.len() * 4,
+            Blocks::Q4_1 { qs, d, m } => qs.len() + (d.len() + m.len()) * 4,
+        }
+    }
+
+    /// Row `r`, dequantized into `out` (`cols` values).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows, "row {r} of {}", self.rows);
+        for b in 0..self.cols / BLOCK {
+            let bi = self.at(r, b);
+            let o = &mut out[b * BLOCK..(b + 1) * BLOCK];
+            match &self.blocks {
+                Blocks::Q8_0 { qs, d } => {
+                    for (o, &q) in o.iter_mut().zip(&qs[bi * BLOCK..(bi + 1) * BLOCK]) {
+                        *o = q as f32 * d[bi];
+                    }
+                }
+                Blocks::Q4_1 { qs, d, m } => {
+                    let bytes = &qs[bi * 16..bi * 16 + 16];
+                    for j in 0..16 {
+                        o[j] = (bytes[j] & 0x0f) as f32 * d[bi] + m[bi];
+                        o[j + 16] = (bytes[j] >> 4) as f32 * d[bi] + m[bi];
+                    }
+                }
+            }
+        }
+    }
+
+    /// The whole matrix dequantized (`[rows, cols]`, row-major).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.dequantize_row(r, row);
+        }
+        out
+    }
+
+    /// `out = x · Wᵀ` for `x` = `[m, cols]` f32 rows; `out` is `[m, rows]`.
+    pub fn matmul_t(&self, x: &[f32], out: &mut [f32], kernel: Kernel) {
+        let (n, k) = (self.rows, self.cols);
+        assert!(x.len().is_multiple_of(k), "activation width");
+        let m = x.len() / k;
+        assert_eq!(out.len(), m * n, "output shape");
+        let sums = match self.blocks {
+            Blocks::Q4_1 { .. } => block_sums(x),
+            Blocks::Q8_0 { .. } => Vec::new(),
+        };
+        let threads = rayon::current_num_threads().max(1);
+        // Handing work to the pool costs tens of microseconds (a wake-up);
+        // a decode step's small matrices are done sooner on this thread.
+        if threads == 1 || m * n * k < PARALLEL_MIN_MACS {
+            self.rows_times(0..n, x, &sums, out, kernel);
+            return;
+        }
+        // Output columns (weight rows) in chunks of 4: one chunk per thread
+        // (a decode step's products are too small to balance finer).
+        let chunk = n.div_ceil(threads).next_multiple_of(GROUP);
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
+            let rows = c * chunk..((c + 1) * chunk).min(n);
+            // SAFETY: every chunk writes only the columns `rows` of each
+            // output row, so no two tasks touch the same element, and `out`
+            // outlives the parallel loop.
+            let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get(), m * n) };
+            self.rows_times(rows, x, &sums, out, kernel);
+        });
+    }
+
+    /// Columns `rows` of `out` for every activation row of `x` (`rows`
+    /// starts at a multiple of [`GROUP`]).
+    fn rows_times(
+        &self,
+        rows: std::ops::Range<usize>,
+        x: &[f32],
+        sums: &[f32],
+        out: &mut [f32],
+        kernel: Kernel,
+    ) {
+        let (n, k, nb) = (self.rows, self.cols, self.cols / BLOCK);
+        let m = x.len() / k;
+        for r in rows.clone().step_by(GROUP) {
+            let valid = (rows.end - r).min(GROUP);
+            for i in 0..m {
+                let xr = XRow {
+                    x: &x[i * k..(i + 1) * k],
+                    sums: sums.get(i * nb..(i + 1) * nb).unwrap_or(&[]),
+                };
+                let d4 = self.dot4(r, &xr, kernel);
+                out[i * n + r..i * n + r + valid].copy_from_slice(&d4[..valid]);
+            }
+        }
+    }
+
+    /// Dot products of weight rows `r..r+4` (`r` a multiple of [`GROUP`];
+    /// padding rows give 0) with one activation row.
+    fn dot4(&self, r: usize, x: &XRow<'_>, kernel: Kernel) -> [f32; 4] {
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Kernel::Avx2` is only chosen when the CPU has AVX2
+            // and FMA; the slices are checked inside.
+            Kernel::Avx2 => unsafe { self.dot4_avx2(r, x) },
+            _ => [0, 1, 2, 3].map(|j| self.dot1(r + j, x)),
+        }
+    }
+
+    /// Portable dot product of weight row `r` with one activation row.
+    fn dot1(&self, r: usize, x: &XRow<'_>) -> f32 {
+        let mut acc = 0f32;
+        for b in 0..self.cols / BLOCK {
+            let bi = self.at(r, b);
+            let xs = &x.x[b * BLOCK..(b + 1) * BLOCK];
+            match &self.blocks {
+                Blocks::Q8_0 { qs, d } => {
+                    let s: f32 = qs[bi * BLOCK..(bi + 1) * BLOCK]
+                        .iter()
+                        .zip(xs)
+                        .map(|(&a, &c)| a as f32 * c)
+                        .sum();
+                    acc += s * d[bi];
+                }
+                Blocks::Q4_1 { qs, d, m } => {
+                    let bytes = &qs[bi * 16..bi * 16 + 16];
+                    let mut s = 0f32;
+                    for j in 0..16 {
+                        s += (bytes[j] & 0x0f) as f32 * xs[j] + (bytes[j] >> 4) as f32 * xs[j + 16];
+                    }
+                    acc += s * d[bi] + m[bi] * x.sums[b];
+                }
+            }
+        }
+        acc
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot4_avx2(&self, r: usize, x: &XRow<'_>) -> [f32; 4] {
+        use std::arch::x86_64::*;
+        let (k, nb) = (self.cols, self.cols / BLOCK);
+        assert!(r.is_multiple_of(GROUP) && r + GROUP <= self.padded && x.x.len() == k);
+        let xp = x.x.as_ptr();
+        // Group `g`'s blocks and scales are contiguous from here.
+        let g0 = (r / GROUP) * nb * GROUP;
+        let mut acc = [_mm256_setzero_ps(); 4];
+        // How far ahead to ask for weights: 8 groups of blocks.
+        const AHEAD: usize = 8;
+        match &self.blocks {
+            Blocks::Q8_0 { qs, d } => {
+                let w = qs[g0 * BLOCK..(g0 + nb * GROUP) * BLOCK].as_ptr();
+                let wd = &d[g0..g0 + nb * GROUP];
+                for b in 0..nb {
+                    let xv = [0, 1, 2, 3].map(|c| _mm256_loadu_ps(xp.add(b * BLOCK + 8 * c)));
+                    let wb = w.add(b * GROUP * BLOCK);
+                    if b + AHEAD < nb {
+                        let ahead = wb.add(AHEAD * GROUP * BLOCK);
+                        _mm_prefetch::<_MM_HINT_T0>(ahead);
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.add(64));
+                    }
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        let wp = wb.add(j * BLOCK);
+                        // 8 int8 → 8 f32, times 8 activations.
+                        let wide = |c: usize| {
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                wp.add(8 * c) as *const __m128i
+                            )))
+                        };
+                        let s0 = _mm256_mul_ps(wide(0), xv[0]);
+                        let s1 = _mm256_mul_ps(wide(1), xv[1]);
+                        let s0 = _mm256_fmadd_ps(wide(2), xv[2], s0);
+                        let s1 = _mm256_fmadd_ps(wide(3), xv[3], s1);
+                        let s = _mm256_add_ps(s0, s1);
+                        *a = _mm256_fmadd_ps(s, _mm256_set1_ps(wd[b * GROUP + j]), *a);
+                    }
+                }
+                [0, 1, 2, 3].map(|j| hsum(acc[j]))
+            }
+            Blocks::Q4_1 { qs, d, m } => {
+                assert!(x.sums.len() == nb);
+                let low = _mm_set1_epi8(0x0f);
+                let w = qs[g0 * 16..(g0 + nb * GROUP) * 16].as_ptr();
+                let (wd, wm) = (&d[g0..g0 + nb * GROUP], &m[g0..g0 + nb * GROUP]);
+                let mut mins = [0f32; 4];
+                for b in 0..nb {
+                    let xv = [0, 1, 2, 3].map(|c| _mm256_loadu_ps(xp.add(b * BLOCK + 8 * c)));
+                    let wb = w.add(b * GROUP * 16);
+                    if b + AHEAD < nb {
+                        _mm_prefetch::<_MM_HINT_T0>(wb.add(AHEAD * GROUP * 16) as *const i8);
+                    }
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        let q = _mm_loadu_si128(wb.add(j * 16) as *const __m128i);
+                        // Elements 0..16 are the low nibbles, 16..32 the high.
+                        let lo = _mm_and_si128(q, low);
+                        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+                        let wide = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                        let s0 = _mm256_mul_ps(wide(lo), xv[0]);
+                        let s1 = _mm256_mul_ps(wide(_mm_srli_si128(lo, 8)), xv[1]);
+                        let s0 = _mm256_fmadd_ps(wide(hi), xv[2], s0);
+                        let s1 = _mm256_fmadd_ps(wide(_mm_srli_si128(hi, 8)), xv[3], s1);
+                        let s = _mm256_add_ps(s0, s1);
+                        *a = _mm256_fmadd_ps(s, _mm256_set1_ps(wd[b * GROUP + j]), *a);
+                        // The min term: m · Σ x over the block.
+                        mins[j] += wm[b * GROUP + j] * x.sums[b];
+                    }
+                }
+                [0, 1, 2, 3].map(|j| hsum(acc[j]) + mins[j])
+            }
+        }
+    }
+}
+
+/// One activation row and (Q4_1) its per-block sums.
+struct XRow<'a> {
+    x: &'a [f32],
+    sums: &'a [f32],
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// A raw output pointer the parallel loop may share (each task writes
+/// disjoint elements).
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: see `QMatrix::matmul_t`: tasks write disjoint elements.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+    }
+
+    /// `x · Wᵀ` in f64 over the dequantized weights.
+    fn reference(w: &QMatrix, x: &[f32]) -> Vec<f32> {
+        let (n, k) = w.shape();
+        let wd = w.dequantize();
+        let xd = x;
+        let m = x.len() / k;
+        let mut out = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k)
+                    .map(|t| xd[i * k + t] as f64 * wd[j * k + t] as f64)
+                    .sum::<f64>() as f32;
+            }
+        }
+        out
+    }
+
+    /// Q4_1 blocks as ggml writes them, from `w`.
+    fn ggml_q4_1(w: &[f32]) -> Vec<u8> {
+        let mut raw = Vec::new();
+        for b in w.chunks_exact(BLOCK) {
+            let min = b.iter().cloned().fold(f32::INFINITY, f32::min);
+            let max = b.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let d = (max - min) / 15.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            raw.extend_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+            raw.extend_from_slice(&half::f16::from_f32(min).to_bits().to_le_bytes());
+            for j in 0..16 {
+                let q0 = (((b[j] - min) * id).round() as u8).min(15);
+                let q1 = (((b[j + 16] - min) * id).round() as u8).min(15);
+                raw.push(q0 | (q1 << 4));
+            }
+        }
+        raw
+    }
+
+    fn matrices(w: &[f32], rows: usize, cols: usize) -> Vec<QMatrix> {
+        vec![
+            QMatrix::q8_0(w, rows, cols),
+            QMatrix::from_ggml_q4_1(&ggml_q4_1(w), rows, cols).unwrap(),
+        ]
+    }
+
+    #[test]
+    fn kernels_match_the_dequantized_product() {
+        let kernels = [Kernel::Portable, Kernel::detect()];
+        // Row counts that leave 1-3 rows after the groups of four; one and
+        // many activation rows (decode, prefill).
+        for (rows, cols, m) in [(7, 64, 1), (70, 96, 3), (576, 576, 17), (33, 1536, 2)] {
+            for w in matrices(&random(rows * cols, 7), rows, cols) {
+                let x = random(m * cols, rows as u64);
+                let want = reference(&w, &x);
+                for kernel in kernels {
+                    let mut got = vec![0f32; m * rows];
+                    w.matmul_t(&x, &mut got, kernel);
+                    for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
+                            "{kernel:?} {rows}x{cols} m={m} at {i}: {g} vs {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantization_error_is_small_against_f32() {
+        let (rows, cols) = (64, 576);
+        let w = random(rows * cols, 3);
+        let x = random(4 * cols, 4);
+        let exact: Vec<f32> = (0..4 * rows)
+            .map(|o| {
+                let (i, j) = (o / rows, o % rows);
+                (0..cols).map(|t| x[i * cols + t] * w[j * cols + t]).sum()
+            })
+            .collect();
+        let scale = exact.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        for (q, tol) in matrices(&w, rows, cols).iter().zip([0.02f32, 0.1]) {
+            let mut got = vec![0f32; 4 * rows];
+            q.matmul_t(&x, &mut got, Kernel::detect());
+            let err = got
+                .iter()
+                .zip(&exact)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(err <= tol * scale, "max error {err} vs scale {scale}");
+        }
+    }
+
+    #[test]
+    fn q4_1_blocks_round_trip_and_bad_sizes_are_refused() {
+        let w = random(4 * 64, 9);
+        let raw = ggml_q4_1(&w);
+        let q = QMatrix::from_ggml_q4_1(&raw, 4, 64).unwrap();
+        assert_eq!(q.bytes(), 4 * 64 / 2 + 2 * 8 * 4);
+        let back = q.dequantize();
+        for (a, b) in back.iter().zip(&w) {
+            assert!((a - b).abs() < 0.1, "{a} vs {b}");
+        }
+        assert!(QMatrix::from_ggml_q4_1(&raw[1..], 4, 64).is_err());
+        // ggml Q8_0 blocks (f16 scale + 32 int8) read back as written.
+        let mut q8 = Vec::new();
+        for b in w.chunks_exact(BLOCK) {
+            let mut q = [0i8; BLOCK];
+            let d = quantize_block(b, &mut q);
+            q8.extend_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+            q8.extend(q.iter().map(|&v| v as u8));
+        }
+        let q = QMatrix::from_ggml_q8_0(&q8, 4, 64).unwrap();
+        for (a, b) in q.dequantize().iter().zip(&w) {
+            assert!((a - b).abs() < 0.01, "{a} vs {b}");
+        }
+        assert!(QMatrix::from_ggml_q8_0(&q8, 3, 64).is_err());
+        assert!(QMatrix::from_ggml_q4_1(&raw, 4, 48).is_err());
+        // Q8_0 of zeros: scale 0, no NaN.
+        let z = QMatrix::q8_0(&[0.0; 64], 1, 64);
+        let mut out = [1f32];
+        z.matmul_t(&random(64, 1), &mut out, Kernel::detect());
+        assert_eq!(out, [0.0]);
+    }
+}

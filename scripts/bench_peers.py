@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Side-by-side completions benchmark: llama.cpp (llama-cpp-python, built
+from source for this CPU) against the bare in-process stage code
+(`enclave-stage/examples/bench_decode.rs`), on the same GGUF-derived weights,
+the same thread counts and the same prompt lengths, interleaved round by
+round so that drift on a shared machine hits both alike.
+
+Run through scripts/bench_peers.sh (it builds the venv and the binaries).
+Writes benchmark_results/peers.{json,md} and peers.png.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import llama_cpp
+
+GGUF = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def ids(n):
+    """The same pseudo-text as bench_decode.rs: ids spread over the vocabulary."""
+    return [100 + (i * 7919) % 40000 for i in range(n)]
+
+
+def llama_cpp_run(model_path, threads, prompts, decode):
+    llm = llama_cpp.Llama(
+        model_path=model_path,
+        n_ctx=1024,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=False,
+        verbose=False,
+    )
+
+    def first(p):
+        llm.reset()
+        llm.eval(p)
+        return int(max(range(llm.n_vocab()), key=lambda t: llm.scores[llm.n_tokens - 1][t]))
+
+    first(ids(8))  # warm-up
+    ttft = {}
+    for n in prompts:
+        t = time.perf_counter()
+        llm.reset()
+        llm.eval(ids(n))
+        ttft[str(n)] = (time.perf_counter() - t) * 1e3
+    llm.reset()
+    llm.eval(ids(32))
+    import numpy as np
+
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t = time.perf_counter()
+    for _ in range(decode):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok_s = decode / (time.perf_counter() - t)
+    del llm
+    return {"ttft_ms": ttft, "decode_tok_s": tok_s}
+
+
+def ours_run(binary, weights, threads, prompts, decode):
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), CANDLE_NUM_THREADS=str(threads))
+    out = subprocess.run(
+        [binary, "--weights", weights, "--prompt-tokens", ",".join(map(str, prompts)),
+         "--decode-tokens", str(decode)],
+        env=env, check=True, capture_output=True, text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--binary", default="target/release/examples/bench_decode")
+    ap.add_argument("--q8-gguf", required=True, help="the GGUF re-quantized to Q8_0 for llama.cpp")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--prompts", default="32,512")
+    ap.add_argument("--out", default="benchmark_results")
+    ap.add_argument("--commit", default="")
+    a = ap.parse_args()
+    prompts = [int(p) for p in a.prompts.split(",")]
+    systems = []
+    for weights, peer_model in [("q8_0", a.q8_gguf), ("q4_1", GGUF)]:
+        for threads in (1, 2):
+            systems.append((f"llama.cpp {weights}", weights, threads, lambda m=peer_model, t=threads: llama_cpp_run(m, t, prompts, a.decode)))
+            systems.append((f"stage code {weights}", weights, threads, lambda w=weights, t=threads: ours_run(a.binary, w, t, prompts, a.decode)))
+    samples = {}
+    for r in range(a.rounds):
+        for name, weights, threads, fn in systems:
+            res = fn()
+            samples.setdefault((name, weights, threads), []).append(res)
+            print(f"round {r} {name} threads={threads}: {json.dumps(res)}", file=sys.stderr)
+
+    rows = []
+    for (name, weights, threads), runs in samples.items():
+        row = {
+            "system": name, "weights": weights, "threads": threads, "rounds": len(runs),
+            "decode_tok_s_median": statistics.median(x["decode_tok_s"] for x in runs),
+        }
+        for n in prompts:
+            row[f"ttft_{n}_ms_median"] = statistics.median(x["ttft_ms"][str(n)] for x in runs)
+        rows.append(row)
+
+    def find(system, weights, threads):
+        return next(r for r in rows if r["system"] == system and r["weights"] == weights and r["threads"] == threads)
+
+    ratios = []
+    for weights in ("q8_0", "q4_1"):
+        for threads in (1, 2):
+            o, p = find(f"stage code {weights}", weights, threads), find(f"llama.cpp {weights}", weights, threads)
+            ratio = {"weights": weights, "threads": threads,
+                     "decode_vs_llama_cpp": o["decode_tok_s_median"] / p["decode_tok_s_median"]}
+            for n in prompts:
+                ratio[f"ttft_{n}_vs_llama_cpp"] = o[f"ttft_{n}_ms_median"] / p[f"ttft_{n}_ms_median"]
+            ratios.append(ratio)
+    doc = {
+        "machine": {"cpu": platform.processor() or open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": "),
+                    "cores": os.cpu_count()},
+        "commit": a.commit,
+        "llama_cpp_python": llama_cpp.__version__,
+        "method": "interleaved rounds; each system loads the model, warms up with an 8-token prompt, "
+                  "times prefill+first logits for each prompt length (TTFT), then greedy-decodes "
+                  f"{a.decode} tokens after a 32-token prompt; medians over rounds",
+        "rows": rows,
+        "ratios": ratios,
+    }
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "peers.json"), "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    md = ["| system | weights | threads | decode tok/s | " + " | ".join(f"TTFT {n} tok (ms)" for n in prompts) + " |",
+          "| --- | --- | --- | --- | " + " | ".join("---" for _ in prompts) + " |"]
+    for r in rows:
+        md.append(f"| {r['system']} | {r['weights']} | {r['threads']} | {r['decode_tok_s_median']:.1f} | "
+                  + " | ".join(f"{r[f'ttft_{n}_ms_median']:.0f}" for n in prompts) + " |")
+    md.append("")
+    md.append("| weights | threads | decode, ours / llama.cpp | " + " | ".join(f"TTFT {n}, ours / llama.cpp (lower is better)" for n in prompts) + " |")
+    md.append("| --- | --- | --- | " + " | ".join("---" for _ in prompts) + " |")
+    for r in ratios:
+        md.append(f"| {r['weights']} | {r['threads']} | {r['decode_vs_llama_cpp']:.2f}× | "
+                  + " | ".join(f"{r[f'ttft_{n}_vs_llama_cpp']:.2f}×" for n in prompts) + " |")
+    with open(os.path.join(a.out, "peers-table.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"{r['system']}\n{r['threads']} thr" for r in rows]
+        ax.bar(range(len(rows)), [r["decode_tok_s_median"] for r in rows],
+               color=["#c44" if r["system"].startswith("llama") else "#48c" for r in rows])
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
+        ax.set_ylabel("single-stream decode, tokens/s")
+        ax.set_title("SmolLM2-135M on this machine: llama.cpp vs stage code")
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "peers.png"), dpi=110)
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
