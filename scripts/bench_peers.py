@@ -146,9 +146,33 @@ def main():
     for r in ratios:
         md.append(f"| {r['weights']} | {r['threads']} | {r['decode_vs_llama_cpp']:.2f}× | "
                   + " | ".join(f"{r[f'ttft_{n}_vs_llama_cpp']:.2f}×" for n in prompts) + " |")
-    with open(os.path.join(a.out, "peers-table.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    print("\n".join(md))
+    table = "\n".join(md)
+    cpu = doc["machine"]["cpu"]
+    with open(os.path.join(a.out, "peers.md"), "w") as f:
+        f.write(f"""# Completions beside llama.cpp (SmolLM2-135M-Instruct)
+
+Machine: {cpu}, {doc['machine']['cores']} cores (shared VM). Commit `{a.commit}`,
+llama-cpp-python {llama_cpp.__version__} built from source for this CPU
+(`GGML_NATIVE=ON`). Rerun: `scripts/bench_peers.sh [ROUNDS]` ({a.rounds} rounds here).
+
+What runs: llama.cpp through its Python binding, in process, against our
+**bare stage code** (`enclave-stage/examples/bench_decode.rs`: the whole
+model as one `LlamaPart`, in process, no gateway, no pipeline). Same weights
+on both sides: the packaged Q4_1 GGUF, and for Q8_0 a copy llama.cpp
+re-quantized itself (`llama_model_quantize`; ours re-quantizes at load). Same
+thread counts (llama.cpp `n_threads`, ours `RAYON_NUM_THREADS`), same
+prompts (ids spread over the vocabulary). {doc['method']}.
+
+{table}
+
+![decode tokens/s](peers.png)
+
+Ratios above 1.00× are faster than llama.cpp for decode; below 1.00× is
+faster for TTFT. Not measured here yet (issue 12 stays open): the gateway
+with 1 and 2 stages in the same run, aggregate tokens/s at 16 streams, the
+embeddings half (ONNX Runtime, sentence-transformers) and stage peak RSS.
+""")
+    print(table)
     try:
         import matplotlib
         matplotlib.use("Agg")
