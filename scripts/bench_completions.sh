@@ -14,4 +14,9 @@ if [[ ! -f models/smollm2-135m-instruct/tokenizer.json ]]; then
 fi
 cargo build --release --bin gateway --bin enclave-stage
 cargo build --release -p gateway --example bench_completions
+# The gateways get config/gateway.toml's completions threads unless the
+# arguments say otherwise (--completions-config 'threads_per_stage = 1').
+if [[ " $* " != *" --completions-config "* ]]; then
+  set -- --completions-config 'threads_per_stage = 2' "$@"
+fi
 exec "${CARGO_TARGET_DIR:-target}/release/examples/bench_completions" "$@"

@@ -29,6 +29,8 @@ const PROMPTS: [&str; 4] = [
 ];
 
 struct Args {
+    /// Extra `[completions]` lines for both gateways (e.g. `weights = "f32"`).
+    completions_config: String,
     max_tokens: usize,
     single_runs: usize,
     concurrency: Vec<usize>,
@@ -38,6 +40,7 @@ struct Args {
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
+        completions_config: String::new(),
         max_tokens: 64,
         single_runs: 10,
         concurrency: vec![1, 4, 16],
@@ -48,6 +51,7 @@ fn parse_args() -> Result<Args> {
     while let Some(k) = it.next() {
         match k.as_str() {
             "--max-tokens" => a.max_tokens = it.next().context("value")?.parse()?,
+            "--completions-config" => a.completions_config = it.next().context("value")?,
             "--single-runs" => a.single_runs = it.next().context("value")?.parse()?,
             "--concurrency" => {
                 a.concurrency = it
@@ -189,7 +193,7 @@ struct Gw {
     url: String,
 }
 
-fn start_gateway(stages: &[[u32; 2]], dir: &Path) -> Result<Gw> {
+fn start_gateway(stages: &[[u32; 2]], extra: &str, dir: &Path) -> Result<Gw> {
     std::fs::create_dir_all(dir)?;
     let mut policy = String::from("allow_mock = true\ntrust_local_build = true\n");
     for (i, s) in stages.iter().enumerate() {
@@ -206,7 +210,7 @@ fn start_gateway(stages: &[[u32; 2]], dir: &Path) -> Result<Gw> {
         .context("target dir")?
         .to_path_buf();
     let mut cfg = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nrequest_timeout_secs = 600\n[pipeline]\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"local\"\nstage_binary = {:?}\n[[pipeline.stages]]\nlayers = [0, 6]\n[completions]\npolicy = {:?}\nmodel_dir = {:?}\n",
+        "[server]\nlisten = \"127.0.0.1:0\"\nrequest_timeout_secs = 600\n[pipeline]\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"local\"\nstage_binary = {:?}\n[[pipeline.stages]]\nlayers = [0, 6]\n[completions]\npolicy = {:?}\nmodel_dir = {:?}\n{extra}\n",
         dir.join("policy-e.toml"),
         root().join("models/all-minilm-l6-v2"),
         bin.join("enclave-stage"),
@@ -291,7 +295,11 @@ async fn stream_one(
 async fn bench_gateways(args: &Args, layouts: &[&[[u32; 2]]], dir: &Path) -> Result<Vec<Value>> {
     let mut gws = Vec::new();
     for (i, stages) in layouts.iter().enumerate() {
-        gws.push(start_gateway(stages, &dir.join(format!("gw{i}")))?);
+        gws.push(start_gateway(
+            stages,
+            &args.completions_config,
+            &dir.join(format!("gw{i}")),
+        )?);
     }
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(600))
@@ -369,9 +377,10 @@ fn markdown(out: &Value, args: &Args) -> String {
          single stream = {} sequential streamed requests (TTFT and gaps between streamed tokens, as a client sees them); \
          aggregate = N concurrent streams, total tokens / wall time. The 1-stage and 2-stage gateways run side by side and \
          take turns request by request (and level by level), so that drift on a shared machine hits both alike. \
-         Each stage runs one compute thread; the baseline is \
+         The gateways run the code defaults (`q4_1` weights, 1 thread per stage) plus these `[completions]` lines: `{}`; the baseline is \
          the same Llama code (`enclave-stage/src/llama.rs`, f32 weights) called in-process on one thread.\n\n",
-        out["machine"].as_str().unwrap_or("?"), out["when"].as_str().unwrap_or("?"), args.max_tokens, args.single_runs
+        out["machine"].as_str().unwrap_or("?"), out["when"].as_str().unwrap_or("?"), args.max_tokens, args.single_runs,
+        if args.completions_config.is_empty() { "none" } else { args.completions_config.as_str() }
     );
     md += "| setup | TTFT p50 ms | per-token p50 ms | per-token p99 ms |";
     for c in &args.concurrency {

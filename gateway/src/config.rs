@@ -45,8 +45,8 @@ pub struct GatewayConfig {
 }
 
 /// `[completions]`: a second pipeline of stages serving a Llama model for
-/// `/v1/completions`. Policy, launch mode, stage binary, threads and the
-/// connect timeout are shared with `[pipeline]`.
+/// `/v1/completions`. Launch mode, stage binary and the connect timeout are
+/// shared with `[pipeline]` (threads too, unless set here).
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CompletionsConfig {
@@ -75,6 +75,12 @@ pub struct CompletionsConfig {
     /// each: `benchmark_results/quality.md`.
     #[serde(default)]
     pub weights: proto::frames::WeightFormat,
+    /// Compute threads per local completions stage (default:
+    /// `[pipeline] threads_per_stage`). A single stream keeps one stage busy
+    /// at a time, and the quantized decode step splits its products across
+    /// these threads.
+    #[serde(default)]
+    pub threads_per_stage: Option<usize>,
     /// The stages, entry stage first.
     pub stages: Vec<StageConfig>,
 }
@@ -273,6 +279,8 @@ pub struct PipelineSpec {
     pub stages: Vec<StageConfig>,
     /// Extra flags for each local stage.
     pub stage_args: Vec<String>,
+    /// Compute threads per local stage.
+    pub threads: usize,
 }
 
 /// `[[pipeline.stages]]`.
@@ -441,6 +449,9 @@ impl GatewayConfig {
         if p.threads_per_stage == 0 {
             bail!("{}: must be at least 1", k("pipeline.threads_per_stage"));
         }
+        if self.completions.as_ref().and_then(|c| c.threads_per_stage) == Some(0) {
+            bail!("{}: must be at least 1", k("completions.threads_per_stage"));
+        }
         let a = &self.auth;
         if a.default_requests_per_minute == Some(0) {
             bail!(
@@ -518,6 +529,7 @@ impl GatewayConfig {
                 "--max-inputs".into(),
                 self.server.max_inputs.to_string(),
             ],
+            threads: p.threads_per_stage,
         }];
         if let Some(c) = &self.completions {
             out.push(PipelineSpec {
@@ -537,6 +549,7 @@ impl GatewayConfig {
                     "--weights".into(),
                     c.weights.to_string(),
                 ],
+                threads: c.threads_per_stage.unwrap_or(p.threads_per_stage),
             });
         }
         out

@@ -113,7 +113,7 @@ impl LocalStages {
                     "--policy".into(),
                     spec.policy.display().to_string(),
                     "--threads".into(),
-                    p.threads_per_stage.to_string(),
+                    spec.threads.to_string(),
                     "--exit-with-stdin".into(),
                 ];
                 a.extend(spec.stage_args.iter().cloned());
