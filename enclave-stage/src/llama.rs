@@ -346,8 +346,9 @@ impl Block {
 
 struct Head {
     norm: Tensor,
-    /// `[vocab, hidden]`.
-    weight: Weight,
+    /// `[vocab, hidden]`; `None` when it is the token embedding this part
+    /// already holds (tied weights, a part with both ends): one copy, not two.
+    weight: Option<Weight>,
 }
 
 /// The part of a Llama model one stage runs, with the KV caches of the
@@ -445,9 +446,14 @@ impl LlamaPart {
             } else {
                 "output.weight"
             };
+            let shared = cfg.tied_embeddings && embedding.is_some();
             Some(Head {
                 norm: load_f32(&ct, &mut file, "output_norm.weight", device)?,
-                weight: Weight::load(&ct, &mut file, name, format, device)?,
+                weight: if shared {
+                    None
+                } else {
+                    Some(Weight::load(&ct, &mut file, name, format, device)?)
+                },
             })
         } else {
             None
@@ -498,10 +504,9 @@ impl LlamaPart {
     /// Bytes this part's weights take in memory (layers, embedding, head).
     pub fn weight_bytes(&self) -> usize {
         let emb = self.embedding.as_ref().map_or(0, Weight::bytes);
-        let head = self
-            .head
-            .as_ref()
-            .map_or(0, |h| h.weight.bytes() + h.norm.elem_count() * 4);
+        let head = self.head.as_ref().map_or(0, |h| {
+            h.weight.as_ref().map_or(0, Weight::bytes) + h.norm.elem_count() * 4
+        });
         emb + head + self.blocks.iter().map(Block::weight_bytes).sum::<usize>()
     }
 
@@ -665,7 +670,11 @@ impl LlamaPart {
         let idx = Tensor::new(last.as_slice(), &self.device)?;
         let x = hidden.index_select(&idx, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &head.norm, self.cfg.rms_norm_eps as f32)?;
-        head.weight.forward(&x)
+        head.weight
+            .as_ref()
+            .or(self.embedding.as_ref())
+            .expect("an untied head, or the embedding it is tied to")
+            .forward(&x)
     }
 
     /// Teacher-forced evaluation of a whole model (this part must have the

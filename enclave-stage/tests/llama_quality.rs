@@ -48,6 +48,17 @@ fn quantized_formats_meet_the_quality_bars() {
         let mut part = LlamaPart::load_as(&gguf(), 0..30, true, true, format).unwrap();
         part.teacher_forced(&ids, 1).unwrap()
     };
+    // A part with both ends holds the tied embedding/head once: less than
+    // an entry part plus an exit part, which each need their own copy.
+    let whole = LlamaPart::load_as(&gguf(), 0..30, true, true, WeightFormat::Q4_1).unwrap();
+    let entry = LlamaPart::load_as(&gguf(), 0..15, true, false, WeightFormat::Q4_1).unwrap();
+    let exit = LlamaPart::load_as(&gguf(), 15..30, false, true, WeightFormat::Q4_1).unwrap();
+    let table = entry.weight_bytes() + exit.weight_bytes() - whole.weight_bytes();
+    assert!(
+        table > 25 << 20,
+        "the tied table ({table} bytes) is held twice"
+    );
+    drop((whole, entry, exit));
     let f32 = eval(WeightFormat::F32);
     let q8 = eval(WeightFormat::Q8_0);
     let q4 = eval(WeightFormat::Q4_1);
