@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""Side-by-side completions benchmark: llama.cpp (llama-cpp-python, built
-from source for this CPU) against the bare in-process stage code
-(`enclave-stage/examples/bench_decode.rs`), on the same GGUF-derived weights,
-the same thread counts and the same prompt lengths, interleaved round by
-round so that drift on a shared machine hits both alike.
+"""Side-by-side benchmark against the tools people run unprotected.
+
+Completions: llama.cpp (llama-cpp-python, built from source for this CPU)
+against the bare in-process stage code (`enclave-stage/examples/
+bench_decode.rs`), on the same GGUF-derived weights, the same thread counts
+and the same prompt lengths. Embeddings: ONNX Runtime (f32, int8) and
+sentence-transformers against bare Candle and the gateway
+(`peers_embeddings.py`). Each part runs its systems interleaved round by
+round so that drift on a shared machine hits all alike.
 
 Run through scripts/bench_peers.sh (it builds the venv and the binaries).
-Writes benchmark_results/peers.{json,md} and peers.png.
+Writes benchmark_results/peers.{json,md} and peers.png; a part not run this
+time keeps its previous results (and says from which commit they are).
 """
 import argparse
 import json
@@ -17,7 +22,7 @@ import subprocess
 import sys
 import time
 
-import llama_cpp
+import peers_embeddings
 
 GGUF = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -28,6 +33,8 @@ def ids(n):
 
 
 def llama_cpp_run(model_path, threads, prompts, decode):
+    import llama_cpp
+
     llm = llama_cpp.Llama(
         model_path=model_path,
         n_ctx=1024,
@@ -75,16 +82,10 @@ def ours_run(binary, weights, threads, prompts, decode):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--binary", default="target/release/examples/bench_decode")
-    ap.add_argument("--q8-gguf", required=True, help="the GGUF re-quantized to Q8_0 for llama.cpp")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--prompts", default="32,512")
-    ap.add_argument("--out", default="benchmark_results")
-    ap.add_argument("--commit", default="")
-    a = ap.parse_args()
+def completions(a):
+    """Runs the completions part; returns its JSON section."""
+    import llama_cpp
+
     prompts = [int(p) for p in a.prompts.split(",")]
     systems = []
     for weights, peer_model in [("q8_0", a.q8_gguf), ("q4_1", GGUF)]:
@@ -120,10 +121,8 @@ def main():
             for n in prompts:
                 ratio[f"ttft_{n}_vs_llama_cpp"] = o[f"ttft_{n}_ms_median"] / p[f"ttft_{n}_ms_median"]
             ratios.append(ratio)
-    doc = {
-        "machine": {"cpu": platform.processor() or open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": "),
-                    "cores": os.cpu_count()},
-        "commit": a.commit,
+    return {
+        "commit": a.commit, "rounds": a.rounds, "prompts": prompts,
         "llama_cpp_python": llama_cpp.__version__,
         "method": "interleaved rounds; each system loads the model, warms up with an 8-token prompt, "
                   "times prefill+first logits for each prompt length (TTFT), then greedy-decodes "
@@ -131,29 +130,109 @@ def main():
         "rows": rows,
         "ratios": ratios,
     }
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "peers.json"), "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
+
+
+def completions_markdown(c):
+    prompts = c["prompts"]
     md = ["| system | weights | threads | decode tok/s | " + " | ".join(f"TTFT {n} tok (ms)" for n in prompts) + " |",
           "| --- | --- | --- | --- | " + " | ".join("---" for _ in prompts) + " |"]
-    for r in rows:
+    for r in c["rows"]:
         md.append(f"| {r['system']} | {r['weights']} | {r['threads']} | {r['decode_tok_s_median']:.1f} | "
                   + " | ".join(f"{r[f'ttft_{n}_ms_median']:.0f}" for n in prompts) + " |")
     md.append("")
     md.append("| weights | threads | decode, ours / llama.cpp | " + " | ".join(f"TTFT {n}, ours / llama.cpp (lower is better)" for n in prompts) + " |")
     md.append("| --- | --- | --- | " + " | ".join("---" for _ in prompts) + " |")
-    for r in ratios:
+    for r in c["ratios"]:
         md.append(f"| {r['weights']} | {r['threads']} | {r['decode_vs_llama_cpp']:.2f}× | "
                   + " | ".join(f"{r[f'ttft_{n}_vs_llama_cpp']:.2f}×" for n in prompts) + " |")
-    table = "\n".join(md)
-    cpu = doc["machine"]["cpu"]
-    with open(os.path.join(a.out, "peers.md"), "w") as f:
-        f.write(f"""# Completions beside llama.cpp (SmolLM2-135M-Instruct)
+    return "\n".join(md)
 
-Machine: {cpu}, {doc['machine']['cores']} cores (shared VM). Commit `{a.commit}`,
-llama-cpp-python {llama_cpp.__version__} built from source for this CPU
-(`GGML_NATIVE=ON`). Rerun: `scripts/bench_peers.sh [ROUNDS]` ({a.rounds} rounds here).
+
+def plot(doc, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    parts = [p for p in ("completions", "embeddings") if p in doc]
+    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 4.2), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        rows = doc[part]["rows"]
+        if part == "completions":
+            labels = [f"{r['system']}\n{r['threads']} thr" for r in rows]
+            ax.bar(range(len(rows)), [r["decode_tok_s_median"] for r in rows],
+                   color=["#c44" if r["system"].startswith("llama") else "#48c" for r in rows])
+            ax.set_xticks(range(len(rows)))
+            ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
+            ax.set_ylabel("single-stream decode, tokens/s")
+            ax.set_title("SmolLM2-135M: llama.cpp vs stage code")
+        else:
+            width = 0.8 / len(rows)
+            for i, r in enumerate(rows):
+                xs = [j + i * width for j in range(len(peers_embeddings.LEVELS))]
+                ax.bar(xs, [r[f"c{c}_sentences_per_s"] for c in peers_embeddings.LEVELS], width,
+                       label=r["system"])
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(peers_embeddings.LEVELS))])
+            ax.set_xticklabels([f"C={c}" for c in peers_embeddings.LEVELS])
+            ax.set_ylabel("sentences/s")
+            ax.set_title("all-MiniLM-L6-v2: ONNX Runtime / sentence-transformers vs ours")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=["all", "completions", "embeddings"], default="all")
+    ap.add_argument("--binary", default="target/release/examples/bench_decode")
+    ap.add_argument("--embeddings-binary", default="target/release/examples/bench_embeddings")
+    ap.add_argument("--q8-gguf", help="the GGUF re-quantized to Q8_0 for llama.cpp")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--prompts", default="32,512")
+    ap.add_argument("--embed-secs", type=float, default=4.0, help="seconds per peer and level per round")
+    ap.add_argument("--threads", type=int, default=2, help="threads of the embeddings peers and bare Candle")
+    ap.add_argument("--out", default="benchmark_results")
+    ap.add_argument("--commit", default="")
+    a = ap.parse_args()
+    path = os.path.join(a.out, "peers.json")
+    doc = {}
+    if os.path.exists(path):
+        old = json.load(open(path))
+        doc = {k: old[k] for k in ("completions", "embeddings") if k in old}
+        if "rows" in old:  # the first format: completions only, at the top level
+            doc["completions"] = dict({k: old[k] for k in ("commit", "llama_cpp_python", "method", "rows", "ratios")},
+                                      rounds=old["rows"][0]["rounds"], prompts=[32, 512])
+    doc["machine"] = {"cpu": platform.processor() or open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": "),
+                      "cores": os.cpu_count()}
+    if a.part in ("all", "completions"):
+        if not a.q8_gguf:
+            ap.error("--q8-gguf is needed for the completions part")
+        doc["completions"] = completions(a)
+    if a.part in ("all", "embeddings"):
+        e = peers_embeddings.run(a.rounds, a.threads, a.embed_secs, "target/bench", a.embeddings_binary,
+                                 lambda m: print(m, file=sys.stderr))
+        e.update({"commit": a.commit, "rounds": a.rounds})
+        doc["embeddings"] = e
+    os.makedirs(a.out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    cpu = doc["machine"]["cpu"]
+    md = [f"""# Side by side with the unprotected tools
+
+Machine: {cpu}, {doc['machine']['cores']} cores (shared VM). Rerun:
+`scripts/bench_peers.sh [ROUNDS] [all|completions|embeddings]`. Peers are
+installed from PyPI into a benchmark-only virtualenv (`target/bench-venv`).
+"""]
+    if "completions" in doc:
+        c = doc["completions"]
+        md.append(f"""## Completions beside llama.cpp (SmolLM2-135M-Instruct)
+
+Commit `{c['commit']}`, {c['rounds']} rounds, llama-cpp-python
+{c['llama_cpp_python']} built from source for this CPU (`GGML_NATIVE=ON`).
 
 What runs: llama.cpp through its Python binding, in process, against our
 **bare stage code** (`enclave-stage/examples/bench_decode.rs`: the whole
@@ -161,34 +240,36 @@ model as one `LlamaPart`, in process, no gateway, no pipeline). Same weights
 on both sides: the packaged Q4_1 GGUF, and for Q8_0 a copy llama.cpp
 re-quantized itself (`llama_model_quantize`; ours re-quantizes at load). Same
 thread counts (llama.cpp `n_threads`, ours `RAYON_NUM_THREADS`), same
-prompts (ids spread over the vocabulary). {doc['method']}.
+prompts (ids spread over the vocabulary). {c['method']}.
 
-{table}
-
-![decode tokens/s](peers.png)
+{completions_markdown(c)}
 
 Ratios above 1.00× are faster than llama.cpp for decode; below 1.00× is
 faster for TTFT. Not measured here yet (issue 12 stays open): the gateway
-with 1 and 2 stages in the same run, aggregate tokens/s at 16 streams, the
-embeddings half (ONNX Runtime, sentence-transformers) and stage peak RSS.
+with 1 and 2 stages in the same run and aggregate tokens/s at 16 streams
+(see `completions.md` for the gateway on its own).
 """)
-    print(table)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 4))
-        labels = [f"{r['system']}\n{r['threads']} thr" for r in rows]
-        ax.bar(range(len(rows)), [r["decode_tok_s_median"] for r in rows],
-               color=["#c44" if r["system"].startswith("llama") else "#48c" for r in rows])
-        ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
-        ax.set_ylabel("single-stream decode, tokens/s")
-        ax.set_title("SmolLM2-135M on this machine: llama.cpp vs stage code")
-        fig.tight_layout()
-        fig.savefig(os.path.join(a.out, "peers.png"), dpi=110)
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    if "embeddings" in doc:
+        e = doc["embeddings"]
+        cos = ", ".join(f"{k} {v:.4f}" for k, v in e["min_cosine_to_ort_f32"].items())
+        rss = ", ".join(f"{b / 2**20:.0f} MiB" for b in e["gateway"]["stage_peak_rss_bytes"] if b)
+        md.append(f"""## Embeddings beside ONNX Runtime and sentence-transformers (all-MiniLM-L6-v2)
+
+Commit `{e['commit']}`, {e['rounds']} rounds, onnxruntime {e['versions']['onnxruntime']},
+torch {e['versions']['torch']}. {peers_embeddings.__doc__.split('Peers, as people run them without protection:')[1].strip()}
+
+{e['method']}. The gateway runs the shipped config's 2 stages
+(threads_per_stage = {e['gateway']['threads_per_stage']}); its latency is per request, seen by
+clients on the same 2 cores. Smallest cosine to ONNX Runtime f32 over the 32
+sentences: {cos}. Stage peak RSS (VmHWM) in the last round: {rss}.
+
+{peers_embeddings.markdown(e)}
+""")
+    md.append("![side by side](peers.png)\n")
+    with open(os.path.join(a.out, "peers.md"), "w") as f:
+        f.write("\n".join(md))
+    print("\n".join(md))
+    plot(doc, os.path.join(a.out, "peers.png"))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 //! layer range. A stage loads only the tensors of its own layers (plus the
 //! embeddings for the entry stage).
 
+use crate::bert_ops::{Attention, BiasGelu, BiasResidualNorm};
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{embedding, layer_norm, linear, Embedding, LayerNorm, Linear, VarBuilder};
+use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, VarBuilder};
 use serde::Deserialize;
 use std::ops::Range;
 
@@ -38,15 +39,40 @@ struct Embeddings {
     norm: LayerNorm,
 }
 
+/// One encoder layer: weights as `[out, in]` tensors for Candle's GEMM,
+/// biases and norms folded into the fused ops of [`crate::bert_ops`].
 struct Layer {
-    query: Linear,
-    key: Linear,
-    value: Linear,
-    attn_out: Linear,
-    attn_norm: LayerNorm,
-    intermediate: Linear,
-    output: Linear,
-    out_norm: LayerNorm,
+    /// Query, key and value projections stacked: `[3h, h]`.
+    qkv: Tensor,
+    attention: Attention,
+    attn_out: Tensor,
+    attn_norm: BiasResidualNorm,
+    intermediate: Tensor,
+    gelu: BiasGelu,
+    output: Tensor,
+    out_norm: BiasResidualNorm,
+}
+
+/// A dense layer's `[out, in]` weight and its bias as a plain vector.
+fn dense(vb: VarBuilder, in_dim: usize, out_dim: usize) -> candle_core::Result<(Tensor, Vec<f32>)> {
+    let w = vb.get((out_dim, in_dim), "weight")?;
+    let b = vb.get(out_dim, "bias")?.to_vec1::<f32>()?;
+    Ok((w, b))
+}
+
+/// A layer norm's scale and shift folded with the bias of the dense layer before it.
+fn norm(
+    vb: VarBuilder,
+    h: usize,
+    eps: f64,
+    bias: Vec<f32>,
+) -> candle_core::Result<BiasResidualNorm> {
+    Ok(BiasResidualNorm {
+        bias,
+        gamma: vb.get(h, "weight")?.to_vec1::<f32>()?,
+        beta: vb.get(h, "bias")?.to_vec1::<f32>()?,
+        eps: eps as f32,
+    })
 }
 
 /// The part of a BERT encoder one stage runs.
@@ -90,15 +116,25 @@ impl BertPart {
         for i in range {
             let l = vb.pp(format!("encoder.layer.{i}"));
             let a = l.pp("attention");
+            let (q, qb) = dense(a.pp("self.query"), h, h)?;
+            let (k, kb) = dense(a.pp("self.key"), h, h)?;
+            let (v, vb_) = dense(a.pp("self.value"), h, h)?;
+            let (attn_out, ob) = dense(a.pp("output.dense"), h, h)?;
+            let (intermediate, ib) = dense(l.pp("intermediate.dense"), h, cfg.intermediate_size)?;
+            let (output, fb) = dense(l.pp("output.dense"), cfg.intermediate_size, h)?;
+            let eps = cfg.layer_norm_eps;
             layers.push(Layer {
-                query: linear(h, h, a.pp("self.query"))?,
-                key: linear(h, h, a.pp("self.key"))?,
-                value: linear(h, h, a.pp("self.value"))?,
-                attn_out: linear(h, h, a.pp("output.dense"))?,
-                attn_norm: layer_norm(h, cfg.layer_norm_eps, a.pp("output.LayerNorm"))?,
-                intermediate: linear(h, cfg.intermediate_size, l.pp("intermediate.dense"))?,
-                output: linear(cfg.intermediate_size, h, l.pp("output.dense"))?,
-                out_norm: layer_norm(h, cfg.layer_norm_eps, l.pp("output.LayerNorm"))?,
+                qkv: Tensor::cat(&[&q, &k, &v], 0)?,
+                attention: Attention {
+                    heads: cfg.num_attention_heads,
+                    qkv_bias: [qb, kb, vb_].concat(),
+                },
+                attn_out,
+                attn_norm: norm(a.pp("output.LayerNorm"), h, eps, ob)?,
+                intermediate,
+                gelu: BiasGelu { bias: ib },
+                output,
+                out_norm: norm(l.pp("output.LayerNorm"), h, eps, fb)?,
             });
         }
         Ok(Self {
@@ -148,46 +184,41 @@ impl BertPart {
 
     /// Runs this stage's layers. `mask` is `[batch, seq]` f32 with 1 for real
     /// tokens and 0 for padding.
+    ///
+    /// Inside, activations are feature-major (`[hidden, batch·seq]`): each
+    /// product is then `W · Xᵀ` with the weight as Candle's row-major left
+    /// operand, which its GEMM runs without a strided gather of the
+    /// activations (measured 1.1–2× faster per product on the reference
+    /// machine than `X · Wᵀ`, most at one short sentence).
     pub fn forward_layers(&self, hidden: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, l, _) = hidden.dims3()?;
-        // Additive mask: 0 where attended, f32::MIN where padded (as in HF BERT).
-        let add_mask =
-            ((mask.ones_like()? - mask)? * f64::from(f32::MIN))?.reshape((b, 1, 1, l))?;
-        let mut x = hidden.clone();
+        let (b, l, h) = hidden.dims3()?;
+        let mask = mask.contiguous()?;
+        let mut x = hidden.reshape((b * l, h))?.t()?.contiguous()?;
         for layer in &self.layers {
-            x = self.layer_forward(layer, &x, &add_mask)?;
+            x = layer_forward(layer, &x, &mask)?;
         }
-        Ok(x)
+        x.t()?.contiguous()?.reshape((b, l, h))
     }
+}
 
-    fn layer_forward(
-        &self,
-        layer: &Layer,
-        x: &Tensor,
-        add_mask: &Tensor,
-    ) -> candle_core::Result<Tensor> {
-        let (b, l, h) = x.dims3()?;
-        let heads = self.cfg.num_attention_heads;
-        let d = h / heads;
-        let split = |t: Tensor| -> candle_core::Result<Tensor> {
-            t.reshape((b, l, heads, d))?.transpose(1, 2)?.contiguous()
-        };
-        let q = split(layer.query.forward(x)?)?;
-        let k = split(layer.key.forward(x)?)?;
-        let v = split(layer.value.forward(x)?)?;
-        let scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(add_mask)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let ctx = probs
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((b, l, h))?;
-        let a = layer
-            .attn_norm
-            .forward(&(layer.attn_out.forward(&ctx)? + x)?)?;
-        let i = layer.intermediate.forward(&a)?.gelu_erf()?;
-        layer.out_norm.forward(&(layer.output.forward(&i)? + a)?)
-    }
+/// One encoder layer on feature-major activations `x` (`[h, tokens]`).
+fn layer_forward(layer: &Layer, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    let ctx = layer
+        .qkv
+        .matmul(x)?
+        .apply_op2_no_bwd(mask, &layer.attention)?;
+    let a = layer
+        .attn_out
+        .matmul(&ctx)?
+        .apply_op2_no_bwd(x, &layer.attn_norm)?;
+    let i = layer
+        .intermediate
+        .matmul(&a)?
+        .apply_op1_no_bwd(&layer.gelu)?;
+    layer
+        .output
+        .matmul(&i)?
+        .apply_op2_no_bwd(&a, &layer.out_norm)
 }
 
 /// Mean-pools `[batch, seq, hidden]` over the mask and L2-normalises each row

@@ -4,6 +4,7 @@
 
 pub mod batcher;
 pub mod bert;
+pub mod bert_ops;
 pub mod compute;
 pub mod engine;
 pub mod fault;
