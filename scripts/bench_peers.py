@@ -82,6 +82,18 @@ def ours_run(binary, weights, threads, prompts, decode):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def gateway_run(binary):
+    """One round of bench_completions: the gateway with 1 and 2 stages as
+    shipped (q4_1, 2 threads per stage), short prompts, 64 tokens each."""
+    out = "target/bench/completions-round"
+    subprocess.run([binary, "--completions-config", "threads_per_stage = 2", "--single-runs", "5",
+                    "--concurrency", "1,16", "--out", out], check=True, stdout=subprocess.DEVNULL)
+    d = json.load(open(out + ".json"))
+    return {k: {"decode_tok_s": 1e3 / d[k]["per_token_ms_p50"], "ttft_short_ms": d[k]["ttft_ms_p50"],
+                "aggregate_16_tok_s": d[k]["aggregate"]["16"]["tokens_per_s"]}
+            for k in ("one_stage", "two_stages")}
+
+
 def completions(a):
     """Runs the completions part; returns its JSON section."""
     import llama_cpp
@@ -98,6 +110,11 @@ def completions(a):
             res = fn()
             samples.setdefault((name, weights, threads), []).append(res)
             print(f"round {r} {name} threads={threads}: {json.dumps(res)}", file=sys.stderr)
+        res = gateway_run(a.completions_binary)
+        samples.setdefault(("gateway", "q4_1", 2), []).append(res)
+        print(f"round {r} gateway: {json.dumps(res)}", file=sys.stderr)
+    gw = samples.pop(("gateway", "q4_1", 2))
+    gateway = {k: {m: statistics.median(x[k][m] for x in gw) for m in gw[0][k]} for k in gw[0]}
 
     rows = []
     for (name, weights, threads), runs in samples.items():
@@ -121,7 +138,11 @@ def completions(a):
             for n in prompts:
                 ratio[f"ttft_{n}_vs_llama_cpp"] = o[f"ttft_{n}_ms_median"] / p[f"ttft_{n}_ms_median"]
             ratios.append(ratio)
+    peer = find("llama.cpp q4_1", "q4_1", 2)
+    for k, v in gateway.items():
+        v["decode_vs_llama_cpp_q4_1_2_threads"] = v["decode_tok_s"] / peer["decode_tok_s_median"]
     return {
+        "gateway": gateway,
         "commit": a.commit, "rounds": a.rounds, "prompts": prompts,
         "llama_cpp_python": llama_cpp.__version__,
         "method": "interleaved rounds; each system loads the model, warms up with an 8-token prompt, "
@@ -145,6 +166,14 @@ def completions_markdown(c):
     for r in c["ratios"]:
         md.append(f"| {r['weights']} | {r['threads']} | {r['decode_vs_llama_cpp']:.2f}× | "
                   + " | ".join(f"{r[f'ttft_{n}_vs_llama_cpp']:.2f}×" for n in prompts) + " |")
+    g = c.get("gateway")
+    if g:
+        md += ["", "| gateway (q4_1, 2 threads per stage, as shipped) | decode tok/s (1 / per-token p50) | decode / llama.cpp q4_1 2 threads | TTFT, short prompt (ms) | aggregate tok/s @16 |",
+               "| --- | --- | --- | --- | --- |"]
+        for k, name in (("one_stage", "1 stage"), ("two_stages", "2 stages")):
+            v = g[k]
+            md.append(f"| {name} | {v['decode_tok_s']:.1f} | {v['decode_vs_llama_cpp_q4_1_2_threads']:.2f}× | "
+                      f"{v['ttft_short_ms']:.0f} | {v['aggregate_16_tok_s']:.1f} |")
     return "\n".join(md)
 
 
@@ -187,6 +216,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=["all", "completions", "embeddings"], default="all")
     ap.add_argument("--binary", default="target/release/examples/bench_decode")
+    ap.add_argument("--completions-binary", default="target/release/examples/bench_completions")
     ap.add_argument("--embeddings-binary", default="target/release/examples/bench_embeddings")
     ap.add_argument("--q8-gguf", help="the GGUF re-quantized to Q8_0 for llama.cpp")
     ap.add_argument("--rounds", type=int, default=3)
@@ -245,9 +275,10 @@ prompts (ids spread over the vocabulary). {c['method']}.
 {completions_markdown(c)}
 
 Ratios above 1.00× are faster than llama.cpp for decode; below 1.00× is
-faster for TTFT. Not measured here yet (issue 12 stays open): the gateway
-with 1 and 2 stages in the same run and aggregate tokens/s at 16 streams
-(see `completions.md` for the gateway on its own).
+faster for TTFT. The gateway rows come from `gateway/examples/bench_completions.rs`
+run once per round between the others (HTTP streaming, the shipped config's
+q4_1 and 2 threads per stage, greedy, 64 tokens, the short English prompts of
+that benchmark, so its TTFT is not comparable with the 32/512-token columns).
 """)
     if "embeddings" in doc:
         e = doc["embeddings"]

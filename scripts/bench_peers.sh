@@ -29,7 +29,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then python3 -m venv "$VENV"; fi
   || "$VENV/bin/pip" install -q numpy matplotlib onnx onnxruntime sentence-transformers torch
 cargo build --release
 cargo build --release -p enclave-stage --example bench_decode
-cargo build --release -p gateway --example bench_embeddings
+cargo build --release -p gateway --example bench_embeddings --example bench_completions
 Q8="target/bench/SmolLM2-135M-Instruct.Q8_0.gguf"
 mkdir -p target/bench
 if [[ ! -f "$Q8" ]]; then

@@ -28,11 +28,12 @@ md = f"""# Quantization quality (SmolLM2-135M-Instruct)
 
 Teacher-forced over `{doc['text']}` ({doc['text_tokens']} tokens, {doc['results'][0]['positions']}
 predicted positions), one token per step: the decode path, where the
-quantized formats use the int8/int4 weight dot products with f32
-activations. Agreement is the share of positions whose most likely next
-token equals the f32 weights'. The f32 weights are the packaged Q4_1 GGUF
-dequantized (the `transformers` reference path), so `q4_1` holds exactly
-the same weight values and differs only by summation order.
+quantized formats use the int8/int4 weight dot products (on this AVX2
+machine with activations rounded to 16-bit blocks). Agreement is the share
+of positions whose most likely next token equals the f32 weights'. The f32
+weights are the packaged Q4_1 GGUF dequantized (the `transformers`
+reference path), so `q4_1` holds exactly the same weight values and differs
+only by that activation rounding and summation order.
 
 {table}
 Bars (issue 12): Q8_0 top-1 agreement ≥ 99 % and perplexity within 1 % of

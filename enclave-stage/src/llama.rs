@@ -7,9 +7,10 @@
 //! with one scale, as llama.cpp's Q8_0) or `f32` (dequantized at load;
 //! reproduces the `transformers` reference token for token,
 //! `tests/llama_reference.rs`). Quantized weights stay quantized in memory
-//! and are multiplied with f32 activations by [`crate::qmatmul`] (decode
-//! steps) or dequantized per product for an f32 GEMM (prefills), so `q4_1`
-//! computes the f32 model up to summation order. Quality against `f32`:
+//! and are multiplied by [`crate::qmatmul`] (decode steps; the AVX2 kernel
+//! rounds activations to 16-bit blocks) or dequantized per product for an
+//! f32 GEMM (prefills), so `q4_1` computes the f32 model up to that rounding
+//! and summation order. Quality against `f32`:
 //! `tests/llama_quality.rs`, `benchmark_results/quality.md`. Norms stay f32.
 //!
 //! A stage loads only its own tensors: its layer range, plus the token
@@ -222,7 +223,7 @@ impl KvCache {
 const DEQUANTIZE_MIN_ROWS: usize = 48;
 
 /// A weight matrix `[out, in]` applied as `x · Wᵀ`: f32 (Candle's GEMM), or
-/// quantized blocks ([`crate::qmatmul`]) with f32 activations.
+/// quantized blocks ([`crate::qmatmul`]).
 enum Weight {
     Dense(Linear),
     Quant(QMatrix, Kernel),

@@ -8,10 +8,16 @@
 //! activations alone moved 4-5 % of SmolLM2's greedy top-1 choices away
 //! from the f32 weights' on our quality text (benchmark_results/quality.md).
 //! Here the **weights** stay quantized in memory (what decoding is bound
-//! by: every token reads all of them) and are widened to f32 in registers;
-//! the **activations stay f32**. A product with a quantized matrix is then
-//! the f32 product with the dequantized matrix, up to summation order, so
-//! the only quality cost is the weights' own rounding.
+//! by: every token reads all of them); the portable kernel widens them to
+//! f32 and keeps the activations f32, and the AVX2 kernel rounds each
+//! 32-value block of activations to **16-bit** integers (relative error
+//! ≤ 2⁻¹⁶ of the block's largest value, some 500× finer than int8) so
+//! that weights × activations run as integer multiply-adds
+//! (`vpmaddwd`: 16 products per instruction, no float conversion per
+//! weight). A product with a quantized matrix is then the f32 product with
+//! the dequantized matrix up to that rounding and the summation order, so
+//! the quality cost is the weights' own rounding
+//! (benchmark_results/quality.md measures it).
 //!
 //! - [`QMatrix::matmul_t`] for a few activation rows (decode steps): four
 //!   weight rows at a time share every load of an activation row; the
@@ -21,9 +27,10 @@
 //!   each weight across rows better than a dot-product kernel can.
 //!
 //! Kernels, chosen once at run time ([`Kernel::detect`]):
-//! - **AVX2 + FMA** (x86-64): 8 int8 (Q8_0) or 8 nibbles (Q4_1) widened to
-//!   f32 per instruction group, one FMA per 8 values, the block scale applied
-//!   once per 32 values;
+//! - **AVX2 + FMA** (x86-64): 16 int8 (Q8_0) or 16 nibbles (Q4_1) widened
+//!   to i16 per instruction and multiplied with the i16 activations in pairs
+//!   (`vpmaddwd`), the product of the two block scales applied once per 32
+//!   values in f32;
 //! - **portable** (every target): the same sums in plain Rust, also the
 //!   reference the AVX2 kernel is tested against.
 //!
@@ -127,6 +134,26 @@ fn quantize_q8_0(w: &[f32]) -> (Vec<i8>, Vec<f32>) {
 /// Per-block sums of activation rows (the Q4_1 min term needs them).
 fn block_sums(x: &[f32]) -> Vec<f32> {
     x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
+}
+
+/// Activation rows rounded per 32-value block to i16 (`x ≈ q · scale`),
+/// for the AVX2 kernel's integer products.
+fn quantize_i16(x: &[f32]) -> (Vec<i16>, Vec<f32>) {
+    let mut q = vec![0i16; x.len()];
+    let scales = x
+        .chunks_exact(BLOCK)
+        .zip(q.chunks_exact_mut(BLOCK))
+        .map(|(x, q)| {
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 32767.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for (q, v) in q.iter_mut().zip(x) {
+                *q = (v * inv).round() as i16;
+            }
+            d
+        })
+        .collect();
+    (q, scales)
 }
 
 /// Number of `size`-byte ggml blocks in `raw`, checked against `[rows, cols]`.
@@ -297,11 +324,21 @@ impl QMatrix {
             Blocks::Q4_1 { .. } => block_sums(x),
             Blocks::Q8_0 { .. } => Vec::new(),
         };
+        let (xq, xd) = match kernel {
+            Kernel::Avx2 => quantize_i16(x),
+            Kernel::Portable => (Vec::new(), Vec::new()),
+        };
+        let acts = Acts {
+            x,
+            sums: &sums,
+            q: &xq,
+            qd: &xd,
+        };
         let threads = rayon::current_num_threads().max(1);
         // Handing work to the pool costs tens of microseconds (a wake-up);
         // a decode step's small matrices are done sooner on this thread.
         if threads == 1 || m * n * k < PARALLEL_MIN_MACS {
-            self.rows_times(0..n, x, &sums, out, kernel);
+            self.rows_times(0..n, &acts, out, kernel);
             return;
         }
         // Output columns (weight rows) in chunks of 4: one chunk per thread
@@ -314,7 +351,7 @@ impl QMatrix {
             // output row, so no two tasks touch the same element, and `out`
             // outlives the parallel loop.
             let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get(), m * n) };
-            self.rows_times(rows, x, &sums, out, kernel);
+            self.rows_times(rows, &acts, out, kernel);
         });
     }
 
@@ -323,19 +360,20 @@ impl QMatrix {
     fn rows_times(
         &self,
         rows: std::ops::Range<usize>,
-        x: &[f32],
-        sums: &[f32],
+        a: &Acts<'_>,
         out: &mut [f32],
         kernel: Kernel,
     ) {
         let (n, k, nb) = (self.rows, self.cols, self.cols / BLOCK);
-        let m = x.len() / k;
+        let m = a.x.len() / k;
         for r in rows.clone().step_by(GROUP) {
             let valid = (rows.end - r).min(GROUP);
             for i in 0..m {
                 let xr = XRow {
-                    x: &x[i * k..(i + 1) * k],
-                    sums: sums.get(i * nb..(i + 1) * nb).unwrap_or(&[]),
+                    x: &a.x[i * k..(i + 1) * k],
+                    sums: a.sums.get(i * nb..(i + 1) * nb).unwrap_or(&[]),
+                    q: a.q.get(i * k..(i + 1) * k).unwrap_or(&[]),
+                    qd: a.qd.get(i * nb..(i + 1) * nb).unwrap_or(&[]),
                 };
                 let d4 = self.dot4(r, &xr, kernel);
                 out[i * n + r..i * n + r + valid].copy_from_slice(&d4[..valid]);
@@ -388,19 +426,24 @@ impl QMatrix {
     unsafe fn dot4_avx2(&self, r: usize, x: &XRow<'_>) -> [f32; 4] {
         use std::arch::x86_64::*;
         let (k, nb) = (self.cols, self.cols / BLOCK);
-        assert!(r.is_multiple_of(GROUP) && r + GROUP <= self.padded && x.x.len() == k);
-        let xp = x.x.as_ptr();
+        assert!(r.is_multiple_of(GROUP) && r + GROUP <= self.padded);
+        assert!(x.q.len() == k && x.qd.len() == nb);
+        let xp = x.q.as_ptr();
         // Group `g`'s blocks and scales are contiguous from here.
         let g0 = (r / GROUP) * nb * GROUP;
         let mut acc = [_mm256_setzero_ps(); 4];
         // How far ahead to ask for weights: 8 groups of blocks.
         const AHEAD: usize = 8;
+        // 16 weights (i16) times 16 activations (i16), summed in pairs: 8 i32.
+        let pairs = |w: __m256i, xv: __m256i| _mm256_madd_epi16(w, xv);
         match &self.blocks {
             Blocks::Q8_0 { qs, d } => {
                 let w = qs[g0 * BLOCK..(g0 + nb * GROUP) * BLOCK].as_ptr();
                 let wd = &d[g0..g0 + nb * GROUP];
                 for b in 0..nb {
-                    let xv = [0, 1, 2, 3].map(|c| _mm256_loadu_ps(xp.add(b * BLOCK + 8 * c)));
+                    let x0 = _mm256_loadu_si256(xp.add(b * BLOCK) as *const __m256i);
+                    let x1 = _mm256_loadu_si256(xp.add(b * BLOCK + 16) as *const __m256i);
+                    let xd = x.qd[b];
                     let wb = w.add(b * GROUP * BLOCK);
                     if b + AHEAD < nb {
                         let ahead = wb.add(AHEAD * GROUP * BLOCK);
@@ -409,18 +452,12 @@ impl QMatrix {
                     }
                     for (j, a) in acc.iter_mut().enumerate() {
                         let wp = wb.add(j * BLOCK);
-                        // 8 int8 → 8 f32, times 8 activations.
-                        let wide = |c: usize| {
-                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                wp.add(8 * c) as *const __m128i
-                            )))
-                        };
-                        let s0 = _mm256_mul_ps(wide(0), xv[0]);
-                        let s1 = _mm256_mul_ps(wide(1), xv[1]);
-                        let s0 = _mm256_fmadd_ps(wide(2), xv[2], s0);
-                        let s1 = _mm256_fmadd_ps(wide(3), xv[3], s1);
-                        let s = _mm256_add_ps(s0, s1);
-                        *a = _mm256_fmadd_ps(s, _mm256_set1_ps(wd[b * GROUP + j]), *a);
+                        let w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wp as *const __m128i));
+                        let w1 =
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(wp.add(16) as *const __m128i));
+                        let s = _mm256_add_epi32(pairs(w0, x0), pairs(w1, x1));
+                        let scale = _mm256_set1_ps(wd[b * GROUP + j] * xd);
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, *a);
                     }
                 }
                 [0, 1, 2, 3].map(|j| hsum(acc[j]))
@@ -432,24 +469,22 @@ impl QMatrix {
                 let (wd, wm) = (&d[g0..g0 + nb * GROUP], &m[g0..g0 + nb * GROUP]);
                 let mut mins = [0f32; 4];
                 for b in 0..nb {
-                    let xv = [0, 1, 2, 3].map(|c| _mm256_loadu_ps(xp.add(b * BLOCK + 8 * c)));
+                    // Elements 0..16 pair with the low nibbles, 16..32 with the high.
+                    let x0 = _mm256_loadu_si256(xp.add(b * BLOCK) as *const __m256i);
+                    let x1 = _mm256_loadu_si256(xp.add(b * BLOCK + 16) as *const __m256i);
+                    let xd = x.qd[b];
                     let wb = w.add(b * GROUP * 16);
                     if b + AHEAD < nb {
                         _mm_prefetch::<_MM_HINT_T0>(wb.add(AHEAD * GROUP * 16) as *const i8);
                     }
                     for (j, a) in acc.iter_mut().enumerate() {
                         let q = _mm_loadu_si128(wb.add(j * 16) as *const __m128i);
-                        // Elements 0..16 are the low nibbles, 16..32 the high.
-                        let lo = _mm_and_si128(q, low);
-                        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-                        let wide = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-                        let s0 = _mm256_mul_ps(wide(lo), xv[0]);
-                        let s1 = _mm256_mul_ps(wide(_mm_srli_si128(lo, 8)), xv[1]);
-                        let s0 = _mm256_fmadd_ps(wide(hi), xv[2], s0);
-                        let s1 = _mm256_fmadd_ps(wide(_mm_srli_si128(hi, 8)), xv[3], s1);
-                        let s = _mm256_add_ps(s0, s1);
-                        *a = _mm256_fmadd_ps(s, _mm256_set1_ps(wd[b * GROUP + j]), *a);
-                        // The min term: m · Σ x over the block.
+                        let lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, low));
+                        let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), low));
+                        let s = _mm256_add_epi32(pairs(lo, x0), pairs(hi, x1));
+                        let scale = _mm256_set1_ps(wd[b * GROUP + j] * xd);
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, *a);
+                        // The min term: m · Σ x over the block (exact f32 sums).
                         mins[j] += wm[b * GROUP + j] * x.sums[b];
                     }
                 }
@@ -459,10 +494,21 @@ impl QMatrix {
     }
 }
 
-/// One activation row and (Q4_1) its per-block sums.
+/// A product's activation rows in the forms the kernels read.
+struct Acts<'a> {
+    x: &'a [f32],
+    sums: &'a [f32],
+    q: &'a [i16],
+    qd: &'a [f32],
+}
+
+/// One activation row: f32 (portable kernel), (Q4_1) its per-block sums,
+/// and (AVX2 kernel) its i16 blocks with their scales.
 struct XRow<'a> {
     x: &'a [f32],
     sums: &'a [f32],
+    q: &'a [i16],
+    qd: &'a [f32],
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -551,12 +597,25 @@ mod tests {
             for w in matrices(&random(rows * cols, 7), rows, cols) {
                 let x = random(m * cols, rows as u64);
                 let want = reference(&w, &x);
+                // The AVX2 kernel rounds activations to i16 blocks: each
+                // output may move by at most Σ |w| · (block scale / 2).
+                let (_, xd) = quantize_i16(&x);
+                let wd = w.dequantize();
+                let bound = |i: usize, j: usize| -> f32 {
+                    (0..cols)
+                        .map(|t| wd[j * cols + t].abs() * xd[(i * cols + t) / BLOCK] * 0.5)
+                        .sum()
+                };
                 for kernel in kernels {
                     let mut got = vec![0f32; m * rows];
                     w.matmul_t(&x, &mut got, kernel);
                     for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+                        let rounding = match kernel {
+                            Kernel::Avx2 => bound(i / rows, i % rows),
+                            Kernel::Portable => 0.0,
+                        };
                         assert!(
-                            (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
+                            (g - r).abs() <= 1e-4 * (1.0 + r.abs()) + rounding,
                             "{kernel:?} {rows}x{cols} m={m} at {i}: {g} vs {r}"
                         );
                     }

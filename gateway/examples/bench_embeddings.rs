@@ -276,8 +276,10 @@ fn proc_mem(pid: u32) -> BTreeMap<String, u64> {
     out
 }
 
-/// Children of `ppid` named `name`, with their `--stage-index`.
-fn stage_children(ppid: u32, name: &str) -> Vec<(u32, Option<u32>)> {
+/// Children of `ppid` named `name` whose `--model-dir` ends with `model`
+/// (the gateway also runs the completions pipeline's stages), with their
+/// `--stage-index`.
+fn stage_children(ppid: u32, name: &str, model: &str) -> Vec<(u32, Option<u32>)> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return out;
@@ -297,11 +299,15 @@ fn stage_children(ppid: u32, name: &str) -> Vec<(u32, Option<u32>)> {
             .split(|b| *b == 0)
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect();
-        let index = argv
-            .iter()
-            .position(|a| a == "--stage-index")
-            .and_then(|i| argv.get(i + 1))
-            .and_then(|v| v.parse().ok());
+        let arg = |flag: &str| {
+            argv.iter()
+                .position(|a| a == flag)
+                .and_then(|i| argv.get(i + 1))
+        };
+        if !arg("--model-dir").is_some_and(|d| d.trim_end_matches('/').ends_with(model)) {
+            continue;
+        }
+        let index = arg("--stage-index").and_then(|v| v.parse().ok());
         out.push((pid, index));
     }
     out.sort_by_key(|(pid, idx)| (idx.unwrap_or(u32::MAX), *pid));
@@ -773,7 +779,7 @@ fn run_gateway_setup(
         log.display()
     );
     let mut g = start_gateway(bin_dir, config, log)?;
-    let stages = stage_children(g.pid, "enclave-stage");
+    let stages = stage_children(g.pid, "enclave-stage", "all-minilm-l6-v2");
     let stage_pids: Vec<u32> = stages.iter().map(|s| s.0).collect();
     eprintln!(
         "  listening at {} after {:.1} s; stages {:?}",
