@@ -23,8 +23,8 @@ cargo build --release -p gateway --example bench_embeddings
 
 target_dir="${CARGO_TARGET_DIR:-target}"
 if [[ $# -eq 0 ]]; then
-  # The configured setup (threads_per_stage = 1, token_budget = 4096), plus
-  # 2 threads per stage and smaller micro-batches as comparisons.
+  # The configured setup (threads_per_stage = 2, token_budget = 4096), plus
+  # 1 thread per stage and smaller micro-batches as comparisons.
   set -- --threads-per-stage 1,2 --token-budget 4096,512
 fi
 exec "$target_dir/release/examples/bench_embeddings" "$@"
