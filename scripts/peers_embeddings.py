@@ -7,6 +7,7 @@ Peers, as people run them without protection:
 - ONNX Runtime int8: that graph with dynamic int8 weight quantization
   (onnxruntime.quantization.quantize_dynamic), reported with its cosine to f32;
 - sentence-transformers on torch (CPU).
+
 Each is given `threads` intra-op threads and batches of C sentences (the
 tokenizer included in the time, as for our bare Candle baseline), the same
 32 sentences as gateway/examples/bench_embeddings.rs (read from its source).
@@ -24,6 +25,22 @@ import time
 import numpy as np
 
 MODEL_DIR = "models/all-minilm-l6-v2"
+
+# What a `perf record -a` of the gateway at C=64 showed (commit c6014fa,
+# 2-core reference machine); printed under the table when the target is missed.
+WHERE_TIME_GOES = """Where the time goes (`perf record -a` during the gateway's C=64 level):
+about two thirds of the stages' cycles are in Candle's GEMM microkernel
+(`gemm_f32::microkernel::fma::f32::x2x6`; another ~5 % in its edge tiles),
+which reaches about 100 GFLOPS on one idle core but less here, with two
+stage processes sharing the cores and the last-level cache; the fused BERT
+ops (`enclave-stage/src/bert_ops.rs`: GELU, attention, layer norm) take
+about 10 %; the work outside the model (HTTP, HPKE opening of each request
+with X25519, Ed25519 receipt signatures, and the benchmark's own client on
+the same cores) 10-15 %. ONNX Runtime's C=64 throughput over its padded
+batches implies about 85 GFLOPS per core (MLAS kernels, one process); our
+stages' effective rate is about 55. Closing the gap needs a GEMM faster
+than the `gemm` crate's for these shapes, or an int8 path that keeps
+cosine ≥ 0.999 (ONNX Runtime's own dynamic int8 here does not: 0.946)."""
 BENCH_RS = "gateway/examples/bench_embeddings.rs"
 LEVELS = (1, 8, 64)
 

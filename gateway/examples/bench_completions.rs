@@ -33,6 +33,8 @@ struct Args {
     completions_config: String,
     max_tokens: usize,
     single_runs: usize,
+    /// Prompt length (tokens) of the long-prompt time-to-first-token runs.
+    long_prompt_tokens: usize,
     concurrency: Vec<usize>,
     out: PathBuf,
     baseline_worker: bool,
@@ -43,6 +45,7 @@ fn parse_args() -> Result<Args> {
         completions_config: String::new(),
         max_tokens: 64,
         single_runs: 10,
+        long_prompt_tokens: 512,
         concurrency: vec![1, 4, 16],
         out: PathBuf::from("benchmark_results/completions"),
         baseline_worker: false,
@@ -53,6 +56,7 @@ fn parse_args() -> Result<Args> {
             "--max-tokens" => a.max_tokens = it.next().context("value")?.parse()?,
             "--completions-config" => a.completions_config = it.next().context("value")?,
             "--single-runs" => a.single_runs = it.next().context("value")?.parse()?,
+            "--long-prompt-tokens" => a.long_prompt_tokens = it.next().context("value")?.parse()?,
             "--concurrency" => {
                 a.concurrency = it
                     .next()
@@ -64,7 +68,7 @@ fn parse_args() -> Result<Args> {
             "--out" => a.out = it.next().context("value")?.into(),
             "--baseline-worker" => a.baseline_worker = true,
             "--help" | "-h" => {
-                println!("bench_completions [--max-tokens 64] [--single-runs 10] [--concurrency 1,4,16] [--out benchmark_results/completions]");
+                println!("bench_completions [--max-tokens 64] [--single-runs 10] [--long-prompt-tokens 512] [--concurrency 1,4,16] [--out benchmark_results/completions]");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other}"),
@@ -103,6 +107,23 @@ fn tokenize(prompts: &[&str]) -> Result<Vec<Vec<u32>>> {
                 .to_vec())
         })
         .collect()
+}
+
+/// A prefix of `scripts/data/quality-text.txt` that tokenizes to `n` tokens
+/// (for time to first token with a long prompt).
+fn long_prompt(n: usize) -> Result<String> {
+    let text = std::fs::read_to_string(root().join("scripts/data/quality-text.txt"))?;
+    let tok = tokenizers::Tokenizer::from_file(model_dir().join("tokenizer.json"))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let enc = tok
+        .encode(text.as_str(), false)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let end = enc
+        .get_offsets()
+        .get(n.checked_sub(1).context("empty prompt")?)
+        .context("quality text too short")?
+        .1;
+    Ok(text[..end].to_string())
 }
 
 /// Bare Candle, in this process (run in a child with one compute thread).
@@ -193,6 +214,10 @@ struct Gw {
     url: String,
 }
 
+/// KV-cache budget per stage the benchmark's gateways run with (the shipped
+/// config's).
+const KV_CACHE_TOKENS: usize = 8192;
+
 fn start_gateway(stages: &[[u32; 2]], extra: &str, dir: &Path) -> Result<Gw> {
     std::fs::create_dir_all(dir)?;
     let mut policy = String::from("allow_mock = true\ntrust_local_build = true\n");
@@ -210,7 +235,7 @@ fn start_gateway(stages: &[[u32; 2]], extra: &str, dir: &Path) -> Result<Gw> {
         .context("target dir")?
         .to_path_buf();
     let mut cfg = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nrequest_timeout_secs = 600\n[pipeline]\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"local\"\nstage_binary = {:?}\n[[pipeline.stages]]\nlayers = [0, 6]\n[completions]\npolicy = {:?}\nmodel_dir = {:?}\n{extra}\n",
+        "[server]\nlisten = \"127.0.0.1:0\"\nrequest_timeout_secs = 600\n[pipeline]\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"local\"\nstage_binary = {:?}\n[[pipeline.stages]]\nlayers = [0, 6]\n[completions]\npolicy = {:?}\nmodel_dir = {:?}\nkv_cache_tokens = {KV_CACHE_TOKENS}\n{extra}\n",
         dir.join("policy-e.toml"),
         root().join("models/all-minilm-l6-v2"),
         bin.join("enclave-stage"),
@@ -319,6 +344,14 @@ async fn bench_gateways(args: &Args, layouts: &[&[[u32; 2]]], dir: &Path) -> Res
                 gaps[i].extend(g);
             }
         }
+        // Time to first token with a long prompt (one token generated).
+        let long = long_prompt(args.long_prompt_tokens)?;
+        let mut ttft_long = vec![Vec::new(); n];
+        for _ in 0..args.single_runs.div_ceil(2) {
+            for (i, gw) in gws.iter().enumerate() {
+                ttft_long[i].push(stream_one(&http, &gw.url, &long, 1).await?.0);
+            }
+        }
         let mut agg = vec![serde_json::Map::new(); n];
         for &c in &args.concurrency {
             for (i, gw) in gws.iter().enumerate() {
@@ -343,6 +376,8 @@ async fn bench_gateways(args: &Args, layouts: &[&[[u32; 2]]], dir: &Path) -> Res
                 .map(|i| {
                     json!({
                         "ttft_ms_p50": pct(&ttft[i], 0.5),
+                        "ttft_long_prompt_ms_p50": pct(&ttft_long[i], 0.5),
+                        "long_prompt_tokens": args.long_prompt_tokens,
                         "per_token_ms_p50": pct(&gaps[i], 0.5),
                         "per_token_ms_p99": pct(&gaps[i], 0.99),
                         "aggregate": agg[i],
@@ -352,6 +387,12 @@ async fn bench_gateways(args: &Args, layouts: &[&[[u32; 2]]], dir: &Path) -> Res
         )
     }
     .await;
+    let result = result.map(|mut v: Vec<Value>| {
+        for (out, gw) in v.iter_mut().zip(&gws) {
+            out["stages"] = stage_memory(gw.child.id());
+        }
+        v
+    });
     for gw in &mut gws {
         let _ = Command::new("kill")
             .args(["-INT", &gw.child.id().to_string()])
@@ -359,6 +400,78 @@ async fn bench_gateways(args: &Args, layouts: &[&[[u32; 2]]], dir: &Path) -> Res
         let _ = gw.child.wait();
     }
     result
+}
+
+/// Peak RSS (VmHWM) of the gateway's completions stages, with the bound of
+/// issue 12: the stage's weights as served + its KV-cache budget + 100 MiB
+/// (weights and KV bytes per token from the same `LlamaPart` code, loaded
+/// here for the stage's layer range).
+fn stage_memory(gateway_pid: u32) -> Value {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Value::Null;
+    };
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid != Some(gateway_pid) {
+            continue;
+        }
+        let argv: Vec<String> = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .unwrap_or_default()
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let arg = |flag: &str| {
+            argv.iter()
+                .position(|a| a == flag)
+                .and_then(|i| argv.get(i + 1))
+        };
+        if !arg("--model-dir").is_some_and(|d| d.contains("smollm2")) {
+            continue;
+        }
+        let (Some(layers), Some(index)) = (arg("--layers"), arg("--stage-index")) else {
+            continue;
+        };
+        let hwm = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .map(|kb| kb * 1024);
+        let (lo, hi) = layers.split_once("..").unwrap_or(("0", "0"));
+        let range = lo.parse().unwrap_or(0)..hi.parse().unwrap_or(0);
+        let n = arg("--num-stages")
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(1);
+        let i: usize = index.parse().unwrap_or(0);
+        let gguf = model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        let format = argv
+            .iter()
+            .position(|a| a == "--weights")
+            .and_then(|p| argv.get(p + 1))
+            .and_then(|w| w.parse().ok())
+            .unwrap_or_default();
+        let part = LlamaPart::load_as(&gguf, range, i == 0, i + 1 == n, format);
+        let (weights, kv) = match &part {
+            Ok(p) => (p.weight_bytes(), KV_CACHE_TOKENS * p.bytes_per_token()),
+            Err(_) => (0, 0),
+        };
+        let bound = (weights + kv + (100 << 20)) as u64;
+        out.push(
+            json!({"stage_index": i, "layers": layers, "peak_rss_bytes": hwm,
+            "weight_bytes": weights, "kv_budget_bytes": kv, "bound_bytes": bound,
+            "within_bound": hwm.map(|h| h <= bound)}),
+        );
+    }
+    out.sort_by_key(|v| v["stage_index"].as_u64());
+    Value::Array(out)
 }
 
 fn f(v: &Value) -> f64 {
@@ -382,11 +495,14 @@ fn markdown(out: &Value, args: &Args) -> String {
         out["machine"].as_str().unwrap_or("?"), out["when"].as_str().unwrap_or("?"), args.max_tokens, args.single_runs,
         if args.completions_config.is_empty() { "none" } else { args.completions_config.as_str() }
     );
-    md += "| setup | TTFT p50 ms | per-token p50 ms | per-token p99 ms |";
+    md += &format!(
+        "| setup | TTFT p50 ms | TTFT {}-token prompt p50 ms | per-token p50 ms | per-token p99 ms |",
+        args.long_prompt_tokens
+    );
     for c in &args.concurrency {
         md += &format!(" tok/s @{c} |");
     }
-    md += "\n|---|---|---|---|";
+    md += "\n|---|---|---|---|---|";
     for _ in &args.concurrency {
         md += "---|";
     }
@@ -394,8 +510,11 @@ fn markdown(out: &Value, args: &Args) -> String {
     for (name, key) in rows {
         let v = &out[key];
         md += &format!(
-            "| {name} | {:.1} | {:.2} | {:.2} |",
+            "| {name} | {:.1} | {} | {:.2} | {:.2} |",
             f(&v["ttft_ms_p50"]),
+            v["ttft_long_prompt_ms_p50"]
+                .as_f64()
+                .map_or("–".to_string(), |t| format!("{t:.0}")),
             f(&v["per_token_ms_p50"]),
             f(&v["per_token_ms_p99"])
         );
@@ -418,6 +537,29 @@ fn markdown(out: &Value, args: &Args) -> String {
         f(&r["baseline_c16_over_c1"]),
         f(&r["one_stage_vs_baseline_per_token_pct"]),
     );
+    md += &format!(
+        "\n**Stage memory** (peak RSS after the run, `VmHWM`; bound: the stage's weights as served + its KV-cache \
+         budget of {KV_CACHE_TOKENS} tokens + 100 MiB):\n\n| gateway | stage | layers | peak RSS MiB | weights MiB | KV budget MiB | bound MiB | within |\n|---|---|---|---|---|---|---|---|\n"
+    );
+    let mib = |v: &Value| f(v) / (1u64 << 20) as f64;
+    for (name, key) in [("1 stage", "one_stage"), ("2 stages", "two_stages")] {
+        for st in out[key]["stages"].as_array().into_iter().flatten() {
+            md += &format!(
+                "| {name} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {} |\n",
+                st["stage_index"],
+                st["layers"].as_str().unwrap_or("?"),
+                mib(&st["peak_rss_bytes"]),
+                mib(&st["weight_bytes"]),
+                mib(&st["kv_budget_bytes"]),
+                mib(&st["bound_bytes"]),
+                if st["within_bound"].as_bool() == Some(true) {
+                    "yes"
+                } else {
+                    "**no**"
+                }
+            );
+        }
+    }
     md += "\nRerun: `scripts/bench_completions.sh` (about 3 minutes; numbers only mean something on an otherwise idle machine).\n";
     md
 }
