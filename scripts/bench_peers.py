@@ -205,13 +205,17 @@ def plot(doc, path):
     for ax, part in zip(axes[0], parts):
         rows = doc[part]["rows"]
         if part == "completions":
+            gw = doc[part].get("gateway", {})
+            rows = rows + [{"system": f"gateway {n}", "threads": 2, "decode_tok_s_median": gw[k]["decode_tok_s"]}
+                           for k, n in (("one_stage", "1 stage"), ("two_stages", "2 stages")) if k in gw]
             labels = [f"{r['system']}\n{r['threads']} thr" for r in rows]
             ax.bar(range(len(rows)), [r["decode_tok_s_median"] for r in rows],
-                   color=["#c44" if r["system"].startswith("llama") else "#48c" for r in rows])
+                   color=["#c44" if r["system"].startswith("llama") else
+                          "#4a4" if r["system"].startswith("gateway") else "#48c" for r in rows])
             ax.set_xticks(range(len(rows)))
             ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
             ax.set_ylabel("single-stream decode, tokens/s")
-            ax.set_title("SmolLM2-135M: llama.cpp vs stage code")
+            ax.set_title("SmolLM2-135M: llama.cpp vs stage code and gateway (q4_1)")
         else:
             width = 0.8 / len(rows)
             for i, r in enumerate(rows):
@@ -222,7 +226,8 @@ def plot(doc, path):
             ax.set_xticklabels([f"C={c}" for c in peers_embeddings.LEVELS])
             ax.set_ylabel("sentences/s")
             ax.set_title("all-MiniLM-L6-v2: ONNX Runtime / sentence-transformers vs ours")
-            ax.legend(fontsize=7)
+            ax.set_ylim(0, 1.25 * max(r[f"c{c}_sentences_per_s"] for r in rows for c in peers_embeddings.LEVELS))
+            ax.legend(fontsize=7, loc="upper center", ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
