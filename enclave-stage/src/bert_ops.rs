@@ -201,11 +201,12 @@ impl CustomOp2 for BiasResidualNorm {
     }
 }
 
-/// Multi-head self-attention on feature-major activations: from the fused
-/// QKV product `[3h, b·l]` (no bias yet; queries, keys, values stacked) and
-/// the padding mask `[b, l]` (1 real, 0 padding) to the context `[h, b·l]`.
-/// Padded keys get no weight, exactly as the additive `f32::MIN` mask of
-/// HF BERT.
+/// Multi-head self-attention on feature-major activations of packed
+/// sequences (no padding): from the fused QKV product `[3h, tokens]` (no
+/// bias yet; queries, keys, values stacked) and the sequences' lengths
+/// `[b]` (u32, summing to `tokens`, the sequences one after another) to the
+/// context `[h, tokens]`. Each token attends to the tokens of its own
+/// sequence, exactly as HF BERT with its padding mask.
 pub struct Attention {
     /// Attention heads.
     pub heads: usize,
@@ -216,41 +217,36 @@ pub struct Attention {
 impl Attention {
     /// One sequence, columns `col..col + l` of `qkv` (`t` columns in all),
     /// into a token-major `[l, h]` buffer.
-    fn sequence(&self, qkv: &[f32], t: usize, col: usize, mask: &[f32]) -> Vec<f32> {
-        let l = mask.len();
+    #[inline(always)]
+    fn sequence(&self, qkv: &[f32], t: usize, col: usize, l: usize) -> Vec<f32> {
         let h = self.qkv_bias.len() / 3;
         let d = h / self.heads;
         let scale = 1.0 / (d as f32).sqrt();
         let at =
             |feature: usize, token: usize| qkv[feature * t + col + token] + self.qkv_bias[feature];
-        let keys: Vec<usize> = (0..l).filter(|&j| mask[j] != 0.0).collect();
         let mut out = vec![0f32; l * h];
         // Per head: queries, keys and values packed token-major, with their
         // bias, for unit-stride dot products.
         let mut q = vec![0f32; l * d];
-        let mut k = vec![0f32; keys.len() * d];
-        let mut v = vec![0f32; keys.len() * d];
-        let mut p = vec![0f32; keys.len()];
+        let mut k = vec![0f32; l * d];
+        let mut v = vec![0f32; l * d];
+        let mut p = vec![0f32; l];
         for head in 0..self.heads {
             let (qo, ko, vo) = (head * d, h + head * d, 2 * h + head * d);
             for c in 0..d {
                 for i in 0..l {
                     q[i * d + c] = at(qo + c, i) * scale;
                 }
-                for (n, &j) in keys.iter().enumerate() {
-                    k[n * d + c] = at(ko + c, j);
-                    v[n * d + c] = at(vo + c, j);
+                for j in 0..l {
+                    k[j * d + c] = at(ko + c, j);
+                    v[j * d + c] = at(vo + c, j);
                 }
             }
             for i in 0..l {
                 let qi = &q[i * d..(i + 1) * d];
                 let mut max = f32::NEG_INFINITY;
                 for (n, s) in p.iter_mut().enumerate() {
-                    *s = qi
-                        .iter()
-                        .zip(&k[n * d..(n + 1) * d])
-                        .map(|(a, b)| a * b)
-                        .sum();
+                    *s = dot(qi, &k[n * d..(n + 1) * d]);
                     max = max.max(*s);
                 }
                 let mut total = 0f32;
@@ -271,6 +267,34 @@ impl Attention {
     }
 }
 
+impl Attention {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn sequence_avx2(&self, qkv: &[f32], t: usize, col: usize, l: usize) -> Vec<f32> {
+        self.sequence(qkv, t, col, l)
+    }
+}
+
+/// Dot product with eight independent partial sums, so that it vectorises
+/// (a plain `.sum()` adds one product at a time, in order).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 impl CustomOp2 for Attention {
     fn name(&self) -> &'static str {
         "bert-attention"
@@ -284,23 +308,41 @@ impl CustomOp2 for Attention {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let qkv = contiguous(s1, l1, "bert-attention")?;
-        let mask = contiguous(s2, l2, "bert-attention mask")?;
+        let lens: Vec<usize> = match (s2, l2.contiguous_offsets()) {
+            (CpuStorage::U32(v), Some((a, b))) => v[a..b].iter().map(|&n| n as usize).collect(),
+            _ => candle_core::bail!("bert-attention: lengths must be contiguous u32"),
+        };
         let (h3, t) = l1.shape().dims2()?;
-        let (b, l) = l2.shape().dims2()?;
         let h = h3 / 3;
-        if b * l != t || h3 != self.qkv_bias.len() || h % self.heads != 0 {
-            candle_core::bail!("bert-attention: shapes {:?} / {:?}", l1.dims(), l2.dims());
+        if lens.iter().sum::<usize>() != t || h3 != self.qkv_bias.len() || h % self.heads != 0 {
+            candle_core::bail!("bert-attention: shapes {:?} / lengths {lens:?}", l1.dims());
         }
-        let per_seq: Vec<Vec<f32>> = mask
-            .par_chunks(l.max(1))
-            .enumerate()
-            .map(|(s, m)| self.sequence(qkv, t, s * l, m))
+        let starts: Vec<usize> = lens
+            .iter()
+            .scan(0, |acc, &n| {
+                let s = *acc;
+                *acc += n;
+                Some(s)
+            })
+            .collect();
+        let fast = avx2();
+        let per_seq: Vec<Vec<f32>> = starts
+            .par_iter()
+            .zip(&lens)
+            .map(|(&col, &l)| {
+                #[cfg(target_arch = "x86_64")]
+                if fast {
+                    // SAFETY: AVX2 and FMA were detected on this CPU.
+                    return unsafe { self.sequence_avx2(qkv, t, col, l) };
+                }
+                self.sequence(qkv, t, col, l)
+            })
             .collect();
         let mut out = vec![0f32; h * t];
-        for (s, ctx) in per_seq.iter().enumerate() {
+        for (ctx, &col) in per_seq.iter().zip(&starts) {
             for (i, row) in ctx.chunks_exact(h).enumerate() {
                 for (f, x) in row.iter().enumerate() {
-                    out[f * t + s * l + i] = *x;
+                    out[f * t + col + i] = *x;
                 }
             }
         }
@@ -380,18 +422,22 @@ mod tests {
             .transpose(1, 2)?
             .contiguous()?
             .reshape((t, h))?;
+        // Fused: only the 7 real tokens, packed, with the lengths [5, 2].
+        let real = Tensor::new(&[0u32, 1, 2, 3, 4, 5, 6], &dev)?;
         let fused = qkv
             .reshape((t, 3 * h))?
+            .index_select(&real, 0)?
             .t()?
             .contiguous()?
             .apply_op2_no_bwd(
-                &mask,
+                &Tensor::new(&[5u32, 2], &dev)?,
                 &Attention {
                     heads,
                     qkv_bias: bias,
                 },
             )?
             .t()?;
+        let want = want.index_select(&real, 0)?;
         let diff = (fused - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "attention differs by {diff}");
 
