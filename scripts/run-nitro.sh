@@ -16,6 +16,8 @@
 #                          the shipped policy refuses it)
 #   --config FILE          gateway config (default config/gateway-nitro.toml)
 #   --dry-run              print the sizing and every command, start nothing
+# Environment: WEIGHTS (q4_1 | q8_0 | f32: the stages' --weights, for the
+# memory sizing), MEMORY_MIB, CPU_COUNT, KV_BYTES_PER_TOKEN_LAYER (below).
 #
 # Sizing, per stage, in MiB (printed; every term rounded up):
 #   memory = roundup_256(eif + weights + kv + activations + 512)
@@ -23,10 +25,13 @@
 #                  lives in enclave memory; estimated as model folder + 64
 #                  when the EIF does not exist yet, e.g. in a dry run)
 #     weights      resident weights: weight files (*.safetensors, *.gguf) x
-#                  expansion to f32 (safetensors: 1, assumed f32; GGUF: 32 /
-#                  bits per weight from the file name, Q4_1 5, Q4_0 4.5, Q8_0
-#                  8.5, F16 16, else 4); the whole model, as an upper bound
-#                  for any stage
+#                  expansion (safetensors: 1, assumed f32; GGUF: held bits /
+#                  file bits, held bits by WEIGHTS, env, the stages'
+#                  --weights, default q4_1 as the stage's own default: q4_1
+#                  6 (4-bit blocks with f32 scale and min), q8_0 9 (8-bit
+#                  blocks with an f32 scale), f32 32; file bits per weight
+#                  from the file name, Q4_1 5, Q4_0 4.5, Q8_0 8.5, F16 16,
+#                  else 8); the whole model, as an upper bound for any stage
 #     kv           llama only: kv-cache-tokens x stage layers x
 #                  KV_BYTES_PER_TOKEN_LAYER (env, default 1536 = K and V x 3
 #                  KV heads x 64 dims x 4 bytes, SmolLM2-135M)
@@ -93,8 +98,13 @@ files_bytes=$(du -sbL "$MODEL_DIR" | cut -f1)
 weights_bytes=0
 shopt -s nullglob
 for f in "$MODEL_DIR"/*.safetensors; do weights_bytes=$(( weights_bytes + $(stat -L -c %s "$f") )); done
+WEIGHTS="${WEIGHTS:-q4_1}"
+case "$WEIGHTS" in
+  q4_1) held_bits=6 ;; q8_0) held_bits=9 ;; f32) held_bits=32 ;;
+  *) echo "WEIGHTS must be q4_1, q8_0 or f32 (the stages' --weights), not $WEIGHTS" >&2; exit 2 ;;
+esac
 for f in "$MODEL_DIR"/*.gguf; do
-  weights_bytes=$(python3 -c "import math,sys; print($weights_bytes + math.ceil(int(sys.argv[1]) * 32 / float(sys.argv[2])))" "$(stat -L -c %s "$f")" "$(gguf_bits "$f")")
+  weights_bytes=$(python3 -c "import math,sys; print($weights_bytes + math.ceil(int(sys.argv[1]) * float(sys.argv[3]) / float(sys.argv[2])))" "$(stat -L -c %s "$f")" "$(gguf_bits "$f")" "$held_bits")
 done
 if [[ -f "$EIF" ]]; then
   eif_mib=$(mib_up "$(stat -L -c %s "$EIF")"); eif_how="EIF size"
