@@ -36,11 +36,12 @@ stage processes sharing the cores and the last-level cache; the fused BERT
 ops (`enclave-stage/src/bert_ops.rs`: GELU, attention, layer norm) take
 about 10 %; the work outside the model (HTTP, HPKE opening of each request
 with X25519, Ed25519 receipt signatures, and the benchmark's own client on
-the same cores) 10-15 %. ONNX Runtime's C=64 throughput over its padded
-batches implies about 85 GFLOPS per core (MLAS kernels, one process); our
-stages' effective rate is about 55. Closing the gap needs a GEMM faster
-than the `gemm` crate's for these shapes, or an int8 path that keeps
-cosine ≥ 0.999 (ONNX Runtime's own dynamic int8 here does not: 0.946)."""
+the same cores) 10-15 %. Bare Candle in one process, computing
+no padding, matches ONNX Runtime at C=64; the gateway's stages add the
+per-request work and run as two processes sharing two cores. Closing the
+gap needs a GEMM faster than the `gemm` crate's for these shapes, or an
+int8 path that keeps cosine ≥ 0.999 (ONNX Runtime's own dynamic int8 here
+does not: 0.946)."""
 BENCH_RS = "gateway/examples/bench_embeddings.rs"
 LEVELS = (1, 8, 64)
 
