@@ -194,21 +194,15 @@ impl BertPart {
     /// Padded positions come back as zeros (every reader masks them).
     pub fn forward_layers(&self, hidden: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
         let (b, l, h) = hidden.dims3()?;
-        let keep: Vec<u32> = mask
-            .flatten_all()?
-            .to_vec1::<f32>()?
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| **m != 0.0)
-            .map(|(i, _)| i as u32)
+        let mask = mask.to_vec2::<f32>()?;
+        let keep: Vec<u32> = (0..b * l)
+            .filter(|&i| mask[i / l][i % l] != 0.0)
+            .map(|i| i as u32)
             .collect();
-        let lens: Vec<u32> = keep.chunk_by(|x, y| x / l as u32 == y / l as u32).fold(
-            vec![0u32; b],
-            |mut lens, run| {
-                lens[(run[0] / l as u32) as usize] = run.len() as u32;
-                lens
-            },
-        );
+        let lens: Vec<u32> = mask
+            .iter()
+            .map(|row| row.iter().filter(|m| **m != 0.0).count() as u32)
+            .collect();
         if keep.is_empty() {
             return hidden.zeros_like();
         }

@@ -11,6 +11,9 @@
 //! Writes `<out>.json` and `<out>.md`. Run through
 //! `scripts/bench_completions.sh`; numbers are meaningful on an idle machine.
 
+#[path = "support/stage_procs.rs"]
+mod stage_procs;
+
 use anyhow::{bail, Context, Result};
 use enclave_stage::llama::{LlamaPart, SeqSlice};
 use futures_util::StreamExt;
@@ -408,34 +411,8 @@ async fn bench_gateways(args: &Args, layouts: &[&[[u32; 2]]], dir: &Path) -> Res
 /// here for the stage's layer range).
 fn stage_memory(gateway_pid: u32) -> Value {
     let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return Value::Null;
-    };
-    for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|p| p.parse::<u32>().ok());
-        if ppid != Some(gateway_pid) {
-            continue;
-        }
-        let argv: Vec<String> = std::fs::read(format!("/proc/{pid}/cmdline"))
-            .unwrap_or_default()
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let arg = |flag: &str| {
-            argv.iter()
-                .position(|a| a == flag)
-                .and_then(|i| argv.get(i + 1))
-        };
-        if !arg("--model-dir").is_some_and(|d| d.contains("smollm2")) {
-            continue;
-        }
+    for (pid, argv) in stage_procs::stage_children(gateway_pid, "smollm2-135m-instruct") {
+        let arg = |flag: &str| stage_procs::arg(&argv, flag);
         let (Some(layers), Some(index)) = (arg("--layers"), arg("--stage-index")) else {
             continue;
         };
@@ -452,10 +429,7 @@ fn stage_memory(gateway_pid: u32) -> Value {
             .unwrap_or(1);
         let i: usize = index.parse().unwrap_or(0);
         let gguf = model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
-        let format = argv
-            .iter()
-            .position(|a| a == "--weights")
-            .and_then(|p| argv.get(p + 1))
+        let format = arg("--weights")
             .and_then(|w| w.parse().ok())
             .unwrap_or_default();
         let part = LlamaPart::load_as(&gguf, range, i == 0, i + 1 == n, format);

@@ -19,6 +19,9 @@
 //!
 //! Writes `benchmark_results/embeddings.json` and `benchmark_results/embeddings.md`.
 
+#[path = "support/stage_procs.rs"]
+mod stage_procs;
+
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use enclave_stage::engine::{Engine, StageSpec};
@@ -276,40 +279,16 @@ fn proc_mem(pid: u32) -> BTreeMap<String, u64> {
     out
 }
 
-/// Children of `ppid` named `name` whose `--model-dir` ends with `model`
-/// (the gateway also runs the completions pipeline's stages), with their
-/// `--stage-index`.
-fn stage_children(ppid: u32, name: &str, model: &str) -> Vec<(u32, Option<u32>)> {
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Some((_, pp, n)) = proc_stat(pid) else {
-            continue;
-        };
-        if pp != ppid || n != name {
-            continue;
-        }
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let argv: Vec<String> = cmdline
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let arg = |flag: &str| {
-            argv.iter()
-                .position(|a| a == flag)
-                .and_then(|i| argv.get(i + 1))
-        };
-        if !arg("--model-dir").is_some_and(|d| d.trim_end_matches('/').ends_with(model)) {
-            continue;
-        }
-        let index = arg("--stage-index").and_then(|v| v.parse().ok());
-        out.push((pid, index));
-    }
+/// The gateway's stage processes for `model` (the gateway also runs the
+/// completions pipeline's stages), with their `--stage-index`.
+fn stage_children(ppid: u32, model: &str) -> Vec<(u32, Option<u32>)> {
+    let mut out: Vec<(u32, Option<u32>)> = stage_procs::stage_children(ppid, model)
+        .into_iter()
+        .map(|(pid, argv)| {
+            let index = stage_procs::arg(&argv, "--stage-index").and_then(|v| v.parse().ok());
+            (pid, index)
+        })
+        .collect();
     out.sort_by_key(|(pid, idx)| (idx.unwrap_or(u32::MAX), *pid));
     out
 }
@@ -779,7 +758,7 @@ fn run_gateway_setup(
         log.display()
     );
     let mut g = start_gateway(bin_dir, config, log)?;
-    let stages = stage_children(g.pid, "enclave-stage", "all-minilm-l6-v2");
+    let stages = stage_children(g.pid, "all-minilm-l6-v2");
     let stage_pids: Vec<u32> = stages.iter().map(|s| s.0).collect();
     eprintln!(
         "  listening at {} after {:.1} s; stages {:?}",
