@@ -6,7 +6,8 @@
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
 #   4. the `nitro` feature's unit tests and the Nitro scripts' checks
 #      (scripts/test-nitro-scripts.sh, no hardware needed);
-#   5. the stock `openai` Python SDK against a live gateway.
+#   5. the stock `openai` Python SDK and LangChain's ChatOpenAI against a live
+#      gateway, directly and through `gateway proxy`.
 # CONTAINERS_E2E=1 adds the multi-container test (gateway/tests/containers_e2e.rs:
 # static musl build, images, compose; needs Docker, docs/containers.md). Off by
 # default: its static build is a second release build.
@@ -38,6 +39,33 @@ for _ in $(seq 1 600); do
 done
 [[ -n "$url" ]] || { cat "$log"; echo "gateway did not start" >&2; exit 1; }
 python3 scripts/test_openai_sdk.py --base-url "$url/v1"
+
+echo "== openai SDK and LangChain through gateway proxy (sealed end to end, receipts verified)"
+# Policies pinning the measurements this gateway's stages report (a test
+# shortcut: a real client pins measurements it got from a trusted build).
+python3 - "$url" "$log" <<'PYEOF'
+import json, sys, urllib.request
+ready = json.load(urllib.request.urlopen(sys.argv[1] + "/readyz"))
+for i, p in enumerate(ready["pipelines"]):
+    text = "allow_mock = true\n"
+    for st in p["stages"]:
+        text += (f"[[stages]]\nindex = {st['index']}\nlayers = {json.dumps(st['layers'])}\n"
+                 f"measurements = [{json.dumps(st['measurement'])}]\n")
+    open(f"{sys.argv[2]}.policy{i}.toml", "w").write(text)
+PYEOF
+./target/release/gateway proxy --upstream "$url" --listen 127.0.0.1:0 \
+  --policy "$log.policy0.toml" --policy "$log.policy1.toml" >"$log.proxy.out" 2>"$log.proxy" &
+px=$!
+trap 'kill -INT $gw $px 2>/dev/null; wait $gw $px 2>/dev/null || true' EXIT
+purl=""
+for _ in $(seq 1 300); do
+  purl="$(sed -n 's/^PROXY LISTENING //p' "$log.proxy.out")"
+  [[ -n "$purl" ]] && break
+  kill -0 $px 2>/dev/null || { cat "$log.proxy"; echo "proxy exited" >&2; exit 1; }
+  sleep 0.1
+done
+[[ -n "$purl" ]] || { cat "$log.proxy"; echo "proxy did not start" >&2; exit 1; }
+python3 scripts/test_openai_sdk.py --base-url "$purl/v1" --expect-verified
 
 if [[ "${CONTAINERS_E2E:-}" == 1 ]]; then
   echo "== containers e2e: ran in cargo test (CONTAINERS_E2E=1; it says SKIPPED above if no Docker engine)"

@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
-"""End-to-end check of the gateway's plain OpenAI path with the stock `openai` SDK.
+"""End-to-end check of the gateway's OpenAI API with the stock `openai` SDK and
+LangChain's `ChatOpenAI`: embeddings, completions and chat completions.
 
     python3 scripts/test_openai_sdk.py --base-url http://127.0.0.1:PORT/v1
+    python3 scripts/test_openai_sdk.py --base-url http://127.0.0.1:PROXY/v1 --expect-verified
+
+With --expect-verified (a `gateway proxy` in front of the gateway), whole chat
+answers must carry `receipt-verified: true` (streams end with `[DONE]` only
+once the proxy verified their receipt).
 
 Prints one line per check and ends with "N passed, M failed"; exits non-zero on
 any failure. Needs scripts/requirements-test.txt (installed by scripts/setup.sh).
@@ -85,6 +91,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080/v1")
     ap.add_argument("--api-key", default="unused")
+    ap.add_argument("--expect-verified", action="store_true",
+                    help="a gateway proxy is in front: answers must say receipt-verified: true")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--reference", default=REFERENCE,
                     help="sentence-transformers reference file (skipped if absent)")
@@ -258,6 +266,86 @@ def main():
                 return "BadRequestError"
             raise AssertionError("no error for max_tokens over the context")
 
+        def verified(raw):
+            if args.expect_verified:
+                v = raw.headers.get("receipt-verified")
+                check(v == "true", f"receipt-verified header {v!r}")
+
+        question = [{"role": "system", "content": "You are a concise assistant."},
+                    {"role": "user", "content": "What is the capital of France?"}]
+
+        def chat_greedy():
+            raw = client.chat.completions.with_raw_response.create(
+                model=COMPLETION_MODEL, messages=question, max_tokens=16, temperature=0)
+            verified(raw)
+            r = raw.parse()
+            check(r.object == "chat.completion", f"object {r.object!r}")
+            check(r.id.startswith("chatcmpl-"), f"id {r.id!r}")
+            m = r.choices[0].message
+            check(m.role == "assistant" and m.content, f"message {m}")
+            check("Paris" in m.content, f"answer {m.content!r} does not name Paris")
+            check(r.usage.prompt_tokens > 20 and r.usage.completion_tokens > 0, f"usage {r.usage}")
+            return repr(m.content)
+
+        def chat_stream_equals_whole():
+            kw = dict(model=COMPLETION_MODEL, max_tokens=24, temperature=0.8, seed=11, n=2,
+                      messages=[{"role": "user", "content": [
+                          {"type": "text", "text": "Write one sentence about the sea."}]}])
+            whole = client.chat.completions.create(**kw)
+            # Through the proxy a stream has no verdict header: [DONE] comes only
+            # once its receipt verified, else an error event makes the SDK raise.
+            raw = client.chat.completions.with_raw_response.create(
+                stream=True, stream_options={"include_usage": True}, **kw)
+            texts, finish, roles, usage = ["", ""], [None, None], [None, None], None
+            for chunk in raw.parse():
+                check(chunk.object == "chat.completion.chunk", f"object {chunk.object!r}")
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for ch in chunk.choices:
+                    if roles[ch.index] is None:
+                        roles[ch.index] = ch.delta.role
+                    texts[ch.index] += ch.delta.content or ""
+                    finish[ch.index] = ch.finish_reason or finish[ch.index]
+            check(roles == ["assistant", "assistant"], f"first deltas carry role: {roles}")
+            for i, ch in enumerate(whole.choices):
+                check(texts[i] == ch.message.content,
+                      f"choice {i}: streamed {texts[i]!r} != {ch.message.content!r}")
+                check(finish[i] == ch.finish_reason, f"choice {i}: finish {finish[i]}")
+            check(usage is not None and usage.total_tokens == whole.usage.total_tokens,
+                  f"usage chunk {usage} vs {whole.usage}")
+            return f"{len(texts[0])}+{len(texts[1])} chars"
+
+        def chat_tools_rejected():
+            try:
+                client.chat.completions.create(
+                    model=COMPLETION_MODEL, messages=question,
+                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+            except openai.BadRequestError as e:
+                check(e.body.get("param") == "tools", f"param {e.body}")
+                return "BadRequestError(param=tools)"
+            raise AssertionError("no error for tools")
+
+        def langchain_invoke_and_stream():
+            from langchain_openai import ChatOpenAI
+            from langchain_core.messages import HumanMessage, SystemMessage
+
+            llm = ChatOpenAI(model=COMPLETION_MODEL, base_url=args.base_url, api_key="unused",
+                             temperature=0, max_tokens=16, max_retries=0)
+            msgs = [SystemMessage(question[0]["content"]), HumanMessage(question[1]["content"])]
+            whole = llm.invoke(msgs).content
+            streamed = "".join(chunk.content for chunk in llm.stream(msgs))
+            sdk = client.chat.completions.create(model=COMPLETION_MODEL, messages=question,
+                                                 max_tokens=16, temperature=0)
+            check(whole == sdk.choices[0].message.content,
+                  f"invoke {whole!r} != openai SDK {sdk.choices[0].message.content!r}")
+            check(streamed == whole, f"stream {streamed!r} != invoke {whole!r}")
+            return repr(whole)
+
+        c.run("chat.completions.create greedy answers and has the chat shape", chat_greedy)
+        c.run("chat stream=True: role first, concatenates to the same-seed whole text",
+              chat_stream_equals_whole)
+        c.run("chat with tools raises BadRequestError naming `tools`", chat_tools_rejected)
+        c.run("LangChain ChatOpenAI invoke == stream == openai SDK", langchain_invoke_and_stream)
         c.run("completions.create greedy matches the transformers reference", completion_greedy)
         c.run("completions stream=True concatenates to the same-seed whole text",
               completion_stream_equals_whole)

@@ -11,7 +11,8 @@ use proto::attestation::{attest_claims, AttestationProvider, Measurement};
 use proto::channel::{
     self, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
 };
-use proto::completions::{context_length_error, parse_completions, Prompt};
+use proto::chat::parse_chat;
+use proto::completions::{context_length_error, parse_completions, Api, Prompt};
 use proto::digest::Sha256Digest;
 use proto::frames::{
     ActivationMessage, BatchItem, ErrorKind, FeedbackMessage, GenerationContext, HostMessage,
@@ -32,6 +33,10 @@ use tokio::sync::{mpsc, Mutex};
 const REPLAY_WINDOW: Duration = Duration::from_secs(600);
 /// Most encapsulated keys remembered at once.
 const REPLAY_CAPACITY: usize = 1 << 20;
+/// Most tokens a chat answer may take when the client sets no limit (less
+/// where the context ends first). Admission reserves KV-cache room for the
+/// whole limit, so "up to the context" would let one chat hold the budget.
+pub const DEFAULT_CHAT_MAX_TOKENS: u32 = 1024;
 /// Longest nonce accepted in an attestation request.
 const MAX_NONCE: usize = 64;
 
@@ -40,7 +45,7 @@ const MAX_NONCE: usize = 64;
 pub enum StageModel {
     /// An embedding model (`/v1/embeddings`).
     Embedding(Arc<Engine>),
-    /// A generation model (`/v1/completions`).
+    /// A generation model (`/v1/completions` and `/v1/chat/completions`).
     Generation(Arc<GenModel>),
 }
 
@@ -53,11 +58,13 @@ impl StageModel {
         }
     }
 
-    /// The API path the model serves.
-    pub fn endpoint(&self) -> &'static str {
+    /// Whether the model serves API path `endpoint`.
+    pub fn serves(&self, endpoint: &str) -> bool {
         match self {
-            StageModel::Embedding(_) => "/v1/embeddings",
-            StageModel::Generation(_) => "/v1/completions",
+            StageModel::Embedding(_) => endpoint == "/v1/embeddings",
+            StageModel::Generation(_) => {
+                endpoint == Api::Completions.path() || endpoint == Api::Chat.path()
+            }
         }
     }
 }
@@ -441,7 +448,7 @@ impl StageServer {
             retry_after_secs: None,
             sealed_body: seal_response(&key, &api.body_bytes()).ok(),
         };
-        if req.endpoint != self.model.endpoint() {
+        if !self.model.serves(&req.endpoint) {
             let api = ApiError {
                 status: 404,
                 message: format!("This model does not serve {}.", req.endpoint),
@@ -561,7 +568,30 @@ impl StageServer {
         key: ResponseKeyMaterial,
     ) -> Result<(GenerationContext, Vec<Vec<u32>>), ApiError> {
         let cfg = &model.config;
-        let mut request = parse_completions(plaintext, cfg.vocab_size as u32)?;
+        let vocab = cfg.vocab_size as u32;
+        // A chat request becomes one text prompt: the model's chat template
+        // over its messages, rendered here, inside the stage.
+        let (mut request, default_limit) = if req.endpoint == Api::Chat.path() {
+            let chat = parse_chat(plaintext, vocab, DEFAULT_CHAT_MAX_TOKENS)?;
+            let template = model.chat_template.as_ref().ok_or_else(|| {
+                ApiError::invalid(
+                    Some("messages"),
+                    "This model has no chat template; use /v1/completions.",
+                )
+            })?;
+            let text = template
+                .render(&chat.messages)
+                .map_err(|e| ApiError::invalid(Some("messages"), e))?;
+            let mut r = chat.request;
+            r.prompts = vec![Prompt::Text(text)];
+            (r, !chat.max_tokens_given)
+        } else {
+            (parse_completions(plaintext, vocab)?, false)
+        };
+        let prompt_param = match request.api {
+            Api::Chat => "messages",
+            Api::Completions => "prompt",
+        };
         if request.model != self.claims().model_id {
             return Err(ApiError::model_not_found(&request.model));
         }
@@ -585,17 +615,26 @@ impl StageServer {
                 .collect::<Result<Vec<_>, String>>()
         })
         .await
-        .map_err(|e| ApiError::invalid(Some("prompt"), e))?;
+        .map_err(|e| ApiError::invalid(Some(prompt_param), e))?;
+        if default_limit {
+            // No limit from the client: answer up to the default, or to
+            // what the context leaves.
+            let longest = ids.iter().map(Vec::len).max().unwrap_or(0);
+            let left = cfg.max_seq_len.saturating_sub(longest).max(1);
+            request.max_tokens = request.max_tokens.min(left as u32);
+        }
         let context = cfg.max_seq_len;
         for p in &ids {
             if p.is_empty() {
                 return Err(ApiError::invalid(
-                    Some("prompt"),
+                    Some(prompt_param),
                     "A prompt is empty (no tokens).",
                 ));
             }
             if p.len() + request.max_tokens as usize > context {
-                return Err(context_length_error(context, p.len(), request.max_tokens));
+                let mut e = context_length_error(context, p.len(), request.max_tokens);
+                e.param = Some(prompt_param.into());
+                return Err(e);
             }
         }
         let mut receipt_id = [0u8; 16];

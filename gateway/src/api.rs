@@ -138,6 +138,7 @@ impl GatewayKey {
 pub fn router(state: AppState) -> Router {
     let keyed = Router::new()
         .route("/v1/embeddings", post(embeddings_handler))
+        .route("/v1/chat/completions", post(chat_handler))
         .route("/v1/completions", post(completions_handler))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
@@ -445,7 +446,7 @@ fn failure_response(s: &AppState, f: Failure) -> Response {
 async fn embeddings_handler(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     let pipeline = s.pipeline.clone();
-    let resp = relay(&s, &pipeline, &headers, body).await;
+    let resp = relay(&s, &pipeline, pipeline.endpoint, &headers, body).await;
     tracing::info!(
         endpoint = "/v1/embeddings",
         status = resp.status().as_u16(),
@@ -469,8 +470,23 @@ async fn read_body(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Byte
         .map_err(|_| ApiError::too_large(limit))
 }
 
+async fn chat_handler(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    generation_handler(s, crate::timeouts::CHAT_COMPLETIONS, headers, body).await
+}
+
 async fn completions_handler(
     State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    generation_handler(s, crate::timeouts::COMPLETIONS, headers, body).await
+}
+
+/// `/v1/completions` and `/v1/chat/completions`: both go to the completions
+/// pipeline, whose entry stage reads (and, for chat, templates) the request.
+async fn generation_handler(
+    s: AppState,
+    endpoint: &'static str,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -480,15 +496,17 @@ async fn completions_handler(
             code: Some("unknown_url"),
             ..ApiError::from_stage(
                 404,
-                "This gateway serves no completions model ([completions] is not configured)."
-                    .into(),
+                format!(
+                    "This gateway serves no completions model ([completions] is not \
+                     configured), so {endpoint} is not available."
+                ),
             )
         }
         .into_response();
     };
-    let resp = relay(&s, &pipeline, &headers, body).await;
+    let resp = relay(&s, &pipeline, endpoint, &headers, body).await;
     tracing::info!(
-        endpoint = "/v1/completions",
+        endpoint,
         status = resp.status().as_u16(),
         latency_ms = started.elapsed().as_secs_f64() * 1e3,
         "request"
@@ -500,10 +518,11 @@ async fn completions_handler(
 async fn relay(
     s: &AppState,
     pipeline: &Arc<Pipeline>,
+    endpoint: &'static str,
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
-    match relay_inner(s, pipeline, headers, body).await {
+    match relay_inner(s, pipeline, endpoint, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -512,10 +531,10 @@ async fn relay(
 async fn relay_inner(
     s: &AppState,
     pipeline: &Arc<Pipeline>,
+    endpoint: &'static str,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let endpoint = pipeline.endpoint;
     let bytes = read_body(s, headers, body).await?;
     let nonce = match headers
         .get(HEADER_RECEIPT_NONCE)
@@ -539,7 +558,7 @@ async fn relay_inner(
         .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("Bad sealing headers: {e}")))?;
         if sealed.key_id == s.gateway_key.key_id() {
             s.metrics.sealing(Sealing::Gateway);
-            return via_gateway_key(s, pipeline, &keys, &sealed, &bytes, nonce).await;
+            return via_gateway_key(s, pipeline, endpoint, &keys, &sealed, &bytes, nonce).await;
         }
         if !keys
             .iter()
@@ -555,7 +574,7 @@ async fn relay_inner(
                 bytes.to_vec(),
                 nonce,
                 Sealing::Enclave,
-                s.limits.routes.for_route(pipeline.endpoint),
+                s.limits.routes.for_route(endpoint),
             )
             .await
             .map_err(|f| failure_error(s, f))?;
@@ -588,7 +607,7 @@ async fn relay_inner(
     // A plain OpenAI client: the gateway seals to the entry stage itself.
     s.metrics.sealing(Sealing::Plain);
     Ok(
-        match seal_to_entry(s, pipeline, &keys, &bytes, nonce, Sealing::Plain).await? {
+        match seal_to_entry(s, pipeline, endpoint, &keys, &bytes, nonce, Sealing::Plain).await? {
             Answer::Whole {
                 status,
                 body,
@@ -786,6 +805,7 @@ async fn pump_stream(
 async fn seal_to_entry(
     s: &AppState,
     pipeline: &Arc<Pipeline>,
+    endpoint: &'static str,
     keys: &[KeyConfig],
     plaintext: &[u8],
     nonce: Option<Vec<u8>>,
@@ -801,12 +821,12 @@ async fn seal_to_entry(
         .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
     let (reply, sub) = pipeline
         .submit(
-            pipeline.endpoint,
+            endpoint,
             sealed,
             body,
             nonce,
             sealing,
-            s.limits.routes.for_route(pipeline.endpoint),
+            s.limits.routes.for_route(endpoint),
         )
         .await
         .map_err(|f| failure_error(s, f))?;
@@ -857,13 +877,24 @@ async fn seal_to_entry(
 async fn via_gateway_key(
     s: &AppState,
     pipeline: &Arc<Pipeline>,
+    endpoint: &'static str,
     keys: &[KeyConfig],
     sealed: &SealedHeaders,
     bytes: &[u8],
     nonce: Option<Vec<u8>>,
 ) -> Result<Response, ApiError> {
     let (plaintext, material) = s.gateway_key.open(sealed, bytes)?;
-    match seal_to_entry(s, pipeline, keys, &plaintext, nonce, Sealing::Gateway).await? {
+    match seal_to_entry(
+        s,
+        pipeline,
+        endpoint,
+        keys,
+        &plaintext,
+        nonce,
+        Sealing::Gateway,
+    )
+    .await?
+    {
         Answer::Whole {
             status,
             body,

@@ -298,7 +298,8 @@ pub fn record_outcome(span: &tracing::Span, model: &str, generation: bool, t: &R
     }
 }
 
-/// Middleware: wraps `/v1/embeddings` and `/v1/completions` requests in
+/// Middleware: wraps `/v1/embeddings`, `/v1/completions` and
+/// `/v1/chat/completions` requests in
 /// their span when tracing is on (otherwise it only passes the request on).
 pub async fn trace_request(State(s): State<AppState>, req: Request, next: Next) -> Response {
     if !enabled() {
@@ -314,6 +315,9 @@ pub async fn trace_request(State(s): State<AppState>, req: Request, next: Next) 
             "text_completion",
             s.completions.as_ref().map(|p| p.model_id.clone()),
         ),
+        Some("/v1/chat/completions") => {
+            ("chat", s.completions.as_ref().map(|p| p.model_id.clone()))
+        }
         _ => return next.run(req).await,
     };
     let route = route.unwrap_or_default();

@@ -20,6 +20,8 @@ use std::time::Duration;
 pub const EMBEDDINGS: &str = "/v1/embeddings";
 /// Route template of the completions API.
 pub const COMPLETIONS: &str = "/v1/completions";
+/// Route template of the chat API (the completions deadline applies).
+pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
 /// Route template of the evidence bundle.
 pub const ATTESTATION: &str = "/v1/attestation";
 
@@ -56,7 +58,7 @@ impl RouteTimeouts {
     pub fn for_route(&self, route: &str) -> Duration {
         match route {
             EMBEDDINGS => self.embeddings,
-            COMPLETIONS => self.completions,
+            COMPLETIONS | CHAT_COMPLETIONS => self.completions,
             ATTESTATION => self.attestation,
             _ => self.default,
         }
@@ -99,6 +101,7 @@ mod tests {
         s.timeouts.attestation_secs = Some(3);
         let t = RouteTimeouts::from_config(&s);
         assert_eq!(t.for_route(COMPLETIONS), Duration::from_secs(300));
+        assert_eq!(t.for_route(CHAT_COMPLETIONS), Duration::from_secs(300));
         assert_eq!(t.for_route(ATTESTATION), Duration::from_secs(3));
         assert_eq!(t.for_route(EMBEDDINGS), Duration::from_secs(7));
     }

@@ -19,7 +19,10 @@
 
 mod common;
 
-use common::{assert_error_shape, client, p, pinned_policy, root, temp_dir, Gateway, Options};
+use common::{
+    assert_error_shape, client, completions_options, p, pinned_policy, post_json, root, sse_events,
+    Gateway,
+};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -85,41 +88,8 @@ fn tokenizer() -> tokenizers::Tokenizer {
     tokenizers::Tokenizer::from_file(smollm_dir().join("tokenizer.json")).unwrap()
 }
 
-/// Options for a gateway whose completions pipeline runs `stages`.
-fn options(stages: &[[u32; 2]], extra: &str) -> Options {
-    let dir = temp_dir("cpl-policy");
-    let mut policy = String::from("allow_mock = true\ntrust_local_build = true\n");
-    for (i, s) in stages.iter().enumerate() {
-        policy += &format!("[[stages]]\nindex = {i}\nlayers = [{}, {}]\n", s[0], s[1]);
-    }
-    let path = dir.join("policy-completions.toml");
-    std::fs::write(&path, policy).unwrap();
-    let mut table = format!(
-        "[completions]\npolicy = {:?}\nmodel_dir = {:?}\n{extra}\n",
-        path,
-        smollm_dir()
-    );
-    for s in stages {
-        table += &format!("[[completions.stages]]\nlayers = [{}, {}]\n", s[0], s[1]);
-    }
-    Options {
-        // One embedding stage keeps the process count down.
-        stages: vec![[0, 6]],
-        extra: table,
-        ..Options::default()
-    }
-}
-
 async fn complete(url: &str, body: Value) -> (u16, Value, reqwest::header::HeaderMap) {
-    let r = client()
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    let headers = r.headers().clone();
-    (status, r.json().await.unwrap_or(Value::Null), headers)
+    post_json(url, "/v1/completions", &body).await
 }
 
 /// Greedy completions of every reference prompt, all at once.
@@ -151,7 +121,7 @@ async fn greedy_tokens_equal_the_reference_with_one_and_two_stages() {
         // The exact comparison is a test of the f32 weights; the quantized
         // formats are held to teacher-forced agreement and perplexity
         // (enclave-stage/tests/llama_quality.rs).
-        let gw = Gateway::start(options(&stages, F32));
+        let gw = Gateway::start(completions_options(&stages, F32));
         let bodies = greedy_all(&gw.url, &items).await;
         for (it, body) in items.iter().zip(&bodies) {
             let (tokens, text, finish) = expected(&tok, &it.ids);
@@ -202,7 +172,7 @@ async fn quantized_weights_give_the_same_tokens_with_one_and_two_stages() {
     let items = reference();
     let mut runs = Vec::new();
     for stages in [vec![[0, 15], [15, 30]], vec![[0, 30]]] {
-        let gw = Gateway::start(options(&stages, ""));
+        let gw = Gateway::start(completions_options(&stages, ""));
         runs.push(greedy_all(&gw.url, &items[..3]).await);
     }
     for (a, b) in runs[0].iter().zip(&runs[1]) {
@@ -215,18 +185,9 @@ async fn quantized_weights_give_the_same_tokens_with_one_and_two_stages() {
 }
 
 /// Parses an SSE body into its `data:` payloads.
-fn sse_events(body: &[u8]) -> Vec<String> {
-    String::from_utf8(body.to_vec())
-        .unwrap()
-        .split("\n\n")
-        .filter(|e| !e.is_empty())
-        .map(|e| e.strip_prefix("data: ").expect("data event").to_string())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn streamed_text_equals_non_streamed_and_its_receipt_verifies() {
-    let gw = Gateway::start(options(&[[0, 15], [15, 30]], ""));
+    let gw = Gateway::start(completions_options(&[[0, 15], [15, 30]], ""));
     let base = json!({"model": MODEL, "prompt": ["Once upon a time", "The best way to learn"],
                       "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "seed": 1234, "n": 2,
                       "stop": ["\n\n"]});
@@ -388,7 +349,7 @@ async fn a_fault_on_one_sequence_ends_only_its_stream() {
     let poison = 48_000u32;
     let items = reference();
     assert!(items.iter().all(|i| !i.ids.contains(&poison)));
-    let mut opts = options(&[[0, 15], [15, 30]], F32);
+    let mut opts = completions_options(&[[0, 15], [15, 30]], F32);
     opts.env = vec![
         ("STAGE_FAULT_STAGE".into(), "0".into()),
         ("STAGE_FAULT_TOKEN_ID".into(), poison.to_string()),
@@ -430,7 +391,7 @@ async fn a_fault_on_one_sequence_ends_only_its_stream() {
 #[tokio::test(flavor = "multi_thread")]
 async fn admission_by_kv_memory_and_disconnect_frees_every_stage() {
     // 2100 KV tokens per stage; nobody may wait.
-    let gw = Gateway::start(options(
+    let gw = Gateway::start(completions_options(
         &[[0, 15], [15, 30]],
         "kv_cache_tokens = 2100\nmax_waiting = 0",
     ));
@@ -509,7 +470,7 @@ async fn admission_by_kv_memory_and_disconnect_frees_every_stage() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_requests_get_openai_errors() {
-    let gw = Gateway::start(options(&[[0, 30]], ""));
+    let gw = Gateway::start(completions_options(&[[0, 30]], ""));
     for (body, status, param) in [
         (json!({"model": MODEL}), 400, "prompt"),
         (

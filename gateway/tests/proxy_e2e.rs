@@ -1,11 +1,13 @@
 //! `gateway proxy` end to end with both pipelines: the stock `openai`
 //! Python SDK (or reqwest where it is not importable) sends embeddings, a
-//! completion and a streamed completion through the proxy, which seals each
+//! completion, a streamed completion, a chat completion and a streamed chat
+//! completion through the proxy, which seals each
 //! to the attested entry stage of the right pipeline and checks the receipt
 //! the exit stage sealed into the response (for the stream: over the whole
 //! event stream, `[DONE]` held back until it verifies).
 //!
-//! - streamed text == non-streamed text for the same seed;
+//! - streamed text == non-streamed text for the same seed (completions and
+//!   chat);
 //! - every exchange is archived, and `gateway verify receipt` passes on each
 //!   archive offline; the proxy serves the receipts it verified;
 //! - a stream sealed to the gateway-held key comes back re-sealed with the
@@ -26,23 +28,7 @@ const GEN_MODEL: &str = "SmolLM2-135M-Instruct";
 
 /// A gateway with a 1-stage embeddings and a 2-stage completions pipeline.
 fn start_gateway() -> Gateway {
-    let dir = temp_dir("proxy-policy");
-    let policy = dir.join("policy-completions.toml");
-    std::fs::write(
-        &policy,
-        "allow_mock = true\ntrust_local_build = true\n[[stages]]\nindex = 0\nlayers = [0, 15]\n[[stages]]\nindex = 1\nlayers = [15, 30]\n",
-    )
-    .unwrap();
-    let extra = format!(
-        "[completions]\npolicy = {:?}\nmodel_dir = {:?}\n[[completions.stages]]\nlayers = [0, 15]\n[[completions.stages]]\nlayers = [15, 30]\n",
-        policy,
-        root().join("models/smollm2-135m-instruct")
-    );
-    Gateway::start(Options {
-        stages: vec![[0, 6]],
-        extra,
-        ..Options::default()
-    })
+    Gateway::start(completions_options(&[[0, 15], [15, 30]], ""))
 }
 
 const SDK_SCRIPT: &str = r#"
@@ -54,6 +40,11 @@ args = dict(model=sys.argv[3], prompt="Once upon a time", max_tokens=24, tempera
 whole = client.completions.with_raw_response.create(**args)
 raw = client.completions.with_raw_response.create(stream=True, **args)
 text = "".join(c.choices[0].text for c in raw.parse() if c.choices)
+chat_args = dict(model=sys.argv[3], messages=[{"role": "user", "content": "Name a colour."}],
+                 max_tokens=16, temperature=0.8, seed=7)
+chat = client.chat.completions.with_raw_response.create(**chat_args)
+chat_raw = client.chat.completions.with_raw_response.create(stream=True, **chat_args)
+chat_text = "".join(c.choices[0].delta.content or "" for c in chat_raw.parse() if c.choices)
 print(json.dumps({
     "emb_verified": emb.headers.get("receipt-verified"),
     "dim": len(emb.parse().data[0].embedding),
@@ -61,6 +52,10 @@ print(json.dumps({
     "whole_text": whole.parse().choices[0].text,
     "stream_text": text,
     "stream_receipt_id": raw.headers.get("receipt-id"),
+    "chat_verified": chat.headers.get("receipt-verified"),
+    "chat_text": chat.parse().choices[0].message.content,
+    "chat_stream_text": chat_text,
+    "chat_stream_receipt_id": chat_raw.headers.get("receipt-id"),
 }))
 "#;
 
@@ -88,16 +83,40 @@ async fn drive_with_reqwest(url: &str) -> Value {
     let whole: Value = whole.json().await.unwrap();
     let mut stream_args = args.clone();
     stream_args["stream"] = json!(true);
-    let r = post("/v1/completions", stream_args).await.unwrap();
-    let id = r.headers()["receipt-id"].to_str().unwrap().to_string();
-    let body = r.text().await.unwrap();
-    let mut text = String::new();
-    for ev in body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
-        if ev != "[DONE]" {
-            let v: Value = serde_json::from_str(ev).unwrap();
-            text += v["choices"][0]["text"].as_str().unwrap_or("");
+    // A stream's text and receipt id; `field` picks the text out of a chunk.
+    let stream = |path: &'static str, args: Value, field: fn(&Value) -> &Value| {
+        let r = post(path, args);
+        async move {
+            let r = r.await.unwrap();
+            let id = r.headers()["receipt-id"].to_str().unwrap().to_string();
+            let body = r.text().await.unwrap();
+            let mut text = String::new();
+            for ev in body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
+                if ev != "[DONE]" {
+                    let v: Value = serde_json::from_str(ev).unwrap();
+                    text += field(&v["choices"][0]).as_str().unwrap_or("");
+                }
+            }
+            (text, id)
         }
-    }
+    };
+    let (text, id) = stream("/v1/completions", stream_args, |c| &c["text"]).await;
+    let chat_args = json!({"model": GEN_MODEL, "max_tokens": 16, "temperature": 0.8, "seed": 7,
+                           "messages": [{"role": "user", "content": "Name a colour."}]});
+    let chat = post("/v1/chat/completions", chat_args.clone())
+        .await
+        .unwrap();
+    let chat_verified = chat.headers()["receipt-verified"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let chat: Value = chat.json().await.unwrap();
+    let mut chat_stream_args = chat_args;
+    chat_stream_args["stream"] = json!(true);
+    let (chat_text, chat_id) = stream("/v1/chat/completions", chat_stream_args, |c| {
+        &c["delta"]["content"]
+    })
+    .await;
     json!({
         "emb_verified": emb_verified,
         "dim": emb["data"][0]["embedding"].as_array().unwrap().len(),
@@ -105,6 +124,10 @@ async fn drive_with_reqwest(url: &str) -> Value {
         "whole_text": whole["choices"][0]["text"],
         "stream_text": text,
         "stream_receipt_id": id,
+        "chat_verified": chat_verified,
+        "chat_text": chat["choices"][0]["message"]["content"],
+        "chat_stream_text": chat_text,
+        "chat_stream_receipt_id": chat_id,
     })
 }
 
@@ -142,6 +165,13 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
         "streamed text concatenates to the non-streamed text"
     );
 
+    assert_eq!(result["chat_verified"], "true", "{result}");
+    assert!(!result["chat_text"].as_str().unwrap().is_empty());
+    assert_eq!(
+        result["chat_stream_text"], result["chat_text"],
+        "streamed chat concatenates to the non-streamed chat"
+    );
+
     // The proxy serves the stream's receipt, which it verified.
     let id = result["stream_receipt_id"].as_str().unwrap();
     let r = client()
@@ -159,11 +189,15 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
         .filter(|d| !d.file_name().unwrap().to_str().unwrap().starts_with('.'))
         .collect();
     dirs.sort();
-    assert_eq!(dirs.len(), 3, "{dirs:?}");
-    let stream_dir = archive.join(id);
-    assert!(dirs.contains(&stream_dir));
-    let streamed = std::fs::read(stream_dir.join("response")).unwrap();
-    assert!(streamed.ends_with(b"data: [DONE]\n\n"));
+    assert_eq!(dirs.len(), 5, "{dirs:?}");
+    let chat_id = result["chat_stream_receipt_id"].as_str().unwrap();
+    for id in [id, chat_id] {
+        let stream_dir = archive.join(id);
+        assert!(dirs.contains(&stream_dir));
+        let streamed = std::fs::read(stream_dir.join("response")).unwrap();
+        assert!(streamed.ends_with(b"data: [DONE]\n\n"));
+    }
+
     for d in &dirs {
         let request: Value =
             serde_json::from_slice(&std::fs::read(d.join("request.json")).unwrap()).unwrap();
@@ -195,6 +229,10 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
         };
         let (code, out, err) = verify(&d.join("response"));
         assert_eq!(code, 0, "{}:\n{out}\n{err}", d.display());
+        if request["messages"].is_array() {
+            // A chat receipt (the sealed streamed one included) names its endpoint.
+            assert!(out.contains("endpoint /v1/chat/completions"), "{out}");
+        }
         // The same check on a response with one byte changed fails.
         let mut bytes = std::fs::read(d.join("response")).unwrap();
         bytes[0] ^= 1;

@@ -27,6 +27,9 @@ pub enum Prompt {
 pub struct CompletionsRequest {
     /// The model asked for.
     pub model: String,
+    /// Which API asked: it decides the response's shape.
+    #[serde(default)]
+    pub api: Api,
     /// The prompts, in order (choice `i * n + j` is prompt `i`'s `j`-th sample).
     pub prompts: Vec<Prompt>,
     /// Most tokens to generate per choice.
@@ -61,6 +64,26 @@ impl CompletionsRequest {
     /// Number of choices (prompts × `n`).
     pub fn choices(&self) -> usize {
         self.prompts.len() * self.n as usize
+    }
+}
+
+/// The API a generation request came through.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Api {
+    /// `POST /v1/completions` (`text_completion` bodies).
+    #[default]
+    Completions,
+    /// `POST /v1/chat/completions` (`chat.completion` bodies).
+    Chat,
+}
+
+impl Api {
+    /// The API path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Completions => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
+        }
     }
 }
 
@@ -198,55 +221,63 @@ fn stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
-/// Parses and validates a request body for a model with `vocab` tokens.
-pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, ApiError> {
-    let v = json_object(body)?;
-    let obj = v.as_object().expect("checked");
+/// An integer field in `lo..=hi` (`default` when absent or null).
+pub(crate) fn int_field(
+    obj: &Map<String, Value>,
+    key: &str,
+    lo: u64,
+    hi: u64,
+    default: u64,
+) -> Result<u64, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(x) if (lo..=hi).contains(&x) => Ok(x),
+            _ => Err(ApiError::invalid(
+                Some(key),
+                format!("`{key}` must be an integer from {lo} to {hi}."),
+            )),
+        },
+        Some(_) => Err(ApiError::invalid(
+            Some(key),
+            format!("`{key}` must be an integer."),
+        )),
+    }
+}
+
+/// A boolean field (false when absent or null).
+pub(crate) fn flag_field(obj: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::invalid(
+            Some(key),
+            format!("`{key}` must be a boolean."),
+        )),
+    }
+}
+
+/// The fields `/v1/completions` and `/v1/chat/completions` share: sampling,
+/// penalties, stop sequences, `n`, streaming. `prompts` is left empty,
+/// `max_tokens` at `max_tokens` and `logprobs` at `logprobs`; `prompts`
+/// counts the prompts for the `n` limit.
+pub(crate) fn shared_fields(
+    obj: &Map<String, Value>,
+    vocab: u32,
+    api: Api,
+    prompts: usize,
+    max_tokens: u32,
+    logprobs: Option<u32>,
+) -> Result<CompletionsRequest, ApiError> {
     let model = model_field(obj)?;
-    let prompts = prompts(obj.get("prompt"), vocab)?;
-    let int = |key: &str, lo: u64, hi: u64, default: u64| -> Result<u64, ApiError> {
-        match obj.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(Value::Number(n)) => match n.as_u64() {
-                Some(x) if (lo..=hi).contains(&x) => Ok(x),
-                _ => Err(ApiError::invalid(
-                    Some(key),
-                    format!("`{key}` must be an integer from {lo} to {hi}."),
-                )),
-            },
-            Some(_) => Err(ApiError::invalid(
-                Some(key),
-                format!("`{key}` must be an integer."),
-            )),
-        }
-    };
-    let flag = |key: &str| -> Result<bool, ApiError> {
-        match obj.get(key) {
-            None | Some(Value::Null) => Ok(false),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(_) => Err(ApiError::invalid(
-                Some(key),
-                format!("`{key}` must be a boolean."),
-            )),
-        }
-    };
-    let max_tokens = int("max_tokens", 1, u32::MAX as u64, 16)? as u32;
-    let n = int("n", 1, MAX_CHOICES as u64, 1)? as u32;
-    if prompts.len() * n as usize > MAX_CHOICES {
+    let n = int_field(obj, "n", 1, MAX_CHOICES as u64, 1)? as u32;
+    if prompts * n as usize > MAX_CHOICES {
         return Err(ApiError::invalid(
             Some("n"),
             format!(
-                "{} prompts × n = {n} asks for {} choices; at most {MAX_CHOICES} per request.",
-                prompts.len(),
-                prompts.len() * n as usize
+                "{prompts} prompts × n = {n} asks for {} choices; at most {MAX_CHOICES} per request.",
+                prompts * n as usize
             ),
-        ));
-    }
-    let best_of = int("best_of", 1, MAX_CHOICES as u64, n as u64)?;
-    if best_of != n as u64 {
-        return Err(ApiError::invalid(
-            Some("best_of"),
-            "`best_of` other than `n` is not supported by this server.",
         ));
     }
     let seed = match obj.get("seed") {
@@ -263,19 +294,7 @@ pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, 
             ))
         }
     };
-    let stream = flag("stream")?;
-    let echo = flag("echo")?;
-    let logprobs = match obj.get("logprobs") {
-        None | Some(Value::Null) => None,
-        Some(_) => Some(int("logprobs", 0, MAX_LOGPROBS as u64, 0)? as u32),
-    };
-    if logprobs.is_some() && echo {
-        return Err(ApiError::invalid(
-            Some("logprobs"),
-            "`logprobs` together with `echo` (log-probabilities of the prompt) is not \
-             supported by this server; use one or the other.",
-        ));
-    }
+    let stream = flag_field(obj, "stream")?;
     if logprobs.is_some() && stream {
         return Err(ApiError::invalid(
             Some("logprobs"),
@@ -308,12 +327,6 @@ pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, 
             ))
         }
     };
-    if obj.get("suffix").is_some_and(|s| !s.is_null()) {
-        return Err(ApiError::invalid(
-            Some("suffix"),
-            "`suffix` (insertion) is not supported by this model.",
-        ));
-    }
     let logit_bias = match obj.get("logit_bias") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Object(m)) => {
@@ -347,7 +360,8 @@ pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, 
     user_field(obj)?;
     Ok(CompletionsRequest {
         model,
-        prompts,
+        api,
+        prompts: Vec::new(),
         max_tokens,
         temperature: ranged(obj, "temperature", 0.0, 2.0, 1.0)?,
         top_p: {
@@ -363,7 +377,7 @@ pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, 
         seed,
         stop: stop(obj.get("stop"))?,
         n,
-        echo,
+        echo: false,
         logprobs,
         stream,
         include_usage,
@@ -371,6 +385,52 @@ pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, 
         frequency_penalty: ranged(obj, "frequency_penalty", -2.0, 2.0, 0.0)?,
         logit_bias,
     })
+}
+
+/// Parses and validates a request body for a model with `vocab` tokens.
+pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, ApiError> {
+    let v = json_object(body)?;
+    let obj = v.as_object().expect("checked");
+    model_field(obj)?;
+    let prompts = prompts(obj.get("prompt"), vocab)?;
+    let max_tokens = int_field(obj, "max_tokens", 1, u32::MAX as u64, 16)? as u32;
+    let n = int_field(obj, "n", 1, MAX_CHOICES as u64, 1)?;
+    let best_of = int_field(obj, "best_of", 1, MAX_CHOICES as u64, n)?;
+    if best_of != n {
+        return Err(ApiError::invalid(
+            Some("best_of"),
+            "`best_of` other than `n` is not supported by this server.",
+        ));
+    }
+    let echo = flag_field(obj, "echo")?;
+    let logprobs = match obj.get("logprobs") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(int_field(obj, "logprobs", 0, MAX_LOGPROBS as u64, 0)? as u32),
+    };
+    if logprobs.is_some() && echo {
+        return Err(ApiError::invalid(
+            Some("logprobs"),
+            "`logprobs` together with `echo` (log-probabilities of the prompt) is not \
+             supported by this server; use one or the other.",
+        ));
+    }
+    if obj.get("suffix").is_some_and(|s| !s.is_null()) {
+        return Err(ApiError::invalid(
+            Some("suffix"),
+            "`suffix` (insertion) is not supported by this model.",
+        ));
+    }
+    let mut r = shared_fields(
+        obj,
+        vocab,
+        Api::Completions,
+        prompts.len(),
+        max_tokens,
+        logprobs,
+    )?;
+    r.prompts = prompts;
+    r.echo = echo;
+    Ok(r)
 }
 
 /// 400 for a prompt (plus `max_tokens`) longer than the context.
@@ -447,7 +507,7 @@ pub struct Usage {
 }
 
 impl Usage {
-    fn to_json(self) -> Value {
+    pub(crate) fn to_json(self) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -469,23 +529,32 @@ pub fn completions_response(
     choices: &[Choice],
     usage: Usage,
 ) -> Value {
-    let choices: Vec<Value> = choices
-        .iter()
-        .map(|c| {
-            json!({
-                "text": c.text,
-                "index": c.index,
-                "logprobs": c.logprobs.as_ref().map(Logprobs::to_json),
-                "finish_reason": c.finish_reason.as_str(),
-            })
+    let choices = choices.iter().map(|c| {
+        json!({
+            "text": c.text,
+            "index": c.index,
+            "logprobs": c.logprobs.as_ref().map(Logprobs::to_json),
+            "finish_reason": c.finish_reason.as_str(),
         })
-        .collect();
+    });
+    response_body("text_completion", id, created, model, choices, usage)
+}
+
+/// A whole response: `object`, identity, the choices' JSON and usage.
+pub(crate) fn response_body(
+    object: &str,
+    id: &str,
+    created: u64,
+    model: &str,
+    choices: impl Iterator<Item = Value>,
+    usage: Usage,
+) -> Value {
     json!({
         "id": id,
-        "object": "text_completion",
+        "object": object,
         "created": created,
         "model": model,
-        "choices": choices,
+        "choices": choices.collect::<Vec<_>>(),
         "usage": usage.to_json(),
     })
 }
@@ -501,9 +570,12 @@ pub struct StreamIdentity {
     pub model: String,
     /// Whether chunks carry `"usage": null` (with `include_usage`).
     pub include_usage: bool,
+    /// The API: `text_completion` or `chat.completion.chunk` events.
+    #[serde(default)]
+    pub api: Api,
 }
 
-fn sse(v: &Value) -> Vec<u8> {
+pub(crate) fn sse(v: &Value) -> Vec<u8> {
     let mut out = b"data: ".to_vec();
     out.extend(serde_json::to_vec(v).expect("JSON of a JSON value"));
     out.extend(b"\n\n");
@@ -537,9 +609,13 @@ pub fn stream_text_event(
 
 /// The usage event (`choices: []`) sent before `[DONE]` with `include_usage`.
 pub fn stream_usage_event(s: &StreamIdentity, usage: Usage) -> Vec<u8> {
+    let object = match s.api {
+        Api::Completions => "text_completion",
+        Api::Chat => "chat.completion.chunk",
+    };
     sse(&json!({
         "id": s.id,
-        "object": "text_completion",
+        "object": object,
         "created": s.created,
         "model": s.model,
         "choices": [],
@@ -688,6 +764,7 @@ mod tests {
             created: 7,
             model: "m".into(),
             include_usage: true,
+            api: Api::Completions,
         };
         let ev = stream_text_event(&s, 1, "a", None);
         assert!(ev.starts_with(b"data: {") && ev.ends_with(b"\n\n"));

@@ -11,6 +11,7 @@ pub mod attestation;
 pub mod bundle;
 pub mod cbor;
 pub mod channel;
+pub mod chat;
 pub mod completions;
 pub mod digest;
 pub mod frames;

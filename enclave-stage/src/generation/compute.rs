@@ -25,9 +25,10 @@ use crate::sampling::SamplingParams;
 use crate::stats::{unix_ns, RequestTimer, STATS};
 use anyhow::{anyhow, bail, Result};
 use candle_core::Tensor;
+use proto::chat::{chat_chunk_event, chat_completion_id, chat_response, Delta};
 use proto::completions::{
     completion_id, completions_response, stream_error_event, stream_text_event, stream_usage_event,
-    StreamIdentity, Usage, STREAM_DONE,
+    Api, FinishReason, StreamIdentity, Usage, STREAM_DONE,
 };
 use proto::digest::Sha256Digest;
 use proto::frames::{
@@ -72,6 +73,14 @@ fn chain(prev: Option<Sha256Digest>, s: &StepSeq, rows: &[u8]) -> Sha256Digest {
     )
 }
 
+/// The response `id`: `cmpl-…` or `chatcmpl-…` and the receipt id.
+fn response_id(api: Api, receipt_id: &[u8; 16]) -> String {
+    match api {
+        Api::Completions => completion_id(receipt_id),
+        Api::Chat => chat_completion_id(receipt_id),
+    }
+}
+
 fn combine(d: &[Option<Sha256Digest>]) -> Sha256Digest {
     let parts: Vec<[u8; 32]> = d
         .iter()
@@ -86,6 +95,40 @@ struct Streaming {
     sealer: ResponseSealer,
     /// Every plaintext byte of the event stream so far (the receipt binds it).
     bytes: Vec<u8>,
+    /// Per choice: whether its first chat chunk (the role) has gone out.
+    started: Vec<bool>,
+}
+
+impl Streaming {
+    /// The events for choice `index` after a step: its new `text` and, on
+    /// its last step, why it ended. Chat sends the role first, then content,
+    /// then an empty delta with the finish reason.
+    fn events(&mut self, index: u32, text: &str, finish: Option<FinishReason>) -> Vec<u8> {
+        let id = &self.identity;
+        let mut out = Vec::new();
+        match id.api {
+            Api::Completions => {
+                if !text.is_empty() || finish.is_some() {
+                    out = stream_text_event(id, index, text, finish);
+                }
+            }
+            Api::Chat => {
+                if let Some(started) = self.started.get_mut(index as usize) {
+                    if !*started {
+                        *started = true;
+                        out.extend(chat_chunk_event(id, index, Delta::Role));
+                    }
+                }
+                if !text.is_empty() {
+                    out.extend(chat_chunk_event(id, index, Delta::Content(text)));
+                }
+                if let Some(f) = finish {
+                    out.extend(chat_chunk_event(id, index, Delta::Finish(f)));
+                }
+            }
+        }
+        out
+    }
 }
 
 struct ExitState {
@@ -364,13 +407,15 @@ impl Generator {
         let stream = match r.stream {
             true => Some(Streaming {
                 identity: StreamIdentity {
-                    id: completion_id(&ctx.receipt_id),
+                    id: response_id(r.api, &ctx.receipt_id),
                     created: ctx.created,
                     model: self.model.claims.model_id.clone(),
                     include_usage: r.include_usage,
+                    api: r.api,
                 },
                 sealer: ResponseSealer::new(&ctx.response_key)?,
                 bytes: Vec::new(),
+                started: vec![false; choices.len()],
             }),
             false => None,
         };
@@ -789,18 +834,11 @@ impl Generator {
             };
             let token = choice.step(row, &ex.rules, tok);
             let finish = choice.finish();
-            if let Some(st) = ex.stream.as_ref() {
+            if let Some(st) = ex.stream.as_mut() {
                 let text = choice.take_stream_text(&ex.rules.stop);
-                if !text.is_empty() || finish.is_some() {
-                    events
-                        .entry(s.request_id)
-                        .or_default()
-                        .extend(stream_text_event(
-                            &st.identity,
-                            choice.index(),
-                            &text,
-                            finish,
-                        ));
+                let ev = st.events(choice.index(), &text, finish);
+                if !ev.is_empty() {
+                    events.entry(s.request_id).or_default().extend(ev);
                 }
             }
             if finish.is_some() {
@@ -972,8 +1010,13 @@ impl Generator {
             }
             None => {
                 let choices: Vec<_> = ex.choices.into_iter().map(ChoiceOut::into_choice).collect();
-                let v = completions_response(
-                    &completion_id(&r.ctx.receipt_id),
+                let api = r.ctx.request.api;
+                let body = match api {
+                    Api::Completions => completions_response,
+                    Api::Chat => chat_response,
+                };
+                let v = body(
+                    &response_id(api, &r.ctx.receipt_id),
                     r.ctx.created,
                     &c.model_id,
                     &choices,

@@ -1,7 +1,8 @@
 //! What a generation stage loads: the model manifest (every file checked),
 //! the Llama configuration, the tokenizer (entry stage: prompts; exit stage:
-//! output text), and, for the compute thread, its [`LlamaPart`].
+//! output text), the chat template (entry stage), and, for the compute thread, its [`LlamaPart`].
 
+use super::chat_template::ChatTemplate;
 use crate::engine::StageSpec;
 use crate::llama::{LlamaConfig, LlamaPart, WeightFormat};
 use anyhow::{bail, Context, Result};
@@ -21,6 +22,8 @@ pub struct GenModel {
     pub config: LlamaConfig,
     /// The tokenizer (entry and exit stages).
     pub tokenizer: Option<Tokenizer>,
+    /// The GGUF's chat template (entry stage; `None` if the model has none).
+    pub chat_template: Option<ChatTemplate>,
     spec: StageSpec,
     gguf: PathBuf,
     weights: WeightFormat,
@@ -45,10 +48,14 @@ impl GenModel {
             .map(|f| f.path.clone())
             .context("the manifest names no .gguf file")?;
         let gguf = manifest.verified_path(&gguf_name)?;
-        let config = {
+        let (config, template_source) = {
             let mut f = std::fs::File::open(&gguf)?;
             let ct = gguf_file::Content::read(&mut f).map_err(|e| e.with_path(&gguf))?;
-            LlamaConfig::from_gguf(&ct)?
+            let template = match ct.metadata.get("tokenizer.chat_template") {
+                Some(v) => Some(v.to_string()?.clone()),
+                None => None,
+            };
+            (LlamaConfig::from_gguf(&ct)?, template)
         };
         if spec.layers.end > config.num_layers {
             bail!(
@@ -75,11 +82,26 @@ impl GenModel {
         } else {
             None
         };
+        let chat_template = match (entry, &tokenizer, template_source) {
+            (true, Some(t), Some(source)) => {
+                let token = |id: Option<u32>| id.and_then(|i| t.id_to_token(i)).unwrap_or_default();
+                Some(
+                    ChatTemplate::new(
+                        &source,
+                        &token(config.bos_token_id),
+                        &token(config.eos_token_id),
+                    )
+                    .map_err(anyhow::Error::msg)?,
+                )
+            }
+            _ => None,
+        };
         Ok(Self {
             manifest,
             claims,
             config,
             tokenizer,
+            chat_template,
             spec: spec.clone(),
             gguf,
             weights,

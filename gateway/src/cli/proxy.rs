@@ -1010,6 +1010,12 @@ fn router(state: AppState) -> Router {
             }),
         )
         .route(
+            "/v1/chat/completions",
+            post(|State(s): State<AppState>, h: HeaderMap, b: Body| {
+                sealed_handler(s, "/v1/chat/completions", h, b)
+            }),
+        )
+        .route(
             "/v1/models",
             get(|State(s): State<AppState>, h: HeaderMap| async move {
                 forward_get(&s, "/v1/models", &h).await

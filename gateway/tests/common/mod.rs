@@ -774,3 +774,61 @@ pub async fn pinned_policy(url: &str, model: &str, path: &Path) -> PathBuf {
     std::fs::write(path, text).unwrap();
     path.to_path_buf()
 }
+
+/// The `data:` payloads of a Server-Sent-Events body, in order.
+pub fn sse_events(body: &[u8]) -> Vec<String> {
+    String::from_utf8(body.to_vec())
+        .unwrap()
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").expect("data event").to_string())
+        .collect()
+}
+
+/// Options for a gateway with a 1-stage embeddings pipeline (fewer
+/// processes) and a SmolLM2 completions pipeline running `stages`, under a
+/// policy that trusts the local build; `extra` lines go into `[completions]`.
+pub fn completions_options(stages: &[[u32; 2]], extra: &str) -> Options {
+    let dir = temp_dir("cpl-policy");
+    let mut policy = String::from("allow_mock = true\ntrust_local_build = true\n");
+    for (i, s) in stages.iter().enumerate() {
+        policy += &format!("[[stages]]\nindex = {i}\nlayers = [{}, {}]\n", s[0], s[1]);
+    }
+    let path = dir.join("policy-completions.toml");
+    std::fs::write(&path, policy).unwrap();
+    let mut table = format!(
+        "[completions]\npolicy = {:?}\nmodel_dir = {:?}\n{extra}\n",
+        path,
+        root().join("models/smollm2-135m-instruct")
+    );
+    for s in stages {
+        table += &format!("[[completions.stages]]\nlayers = [{}, {}]\n", s[0], s[1]);
+    }
+    Options {
+        stages: vec![[0, 6]],
+        extra: table,
+        ..Options::default()
+    }
+}
+
+/// POSTs `body` as JSON to `url` + `path`: status, JSON body (null if none)
+/// and headers.
+pub async fn post_json(
+    url: &str,
+    path: &str,
+    body: &serde_json::Value,
+) -> (u16, serde_json::Value, reqwest::header::HeaderMap) {
+    let r = client()
+        .post(format!("{url}{path}"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    (
+        status,
+        r.json().await.unwrap_or(serde_json::Value::Null),
+        headers,
+    )
+}
