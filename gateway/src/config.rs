@@ -36,7 +36,8 @@ pub struct GatewayConfig {
     /// Key paths set by environment overrides → the variable's name.
     #[serde(skip)]
     pub overrides: BTreeMap<String, String>,
-    /// The text-generation pipeline for `/v1/completions` (none: not served).
+    /// The text-generation pipeline for `/v1/completions` and
+    /// `/v1/chat/completions` (none: not served).
     #[serde(default)]
     pub completions: Option<CompletionsConfig>,
     /// OpenTelemetry traces (off unless `otlp_endpoint` is set).
@@ -161,7 +162,8 @@ pub struct TimeoutsConfig {
     /// `POST /v1/embeddings` (default: `server.request_timeout_secs`).
     #[serde(default)]
     pub embeddings_secs: Option<u64>,
-    /// `POST /v1/completions` (default: `server.request_timeout_secs`).
+    /// `POST /v1/completions` and `POST /v1/chat/completions` (default:
+    /// `server.request_timeout_secs`).
     #[serde(default)]
     pub completions_secs: Option<u64>,
     /// `GET /v1/attestation`: fresh evidence from every stage (default 10).

@@ -219,7 +219,7 @@ impl Pipeline {
         }))
     }
 
-    /// Whether this pipeline generates text (`/v1/completions`).
+    /// Whether this pipeline generates text (`/v1/completions`, `/v1/chat/completions`).
     pub fn is_generation(&self) -> bool {
         self.endpoint == "/v1/completions"
     }

@@ -2,7 +2,7 @@
 //! otlp_endpoint` is set; off by default, and then nothing here runs: no
 //! exporter, no OpenTelemetry layer, and the request span is `Span::none()`.
 //!
-//! One span per `/v1/embeddings` or `/v1/completions` request (GenAI
+//! One span per `/v1/embeddings`, `/v1/completions` or `/v1/chat/completions` request (GenAI
 //! semantic conventions: `gen_ai.operation.name`, `gen_ai.request.model`,
 //! `gen_ai.response.model`, `gen_ai.usage.*`, `gen_ai.response.finish_reasons`,
 //! plus `http.route` and `http.response.status_code`), continuing the

@@ -2,7 +2,8 @@
 //! decoding `ExportTraceServiceRequest` with `opentelemetry-proto`) receives
 //! the spans of the real gateway (tracing switched on by the environment
 //! override `GATEWAY_TELEMETRY__OTLP_ENDPOINT`) serving an embeddings
-//! request, a completions request and a streamed completion, each through
+//! request, a completions request, a streamed completion and a chat
+//! completion, each through
 //! two real stages. It checks the GenAI attributes, the caller's trace
 //! context, one child span per stage (with its queue span) at plausible
 //! times, the stage metrics, and that a marker string sent in every request
@@ -225,6 +226,15 @@ async fn spans_carry_genai_attributes_and_stage_hops_and_no_content() {
     assert_eq!(r.status(), 200);
     let stream = r.bytes().await.unwrap();
     assert!(String::from_utf8_lossy(&stream).contains("[DONE]"));
+    // A chat request with the marker in a message.
+    let r = client()
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .json(&json!({"model": GEN_MODEL, "max_tokens": 4,
+                      "messages": [{"role": "user", "content": prompt}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
 
     // The spans arrive within a few export periods.
     let mut all = Vec::new();
@@ -233,7 +243,8 @@ async fn spans_carry_genai_attributes_and_stage_hops_and_no_content() {
         let stage_spans = all.iter().filter(|s| s.name.starts_with("stage ")).count();
         if request_span(&all, "text_completion", 1).is_some()
             && request_span(&all, "embeddings", 0).is_some()
-            && stage_spans >= 12
+            && request_span(&all, "chat", 0).is_some()
+            && stage_spans >= 14
         {
             break;
         }
@@ -292,8 +303,15 @@ async fn spans_carry_genai_attributes_and_stage_hops_and_no_content() {
         check_stage_spans(&all, c);
     }
 
+    let chat = request_span(&all, "chat", 0).expect("chat span");
+    assert_eq!(chat.name, format!("chat {GEN_MODEL}"));
+    assert_eq!(attr_str(chat, "gen_ai.operation.name"), "chat");
+    assert_eq!(attr_str(chat, "http.route"), "/v1/chat/completions");
+    assert!(attr_int(chat, "gen_ai.usage.output_tokens") > 0);
+    check_stage_spans(&all, chat);
+
     // Stage metrics: the stages answered, batch sizes and tokens counted,
-    // time to first token observed for both completions.
+    // time to first token observed for the completions and the chat.
     let m = metrics_text(&gw.url).await;
     for p in ["embeddings", "completions"] {
         for st in 0..2 {
@@ -335,7 +353,7 @@ async fn spans_carry_genai_attributes_and_stage_hops_and_no_content() {
             &m,
             "gateway_completions_time_to_first_token_seconds_count{pipeline=\"completions\"}"
         ),
-        2.0
+        3.0
     );
     let reasons = sample(
         &m,
@@ -344,7 +362,7 @@ async fn spans_carry_genai_attributes_and_stage_hops_and_no_content() {
         &m,
         "gateway_completions_finish_reasons_total{pipeline=\"completions\",reason=\"length\"}",
     );
-    assert_eq!(reasons, 3.0, "{m}");
+    assert_eq!(reasons, 4.0, "{m}");
 
     // The marker is nowhere: spans (raw export bodies: names, attributes,
     // events), logs of the gateway and its stages, stdout, metrics.
