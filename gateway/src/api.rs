@@ -162,7 +162,7 @@ pub fn router(state: AppState) -> Router {
             ApiError::method_not_allowed(method.as_str(), uri.path())
         })
         .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            Arc::new(traced_routes(&state)),
             crate::telemetry::trace_request,
         ))
         .layer(axum::middleware::from_fn_with_state(
@@ -179,6 +179,29 @@ pub fn router(state: AppState) -> Router {
         ))
         .layer(axum::middleware::from_fn(request_id))
         .with_state(state)
+}
+
+/// The API routes that get a trace span, with the model each serves.
+fn traced_routes(s: &AppState) -> crate::telemetry::TracedRoutes {
+    use crate::telemetry::TracedRoute;
+    let generation = s.completions.as_ref().map(|p| p.model_id.clone());
+    crate::telemetry::TracedRoutes(vec![
+        TracedRoute {
+            route: crate::timeouts::EMBEDDINGS,
+            operation: "embeddings",
+            model: Some(s.pipeline.model_id.clone()),
+        },
+        TracedRoute {
+            route: crate::timeouts::COMPLETIONS,
+            operation: "text_completion",
+            model: generation.clone(),
+        },
+        TracedRoute {
+            route: crate::timeouts::CHAT_COMPLETIONS,
+            operation: "chat",
+            model: generation,
+        },
+    ])
 }
 
 /// Response header (and log field) carrying the request id.
@@ -215,8 +238,9 @@ async fn request_id(mut req: axum::extract::Request, next: axum::middleware::Nex
 }
 
 async fn metrics_handler(State(s): State<AppState>) -> Response {
-    let mut text = s.metrics.render(Some(&s.pipeline));
-    text += &crate::stage_metrics::render(&s.pipelines()).await;
+    let mut text = s.metrics.render(Some(&s.pipeline.health()));
+    let views = futures_util::future::join_all(s.pipelines().into_iter().map(|p| p.view())).await;
+    text += &crate::stage_metrics::render(&views);
     (
         [(
             header::CONTENT_TYPE,

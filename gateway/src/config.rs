@@ -940,4 +940,36 @@ mod tests {
         let e = format!("{:#}", GatewayConfig::parse(&text, env(&[])).unwrap_err());
         assert!(e.starts_with("server.max_inputs: invalid type"), "{e}");
     }
+
+    #[test]
+    fn env_override_turns_tracing_on_and_errors_name_it() {
+        let shipped =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml");
+        let load = |v: &str| {
+            GatewayConfig::load_with_env(
+                &shipped,
+                [("GATEWAY_TELEMETRY__OTLP_ENDPOINT".to_string(), v.into())],
+            )
+        };
+        let cfg = load("http://127.0.0.1:4318").unwrap();
+        assert_eq!(
+            cfg.telemetry.otlp_endpoint.as_deref(),
+            Some("http://127.0.0.1:4318")
+        );
+        assert_eq!(cfg.telemetry.service_name, "confidential-gateway");
+        let shown = cfg.effective_toml();
+        assert!(
+            shown.contains("[telemetry]")
+                && shown.contains("otlp_endpoint = \"http://127.0.0.1:4318\""),
+            "{shown}"
+        );
+        let e = format!("{:#}", load("grpc://x:4317").unwrap_err());
+        assert!(
+            e.contains("GATEWAY_TELEMETRY__OTLP_ENDPOINT (telemetry.otlp_endpoint): must be an http:// URL"),
+            "{e}"
+        );
+        // Off by default.
+        let cfg = GatewayConfig::load_with_env(&shipped, []).unwrap();
+        assert!(cfg.telemetry.otlp_endpoint.is_none());
+    }
 }

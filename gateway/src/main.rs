@@ -89,11 +89,17 @@ struct MeasureArgs {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     // `serve` reads its config first: traces need their exporter in the subscriber.
-    telemetry::init_logging(match &cli.command {
+    // A config that does not load is left to `serve` to report.
+    let serve_config = match &cli.command {
         Some(Command::Serve(a)) => Some(a.config.as_path()),
         None => Some(std::path::Path::new("config/gateway.toml")),
         _ => None,
-    });
+    };
+    telemetry::init_logging(
+        serve_config
+            .and_then(|p| config::GatewayConfig::load(p).ok())
+            .map(|c| c.telemetry),
+    );
     let args = match cli.command {
         Some(Command::Serve(a)) => a,
         Some(Command::Client(c)) => std::process::exit(cli::run(c)),

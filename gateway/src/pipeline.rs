@@ -258,6 +258,29 @@ impl Pipeline {
         self.targets.lock().unwrap().len()
     }
 
+    /// Readiness and connection counters for `/metrics`.
+    pub fn health(&self) -> crate::metrics::PipelineHealth {
+        crate::metrics::PipelineHealth {
+            ready: self.status().is_ok(),
+            stage_count: self.stage_count(),
+            reconnects: self.reconnects.load(Ordering::Relaxed),
+            attestation_failures: self.attestation_failures.load(Ordering::Relaxed),
+        }
+    }
+
+    /// This pipeline for `/metrics`: its health, usage counters and every
+    /// stage's counters (asked now, each within [`STATS_TIMEOUT`]).
+    ///
+    /// [`STATS_TIMEOUT`]: crate::stage_metrics::STATS_TIMEOUT
+    pub async fn view(&self) -> crate::stage_metrics::PipelineView<'_> {
+        crate::stage_metrics::PipelineView {
+            generation: self.is_generation(),
+            health: self.health(),
+            usage: &self.usage,
+            stats: self.stats(crate::stage_metrics::STATS_TIMEOUT).await,
+        }
+    }
+
     /// Connects once; on failure says why (naming the stage) and whether the
     /// stage was reached but refused by policy (`rejected`, also counted in
     /// `attestation_failures`).

@@ -10,13 +10,12 @@
 //! stage index, the operation and the finish reason (`stop`, `length`,
 //! anything else as `other`). No request content can become a label.
 
-use crate::metrics::{Histogram, BUCKETS};
-use crate::pipeline::Pipeline;
+use crate::metrics::{Histogram, PipelineHealth, BUCKETS};
 use proto::frames::{RequestTelemetry, StageStats, BATCH_SIZE_BOUNDS};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// How long a scrape waits for a stage's counters.
@@ -76,16 +75,29 @@ type StageFamily = (
     fn(&StageStats) -> f64,
 );
 
-fn pipeline_label(p: &Pipeline) -> &'static str {
-    if p.is_generation() {
+/// One pipeline as its metrics show it, taken by the pipeline at a scrape
+/// (plain data: this module knows nothing of pipelines).
+pub struct PipelineView<'a> {
+    /// Whether it generates text (`completions`) or embeds (`embeddings`).
+    pub generation: bool,
+    /// Readiness and connection counters.
+    pub health: PipelineHealth,
+    /// The exit stage's per-request reports.
+    pub usage: &'a UsageCounters,
+    /// Each stage's counters, `None` where the stage did not answer in time.
+    pub stats: Vec<Option<StageStats>>,
+}
+
+fn pipeline_label(p: &PipelineView) -> &'static str {
+    if p.generation {
         "completions"
     } else {
         "embeddings"
     }
 }
 
-fn operation(p: &Pipeline) -> &'static str {
-    if p.is_generation() {
+fn operation(p: &PipelineView) -> &'static str {
+    if p.generation {
         "text_completion"
     } else {
         "embeddings"
@@ -96,16 +108,8 @@ fn family(o: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
-/// Asks every stage of every pipeline for its counters and renders the
-/// pipeline families.
-pub async fn render(pipelines: &[&Arc<Pipeline>]) -> String {
-    let stats =
-        futures_util::future::join_all(pipelines.iter().map(|p| p.stats(STATS_TIMEOUT))).await;
-    render_with(pipelines, &stats)
-}
-
-/// The pipeline families, given each pipeline's stage counters.
-pub fn render_with(pipelines: &[&Arc<Pipeline>], stats: &[Vec<Option<StageStats>>]) -> String {
+/// The pipeline families of every pipeline.
+pub fn render(pipelines: &[PipelineView]) -> String {
     let mut o = String::new();
     family(
         &mut o,
@@ -114,8 +118,8 @@ pub fn render_with(pipelines: &[&Arc<Pipeline>], stats: &[Vec<Option<StageStats>
         "Per pipeline and stage: 1 when connected over a verified attested channel, else 0.",
     );
     for p in pipelines {
-        let up = u8::from(p.status().is_ok());
-        for i in 0..p.stage_count() {
+        let up = u8::from(p.health.ready);
+        for i in 0..p.health.stage_count {
             let _ = writeln!(
                 o,
                 "gateway_pipeline_stage_up{{pipeline=\"{}\",stage=\"{i}\"}} {up}",
@@ -134,15 +138,15 @@ pub fn render_with(pipelines: &[&Arc<Pipeline>], stats: &[Vec<Option<StageStats>
             o,
             "gateway_pipeline_attestation_failures_total{{pipeline=\"{}\"}} {}",
             pipeline_label(p),
-            p.attestation_failures.load(Ordering::Relaxed)
+            p.health.attestation_failures
         );
     }
     render_usage(&mut o, pipelines);
-    render_stages(&mut o, pipelines, stats);
+    render_stages(&mut o, pipelines);
     o
 }
 
-fn render_usage(o: &mut String, pipelines: &[&Arc<Pipeline>]) {
+fn render_usage(o: &mut String, pipelines: &[PipelineView]) {
     let counters: [UsageFamily; 3] = [
         (
             "gateway_genai_requests_total",
@@ -168,11 +172,11 @@ fn render_usage(o: &mut String, pipelines: &[&Arc<Pipeline>]) {
                 "{name}{{pipeline=\"{}\",operation=\"{}\"}} {}",
                 pipeline_label(p),
                 operation(p),
-                get(&p.usage)
+                get(p.usage)
             );
         }
     }
-    let gen: Vec<_> = pipelines.iter().filter(|p| p.is_generation()).collect();
+    let gen: Vec<_> = pipelines.iter().filter(|p| p.generation).collect();
     family(
         o,
         "gateway_completions_finish_reasons_total",
@@ -210,9 +214,10 @@ fn render_usage(o: &mut String, pipelines: &[&Arc<Pipeline>]) {
     }
 }
 
-fn render_stages(o: &mut String, pipelines: &[&Arc<Pipeline>], stats: &[Vec<Option<StageStats>>]) {
+fn render_stages(o: &mut String, pipelines: &[PipelineView]) {
     let each = |o: &mut String, f: &dyn Fn(&mut String, &str, &StageStats)| {
-        for (p, st) in pipelines.iter().zip(stats) {
+        for p in pipelines {
+            let st = &p.stats;
             for (i, s) in st.iter().enumerate() {
                 if let Some(s) = s {
                     let labels = format!("pipeline=\"{}\",stage=\"{i}\"", pipeline_label(p));
@@ -227,7 +232,8 @@ fn render_stages(o: &mut String, pipelines: &[&Arc<Pipeline>], stats: &[Vec<Opti
         "gauge",
         "1 when the stage answered the scrape's Stats request in time (its stage_* samples are present), else 0.",
     );
-    for (p, st) in pipelines.iter().zip(stats) {
+    for p in pipelines {
+        let st = &p.stats;
         for (i, s) in st.iter().enumerate() {
             let _ = writeln!(
                 o,

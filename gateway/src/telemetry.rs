@@ -13,7 +13,6 @@
 //! stages measured. Spans carry ids, counts, times, model ids and status
 //! codes only: never prompts, outputs, keys or tokens.
 
-use crate::api::AppState;
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::HeaderMap;
 use axum::middleware::Next;
@@ -29,7 +28,7 @@ use opentelemetry_sdk::trace::{
 };
 use proto::frames::{RequestTelemetry, TraceContext};
 use serde::{Deserialize, Serialize};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -115,13 +114,9 @@ struct Exporting {
 
 static EXPORTING: OnceLock<Exporting> = OnceLock::new();
 
-/// Installs logging and, when the serve config at `config` names an OTLP
-/// endpoint, the trace exporter. A config that does not load is left to
-/// `serve` to report.
-pub fn init_logging(config: Option<&std::path::Path>) {
-    let cfg = config
-        .and_then(|p| crate::config::GatewayConfig::load(p).ok())
-        .map(|c| c.telemetry);
+/// Installs logging and, when `cfg` names an OTLP endpoint, the trace
+/// exporter.
+pub fn init_logging(cfg: Option<TelemetryConfig>) {
     let Some((cfg, url)) = cfg.and_then(|c| c.traces_url().map(|u| (c, u))) else {
         proto::logging::init();
         return;
@@ -298,10 +293,30 @@ pub fn record_outcome(span: &tracing::Span, model: &str, generation: bool, t: &R
     }
 }
 
-/// Middleware: wraps `/v1/embeddings`, `/v1/completions` and
-/// `/v1/chat/completions` requests in
-/// their span when tracing is on (otherwise it only passes the request on).
-pub async fn trace_request(State(s): State<AppState>, req: Request, next: Next) -> Response {
+/// A route whose requests get a span: its template, GenAI operation name
+/// and the model that serves it (if any).
+#[derive(Clone, Debug)]
+pub struct TracedRoute {
+    /// Route template (`/v1/chat/completions`).
+    pub route: &'static str,
+    /// `gen_ai.operation.name` (`chat`, `text_completion`, `embeddings`).
+    pub operation: &'static str,
+    /// `gen_ai.request.model`: the model the route serves.
+    pub model: Option<String>,
+}
+
+/// The routes [`trace_request`] wraps in a span.
+#[derive(Clone, Debug, Default)]
+pub struct TracedRoutes(pub Vec<TracedRoute>);
+
+/// Middleware: wraps the requests of the [`TracedRoutes`] (embeddings,
+/// completions, chat) in their span when tracing is on (otherwise it only
+/// passes the request on).
+pub async fn trace_request(
+    State(routes): State<Arc<TracedRoutes>>,
+    req: Request,
+    next: Next,
+) -> Response {
     if !enabled() {
         return next.run(req).await;
     }
@@ -309,17 +324,13 @@ pub async fn trace_request(State(s): State<AppState>, req: Request, next: Next) 
         .extensions()
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_string());
-    let (op, model) = match route.as_deref() {
-        Some("/v1/embeddings") => ("embeddings", Some(s.pipeline.model_id.clone())),
-        Some("/v1/completions") => (
-            "text_completion",
-            s.completions.as_ref().map(|p| p.model_id.clone()),
-        ),
-        Some("/v1/chat/completions") => {
-            ("chat", s.completions.as_ref().map(|p| p.model_id.clone()))
-        }
-        _ => return next.run(req).await,
+    let Some(traced) = route
+        .as_deref()
+        .and_then(|r| routes.0.iter().find(|t| t.route == r))
+    else {
+        return next.run(req).await;
     };
+    let (op, model) = (traced.operation, traced.model.clone());
     let route = route.unwrap_or_default();
     let name = match &model {
         Some(m) => format!("{op} {m}"),
@@ -380,38 +391,6 @@ mod tests {
         ] {
             assert!(parse_traceparent(bad).is_none(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn env_override_turns_tracing_on_and_errors_name_it() {
-        let shipped =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml");
-        let load = |v: &str| {
-            crate::config::GatewayConfig::load_with_env(
-                &shipped,
-                [("GATEWAY_TELEMETRY__OTLP_ENDPOINT".to_string(), v.into())],
-            )
-        };
-        let cfg = load("http://127.0.0.1:4318").unwrap();
-        assert_eq!(
-            cfg.telemetry.otlp_endpoint.as_deref(),
-            Some("http://127.0.0.1:4318")
-        );
-        assert_eq!(cfg.telemetry.service_name, "confidential-gateway");
-        let shown = cfg.effective_toml();
-        assert!(
-            shown.contains("[telemetry]")
-                && shown.contains("otlp_endpoint = \"http://127.0.0.1:4318\""),
-            "{shown}"
-        );
-        let e = format!("{:#}", load("grpc://x:4317").unwrap_err());
-        assert!(
-            e.contains("GATEWAY_TELEMETRY__OTLP_ENDPOINT (telemetry.otlp_endpoint): must be an http:// URL"),
-            "{e}"
-        );
-        // Off by default.
-        let cfg = crate::config::GatewayConfig::load_with_env(&shipped, []).unwrap();
-        assert!(cfg.telemetry.otlp_endpoint.is_none());
     }
 
     #[test]

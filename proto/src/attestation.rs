@@ -1,6 +1,8 @@
-//! Attestation evidence: the provider and verifier traits, the mock
-//! implementation used where no enclave hardware exists, and the dispatch to
-//! the AWS Nitro verifier ([`crate::nitro`]).
+//! Attestation: the mock provider and verifier used where no enclave
+//! hardware exists, the dispatch to the AWS Nitro verifier
+//! ([`crate::nitro`]), and the binding of a stage's claims into its
+//! documents. The evidence types and traits are in [`crate::evidence`]
+//! (re-exported here).
 //!
 //! A document binds three things the verifier checks against the session:
 //! `public_key` (the stage's ephemeral channel key, or its receipt key in
@@ -11,185 +13,17 @@
 //! and says `mock: true` in its payload: it proves nothing and a production
 //! policy rejects it.
 
+use crate::claims::StageClaims;
 use crate::digest::Sha256Digest;
-use crate::frames::StageClaims;
-use crate::nitro::{NitroVerifier, Pcrs, VerifyTime};
+pub use crate::evidence::{
+    AttestError, AttestationProvider, BindingError, Evidence, EvidenceFormat, EvidenceVerifier,
+    ExpectedBinding, Measurement, VerifiedDocument,
+};
+use crate::nitro::{NitroVerifier, VerifyTime};
 use coset::{iana, CborSerializable, CoseSign1, CoseSign1Builder, HeaderBuilder};
 use ed25519_dalek::{Signer, SigningKey, Verifier, VerifyingKey};
 use serde::{Deserialize, Serialize};
 use std::time::{SystemTime, UNIX_EPOCH};
-
-/// The kind of evidence a document is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum EvidenceFormat {
-    /// Development evidence signed by the public mock key. Proves nothing.
-    Mock,
-    /// An AWS Nitro Enclaves attestation document (COSE_Sign1, ES384).
-    Nitro,
-}
-
-/// Attestation evidence as carried on the wire.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Evidence {
-    /// Which verifier understands `document`.
-    pub format: EvidenceFormat,
-    /// The raw signed document.
-    #[serde(with = "serde_bytes")]
-    pub document: Vec<u8>,
-}
-
-impl Evidence {
-    /// Digest of the evidence as it is encoded on the wire.
-    pub fn digest(&self) -> Sha256Digest {
-        Sha256Digest::of(&crate::cbor::to_vec(self))
-    }
-}
-
-/// What a stage's measurement is, by evidence format.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Measurement {
-    /// Mock: SHA-256 over the stage binary and the model manifest
-    /// (see [`mock_measurement`]).
-    Mock(Sha256Digest),
-    /// Nitro: the document's PCRs (PCR0 image, PCR1 kernel, PCR2
-    /// application, PCR8 signing certificate, ...).
-    Nitro(Pcrs),
-}
-
-impl Measurement {
-    /// The printable form (`mock:<hex>`, or `nitro:pcr0=…,pcr1=…,pcr2=…`).
-    pub fn pinned_form(&self) -> String {
-        match self {
-            Measurement::Mock(d) => format!("mock:{}", d.hex()),
-            Measurement::Nitro(p) => p.pinned_form(),
-        }
-    }
-}
-
-/// The fields of a document that verified.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct VerifiedDocument {
-    /// Evidence format (mock documents are flagged here).
-    pub format: EvidenceFormat,
-    /// Issuer's module id.
-    pub module_id: String,
-    /// Time the document was made, Unix milliseconds.
-    pub timestamp_ms: u64,
-    /// The measurement of the attested code.
-    pub measurement: Measurement,
-    /// Bound public key.
-    pub public_key: Vec<u8>,
-    /// Bound user data.
-    pub user_data: Vec<u8>,
-    /// Bound nonce.
-    pub nonce: Vec<u8>,
-}
-
-/// What a session expects a document to bind; `None` is not checked.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ExpectedBinding<'a> {
-    /// The verifier's nonce.
-    pub nonce: Option<&'a [u8]>,
-    /// The key the document must bind.
-    pub public_key: Option<&'a [u8]>,
-    /// The user data (e.g. [`claims_binding`] of the claims) it must bind.
-    pub user_data: Option<&'a [u8]>,
-}
-
-/// Why a verified document does not bind what the session expects.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum BindingError {
-    /// Another nonce: stale or replayed evidence.
-    #[error("the document does not bind the expected nonce (stale or replayed evidence)")]
-    Nonce,
-    /// Another public key.
-    #[error("the document does not bind the expected public key")]
-    PublicKey,
-    /// Other user data.
-    #[error("the document does not bind the expected user data")]
-    UserData,
-}
-
-impl VerifiedDocument {
-    /// Checks the document's `nonce`, `public_key` and `user_data` against
-    /// what the session expects (exact byte equality).
-    pub fn check_binding(&self, expected: &ExpectedBinding<'_>) -> Result<(), BindingError> {
-        if expected.nonce.is_some_and(|n| n != self.nonce) {
-            return Err(BindingError::Nonce);
-        }
-        if expected.public_key.is_some_and(|k| k != self.public_key) {
-            return Err(BindingError::PublicKey);
-        }
-        if expected.user_data.is_some_and(|u| u != self.user_data) {
-            return Err(BindingError::UserData);
-        }
-        Ok(())
-    }
-}
-
-/// Attestation errors. Each names its reason.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum AttestError {
-    /// The document does not parse.
-    #[error("malformed attestation document: {0}")]
-    Malformed(String),
-    /// The signature does not verify.
-    #[error("attestation signature does not verify")]
-    BadSignature,
-    /// The document is signed with an algorithm this verifier refuses.
-    #[error("unsupported signature algorithm {0}")]
-    UnsupportedAlgorithm(String),
-    /// A certificate of the chain has expired at the verification time.
-    #[error(
-        "certificate chain: a certificate expired at {not_after} (Unix s); verification time {now}"
-    )]
-    CertificateExpired {
-        /// Verification time, Unix seconds.
-        now: u64,
-        /// The certificate's notAfter, Unix seconds.
-        not_after: u64,
-    },
-    /// A certificate of the chain is not yet valid at the verification time.
-    #[error("certificate chain: a certificate is not valid before {not_before} (Unix s); verification time {now}")]
-    CertificateNotYetValid {
-        /// Verification time, Unix seconds.
-        now: u64,
-        /// The certificate's notBefore, Unix seconds.
-        not_before: u64,
-    },
-    /// The chain does not lead to the pinned root.
-    #[error("certificate chain is not trusted: {0}")]
-    UntrustedChain(String),
-    /// A certificate is malformed, misused or badly signed.
-    #[error("certificate chain: {0}")]
-    BadCertificate(String),
-    /// This verifier does not handle this format.
-    #[error("no verifier for evidence format {0:?}")]
-    UnsupportedFormat(EvidenceFormat),
-    /// The provider could not produce a document.
-    #[error("attestation provider failed: {0}")]
-    Provider(String),
-}
-
-/// Something that can produce attestation documents for this process.
-pub trait AttestationProvider: Send + Sync {
-    /// The format this provider produces.
-    fn format(&self) -> EvidenceFormat;
-    /// Produces a document binding `public_key`, `user_data` and `nonce`.
-    fn attest(
-        &self,
-        public_key: &[u8],
-        user_data: &[u8],
-        nonce: &[u8],
-    ) -> Result<Evidence, AttestError>;
-}
-
-/// Something that can check attestation documents' signatures.
-pub trait EvidenceVerifier: Send + Sync {
-    /// Verifies the document's signature chain and returns its fields.
-    /// Binding and policy checks are the caller's (see [`crate::policy`]).
-    fn verify(&self, evidence: &Evidence) -> Result<VerifiedDocument, AttestError>;
-}
 
 /// Seed of the public mock signing key. Anyone can sign mock evidence.
 const MOCK_KEY_SEED_LABEL: &[u8] = b"confidential-inference MOCK attestation key: NOT SECURE";

@@ -6,9 +6,8 @@
 //! debug-mode enclaves are acceptable at all. See `docs/protocol.md` and
 //! `docs/attestation.md`.
 
-use crate::attestation::{EvidenceFormat, Measurement, VerifiedDocument};
-use crate::frames::StageClaims;
-use crate::nitro::Pcrs;
+use crate::claims::StageClaims;
+use crate::evidence::{EvidenceFormat, Measurement, Pcrs, VerifiedDocument};
 use serde::{Deserialize, Serialize};
 
 /// One accepted Nitro PCR set (hex, 96 digits = SHA-384). PCR0, 1 and 2 are

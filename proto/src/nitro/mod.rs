@@ -35,7 +35,8 @@
 #[cfg(feature = "nitro")]
 pub mod nsm;
 
-use crate::attestation::{AttestError, EvidenceFormat, Measurement, VerifiedDocument};
+pub use crate::evidence::Pcrs;
+use crate::evidence::{AttestError, EvidenceFormat, Measurement, VerifiedDocument};
 use ciborium::Value;
 use coset::{CborSerializable, CoseSign1, TaggedCborSerializable};
 use rustls_pki_types::pem::PemObject;
@@ -43,7 +44,6 @@ use rustls_pki_types::{
     alg_id, AlgorithmIdentifier, CertificateDer, InvalidSignature, SignatureVerificationAlgorithm,
     UnixTime,
 };
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -63,40 +63,6 @@ pub const MAX_NONCE: usize = 512;
 pub const MAX_PUBLIC_KEY: usize = 1024;
 /// Number of PCRs the NSM has.
 pub const PCR_COUNT: u8 = 32;
-
-/// A document's platform configuration registers, by index.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Pcrs(pub BTreeMap<u8, Vec<u8>>);
-
-impl Pcrs {
-    /// The value of PCR `index`, if the document has it.
-    pub fn get(&self, index: u8) -> Option<&[u8]> {
-        self.0.get(&index).map(Vec::as_slice)
-    }
-
-    /// Whether the enclave runs in debug mode: AWS zeroes PCR0 (and 1, 2)
-    /// of enclaves started with `--debug-mode`, whose memory the parent can read.
-    pub fn is_debug(&self) -> bool {
-        self.get(0).is_none_or(|p| p.iter().all(|&b| b == 0))
-    }
-
-    /// The measurement form policies print and pin:
-    /// `nitro:pcr0=<hex>,pcr1=<hex>,pcr2=<hex>` plus `,pcr8=<hex>` when
-    /// PCR8 (the EIF signing certificate) is set.
-    pub fn pinned_form(&self) -> String {
-        let hex_of = |i: u8| self.get(i).map(hex::encode).unwrap_or_default();
-        let mut s = format!(
-            "nitro:pcr0={},pcr1={},pcr2={}",
-            hex_of(0),
-            hex_of(1),
-            hex_of(2)
-        );
-        if self.get(8).is_some_and(|p| p.iter().any(|&b| b != 0)) {
-            s += &format!(",pcr8={}", hex_of(8));
-        }
-        s
-    }
-}
 
 /// The payload of a Nitro attestation document.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@
 //! unit tests below exercise with a recorded document; the device sits
 //! behind [`NsmDevice`].
 
-use crate::attestation::{AttestError, AttestationProvider, Evidence, EvidenceFormat};
+use crate::evidence::{AttestError, AttestationProvider, Evidence, EvidenceFormat};
 use crate::nitro::{MAX_NONCE, MAX_PUBLIC_KEY, MAX_USER_DATA};
 use aws_nitro_enclaves_nsm_api::api::{Request, Response};
 use aws_nitro_enclaves_nsm_api::driver;
@@ -151,7 +151,7 @@ impl<D: NsmDevice> AttestationProvider for NitroProvider<D> {
 pub fn own_measurement(
     provider: &dyn AttestationProvider,
     verifier: &crate::nitro::NitroVerifier,
-) -> Result<crate::attestation::Measurement, AttestError> {
+) -> Result<crate::evidence::Measurement, AttestError> {
     let evidence = provider.attest(&[], &[], &[])?;
     Ok(verifier.verify(&evidence.document)?.document.measurement)
 }
