@@ -1,0 +1,229 @@
+//! Chunk framing: `u32be(len) ‖ AEAD(ct)` chunks with a final (or trailer)
+//! flag in the AAD, sealed and opened incrementally.
+
+use super::*;
+
+/// Streaming sealer: turns plaintext pieces into framed chunks.
+///
+/// [`ChunkSealer::seal`] splits its input into chunks of at most
+/// `max_chunk` bytes; the call with `last = true` ends the body with a final
+/// chunk (an empty one if `data` is empty). Nothing can be sealed afterwards
+/// ([`SealError::Finished`]).
+pub struct ChunkSealer {
+    cipher: SealCipher,
+    max_chunk: usize,
+    pub(super) prefix: Vec<u8>,
+    finished: bool,
+}
+
+impl ChunkSealer {
+    pub(super) fn new(cipher: SealCipher) -> Self {
+        Self {
+            cipher,
+            max_chunk: DEFAULT_MAX_CHUNK,
+            prefix: Vec::new(),
+            finished: false,
+        }
+    }
+
+    /// Sets the largest plaintext per chunk (default [`DEFAULT_MAX_CHUNK`];
+    /// at least 1). The receiver's [`SealLimits::max_chunk`] must be at
+    /// least this.
+    pub fn set_max_chunk(&mut self, max_chunk: usize) {
+        self.max_chunk = max_chunk.max(1);
+    }
+
+    /// Seals `data` as one or more chunks; with `last`, the final one is
+    /// marked final. Returns the framed bytes to send. A non-final call with
+    /// empty `data` produces no chunk.
+    pub fn seal(&mut self, data: &[u8], last: bool) -> Result<Vec<u8>, SealError> {
+        if self.finished {
+            return Err(SealError::Finished);
+        }
+        let pieces = data.len().div_ceil(self.max_chunk);
+        let mut out = std::mem::take(&mut self.prefix);
+        out.reserve(data.len() + (pieces + 1) * CHUNK_OVERHEAD);
+        let mut chunks: Vec<&[u8]> = data.chunks(self.max_chunk).collect();
+        if last && chunks.is_empty() {
+            chunks.push(&[]);
+        }
+        let n = chunks.len();
+        for (i, piece) in chunks.into_iter().enumerate() {
+            let aad = if last && i + 1 == n {
+                &AAD_FINAL
+            } else {
+                &AAD_NOT_FINAL
+            };
+            let ct = match &mut self.cipher {
+                SealCipher::Hpke(c) => c.seal(piece, aad)?,
+                SealCipher::Direct(c) => c.seal(piece, aad)?,
+            };
+            out.extend_from_slice(&(ct.len() as u32).to_be_bytes());
+            out.extend_from_slice(&ct);
+        }
+        if last {
+            self.finished = true;
+        }
+        Ok(out)
+    }
+
+    /// Ends the body with an empty final chunk.
+    pub fn finish(&mut self) -> Result<Vec<u8>, SealError> {
+        self.seal(&[], true)
+    }
+
+    /// Ends the body with a trailer: one final chunk sealed with the trailer
+    /// AAD (only responses use it). The trailer must fit in one chunk.
+    pub(super) fn seal_trailer(&mut self, trailer: &[u8]) -> Result<Vec<u8>, SealError> {
+        if self.finished {
+            return Err(SealError::Finished);
+        }
+        if trailer.len() > self.max_chunk {
+            return Err(SealError::Malformed(format!(
+                "trailer of {} bytes exceeds the chunk size {}",
+                trailer.len(),
+                self.max_chunk
+            )));
+        }
+        let ct = match &mut self.cipher {
+            SealCipher::Hpke(c) => c.seal(trailer, &AAD_TRAILER)?,
+            SealCipher::Direct(c) => c.seal(trailer, &AAD_TRAILER)?,
+        };
+        let mut out = std::mem::take(&mut self.prefix);
+        out.extend_from_slice(&(ct.len() as u32).to_be_bytes());
+        out.extend_from_slice(&ct);
+        self.finished = true;
+        Ok(out)
+    }
+
+    /// Whether the final chunk was sealed.
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum OpenState {
+    Open,
+    Done,
+    Failed,
+}
+
+/// Streaming opener: feed it the sealed body in whatever pieces arrive; it
+/// returns the plaintext chunks that became complete.
+///
+/// Any error poisons it (later calls return [`SealError::Poisoned`]).
+/// [`ChunkOpener::finish`] must be called at the end of the body: it is
+/// [`SealError::Truncated`] unless the final chunk arrived.
+pub struct ChunkOpener {
+    cipher: OpenCipher,
+    limits: SealLimits,
+    buf: Vec<u8>,
+    pub(super) received: u64,
+    state: OpenState,
+    /// Whether a trailer may end the body (responses only).
+    allow_trailer: bool,
+    pub(super) trailer: Option<Vec<u8>>,
+}
+
+impl ChunkOpener {
+    pub(super) fn new(cipher: OpenCipher, limits: SealLimits, allow_trailer: bool) -> Self {
+        Self {
+            cipher,
+            limits,
+            buf: Vec::new(),
+            received: 0,
+            state: OpenState::Open,
+            allow_trailer,
+            trailer: None,
+        }
+    }
+
+    /// Feeds bytes; returns the plaintext of every chunk they completed.
+    pub fn feed(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, SealError> {
+        let r = self.feed_inner(data);
+        if r.is_err() {
+            self.state = OpenState::Failed;
+            self.buf.clear();
+        }
+        r
+    }
+
+    pub(super) fn feed_inner(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, SealError> {
+        match self.state {
+            OpenState::Failed => return Err(SealError::Poisoned),
+            OpenState::Done if !data.is_empty() => return Err(SealError::TrailingData),
+            _ => {}
+        }
+        self.count(data.len())?;
+        self.buf.extend_from_slice(data);
+        let mut out = Vec::new();
+        let mut pos = 0;
+        let limit = self.limits.max_chunk as u64 + TAG_LEN as u64;
+        while self.state == OpenState::Open && self.buf.len() - pos >= LEN_PREFIX {
+            let len = u32::from_be_bytes(self.buf[pos..pos + LEN_PREFIX].try_into().unwrap());
+            if len as u64 > limit {
+                return Err(SealError::ChunkTooLarge {
+                    size: len as u64,
+                    limit,
+                });
+            }
+            let len = len as usize;
+            if len < TAG_LEN {
+                return Err(SealError::Malformed(
+                    "chunk shorter than the AEAD tag".into(),
+                ));
+            }
+            if self.buf.len() - pos < LEN_PREFIX + len {
+                break;
+            }
+            let ct = &self.buf[pos + LEN_PREFIX..pos + LEN_PREFIX + len];
+            if let Some(pt) = self.cipher.open(ct, &AAD_NOT_FINAL) {
+                out.push(pt);
+            } else if let Some(pt) = self.cipher.open(ct, &AAD_FINAL) {
+                self.state = OpenState::Done;
+                out.push(pt);
+            } else if let Some(pt) = self
+                .allow_trailer
+                .then(|| self.cipher.open(ct, &AAD_TRAILER))
+                .flatten()
+            {
+                self.state = OpenState::Done;
+                self.trailer = Some(pt);
+            } else {
+                return Err(SealError::Open);
+            }
+            pos += LEN_PREFIX + len;
+        }
+        self.buf.drain(..pos);
+        if self.state == OpenState::Done && !self.buf.is_empty() {
+            return Err(SealError::TrailingData);
+        }
+        Ok(out)
+    }
+
+    pub(super) fn count(&mut self, n: usize) -> Result<(), SealError> {
+        self.received = self.received.saturating_add(n as u64);
+        if self.received > self.limits.max_body {
+            return Err(SealError::MessageTooLarge {
+                limit: self.limits.max_body,
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether the final chunk has been opened.
+    pub fn is_complete(&self) -> bool {
+        self.state == OpenState::Done
+    }
+
+    /// Ends the body: `Ok` only if the final chunk arrived and nothing
+    /// followed it.
+    pub fn finish(self) -> Result<(), SealError> {
+        match self.state {
+            OpenState::Done => Ok(()),
+            OpenState::Open => Err(SealError::Truncated),
+            OpenState::Failed => Err(SealError::Poisoned),
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! Sealing and opening request bodies.
+
+use super::*;
+
+/// Starts sealing a request to `config` with `aead` (OS randomness).
+/// Returns the headers to send, the body sealer and the key to open the
+/// response with.
+pub fn seal_request_stream(
+    config: &KeyConfig,
+    aead: Aead,
+) -> Result<(SealedHeaders, ChunkSealer, ClientResponseKey), SealError> {
+    seal_request_stream_with_rng(config, aead, &mut rand::rngs::OsRng)
+}
+
+/// [`seal_request_stream`] with the caller's random number generator.
+pub fn seal_request_stream_with_rng<R: CryptoRng + RngCore>(
+    config: &KeyConfig,
+    aead: Aead,
+    rng: &mut R,
+) -> Result<(SealedHeaders, ChunkSealer, ClientResponseKey), SealError> {
+    if !config.supports(aead) {
+        return Err(SealError::UnsupportedAead(aead.id()));
+    }
+    let info = request_info(config.key_id, aead);
+    let (enc, ctx) = HpkeSender::setup(&config.public_key, &info, aead, rng)?;
+    let mut secret = vec![0u8; aead.key_len()];
+    ctx.export(RESPONSE_EXPORT_LABEL, &mut secret)?;
+    let headers = SealedHeaders {
+        key_id: config.key_id,
+        aead,
+        enc,
+    };
+    let key = ClientResponseKey(ResponseKeyMaterial { aead, enc, secret });
+    Ok((headers, ChunkSealer::new(SealCipher::Hpke(ctx)), key))
+}
+
+/// Starts opening a sealed request with `key`. Returns the body opener and
+/// the material to seal the response with.
+///
+/// Errors: [`SealError::UnknownKeyId`] if `headers` name another key;
+/// [`SealError::BadEncapsulatedKey`] if decapsulation fails.
+pub fn open_request_stream(
+    key: &ServerKey,
+    headers: &SealedHeaders,
+    limits: SealLimits,
+) -> Result<(ChunkOpener, ResponseKeyMaterial), SealError> {
+    if headers.key_id != key.key_id {
+        return Err(SealError::UnknownKeyId(headers.key_id));
+    }
+    let info = request_info(key.key_id, headers.aead);
+    let ctx = HpkeReceiver::setup(key, &headers.enc, &info, headers.aead)?;
+    let mut secret = vec![0u8; headers.aead.key_len()];
+    ctx.export(RESPONSE_EXPORT_LABEL, &mut secret)?;
+    let material = ResponseKeyMaterial {
+        aead: headers.aead,
+        enc: headers.enc,
+        secret,
+    };
+    Ok((
+        ChunkOpener::new(OpenCipher::Hpke(ctx), limits, false),
+        material,
+    ))
+}
+
+/// Seals a whole request body (one-shot).
+pub fn seal_request(
+    config: &KeyConfig,
+    aead: Aead,
+    plaintext: &[u8],
+) -> Result<(SealedHeaders, Vec<u8>, ClientResponseKey), SealError> {
+    let (headers, mut sealer, key) = seal_request_stream(config, aead)?;
+    let body = sealer.seal(plaintext, true)?;
+    Ok((headers, body, key))
+}
+
+/// Opens a whole sealed request body (one-shot, default limits).
+pub fn open_request(
+    key: &ServerKey,
+    headers: &SealedHeaders,
+    body: &[u8],
+) -> Result<(Vec<u8>, ResponseKeyMaterial), SealError> {
+    let (mut opener, material) = open_request_stream(key, headers, SealLimits::default())?;
+    let plaintext = opener.feed(body)?.concat();
+    opener.finish()?;
+    Ok((plaintext, material))
+}
