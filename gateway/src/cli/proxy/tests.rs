@@ -1,0 +1,123 @@
+//! Proxy unit tests.
+
+use super::{forwardable, STREAM_DONE};
+
+#[test]
+fn whole_events_go_out_and_done_waits() {
+    let ev = b"data: {\"a\":1}\n\n";
+    // A partial event waits for the rest.
+    assert_eq!(forwardable(&ev[..7], 0), (0, false));
+    assert_eq!(forwardable(ev, 0), (ev.len(), false));
+    let mut all = ev.to_vec();
+    all.extend_from_slice(ev);
+    all.extend_from_slice(&STREAM_DONE[..8]);
+    // `[DONE]` split across pieces: nothing of it goes out...
+    assert_eq!(forwardable(&all, ev.len()), (2 * ev.len(), false));
+    all.extend_from_slice(&STREAM_DONE[8..]);
+    // ...and once whole it is recognised and held.
+    assert_eq!(forwardable(&all, 2 * ev.len()), (2 * ev.len(), true));
+    // `data: [DONE]` inside an event's text is not the end.
+    let inner = b"data: {\"t\":\"data: [DONE]\"}\n\n";
+    assert_eq!(forwardable(inner, 0), (inner.len(), false));
+}
+
+/// A one-stage receipt for `request`/`response` whose entry link says it
+/// opened `opened`, in format `version`.
+fn receipt(
+    key: &ed25519_dalek::SigningKey,
+    stage: &proto::receipt::StageKeys,
+    x: &super::Exchange,
+    response: &[u8],
+    opened: proto::receipt::OpenedKey,
+    version: proto::receipt::ReceiptVersion,
+) -> Vec<u8> {
+    use proto::digest::Sha256Digest;
+    use proto::receipt::{sign_receipt, Link, ReceiptBody, Sealing};
+    let link = Link {
+        receipt_id: [1; 16],
+        stage_index: 0,
+        layers: stage.layers,
+        evidence_digest: stage.evidence_digest,
+        received_digest: Sha256Digest::of(&x.request),
+        sent_digest: Sha256Digest::of(response),
+        prev_link_digest: None,
+        opened: (version != proto::receipt::ReceiptVersion::V2).then_some(opened),
+    };
+    sign_receipt(
+        key,
+        &ReceiptBody {
+            version,
+            receipt_id: [1; 16],
+            issued_at_ms: 0,
+            endpoint: x.endpoint.into(),
+            model_id: "m".into(),
+            manifest_digest: Sha256Digest::of(b"manifest"),
+            request_digest: Sha256Digest::of(&x.request),
+            response_digest: Sha256Digest::of(response),
+            client_nonce: Some(x.nonce.clone()),
+            sequence: 0,
+            mock: true,
+            sealing: Sealing::Enclave,
+            chain: Vec::new(),
+            exit_link: link,
+        },
+    )
+}
+
+/// The proxy accepts a receipt only when its entry stage says it opened
+/// the proxy's own encapsulated key: a host that opened the request and
+/// re-sealed it (the receipt still saying "enclave") is refused, and so
+/// is a v2 receipt, which cannot say.
+#[test]
+fn receipts_must_prove_the_enclave_opened_the_proxys_key() {
+    use proto::digest::Sha256Digest;
+    use proto::receipt::{OpenedKey, ReceiptVersion, SealedTo, StageKeys};
+    let key = ed25519_dalek::SigningKey::from_bytes(&[3; 32]);
+    let stage = StageKeys {
+        stage_index: 0,
+        layers: [0, 30],
+        evidence_digest: Sha256Digest::of(b"evidence"),
+        receipt_key: key.verifying_key().to_bytes(),
+    };
+    let verified = proto::bundle::VerifiedBundle {
+        stage_keys: vec![stage.clone()],
+        entry_keys: Vec::new(),
+        manifest_digest: Sha256Digest::of(b"manifest"),
+        mock: true,
+        measurements: Vec::new(),
+    };
+    let x = super::Exchange {
+        endpoint: "/v1/completions",
+        route: 0,
+        request: super::Bytes::from_static(b"{\"prompt\":\"hi\"}"),
+        nonce: vec![9; 16],
+    };
+    let response = b"{\"choices\":[]}";
+    let enc = [0x11; 32];
+    let sealed_to = SealedTo {
+        key_id: 5,
+        enc: &enc,
+    };
+    let check = |opened: OpenedKey, version: ReceiptVersion| {
+        let rc = receipt(&key, &stage, &x, response, opened, version);
+        super::check_receipt(&verified, true, &x, sealed_to, &rc, response)
+    };
+    let honest = check(OpenedKey::of(5, &enc), ReceiptVersion::CURRENT);
+    assert!(honest.ok(), "{:#?}", honest.checks);
+    let resealed = check(OpenedKey::of(5, &[0x22; 32]), ReceiptVersion::CURRENT);
+    assert_eq!(
+        resealed.failure().map(|e| e.code()),
+        Some("sealing_mismatch"),
+        "{:#?}",
+        resealed.checks
+    );
+    let old = check(OpenedKey::of(5, &enc), ReceiptVersion::V2);
+    assert!(!old.ok());
+    let failed: Vec<_> = old
+        .checks
+        .iter()
+        .filter(|c| c.error.is_some())
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(failed, ["proxy.sealing"], "{:#?}", old.checks);
+}
