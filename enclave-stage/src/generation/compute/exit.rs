@@ -1,0 +1,321 @@
+//! The exit stage's side of a generation request: its per-choice output
+//! state and stream, and finishing (the response or the stream's tail, the
+//! receipt over the exact bytes, sealed to the client).
+
+use super::*;
+
+/// The response `id`: `cmpl-…` or `chatcmpl-…` and the receipt id.
+pub(super) fn response_id(api: Api, receipt_id: &[u8; 16]) -> String {
+    match api {
+        Api::Completions => completion_id(receipt_id),
+        Api::Chat => chat_completion_id(receipt_id),
+    }
+}
+
+pub(super) struct Streaming {
+    identity: StreamIdentity,
+    pub(super) sealer: ResponseSealer,
+    /// Every plaintext byte of the event stream so far (the receipt binds it).
+    pub(super) bytes: Vec<u8>,
+    /// Per choice: whether its first chat chunk (the role) has gone out.
+    started: Vec<bool>,
+}
+
+impl Streaming {
+    /// The events for choice `index` after a step: its new `text` and, on
+    /// its last step, why it ended. Chat sends the role first, then content,
+    /// then an empty delta with the finish reason.
+    pub(super) fn events(
+        &mut self,
+        index: u32,
+        text: &str,
+        finish: Option<FinishReason>,
+    ) -> Vec<u8> {
+        let id = &self.identity;
+        let mut out = Vec::new();
+        match id.api {
+            Api::Completions => {
+                if !text.is_empty() || finish.is_some() {
+                    out = stream_text_event(id, index, text, finish);
+                }
+            }
+            Api::Chat => {
+                if let Some(started) = self.started.get_mut(index as usize) {
+                    if !*started {
+                        *started = true;
+                        out.extend(chat_chunk_event(id, index, Delta::Role));
+                    }
+                }
+                if !text.is_empty() {
+                    out.extend(chat_chunk_event(id, index, Delta::Content(text)));
+                }
+                if let Some(f) = finish {
+                    out.extend(chat_chunk_event(id, index, Delta::Finish(f)));
+                }
+            }
+        }
+        out
+    }
+}
+
+pub(super) struct ExitState {
+    pub(super) rules: ChoiceRules,
+    pub(super) choices: Vec<ChoiceOut>,
+    pub(super) stream: Option<Streaming>,
+    prompt_tokens: u64,
+    pub(super) finished: usize,
+    /// Unix ns when this request's first token was sampled.
+    pub(super) first_token_unix_ns: Option<u64>,
+}
+
+impl Generator {
+    pub(super) fn exit_state(
+        &self,
+        ctx: &GenerationContext,
+    ) -> Result<ExitState, proto::sealing::SealError> {
+        let r = &ctx.request;
+        let cfg = &self.model.config;
+        let tok = self.model.tokenizer.as_ref();
+        let params = SamplingParams {
+            temperature: r.temperature,
+            top_p: r.top_p,
+            seed: ctx.seed,
+        };
+        let n = r.n.max(1) as usize;
+        let mut choices = Vec::new();
+        let mut prompt_tokens = 0u64;
+        for (pi, p) in ctx.prompts.iter().enumerate() {
+            let prefix = match (&p.ids, tok) {
+                (Some(ids), Some(t)) if r.echo => {
+                    crate::generation::output::Detokenize::text(t, ids)
+                }
+                _ => String::new(),
+            };
+            prompt_tokens += p.tokens as u64;
+            for j in 0..n {
+                let index = (pi * n + j) as u32;
+                choices.push(ChoiceOut::new(
+                    index,
+                    params,
+                    index as u64,
+                    p.tokens as usize,
+                    prefix.clone(),
+                    r.logprobs.is_some(),
+                ));
+            }
+        }
+        let stream = match r.stream {
+            true => Some(Streaming {
+                identity: StreamIdentity {
+                    id: response_id(r.api, &ctx.receipt_id),
+                    created: ctx.created,
+                    model: self.model.claims.model_id.clone(),
+                    include_usage: r.include_usage,
+                    api: r.api,
+                },
+                sealer: ResponseSealer::new(&ctx.response_key)?,
+                bytes: Vec::new(),
+                started: vec![false; choices.len()],
+            }),
+            false => None,
+        };
+        Ok(ExitState {
+            rules: ChoiceRules {
+                max_tokens: r.max_tokens,
+                context: cfg.max_seq_len,
+                stop: r.stop.clone(),
+                eos: cfg.eos_token_id,
+                logprobs: r.logprobs,
+                presence_penalty: r.presence_penalty,
+                frequency_penalty: r.frequency_penalty,
+                logit_bias: r.logit_bias.clone(),
+            },
+            choices,
+            stream,
+            prompt_tokens,
+            finished: 0,
+            first_token_unix_ns: None,
+        })
+    }
+}
+
+impl Generator {
+    pub(super) fn upstream_links(
+        &mut self,
+        request_id: u64,
+        links: Vec<Vec<u8>>,
+        timings: Vec<StageTiming>,
+    ) {
+        let exit = self.is_exit();
+        let Some(r) = self.requests.get_mut(&request_id) else {
+            return;
+        };
+        r.upstream_links = Some(links);
+        r.upstream_timings = timings;
+        // Middle stages: the previous stage finished, so every step of this
+        // request has passed through here.
+        if !exit {
+            r.done = true;
+        }
+        self.try_finish(request_id);
+    }
+
+    /// Signs this stage's link once the request is complete here; at the
+    /// exit stage, seals the response (or the stream's end) with the receipt.
+    pub(super) fn try_finish(&mut self, request_id: u64) {
+        let ready = self
+            .requests
+            .get(&request_id)
+            .is_some_and(|r| r.done && r.upstream_links.is_some());
+        if !ready {
+            return;
+        }
+        let Some(r) = self.forget(request_id) else {
+            return;
+        };
+        match self.finish(r) {
+            Ok(o) => self.send(o),
+            Err(e) => {
+                tracing::error!(request_id, error = %e, "finishing a request failed");
+                let err = PipelineError {
+                    kind: ErrorKind::Internal,
+                    status: 500,
+                    message: format!("finishing the request failed: {e}"),
+                    retry_after_secs: None,
+                    sealed_body: None,
+                };
+                self.send(failure(self.is_exit(), request_id, err));
+            }
+        }
+    }
+
+    pub(super) fn finish(&self, r: GenRequest) -> Result<Output> {
+        let c = &self.model.claims;
+        let upstream = r.upstream_links.clone().unwrap_or_default();
+        let mut timings = r.upstream_timings.clone();
+        timings.push(r.timer.finish(c.stage_index));
+        let received = if self.model.claims.is_entry() {
+            r.ctx.request_digest
+        } else {
+            combine(&r.received)
+        };
+        let mut link = Link {
+            receipt_id: r.ctx.receipt_id,
+            stage_index: c.stage_index,
+            layers: [c.layer_start, c.layer_end],
+            evidence_digest: self.keys.evidence_digest,
+            received_digest: received,
+            sent_digest: combine(&r.sent),
+            prev_link_digest: upstream.last().map(|l| link_digest(l)),
+            // The entry stage binds which key it opened: what makes the
+            // receipt's `sealing` checkable by the client (docs/receipts.md).
+            opened: c.is_entry().then_some(r.ctx.opened),
+        };
+        if !self.is_exit() {
+            let mut links = upstream;
+            links.push(sign_link(&self.keys.receipt, &link));
+            return Ok(Output::Activation(ActivationMessage::Links {
+                request_id: r.ctx.request_id,
+                links: links.into_iter().map(serde_bytes::ByteBuf::from).collect(),
+                timings,
+            }));
+        }
+        let ex = r.exit.ok_or_else(|| anyhow!("exit state missing"))?;
+        let usage = Usage {
+            prompt_tokens: ex.prompt_tokens,
+            completion_tokens: ex
+                .choices
+                .iter()
+                .map(|c| c.completion_tokens() as u64)
+                .sum(),
+        };
+        let telemetry = RequestTelemetry {
+            stages: timings,
+            input_tokens: usage.prompt_tokens,
+            output_tokens: usage.completion_tokens,
+            finish_reasons: ex
+                .choices
+                .iter()
+                .filter_map(|c| c.finish().map(|f| f.as_str().to_string()))
+                .collect(),
+            first_token_unix_ns: ex.first_token_unix_ns,
+        };
+        let (body, stream) = match ex.stream {
+            Some(mut st) => {
+                let mut tail = Vec::new();
+                if st.identity.include_usage {
+                    tail.extend(stream_usage_event(&st.identity, usage));
+                }
+                tail.extend_from_slice(STREAM_DONE);
+                st.bytes.extend_from_slice(&tail);
+                (std::mem::take(&mut st.bytes), Some((st, tail)))
+            }
+            None => {
+                let choices: Vec<_> = ex.choices.into_iter().map(ChoiceOut::into_choice).collect();
+                let api = r.ctx.request.api;
+                let body = match api {
+                    Api::Completions => completions_response,
+                    Api::Chat => chat_response,
+                };
+                let v = body(
+                    &response_id(api, &r.ctx.receipt_id),
+                    r.ctx.created,
+                    &c.model_id,
+                    &choices,
+                    usage,
+                );
+                (serde_json::to_vec(&v)?, None)
+            }
+        };
+        let response_digest = Sha256Digest::of(&body);
+        link.sent_digest = response_digest;
+        let receipt = sign_receipt(
+            &self.keys.receipt,
+            &ReceiptBody {
+                version: ReceiptVersion::CURRENT,
+                receipt_id: r.ctx.receipt_id,
+                issued_at_ms: Self::now_ms(),
+                endpoint: r.ctx.endpoint.clone(),
+                model_id: c.model_id.clone(),
+                manifest_digest: c.manifest_sha256,
+                request_digest: r.ctx.request_digest,
+                response_digest,
+                client_nonce: r.ctx.client_nonce.clone(),
+                sequence: self.keys.next_sequence(),
+                mock: self.keys.mock,
+                sealing: r.ctx.sealing,
+                // The exit stage's link rides in the receipt, under its
+                // signature: one Ed25519 signature per request fewer.
+                chain: upstream,
+                exit_link: link,
+            },
+        );
+        Ok(match stream {
+            // The sealed stream or body ends with the receipt as its trailer
+            // (the client's copy); the host gets it beside the bytes.
+            Some((mut st, tail)) => {
+                let mut data = st.sealer.seal(&tail, false).map_err(|e| anyhow!("{e}"))?;
+                data.extend(
+                    st.sealer
+                        .finish_with_trailer(&receipt)
+                        .map_err(|e| anyhow!("{e}"))?,
+                );
+                Output::Result(ResultMessage::StreamEnd {
+                    request_id: r.ctx.request_id,
+                    data,
+                    receipt: Some(receipt),
+                    telemetry: Some(telemetry),
+                })
+            }
+            None => Output::Result(ResultMessage::Response {
+                request_id: r.ctx.request_id,
+                status: 200,
+                body: seal_response_with_trailer(&r.ctx.response_key, &body, &receipt)
+                    .map_err(|e| anyhow!("{e}"))?,
+                receipt,
+                receipt_id: r.ctx.receipt_id,
+                telemetry: Some(telemetry),
+            }),
+        })
+    }
+}

@@ -1,0 +1,534 @@
+//! The compute thread of a generation stage.
+//!
+//! - **Entry stage**: admits requests by KV memory ([`Scheduler`]), runs
+//!   steps (token embedding + its layers) over the ready sequences and sends
+//!   their hidden states on; the exit stage's sampled tokens come back on the
+//!   feedback channel and make those sequences ready again.
+//! - **Middle stages**: run their layers on each step and pass it on.
+//! - **Exit stage**: runs its layers and the output head, samples, applies
+//!   stop rules, streams sealed events or builds the sealed response, sends
+//!   the tokens back, and signs the receipt once every stage's link is in.
+//!
+//! Every stage keeps a KV cache per sequence for its layers, reserved in full
+//! (prompt + `max_tokens`) on the sequence's first step, and freed when the
+//! request ends, fails or is cancelled. A step that fails is retried one
+//! sequence at a time, so only the sequences that fail alone fail.
+
+use super::model::GenModel;
+use super::output::{ChoiceOut, ChoiceRules};
+use super::scheduler::{Admission, Planned, Scheduler, SchedulerLimits};
+use crate::compute::{failure, Output, Work};
+use crate::fault::Fault;
+use crate::keys::StageKeys;
+use crate::llama::{LlamaPart, SeqSlice};
+use crate::sampling::SamplingParams;
+use crate::stats::{unix_ns, RequestTimer, STATS};
+use anyhow::{anyhow, bail, Result};
+use candle_core::Tensor;
+use proto::chat::{chat_chunk_event, chat_completion_id, chat_response, Delta};
+use proto::completions::{
+    completion_id, completions_response, stream_error_event, stream_text_event, stream_usage_event,
+    Api, FinishReason, StreamIdentity, Usage, STREAM_DONE,
+};
+use proto::digest::Sha256Digest;
+use proto::frames::{
+    ActivationMessage, BatchItem, ErrorKind, FeedbackMessage, GenerationContext, NextToken,
+    PipelineError, RequestTelemetry, ResultMessage, StageTiming, StepBatch, StepSeq,
+};
+use proto::openai::ApiError;
+use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody, ReceiptVersion};
+use proto::sealing::{seal_response, seal_response_with_trailer, ResponseSealer};
+use proto::tensor::TensorFrame;
+use std::collections::HashMap;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::Sender;
+
+mod exit;
+mod step;
+
+use exit::*;
+use step::*;
+
+/// Budgets of a generation stage.
+#[derive(Clone, Copy, Debug)]
+pub struct GenLimits {
+    /// KV-cache budget in tokens (the same number in every stage).
+    pub kv_tokens: usize,
+    /// Most tokens per step.
+    pub step_tokens: usize,
+    /// Most sequences per step.
+    pub max_step_seqs: usize,
+    /// Most requests waiting for KV room (entry stage).
+    pub max_waiting: usize,
+}
+
+/// Key of a sequence in the KV caches.
+fn seq_key(request_id: u64, choice: u32) -> u64 {
+    (request_id << 8) | choice as u64
+}
+
+/// Chains one sequence's rows of one step into its running digest, so a
+/// stage's "sent" equals the next stage's "received" when nothing changed.
+fn chain(prev: Option<Sha256Digest>, s: &StepSeq, rows: &[u8]) -> Sha256Digest {
+    let prev = prev.map(|d| d.0).unwrap_or([0; 32]);
+    Sha256Digest::of_parts(
+        "gen-rows/v1",
+        &[&prev, &s.pos.to_be_bytes(), &s.len.to_be_bytes(), rows],
+    )
+}
+
+fn combine(d: &[Option<Sha256Digest>]) -> Sha256Digest {
+    let parts: Vec<[u8; 32]> = d
+        .iter()
+        .map(|x| x.map(|d| d.0).unwrap_or([0; 32]))
+        .collect();
+    let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+    Sha256Digest::of_parts("gen-seqs/v1", &refs)
+}
+
+struct GenRequest {
+    ctx: GenerationContext,
+    received: Vec<Option<Sha256Digest>>,
+    sent: Vec<Option<Sha256Digest>>,
+    upstream_links: Option<Vec<Vec<u8>>>,
+    /// Every choice has finished in this stage's view.
+    done: bool,
+    exit: Option<ExitState>,
+    /// Earlier stages' timings (with their links).
+    upstream_timings: Vec<StageTiming>,
+    /// This stage's timing.
+    timer: RequestTimer,
+}
+
+impl GenRequest {
+    fn reserve(&self, choice: u32, context: usize) -> usize {
+        let n = self.ctx.request.n.max(1);
+        let prompt = self
+            .ctx
+            .prompts
+            .get((choice / n) as usize)
+            .map_or(0, |p| p.tokens as usize);
+        (prompt + self.ctx.request.max_tokens as usize).min(context)
+    }
+}
+
+/// A step's input.
+enum StepInput {
+    /// Entry: token ids per sequence (concatenated in row order).
+    Tokens(Vec<u32>),
+    /// Later stages: hidden rows `[tokens, hidden]`.
+    Hidden(Tensor),
+}
+
+/// The generation compute loop.
+pub struct Generator {
+    model: Arc<GenModel>,
+    part: LlamaPart,
+    keys: Arc<StageKeys>,
+    out: Sender<Output>,
+    fault: Fault,
+    limits: GenLimits,
+    sched: Option<Scheduler>,
+    requests: HashMap<u64, GenRequest>,
+    next_step: u64,
+}
+
+impl Generator {
+    /// A compute loop for `model`'s part `part`, sending to `out`.
+    pub fn new(
+        model: Arc<GenModel>,
+        part: LlamaPart,
+        keys: Arc<StageKeys>,
+        out: Sender<Output>,
+        limits: GenLimits,
+    ) -> Self {
+        let sched = model.claims.is_entry().then(|| {
+            Scheduler::new(SchedulerLimits {
+                kv_tokens: limits.kv_tokens,
+                step_tokens: limits.step_tokens,
+                max_step_seqs: limits.max_step_seqs,
+                max_waiting: limits.max_waiting,
+                num_stages: model.claims.num_stages as usize,
+            })
+        });
+        Self {
+            model,
+            part,
+            keys,
+            out,
+            fault: Fault::from_env(),
+            limits,
+            sched,
+            requests: HashMap::new(),
+            next_step: 0,
+        }
+    }
+
+    fn is_exit(&self) -> bool {
+        self.model.claims.is_exit()
+    }
+
+    /// KV-cache tokens this stage has allocated (derived from the caches).
+    fn kv_tokens_used(&self) -> usize {
+        self.part.kv_bytes_allocated() / self.part.bytes_per_token().max(1)
+    }
+
+    /// Runs until the work queue closes: drains everything queued, then runs
+    /// steps while sequences are ready (entry stage).
+    pub fn run(mut self, rx: Receiver<Work>) {
+        loop {
+            let ready = self.sched.as_ref().is_some_and(Scheduler::has_ready);
+            let first = if ready {
+                match rx.try_recv() {
+                    Ok(w) => Some(w),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => None,
+                    Err(_) => return,
+                }
+            } else {
+                match rx.recv() {
+                    Ok(w) => Some(w),
+                    Err(_) => return,
+                }
+            };
+            let mut next = first;
+            while let Some(w) = next.take().or_else(|| rx.try_recv().ok()) {
+                self.handle(w);
+            }
+            if let Some(plan) = self.sched.as_mut().map(Scheduler::next_step) {
+                if !plan.is_empty() {
+                    self.run_entry_step(plan);
+                }
+            }
+            self.update_gauges();
+        }
+    }
+
+    /// Publishes this stage's gauges (requests, waiting, sequences, KV).
+    fn update_gauges(&self) {
+        let (waiting, active) = match &self.sched {
+            Some(s) => (s.waiting(), s.active_seqs()),
+            None => (0, self.requests.values().map(|r| r.received.len()).sum()),
+        };
+        STATS.gauges(self.requests.len(), waiting, active, self.kv_tokens_used());
+    }
+
+    /// Counts a step that began at `began` (ends now) in the stage's
+    /// counters and in each of its requests' timings.
+    fn record_step(&mut self, seqs: &[StepSeq], began: Instant) {
+        let took = began.elapsed();
+        let tokens = seqs.iter().map(|s| s.len as u64).sum();
+        STATS.batch(seqs.len(), tokens, took);
+        for id in request_ids(seqs) {
+            if let Some(r) = self.requests.get_mut(&id) {
+                r.timer.computed(began, took);
+            }
+        }
+    }
+
+    fn handle(&mut self, w: Work) {
+        match w {
+            Work::BeginGeneration { ctx, prompts } => self.begin_entry(*ctx, prompts),
+            Work::Activation(ActivationMessage::BeginGeneration(ctx)) => self.begin(*ctx),
+            Work::Activation(ActivationMessage::Step(b)) => self.run_upstream_step(b),
+            Work::Feedback(FeedbackMessage::Tokens(t)) => self.feedback(t),
+            Work::Feedback(FeedbackMessage::Dropped { request_id }) => {
+                if let Some(s) = self.sched.as_mut() {
+                    s.remove(request_id);
+                }
+                self.forget(request_id);
+            }
+            Work::Links {
+                request_id,
+                links,
+                timings,
+            } => self.upstream_links(request_id, links, timings),
+            Work::Failed { request_id, error } => self.upstream_failed(request_id, error),
+            Work::Cancel { request_id } => self.cancel(request_id),
+            Work::Begin(_) | Work::Seqs(_) | Work::Batch(_) | Work::Activation(_) => {
+                tracing::warn!("embedding work sent to a generation stage; ignored")
+            }
+        }
+    }
+
+    fn send(&self, o: Output) {
+        if self.out.blocking_send(o).is_err() {
+            tracing::error!("output queue closed; dropping output");
+        }
+    }
+
+    fn now_ms() -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0)
+    }
+
+    /// The error for a request: details sealed to its client when its key is known.
+    fn error_for(&self, request_id: u64, api: &ApiError, kind: ErrorKind) -> PipelineError {
+        let sealed_body = self
+            .requests
+            .get(&request_id)
+            .and_then(|r| seal_response(&r.ctx.response_key, &api.body_bytes()).ok());
+        PipelineError {
+            kind,
+            status: api.status,
+            message: format!(
+                "stage {}: request failed with status {}",
+                self.model.claims.stage_index, api.status
+            ),
+            retry_after_secs: None,
+            sealed_body,
+        }
+    }
+
+    // ---- request lifecycle ----
+
+    /// Registers a request; `false` (and the request failed) when the exit
+    /// stage cannot seal to its response key.
+    fn register(&mut self, ctx: GenerationContext) -> bool {
+        let n = ctx.prompts.len() * ctx.request.n as usize;
+        let exit = match self.is_exit().then(|| self.exit_state(&ctx)).transpose() {
+            Ok(exit) => exit,
+            Err(e) => {
+                tracing::error!(request_id = ctx.request_id, error = %e, "unusable response key");
+                let err = PipelineError {
+                    kind: ErrorKind::Internal,
+                    status: 500,
+                    message: "the request's response key is unusable".into(),
+                    retry_after_secs: None,
+                    sealed_body: None,
+                };
+                self.send(failure(true, ctx.request_id, err));
+                return false;
+            }
+        };
+        let entry = self.model.claims.is_entry();
+        self.requests.insert(
+            ctx.request_id,
+            GenRequest {
+                received: vec![None; n],
+                sent: vec![None; n],
+                upstream_links: entry.then(Vec::new),
+                done: false,
+                exit,
+                ctx,
+                upstream_timings: Vec::new(),
+                timer: RequestTimer::start(),
+            },
+        );
+        true
+    }
+
+    /// Entry stage: a newly opened request with its tokenized prompts.
+    fn begin_entry(&mut self, ctx: GenerationContext, prompts: Vec<Vec<u32>>) {
+        let request_id = ctx.request_id;
+        let context = self.model.config.max_seq_len;
+        let n = ctx.request.n.max(1) as usize;
+        let max_tokens = ctx.request.max_tokens;
+        let mut choices = Vec::new();
+        for p in &prompts {
+            let reserve = (p.len() + max_tokens as usize).min(context);
+            for _ in 0..n {
+                choices.push((p.clone(), reserve));
+            }
+        }
+        if !self.register(ctx.clone()) {
+            return;
+        }
+        let sched = self.sched.as_mut().expect("entry stage");
+        let reject = match sched.offer(request_id, choices) {
+            Admission::Running | Admission::Waiting => None,
+            Admission::TooLarge { need, capacity } => Some((
+                ApiError {
+                    code: Some("kv_cache_budget_exceeded".into()),
+                    ..ApiError::invalid(
+                        Some("max_tokens"),
+                        format!(
+                            "This request needs KV-cache room for {need} tokens (prompt + \
+                             max_tokens, for each of its choices), more than the {capacity} \
+                             this server holds. Reduce max_tokens, n or the prompt."
+                        ),
+                    )
+                },
+                None,
+            )),
+            Admission::Busy => Some((
+                ApiError {
+                    status: 503,
+                    message: "The server is at capacity for completions; retry shortly.".into(),
+                    kind: "server_error".into(),
+                    param: None,
+                    code: Some("overloaded".into()),
+                },
+                Some(2),
+            )),
+        };
+        if let Some((api, retry)) = reject {
+            let mut err = self.error_for(request_id, &api, ErrorKind::BadInput);
+            err.retry_after_secs = retry;
+            err.message = format!("completions request refused with status {}", api.status);
+            self.requests.remove(&request_id);
+            self.send(failure(self.is_exit(), request_id, err));
+            return;
+        }
+        if self.is_exit() {
+            self.start_stream(request_id);
+        } else {
+            self.send(Output::Activation(ActivationMessage::BeginGeneration(
+                Box::new(ctx),
+            )));
+        }
+    }
+
+    /// Later stages: a request announced by the previous stage.
+    fn begin(&mut self, ctx: GenerationContext) {
+        let request_id = ctx.request_id;
+        if !self.is_exit() {
+            self.send(Output::Activation(ActivationMessage::BeginGeneration(
+                Box::new(ctx.clone()),
+            )));
+        }
+        if self.register(ctx) && self.is_exit() {
+            self.start_stream(request_id);
+        }
+    }
+
+    fn start_stream(&mut self, request_id: u64) {
+        let Some(r) = self.requests.get(&request_id) else {
+            return;
+        };
+        if r.exit.as_ref().is_some_and(|e| e.stream.is_some()) {
+            self.send(Output::Result(ResultMessage::StreamStart {
+                request_id,
+                receipt_id: r.ctx.receipt_id,
+            }));
+        }
+    }
+
+    /// Frees a request's KV caches in this stage and stops tracking it.
+    fn forget(&mut self, request_id: u64) -> Option<GenRequest> {
+        let r = self.requests.remove(&request_id)?;
+        for c in 0..r.received.len() as u32 {
+            self.part.free(seq_key(request_id, c));
+        }
+        Some(r)
+    }
+
+    fn cancel(&mut self, request_id: u64) {
+        if let Some(s) = self.sched.as_mut() {
+            s.remove(request_id);
+        }
+        if self.forget(request_id).is_some() {
+            tracing::info!(request_id, "request cancelled by the client; freed");
+            let err = PipelineError {
+                kind: ErrorKind::Internal,
+                status: 499,
+                message: "the client closed the request".into(),
+                retry_after_secs: None,
+                sealed_body: None,
+            };
+            self.send(failure(self.is_exit(), request_id, err));
+        }
+    }
+
+    fn upstream_failed(&mut self, request_id: u64, error: PipelineError) {
+        let r = self.forget(request_id);
+        if self.is_exit() {
+            self.send_feedback(FeedbackMessage::Dropped { request_id });
+            if let Some(stream) = r.and_then(|r| r.exit).and_then(|e| e.stream) {
+                return self.end_stream_with_error(request_id, stream, &error);
+            }
+        }
+        self.send(failure(self.is_exit(), request_id, error));
+    }
+
+    fn end_stream_with_error(&self, request_id: u64, mut s: Streaming, error: &PipelineError) {
+        let api = ApiError {
+            status: error.status,
+            message: if error.status == 499 {
+                "The request was cancelled.".into()
+            } else {
+                format!(
+                    "Generation failed in the pipeline (status {}); the output above is incomplete.",
+                    error.status
+                )
+            },
+            kind: "server_error".into(),
+            param: None,
+            code: Some("generation_failed".into()),
+        };
+        let data = s
+            .sealer
+            .seal(&stream_error_event(&api), true)
+            .unwrap_or_default();
+        self.send(Output::Result(ResultMessage::StreamEnd {
+            request_id,
+            data,
+            receipt: None,
+            telemetry: None,
+        }));
+    }
+
+    /// Fails requests in this stage: frees them and tells the next stage
+    /// (or the gateway, or the stream's client).
+    fn fail(&mut self, request_ids: &[u64], error: &anyhow::Error) {
+        for &request_id in request_ids {
+            if !self.requests.contains_key(&request_id) {
+                continue;
+            }
+            tracing::warn!(request_id, error = %error, "sequence failed in this stage");
+            let api = ApiError::internal(format!(
+                "stage {} failed on this request",
+                self.model.claims.stage_index
+            ));
+            let err = self.error_for(request_id, &api, ErrorKind::Internal);
+            if let Some(s) = self.sched.as_mut() {
+                s.remove(request_id);
+            }
+            let r = self.forget(request_id);
+            if self.is_exit() {
+                self.send_feedback(FeedbackMessage::Dropped { request_id });
+                if let Some(stream) = r.and_then(|r| r.exit).and_then(|e| e.stream) {
+                    self.end_stream_with_error(request_id, stream, &err);
+                    continue;
+                }
+            }
+            self.send(failure(self.is_exit(), request_id, err));
+        }
+    }
+
+    fn send_feedback(&mut self, m: FeedbackMessage) {
+        if self.model.claims.is_entry() {
+            // One-stage pipeline: the feedback loop is in this thread.
+            if let FeedbackMessage::Tokens(t) = m {
+                self.feedback(t);
+            }
+        } else {
+            self.send(Output::Feedback(m));
+        }
+    }
+
+    // ---- steps ----
+
+    /// Entry stage: tokens from the exit stage.
+    fn feedback(&mut self, tokens: Vec<NextToken>) {
+        let Some(sched) = self.sched.as_mut() else {
+            tracing::warn!("feedback tokens at a stage that is not the entry; ignored");
+            return;
+        };
+        let mut completed = Vec::new();
+        for t in tokens {
+            if sched.feed(t.request_id, t.choice, t.token, t.finished) {
+                completed.push(t.request_id);
+            }
+        }
+        for request_id in completed {
+            if let Some(r) = self.requests.get_mut(&request_id) {
+                r.done = true;
+            }
+            self.try_finish(request_id);
+        }
+    }
+}
