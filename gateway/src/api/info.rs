@@ -1,0 +1,228 @@
+//! The routes that read state rather than run a model: `/metrics`,
+//! `/v1/models`, `/readyz`, `/v1/receipts/{id}`, `/.well-known/hpke-keys`
+//! and `/v1/attestation`.
+
+use super::*;
+
+pub(super) async fn metrics_handler(State(s): State<AppState>) -> Response {
+    let mut text = s.metrics.render(Some(&s.pipeline.health()));
+    let views = futures_util::future::join_all(s.pipelines().into_iter().map(|p| p.view())).await;
+    text += &crate::stage_metrics::render(&views);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+pub(super) fn model_json(id: &str) -> serde_json::Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "confidential-gateway"})
+}
+
+pub(super) async fn list_models(State(s): State<AppState>) -> Response {
+    let data: Vec<_> = s
+        .pipelines()
+        .iter()
+        .map(|p| model_json(&p.model_id))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+pub(super) async fn get_model(State(s): State<AppState>, Path(id): Path<String>) -> Response {
+    if s.by_model(&id).is_some() {
+        Json(model_json(&id)).into_response()
+    } else {
+        ApiError::model_not_found(&id).into_response()
+    }
+}
+
+pub(super) async fn readyz(State(s): State<AppState>) -> Response {
+    let mut pipelines = Vec::new();
+    let mut mock = false;
+    for p in s.pipelines() {
+        match p.status() {
+            Ok(stages) => {
+                mock |= stages.iter().any(|st| st.evidence == "mock");
+                pipelines
+                    .push(json!({"endpoint": p.endpoint, "model": p.model_id, "stages": stages}));
+            }
+            Err(reason) => {
+                return ApiError::not_ready(&format!("{}: {reason}", p.model_id)).into_response()
+            }
+        }
+    }
+    let mut body = json!({
+        "status": "ready",
+        "model": s.pipeline.model_id,
+        "stages": pipelines[0]["stages"],
+        "pipelines": pipelines,
+    });
+    if mock {
+        body["warning"] = json!(proto::attestation::MOCK_WARNING);
+    }
+    Json(body).into_response()
+}
+
+pub(super) async fn get_receipt(State(s): State<AppState>, Path(id): Path<String>) -> Response {
+    let found = hex::decode(&id)
+        .ok()
+        .and_then(|b| <[u8; 16]>::try_from(b).ok())
+        .and_then(|id| s.receipts.get(&id));
+    match found {
+        Some(r) => ([(header::CONTENT_TYPE, "application/cose")], r).into_response(),
+        None => ApiError {
+            code: Some("receipt_not_found"),
+            ..ApiError::from_stage(404, format!("No receipt {id} is retained here."))
+        }
+        .into_response(),
+    }
+}
+
+pub(super) async fn hpke_keys(
+    State(s): State<AppState>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let chosen: Vec<&Arc<Pipeline>> = match q.get("model") {
+        Some(m) => match s.by_model(m) {
+            Some(p) => vec![p],
+            None => return ApiError::model_not_found(m).into_response(),
+        },
+        None => s.pipelines(),
+    };
+    let mut keys = Vec::new();
+    let mut serves = HashMap::new();
+    for p in chosen {
+        match p.entry_keys() {
+            Ok(k) => {
+                for c in &k {
+                    serves.insert(c.key_id, (p.model_id.clone(), p.endpoint));
+                }
+                keys.extend(k);
+            }
+            Err(reason) => return ApiError::not_ready(&reason).into_response(),
+        }
+    }
+    keys.push(s.gateway_key.config());
+    if q.get("format").map(String::as_str) == Some("json") {
+        let list: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                let gateway = k.key_id == s.gateway_key.key_id();
+                json!({
+                    "key_id": k.key_id,
+                    "public_key": hex::encode(k.public_key),
+                    "kem": "DHKEM(X25519, HKDF-SHA256)",
+                    "aeads": k.aeads.iter().map(|a| format!("{a:?}")).collect::<Vec<_>>(),
+                    "held_by": if gateway { "gateway" } else { "enclave" },
+                    "model": serves.get(&k.key_id).map(|m| m.0.clone()),
+                    "endpoint": serves.get(&k.key_id).map(|m| m.1),
+                    "note": if gateway {
+                        "held by the untrusted host: it opens your request and re-seals it to the entry stage"
+                    } else {
+                        "held by the attested entry stage (stage 0); bound in its evidence at /v1/attestation"
+                    },
+                })
+            })
+            .collect();
+        return Json(json!({"keys": list})).into_response();
+    }
+    (
+        [(header::CONTENT_TYPE, KEYS_MEDIA_TYPE)],
+        KeyConfig::encode_list(&keys),
+    )
+        .into_response()
+}
+
+pub(super) async fn attestation(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let nonce = match q.get("nonce").map(hex::decode) {
+        None => Vec::new(),
+        Some(Ok(n)) if n.len() <= 64 => n,
+        Some(_) => {
+            return ApiError::invalid(Some("nonce"), "`nonce` must be hex, at most 64 bytes.")
+                .into_response()
+        }
+    };
+    let pipeline = match q.get("model") {
+        Some(m) => match s.by_model(m) {
+            Some(p) => p.clone(),
+            None => return ApiError::model_not_found(m).into_response(),
+        },
+        None => s.pipeline.clone(),
+    };
+    let wait = s.limits.routes.for_route(crate::timeouts::ATTESTATION);
+    let stages = match pipeline.attest(&nonce, wait).await {
+        Ok(v) => v,
+        Err(f) => return failure_response(&s, f),
+    };
+    let bundle = EvidenceBundle {
+        nonce,
+        manifest: pipeline.manifest_bytes.clone(),
+        stages: stages
+            .into_iter()
+            .map(|(st, evidence)| StageEvidence {
+                index: st.index,
+                claims: st.claims,
+                boot_evidence: st.boot_evidence,
+                evidence,
+            })
+            .collect(),
+    };
+    let wants_cbor = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/cbor"));
+    if wants_cbor {
+        return (
+            [(header::CONTENT_TYPE, "application/cbor")],
+            proto::cbor::to_vec(&bundle),
+        )
+            .into_response();
+    }
+    Json(bundle_json(&bundle)).into_response()
+}
+
+/// The bundle for people: the same content, bytes as hex/base64, plus the
+/// CBOR form (base64) that `gateway verify evidence` reads.
+pub(super) fn bundle_json(b: &EvidenceBundle) -> serde_json::Value {
+    let b64 = |v: &[u8]| base64::engine::general_purpose::STANDARD.encode(v);
+    let stages: Vec<_> = b
+        .stages
+        .iter()
+        .map(|s| {
+            let doc = proto::attestation::verify_any(&s.evidence).ok();
+            json!({
+                "index": s.index,
+                "layers": [s.claims.layer_start, s.claims.layer_end],
+                "evidence_format": format!("{:?}", s.evidence.format).to_lowercase(),
+                "measurement": doc.as_ref().map(|d| d.measurement.pinned_form()),
+                "receipt_key": hex::encode(s.claims.receipt_key),
+                "hpke_keys": b64(&s.claims.hpke_keys),
+                "boot_evidence_sha256": s.boot_evidence.digest().hex(),
+                "evidence": b64(&s.evidence.document),
+                "boot_evidence": b64(&s.boot_evidence.document),
+            })
+        })
+        .collect();
+    let mock = b
+        .stages
+        .iter()
+        .any(|s| s.evidence.format == proto::attestation::EvidenceFormat::Mock);
+    let mut out = json!({
+        "nonce": hex::encode(&b.nonce),
+        "manifest_sha256": proto::digest::Sha256Digest::of(&b.manifest).hex(),
+        "manifest": serde_json::from_slice::<serde_json::Value>(&b.manifest).unwrap_or_default(),
+        "stages": stages,
+        "bundle_cbor": b64(&proto::cbor::to_vec(b)),
+    });
+    if mock {
+        out["warning"] = json!(proto::attestation::MOCK_WARNING);
+    }
+    out
+}

@@ -1,0 +1,246 @@
+//! The HTTP API: routes, body limits, sealing for plain clients, relaying
+//! for sealed clients, receipts, evidence and published keys.
+
+use crate::auth::ApiKeys;
+use crate::metrics::Metrics;
+use crate::openai_error::ApiError;
+use crate::pipeline::{Failure, Pipeline, Reply, Submission};
+use crate::receipts::ReceiptStore;
+use axum::body::{to_bytes, Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use proto::bundle::{EvidenceBundle, StageEvidence};
+use proto::receipt::Sealing;
+use proto::sealing::{
+    open_request, open_response, seal_request, seal_response, seal_response_with_trailer, Aead,
+    ClientResponseKey, KeyConfig, ReplayGuard, ResponseKeyMaterial, ResponseOpener, ResponseSealer,
+    SealLimits, SealedHeaders, ServerKey, HEADER_KEY_ID, KEYS_MEDIA_TYPE,
+};
+use serde_json::json;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+mod info;
+mod relay;
+mod stream;
+
+use info::*;
+use relay::*;
+use stream::*;
+
+/// Response header carrying the receipt id (hex).
+pub const HEADER_RECEIPT_ID: &str = "receipt-id";
+/// Response header carrying the receipt itself (base64url), when it fits.
+pub const HEADER_RECEIPT: &str = "receipt";
+/// Request header with the client's receipt nonce (hex, at most 64 bytes).
+pub const HEADER_RECEIPT_NONCE: &str = "receipt-nonce";
+/// Largest receipt sent in a header.
+const MAX_RECEIPT_HEADER: usize = 8 * 1024;
+
+/// Settings the handlers need.
+#[derive(Clone, Debug)]
+pub struct ApiLimits {
+    /// Largest request body.
+    pub max_body_bytes: usize,
+    /// Deadline of an embeddings request in the pipeline.
+    pub timeout: Duration,
+    /// Every route's deadline (enforced by [`crate::timeouts::enforce`]).
+    pub routes: Arc<crate::timeouts::RouteTimeouts>,
+}
+
+/// Shared handler state.
+#[derive(Clone)]
+pub struct AppState {
+    /// The embeddings pipeline.
+    pub pipeline: Arc<Pipeline>,
+    /// The completions pipeline, when configured.
+    pub completions: Option<Arc<Pipeline>>,
+    /// Limits.
+    pub limits: ApiLimits,
+    /// Recent receipts.
+    pub receipts: Arc<ReceiptStore>,
+    /// The gateway's own HPKE key (published as gateway-held).
+    pub gateway_key: Arc<GatewayKey>,
+    /// API keys and their limits.
+    pub auth: Arc<ApiKeys>,
+    /// Prometheus metrics.
+    pub metrics: Arc<Metrics>,
+    /// Graceful shutdown state.
+    pub shutdown: Arc<crate::shutdown::Shutdown>,
+}
+
+impl AppState {
+    /// Every pipeline, embeddings first.
+    pub fn pipelines(&self) -> Vec<&Arc<Pipeline>> {
+        std::iter::once(&self.pipeline)
+            .chain(self.completions.as_ref())
+            .collect()
+    }
+
+    /// The pipeline serving a model id.
+    fn by_model(&self, model: &str) -> Option<&Arc<Pipeline>> {
+        self.pipelines().into_iter().find(|p| p.model_id == model)
+    }
+}
+
+/// Key id of the gateway-held HPKE key.
+pub const GATEWAY_HPKE_KEY_ID: u8 = 0x80;
+
+/// The gateway's own HPKE key: clients that seal to it trust the host with
+/// their plaintext (the receipt records `sealing = gateway`).
+pub struct GatewayKey {
+    key: ServerKey,
+    replay: std::sync::Mutex<ReplayGuard>,
+}
+
+impl GatewayKey {
+    /// A fresh key.
+    pub fn generate() -> Self {
+        Self {
+            key: ServerKey::generate(GATEWAY_HPKE_KEY_ID),
+            replay: std::sync::Mutex::new(ReplayGuard::new(Duration::from_secs(600), 1 << 20)),
+        }
+    }
+
+    /// Its key id.
+    pub fn key_id(&self) -> u8 {
+        self.key.key_id()
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> KeyConfig {
+        self.key.config()
+    }
+
+    fn open(
+        &self,
+        sealed: &SealedHeaders,
+        body: &[u8],
+    ) -> Result<(Vec<u8>, proto::sealing::ResponseKeyMaterial), ApiError> {
+        let (plaintext, material) = open_request(&self.key, sealed, body).map_err(|e| {
+            ApiError::invalid(
+                Some(HEADER_KEY_ID),
+                format!("the sealed request cannot be opened: {e}"),
+            )
+        })?;
+        self.replay
+            .lock()
+            .unwrap()
+            .check_and_insert(&sealed.enc, Instant::now())
+            .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("refused: {e}")))?;
+        Ok((plaintext, material))
+    }
+}
+
+/// Builds the router.
+///
+/// With `[auth] enabled`, the API routes (embeddings, models, receipts) need
+/// a key. What a client needs before it can trust the gateway (evidence,
+/// published HPKE keys) and what operators probe (health, readiness,
+/// metrics) stay open.
+pub fn router(state: AppState) -> Router {
+    let keyed = Router::new()
+        .route("/v1/embeddings", post(embeddings_handler))
+        .route("/v1/chat/completions", post(chat_handler))
+        .route("/v1/completions", post(completions_handler))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{id}", get(get_model))
+        .route("/v1/receipts/{id}", get(get_receipt))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.auth.clone(),
+            crate::auth::require_key,
+        ));
+    let open = Router::new()
+        .route("/v1/attestation", get(attestation))
+        .route("/.well-known/hpke-keys", get(hpke_keys))
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_handler));
+    keyed
+        .merge(open)
+        .fallback(|method: Method, uri: Uri| async move {
+            ApiError::unknown_route(method.as_str(), uri.path())
+        })
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            ApiError::method_not_allowed(method.as_str(), uri.path())
+        })
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::new(traced_routes(&state)),
+            crate::telemetry::trace_request,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.limits.routes.clone(),
+            crate::timeouts::enforce,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.shutdown.clone(),
+            crate::shutdown::guard,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.metrics.clone(),
+            crate::metrics::track,
+        ))
+        .layer(axum::middleware::from_fn(request_id))
+        .with_state(state)
+}
+
+/// The API routes that get a trace span, with the model each serves.
+fn traced_routes(s: &AppState) -> crate::telemetry::TracedRoutes {
+    use crate::telemetry::TracedRoute;
+    let generation = s.completions.as_ref().map(|p| p.model_id.clone());
+    crate::telemetry::TracedRoutes(vec![
+        TracedRoute {
+            route: crate::timeouts::EMBEDDINGS,
+            operation: "embeddings",
+            model: Some(s.pipeline.model_id.clone()),
+        },
+        TracedRoute {
+            route: crate::timeouts::COMPLETIONS,
+            operation: "text_completion",
+            model: generation.clone(),
+        },
+        TracedRoute {
+            route: crate::timeouts::CHAT_COMPLETIONS,
+            operation: "chat",
+            model: generation,
+        },
+    ])
+}
+
+/// Response header (and log field) carrying the request id.
+pub const HEADER_REQUEST_ID: &str = "x-request-id";
+
+/// Gives every request an id: the client's `x-request-id` when it is short
+/// and plain (letters, digits, `-`, `_`, `.`), else a fresh random one. The
+/// id is echoed in the response and set on the request's log span.
+async fn request_id(mut req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    use tracing::Instrument;
+    let given = req
+        .headers()
+        .get(HEADER_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| {
+            !v.is_empty()
+                && v.len() <= 64
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        })
+        .map(str::to_string);
+    let id = given.unwrap_or_else(|| {
+        use rand::RngCore;
+        let mut b = [0u8; 12];
+        rand::rngs::OsRng.fill_bytes(&mut b);
+        hex::encode(b)
+    });
+    let value = HeaderValue::from_str(&id).expect("checked or hex");
+    req.headers_mut().insert(HEADER_REQUEST_ID, value.clone());
+    let span = tracing::info_span!("http", request_id = %id);
+    let mut resp = next.run(req).instrument(span).await;
+    resp.headers_mut().insert(HEADER_REQUEST_ID, value);
+    resp
+}

@@ -1,0 +1,421 @@
+//! The model routes: reading the body, then relaying a client-sealed request
+//! as ciphertext, or sealing a plain (or gateway-key) request to the entry
+//! stage and opening its answer.
+
+use super::*;
+
+pub(super) fn failure_response(s: &AppState, f: Failure) -> Response {
+    match f {
+        Failure::NotReady(r) => ApiError::not_ready(&r).into_response(),
+        Failure::Timeout => ApiError::timeout(s.limits.timeout.as_secs()).into_response(),
+    }
+}
+
+pub(super) async fn embeddings_handler(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let started = Instant::now();
+    let pipeline = s.pipeline.clone();
+    let resp = relay(&s, &pipeline, pipeline.endpoint, &headers, body).await;
+    tracing::info!(
+        endpoint = "/v1/embeddings",
+        status = resp.status().as_u16(),
+        latency_ms = started.elapsed().as_secs_f64() * 1e3,
+        "request"
+    );
+    resp
+}
+
+pub(super) async fn read_body(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Bytes, ApiError> {
+    let limit = s.limits.max_body_bytes;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::too_large(limit));
+    }
+    to_bytes(body, limit)
+        .await
+        .map_err(|_| ApiError::too_large(limit))
+}
+
+pub(super) async fn chat_handler(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    generation_handler(s, crate::timeouts::CHAT_COMPLETIONS, headers, body).await
+}
+
+pub(super) async fn completions_handler(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    generation_handler(s, crate::timeouts::COMPLETIONS, headers, body).await
+}
+
+/// `/v1/completions` and `/v1/chat/completions`: both go to the completions
+/// pipeline, whose entry stage reads (and, for chat, templates) the request.
+pub(super) async fn generation_handler(
+    s: AppState,
+    endpoint: &'static str,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let started = Instant::now();
+    let Some(pipeline) = s.completions.clone() else {
+        return ApiError {
+            code: Some("unknown_url"),
+            ..ApiError::from_stage(
+                404,
+                format!(
+                    "This gateway serves no completions model ([completions] is not \
+                     configured), so {endpoint} is not available."
+                ),
+            )
+        }
+        .into_response();
+    };
+    let resp = relay(&s, &pipeline, endpoint, &headers, body).await;
+    tracing::info!(
+        endpoint,
+        status = resp.status().as_u16(),
+        latency_ms = started.elapsed().as_secs_f64() * 1e3,
+        "request"
+    );
+    resp
+}
+
+/// Seals (plain clients) or relays (sealed clients) one API request.
+pub(super) async fn relay(
+    s: &AppState,
+    pipeline: &Arc<Pipeline>,
+    endpoint: &'static str,
+    headers: &HeaderMap,
+    body: Body,
+) -> Response {
+    match relay_inner(s, pipeline, endpoint, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn relay_inner(
+    s: &AppState,
+    pipeline: &Arc<Pipeline>,
+    endpoint: &'static str,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let bytes = read_body(s, headers, body).await?;
+    let nonce = match headers
+        .get(HEADER_RECEIPT_NONCE)
+        .map(|v| v.to_str().map(hex::decode))
+    {
+        None => None,
+        Some(Ok(Ok(n))) if n.len() <= 64 => Some(n),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                Some(HEADER_RECEIPT_NONCE),
+                "The receipt-nonce header must be hex, at most 64 bytes.",
+            ))
+        }
+    };
+    let keys = pipeline.entry_keys().map_err(|r| ApiError::not_ready(&r))?;
+    if headers.contains_key(HEADER_KEY_ID) {
+        // Sealed by the client to the enclave key: relay ciphertext only.
+        let sealed = SealedHeaders::from_header_values(|name| {
+            headers.get(name).and_then(|v| v.to_str().ok())
+        })
+        .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("Bad sealing headers: {e}")))?;
+        if sealed.key_id == s.gateway_key.key_id() {
+            s.metrics.sealing(Sealing::Gateway);
+            return via_gateway_key(s, pipeline, endpoint, &keys, &sealed, &bytes, nonce).await;
+        }
+        if !keys
+            .iter()
+            .any(|k| k.key_id == sealed.key_id && k.supports(sealed.aead))
+        {
+            return Err(ApiError::unknown_key(sealed.key_id));
+        }
+        s.metrics.sealing(Sealing::Enclave);
+        let (reply, sub) = pipeline
+            .submit(
+                endpoint,
+                sealed,
+                bytes.to_vec(),
+                nonce,
+                Sealing::Enclave,
+                s.limits.routes.for_route(endpoint),
+            )
+            .await
+            .map_err(|f| failure_error(s, f))?;
+        return Ok(match reply {
+            Reply::StreamStart { receipt_id } => {
+                stream_response(s, sub, receipt_id, StreamMode::Relay)
+            }
+            Reply::Response {
+                status,
+                body,
+                receipt,
+                receipt_id,
+            } => {
+                let mut r = sealed_response(status, body);
+                attach_receipt(s, &mut r, receipt_id, receipt);
+                r
+            }
+            Reply::Failed(e) => {
+                let retry = e.retry_after_secs;
+                let mut r = match e.sealed_body {
+                    Some(body) => sealed_response(e.status, body),
+                    None => ApiError::from_stage(e.status, e.message).into_response(),
+                };
+                set_retry_after(&mut r, retry);
+                r
+            }
+            _ => unexpected_reply(),
+        });
+    }
+    // A plain OpenAI client: the gateway seals to the entry stage itself.
+    s.metrics.sealing(Sealing::Plain);
+    Ok(
+        match seal_to_entry(s, pipeline, endpoint, &keys, &bytes, nonce, Sealing::Plain).await? {
+            Answer::Whole {
+                status,
+                body,
+                receipt,
+                retry_after,
+            } => {
+                let mut r = json_response(status, body);
+                if let Some((id, receipt)) = receipt {
+                    attach_receipt(s, &mut r, id, receipt);
+                }
+                set_retry_after(&mut r, retry_after);
+                r
+            }
+            Answer::Stream {
+                receipt_id,
+                sub,
+                client_key,
+            } => stream_response(s, sub, receipt_id, StreamMode::Open(client_key)),
+        },
+    )
+}
+
+/// What came back for a request the gateway sealed itself.
+pub(super) enum Answer {
+    /// A whole (opened) response or error.
+    Whole {
+        status: u16,
+        body: Vec<u8>,
+        receipt: Option<([u8; 16], Vec<u8>)>,
+        retry_after: Option<u32>,
+    },
+    /// A stream: its rest comes through `sub`, sealed to `client_key`.
+    Stream {
+        receipt_id: [u8; 16],
+        sub: Submission,
+        client_key: ClientResponseKey,
+    },
+}
+
+pub(super) fn unexpected_reply() -> Response {
+    ApiError::internal("the exit stage answered out of order").into_response()
+}
+
+pub(super) fn set_retry_after(r: &mut Response, secs: Option<u32>) {
+    if let Some(secs) = secs {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+}
+
+/// Seals `plaintext` to the entry stage, waits, and opens the answer (or
+/// hands back the stream to open as it comes).
+pub(super) async fn seal_to_entry(
+    s: &AppState,
+    pipeline: &Arc<Pipeline>,
+    endpoint: &'static str,
+    keys: &[KeyConfig],
+    plaintext: &[u8],
+    nonce: Option<Vec<u8>>,
+    sealing: Sealing,
+) -> Result<Answer, ApiError> {
+    let key = &keys[0];
+    let aead = if key.supports(Aead::Aes128Gcm) {
+        Aead::Aes128Gcm
+    } else {
+        key.aeads[0]
+    };
+    let (sealed, body, client_key) = seal_request(key, aead, plaintext)
+        .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
+    let (reply, sub) = pipeline
+        .submit(
+            endpoint,
+            sealed,
+            body,
+            nonce,
+            sealing,
+            s.limits.routes.for_route(endpoint),
+        )
+        .await
+        .map_err(|f| failure_error(s, f))?;
+    let open = |body: &[u8]| {
+        open_response(&client_key, body)
+            .map_err(|e| ApiError::internal(format!("the stage's response does not open: {e}")))
+    };
+    Ok(match reply {
+        Reply::Response {
+            status,
+            body,
+            receipt,
+            receipt_id,
+        } => Answer::Whole {
+            status,
+            body: open(&body)?,
+            receipt: Some((receipt_id, receipt)),
+            retry_after: None,
+        },
+        Reply::Failed(e) => {
+            let retry_after = e.retry_after_secs;
+            let (status, body) = match e.sealed_body {
+                Some(body) => (e.status, open(&body)?),
+                None => {
+                    let api = ApiError::from_stage(e.status, e.message);
+                    (api.status.as_u16(), api.body_bytes())
+                }
+            };
+            Answer::Whole {
+                status,
+                body,
+                receipt: None,
+                retry_after,
+            }
+        }
+        Reply::StreamStart { receipt_id } => Answer::Stream {
+            receipt_id,
+            sub,
+            client_key,
+        },
+        _ => return Err(ApiError::internal("the exit stage answered out of order")),
+    })
+}
+
+/// Opens a request sealed to the gateway's own key, runs it as a plain
+/// request (sealed on to the entry stage), and seals the answer back to the
+/// client. The gateway sees this request's plaintext; the receipt says so.
+pub(super) async fn via_gateway_key(
+    s: &AppState,
+    pipeline: &Arc<Pipeline>,
+    endpoint: &'static str,
+    keys: &[KeyConfig],
+    sealed: &SealedHeaders,
+    bytes: &[u8],
+    nonce: Option<Vec<u8>>,
+) -> Result<Response, ApiError> {
+    let (plaintext, material) = s.gateway_key.open(sealed, bytes)?;
+    match seal_to_entry(
+        s,
+        pipeline,
+        endpoint,
+        keys,
+        &plaintext,
+        nonce,
+        Sealing::Gateway,
+    )
+    .await?
+    {
+        Answer::Whole {
+            status,
+            body,
+            receipt,
+            retry_after,
+        } => {
+            // A receipt rides along as the sealed body's trailer.
+            let sealed_body = match &receipt {
+                Some((_, r)) => seal_response_with_trailer(&material, &body, r),
+                None => seal_response(&material, &body),
+            }
+            .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
+            let mut r = sealed_response(status, sealed_body);
+            if let Some((id, receipt)) = receipt {
+                attach_receipt(s, &mut r, id, receipt);
+            }
+            set_retry_after(&mut r, retry_after);
+            Ok(r)
+        }
+        Answer::Stream {
+            receipt_id,
+            sub,
+            client_key,
+        } => {
+            let sealer = reseal(&material)?;
+            Ok(stream_response(
+                s,
+                sub,
+                receipt_id,
+                StreamMode::Reseal(client_key, sealer),
+            ))
+        }
+    }
+}
+
+pub(super) fn reseal(material: &ResponseKeyMaterial) -> Result<ResponseSealer, ApiError> {
+    ResponseSealer::new(material)
+        .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))
+}
+
+pub(super) fn failure_error(s: &AppState, f: Failure) -> ApiError {
+    match f {
+        Failure::NotReady(r) => ApiError::not_ready(&r),
+        Failure::Timeout => ApiError::timeout(s.limits.timeout.as_secs()),
+    }
+}
+
+pub(super) fn status_of(code: u16) -> StatusCode {
+    StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+pub(super) fn json_response(status: u16, body: Vec<u8>) -> Response {
+    (
+        status_of(status),
+        [(header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response()
+}
+
+pub(super) fn sealed_response(status: u16, body: Vec<u8>) -> Response {
+    (
+        status_of(status),
+        [
+            (header::CONTENT_TYPE, "application/octet-stream"),
+            (header::HeaderName::from_static("hpke-sealed"), "response"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+pub(super) fn attach_receipt(s: &AppState, r: &mut Response, id: [u8; 16], receipt: Vec<u8>) {
+    let h = r.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&hex::encode(id)) {
+        h.insert(HEADER_RECEIPT_ID, v);
+    }
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&receipt);
+    if b64.len() <= MAX_RECEIPT_HEADER {
+        if let Ok(v) = HeaderValue::from_str(&b64) {
+            h.insert(HEADER_RECEIPT, v);
+        }
+    }
+    s.receipts.insert(id, receipt);
+    s.metrics.receipt_issued();
+}

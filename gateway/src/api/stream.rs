@@ -1,0 +1,147 @@
+//! Streamed responses: the exit stage's sealed chunks passed on as they
+//! come (relayed, opened, or opened and sealed again), with idle timeouts
+//! and cancellation when the client goes away.
+
+use super::*;
+
+/// How the gateway passes a stream's sealed bytes to its client.
+pub(super) enum StreamMode {
+    /// The client sealed to the enclave key: ciphertext as it comes.
+    Relay,
+    /// A plain client: the gateway opens the stream it sealed the request for.
+    Open(ClientResponseKey),
+    /// The client sealed to the gateway's key: open, and seal again to it.
+    Reseal(ClientResponseKey, ResponseSealer),
+}
+
+impl StreamMode {
+    pub(super) fn is_plain(&self) -> bool {
+        matches!(self, StreamMode::Open(_))
+    }
+}
+
+/// A streamed HTTP response fed by the exit stage's messages. If the client
+/// goes away, the submission is dropped and the request is cancelled in the
+/// stages.
+pub(super) fn stream_response(
+    s: &AppState,
+    sub: Submission,
+    receipt_id: [u8; 16],
+    mode: StreamMode,
+) -> Response {
+    let plain = mode.is_plain();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let receipts = s.receipts.clone();
+    let metrics = s.metrics.clone();
+    // A stream may run long; only a silence this long ends it.
+    let idle = s.limits.routes.for_route(crate::timeouts::COMPLETIONS);
+    tokio::spawn(pump_stream(
+        sub, mode, tx, receipts, metrics, receipt_id, idle,
+    ));
+    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    }));
+    let mut r = if plain {
+        (
+            StatusCode::OK,
+            [
+                (header::CONTENT_TYPE, "text/event-stream"),
+                (header::CACHE_CONTROL, "no-cache"),
+            ],
+            body,
+        )
+            .into_response()
+    } else {
+        (
+            StatusCode::OK,
+            [
+                (header::CONTENT_TYPE, "application/octet-stream"),
+                (header::HeaderName::from_static("hpke-sealed"), "response"),
+                (header::CACHE_CONTROL, "no-cache"),
+            ],
+            body,
+        )
+            .into_response()
+    };
+    if let Ok(v) = HeaderValue::from_str(&hex::encode(receipt_id)) {
+        r.headers_mut().insert(HEADER_RECEIPT_ID, v);
+    }
+    r
+}
+
+pub(super) async fn pump_stream(
+    mut sub: Submission,
+    mut mode: StreamMode,
+    tx: tokio::sync::mpsc::Sender<Bytes>,
+    receipts: Arc<ReceiptStore>,
+    metrics: Arc<Metrics>,
+    receipt_id: [u8; 16],
+    idle: Duration,
+) {
+    let mut opener = match &mode {
+        StreamMode::Open(k) | StreamMode::Reseal(k, _) => {
+            Some(ResponseOpener::new(k, SealLimits::default()))
+        }
+        StreamMode::Relay => None,
+    };
+    loop {
+        let (data, last, receipt) = match sub.next(idle).await {
+            Ok(Reply::StreamData(d)) => (d, false, None),
+            Ok(Reply::StreamEnd { data, receipt }) => (data, true, receipt),
+            other => {
+                // The pipeline broke or went silent: say so to a plain client
+                // (a sealed stream just ends, and its opener sees it truncated).
+                let why = match other {
+                    Err(Failure::Timeout) => "The stream stalled and was closed.".to_string(),
+                    Err(Failure::NotReady(r)) => format!("The pipeline failed mid-stream: {r}"),
+                    _ => "The exit stage answered out of order.".to_string(),
+                };
+                tracing::warn!(error = %why, "stream ended early");
+                if mode.is_plain() {
+                    let e = ApiError::from_stage(503, why);
+                    let mut ev = b"data: ".to_vec();
+                    ev.extend(e.body_bytes());
+                    ev.extend(b"\n\n");
+                    let _ = tx.send(Bytes::from(ev)).await;
+                }
+                return;
+            }
+        };
+        if let Some(r) = receipt {
+            receipts.insert(receipt_id, r);
+            metrics.receipt_issued();
+        }
+        let out = match (&mut mode, opener.as_mut()) {
+            (StreamMode::Relay, _) => Ok(data),
+            (StreamMode::Open(_), Some(o)) => o.feed(&data).map(|parts| parts.concat()),
+            (StreamMode::Reseal(_, sealer), Some(o)) => o.feed(&data).and_then(|parts| {
+                // The stage's trailer (its receipt) goes on to the client.
+                match (last, o.trailer()) {
+                    (true, Some(trailer)) => {
+                        let mut out = sealer.seal(&parts.concat(), false)?;
+                        out.extend(sealer.finish_with_trailer(trailer)?);
+                        Ok(out)
+                    }
+                    _ => sealer.seal(&parts.concat(), last),
+                }
+            }),
+            _ => Ok(Vec::new()),
+        };
+        let out = match out {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(error = %e, "a stream chunk from the exit stage does not open");
+                return;
+            }
+        };
+        if !out.is_empty() && tx.send(Bytes::from(out)).await.is_err() {
+            // The client went away: dropping `sub` cancels the request.
+            return;
+        }
+        if last {
+            return;
+        }
+    }
+}

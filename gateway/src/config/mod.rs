@@ -1,0 +1,344 @@
+//! The gateway's configuration: one file (`config/gateway.toml`) plus
+//! environment overrides.
+//!
+//! Every key can be overridden by an environment variable named
+//! `GATEWAY_` + the key's path in upper case with `__` between the levels
+//! (array elements by index): `GATEWAY_SERVER__LISTEN=0.0.0.0:8443`,
+//! `GATEWAY_PIPELINE__STAGES__1__ADDRESS=tcp://10.0.0.7:7000`. The value is
+//! read as a TOML value when it is one (`true`, `30`, `[0, 3]`, `"quoted"`)
+//! and as a string otherwise. Errors name the key, and for an overridden key
+//! the variable too (`GATEWAY_SERVER__MAX_INPUTS (server.max_inputs): …`).
+//!
+//! Relative paths are resolved against the current directory (run the
+//! gateway from the repository root, as the README does).
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+mod env;
+mod load;
+#[cfg(test)]
+mod tests;
+
+use env::*;
+
+/// Prefix of environment overrides.
+pub const ENV_PREFIX: &str = "GATEWAY_";
+/// Separator between key levels in an override's name.
+pub const ENV_SEPARATOR: &str = "__";
+
+/// The whole file.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// HTTP server settings.
+    pub server: ServerConfig,
+    /// The stage pipeline.
+    pub pipeline: PipelineConfig,
+    /// API keys and per-key limits (off by default).
+    #[serde(default)]
+    pub auth: AuthConfig,
+    /// Key paths set by environment overrides → the variable's name.
+    #[serde(skip)]
+    pub overrides: BTreeMap<String, String>,
+    /// The text-generation pipeline for `/v1/completions` and
+    /// `/v1/chat/completions` (none: not served).
+    #[serde(default)]
+    pub completions: Option<CompletionsConfig>,
+    /// OpenTelemetry traces (off unless `otlp_endpoint` is set).
+    #[serde(default)]
+    pub telemetry: crate::telemetry::TelemetryConfig,
+}
+
+/// `[completions]`: a second pipeline of stages serving a Llama model for
+/// `/v1/completions`. Launch mode, stage binary and the connect timeout are
+/// shared with `[pipeline]` (threads too, unless set here).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionsConfig {
+    /// Measurement policy for this pipeline's stages (layers and manifest
+    /// differ from the embedding model's).
+    pub policy: PathBuf,
+    /// Model folder (with `manifest.json`).
+    pub model_dir: PathBuf,
+    /// KV-cache budget per stage, in tokens (each stage holds this many
+    /// tokens of keys and values for its own layers); requests are admitted
+    /// by it.
+    #[serde(default = "default_kv_tokens")]
+    pub kv_cache_tokens: usize,
+    /// Most sequences in one decoding step.
+    #[serde(default = "default_step_seqs")]
+    pub max_step_seqs: usize,
+    /// Most requests waiting for KV-cache room; beyond it new ones get 503.
+    #[serde(default = "default_max_waiting")]
+    pub max_waiting: usize,
+    /// Most tokens per step (longer prefills run alone).
+    #[serde(default = "default_token_budget")]
+    pub step_tokens: usize,
+    /// How the stages hold the weights: `q4_1` (default: the GGUF's blocks
+    /// as packaged), `q8_0` (re-quantized at load) or `f32` (dequantized;
+    /// reproduces the `transformers` reference token for token). Quality of
+    /// each: `benchmark_results/quality.md`.
+    #[serde(default)]
+    pub weights: proto::frames::WeightFormat,
+    /// Compute threads per local completions stage (default:
+    /// `[pipeline] threads_per_stage`). A single stream keeps one stage busy
+    /// at a time, and the quantized decode step splits its products across
+    /// these threads.
+    #[serde(default)]
+    pub threads_per_stage: Option<usize>,
+    /// The stages, entry stage first.
+    pub stages: Vec<StageConfig>,
+}
+
+/// `[auth]`: API keys for the `/v1/*` routes.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Require `Authorization: Bearer <token>` on `/v1/*`.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Limit for keys that do not set `requests_per_minute` (none: unlimited).
+    #[serde(default)]
+    pub default_requests_per_minute: Option<u32>,
+    /// Limit for keys that do not set `max_concurrent` (none: unlimited).
+    #[serde(default)]
+    pub default_max_concurrent: Option<u32>,
+    /// Keys given by their SHA-256 digest.
+    #[serde(default)]
+    pub keys: Vec<ApiKeyConfig>,
+}
+
+/// `[[auth.keys]]` (or an inline table in `auth.keys`).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyConfig {
+    /// A label for logs (never the token).
+    pub name: String,
+    /// SHA-256 of the token, 64 hex digits (`gateway hash-key`).
+    pub sha256: String,
+    /// Token-bucket rate: requests per minute (bursts up to this many).
+    #[serde(default)]
+    pub requests_per_minute: Option<u32>,
+    /// Requests this key may have in flight at once.
+    #[serde(default)]
+    pub max_concurrent: Option<u32>,
+}
+
+/// `[server]`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address to listen on, e.g. `127.0.0.1:8080`.
+    pub listen: String,
+    /// Largest accepted request body (bytes); larger gets 413.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: usize,
+    /// Most inputs in one embeddings request.
+    #[serde(default = "default_max_inputs")]
+    pub max_inputs: usize,
+    /// Time a request may take before it gets 504.
+    #[serde(default = "default_timeout")]
+    pub request_timeout_secs: u64,
+    /// How many recent receipts `GET /v1/receipts/{id}` keeps.
+    #[serde(default = "default_receipt_retention")]
+    pub receipt_retention: usize,
+    /// Serve plain HTTP on a non-loopback `listen` address (without
+    /// `[server.tls]`); refused at start unless set.
+    #[serde(default)]
+    pub allow_plain_http: bool,
+    /// On SIGTERM/SIGINT: how long requests in flight may still run before
+    /// they are cancelled (503 `shutting_down`).
+    #[serde(default = "default_shutdown_grace")]
+    pub shutdown_grace_secs: u64,
+    /// `[server.tls]`: serve HTTPS (none: plain HTTP).
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
+    /// `[server.timeouts]`: per-route deadlines.
+    #[serde(default)]
+    pub timeouts: TimeoutsConfig,
+}
+
+/// `[server.timeouts]`: deadlines per route, seconds, until the response
+/// headers. Routes not named here use `server.request_timeout_secs`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimeoutsConfig {
+    /// `POST /v1/embeddings` (default: `server.request_timeout_secs`).
+    #[serde(default)]
+    pub embeddings_secs: Option<u64>,
+    /// `POST /v1/completions` and `POST /v1/chat/completions` (default:
+    /// `server.request_timeout_secs`).
+    #[serde(default)]
+    pub completions_secs: Option<u64>,
+    /// `GET /v1/attestation`: fresh evidence from every stage (default 10).
+    #[serde(default)]
+    pub attestation_secs: Option<u64>,
+}
+
+/// `[server.tls]`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+}
+
+/// Checks a stage list: contiguous non-empty layer ranges from 0, and an
+/// address for each stage when the stages are remote.
+/// `k` names a key path (with the environment variable that set it, if any).
+fn validate_stages(
+    section: &str,
+    stages: &[StageConfig],
+    launch: Launch,
+    k: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    if stages.is_empty() {
+        bail!(
+            "{}: at least one stage is required",
+            k(&format!("{section}.stages"))
+        );
+    }
+    let mut expect = 0;
+    for (i, s) in stages.iter().enumerate() {
+        if s.layers[0] != expect || s.layers[1] <= s.layers[0] {
+            bail!(
+                "{}: expected a non-empty range starting at {expect}, got {:?}",
+                k(&format!("{section}.stages[{i}].layers")),
+                s.layers
+            );
+        }
+        expect = s.layers[1];
+        if let Some(p) = &s.peer_address {
+            let key = k(&format!("{section}.stages[{i}].peer_address"));
+            if launch != Launch::Remote {
+                bail!("{key}: only with pipeline.launch = \"remote\"");
+            }
+            p.parse::<proto::transport::Endpoint>()
+                .map_err(|e| anyhow!("{key}: {e}"))?;
+        }
+        if launch == Launch::Remote && s.address.is_none() {
+            bail!(
+                "{}: required when pipeline.launch = \"remote\"",
+                k(&format!("{section}.stages[{i}].address"))
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether a `listen` address is on loopback (`127.0.0.0/8`, `::1`, `localhost`).
+pub fn is_loopback(listen: &str) -> bool {
+    if let Ok(a) = listen.parse::<std::net::SocketAddr>() {
+        return a.ip().is_loopback();
+    }
+    matches!(listen.rsplit_once(':'), Some((host, _)) if host.eq_ignore_ascii_case("localhost"))
+}
+
+/// How the gateway reaches the stages.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Launch {
+    /// Start the stages as child processes on loopback.
+    Local,
+    /// Connect to already running stages at their `address`.
+    Remote,
+}
+
+/// `[pipeline]`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineConfig {
+    /// Measurement policy file.
+    pub policy: PathBuf,
+    /// Model folder (with `manifest.json`).
+    pub model_dir: PathBuf,
+    /// `local` or `remote`.
+    pub launch: Launch,
+    /// Stage binary for `local` (default: `enclave-stage` next to the gateway binary).
+    #[serde(default)]
+    pub stage_binary: Option<PathBuf>,
+    /// Compute threads per local stage.
+    #[serde(default = "default_threads")]
+    pub threads_per_stage: usize,
+    /// Padded tokens per micro-batch (local stages).
+    #[serde(default = "default_token_budget")]
+    pub token_budget: usize,
+    /// How long to wait for the stages to come up.
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout_secs: u64,
+    /// The stages, entry stage first.
+    pub stages: Vec<StageConfig>,
+}
+
+/// One pipeline to start: its model, stages and model-specific stage flags.
+#[derive(Clone, Debug)]
+pub struct PipelineSpec {
+    /// `embeddings` or `completions` (for logs).
+    pub name: &'static str,
+    /// Measurement policy of its stages.
+    pub policy: PathBuf,
+    /// Model folder.
+    pub model_dir: PathBuf,
+    /// Stages, entry first.
+    pub stages: Vec<StageConfig>,
+    /// Extra flags for each local stage.
+    pub stage_args: Vec<String>,
+    /// Compute threads per local stage.
+    pub threads: usize,
+}
+
+/// `[[pipeline.stages]]`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageConfig {
+    /// Layers `[start, end)`.
+    pub layers: [u32; 2],
+    /// `tcp://host:port` or `vsock://CID:PORT` (required for `remote`).
+    #[serde(default)]
+    pub address: Option<String>,
+    /// Where the other stages reach this one, when not at `address` (remote
+    /// only). On Nitro the gateway dials an enclave at `vsock://CID:PORT`,
+    /// but an enclave reaches its neighbour only through the parent's
+    /// `gateway host-proxy`: `vsock://3:PORT`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_address: Option<String>,
+}
+
+fn default_max_body() -> usize {
+    8 << 20
+}
+fn default_max_inputs() -> usize {
+    2048
+}
+fn default_timeout() -> u64 {
+    60
+}
+fn default_shutdown_grace() -> u64 {
+    30
+}
+fn default_receipt_retention() -> usize {
+    10_000
+}
+fn default_threads() -> usize {
+    1
+}
+fn default_token_budget() -> usize {
+    4096
+}
+fn default_connect_timeout() -> u64 {
+    120
+}
+fn default_kv_tokens() -> usize {
+    16_384
+}
+fn default_step_seqs() -> usize {
+    64
+}
+fn default_max_waiting() -> usize {
+    256
+}

@@ -1,0 +1,292 @@
+//! Config tests: the shipped files, every check, environment overrides.
+
+use super::*;
+
+#[test]
+fn shipped_config_loads_with_auth_off() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml");
+    let cfg = GatewayConfig::load(&path).unwrap();
+    assert!(!cfg.auth.enabled);
+    assert!(cfg.auth.keys.is_empty());
+    assert_eq!(cfg.server.receipt_retention, 10_000);
+}
+
+#[test]
+fn container_config_loads_as_remote() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docker/gateway.toml");
+    let cfg = GatewayConfig::load(&path).unwrap();
+    assert_eq!(cfg.pipeline.launch, Launch::Remote);
+    let addrs: Vec<_> = cfg
+        .pipeline
+        .stages
+        .iter()
+        .map(|s| s.address.clone())
+        .collect();
+    assert_eq!(
+        addrs,
+        [
+            Some("tcp://stage0:9000".to_string()),
+            Some("tcp://stage1:9000".to_string())
+        ]
+    );
+    assert!(cfg.server.allow_plain_http && cfg.server.tls.is_none());
+}
+
+#[test]
+fn nitro_config_has_vsock_stages_and_a_peer_address() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway-nitro.toml");
+    let cfg = GatewayConfig::load(&path).unwrap();
+    assert_eq!(cfg.pipeline.launch, Launch::Remote);
+    let s = &cfg.pipeline.stages;
+    assert_eq!(s[0].address.as_deref(), Some("vsock://16:9000"));
+    assert_eq!(s[1].peer_address.as_deref(), Some("vsock://3:8001"));
+    // A bad peer address, or one without remote stages, names the key.
+    let text = std::fs::read_to_string(&path).unwrap();
+    let bad = text.replace("vsock://3:8001", "vsock://three:8001");
+    let e = format!("{:#}", GatewayConfig::parse(&bad, env(&[])).unwrap_err());
+    assert!(e.contains("pipeline.stages[1].peer_address"), "{e}");
+    let e = format!(
+        "{:#}",
+        GatewayConfig::parse(&text, env(&[("GATEWAY_PIPELINE__LAUNCH", "local")])).unwrap_err()
+    );
+    assert!(e.contains("peer_address: only with"), "{e}");
+}
+
+#[test]
+fn auth_keys_are_validated_by_name() {
+    let base = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml"),
+    )
+    .unwrap()
+    .replace("[auth]\nenabled = false", "[auth]\nenabled = true");
+    let with = |keys: &str| {
+        let text = base.replace("keys = [", &format!("keys = [{keys},"));
+        let cfg: GatewayConfig = toml::from_str(&text).unwrap();
+        cfg.validate().map_err(|e| e.to_string())
+    };
+    let d = "ab".repeat(32);
+    assert!(with(&format!("{{ name = \"a\", sha256 = \"{d}\" }}")).is_ok());
+    let e = with(&format!(
+        "{{ name = \"a\", sha256 = \"{d}\" }}, {{ name = \"a\", sha256 = \"{d}\" }}"
+    ))
+    .unwrap_err();
+    assert!(e.contains("auth.keys[1].name"), "{e}");
+    let e = with(&format!(
+        "{{ name = \"a\", sha256 = \"{d}\", requests_per_minute = 0 }}"
+    ))
+    .unwrap_err();
+    assert!(e.contains("auth.keys[0].requests_per_minute"), "{e}");
+    let e = with("{ name = \"a\", sha256 = \"xyz\" }").unwrap_err();
+    assert!(e.contains("auth.keys[0].sha256"), "{e}");
+}
+
+#[test]
+fn plain_http_off_loopback_needs_the_key() {
+    let base = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml"),
+    )
+    .unwrap();
+    let with = |listen: &str, extra: &str| {
+        let text = base.replace(
+            "listen = \"127.0.0.1:8080\"",
+            &format!("listen = {listen:?}\n{extra}"),
+        );
+        let cfg: GatewayConfig = toml::from_str(&text).unwrap();
+        cfg.validate().map_err(|e| e.to_string())
+    };
+    for ok in [
+        "127.0.0.1:8080",
+        "[::1]:8080",
+        "localhost:8080",
+        "127.0.0.2:1",
+    ] {
+        assert!(with(ok, "").is_ok(), "{ok}");
+    }
+    for bad in [
+        "0.0.0.0:8080",
+        "[::]:8080",
+        "10.0.0.1:80",
+        "gateway.example:443",
+    ] {
+        let e = with(bad, "").unwrap_err();
+        assert!(e.contains("server.allow_plain_http"), "{bad}: {e}");
+    }
+    assert!(with("0.0.0.0:8080", "allow_plain_http = true").is_ok());
+    let tls = "[server.tls]\ncert = \"c.pem\"\nkey = \"k.pem\"\n";
+    let text = base.replace("[pipeline]", &format!("{tls}\n[pipeline]"));
+    let text = text.replace("127.0.0.1:8080", "0.0.0.0:8443");
+    let cfg: GatewayConfig = toml::from_str(&text).unwrap();
+    cfg.validate().unwrap();
+    assert_eq!(cfg.server.tls.unwrap().cert, PathBuf::from("c.pem"));
+}
+
+fn shipped() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml"))
+        .unwrap()
+}
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, std::ffi::OsString)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.into()))
+        .collect()
+}
+
+#[test]
+fn env_overrides_set_keys_of_every_kind() {
+    let cfg = GatewayConfig::parse(
+        &shipped(),
+        env(&[
+            ("GATEWAY_SERVER__LISTEN", "127.0.0.1:9999"),
+            ("GATEWAY_SERVER__MAX_INPUTS", "16"),
+            ("GATEWAY_AUTH__ENABLED", "true"),
+            ("GATEWAY_PIPELINE__LAUNCH", "remote"),
+            (
+                "GATEWAY_PIPELINE__STAGES__0__ADDRESS",
+                "tcp://10.0.0.1:7000",
+            ),
+            (
+                "GATEWAY_PIPELINE__STAGES__1__ADDRESS",
+                "tcp://10.0.0.2:7000",
+            ),
+            ("GATEWAY_PIPELINE__STAGES__1__LAYERS", "[3, 6]"),
+            (
+                "GATEWAY_COMPLETIONS__STAGES__0__ADDRESS",
+                "tcp://10.0.0.3:7000",
+            ),
+            (
+                "GATEWAY_COMPLETIONS__STAGES__1__ADDRESS",
+                "tcp://10.0.0.4:7000",
+            ),
+            ("GATEWAY_PIPELINE__STAGE_BINARY", "\"123\""),
+            // Not overrides: no `__` after the prefix, or another prefix.
+            ("GATEWAY_API_KEYS", "a:b"),
+            ("SERVER__LISTEN", "x"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(cfg.server.listen, "127.0.0.1:9999");
+    assert_eq!(cfg.server.max_inputs, 16);
+    assert!(cfg.auth.enabled);
+    assert_eq!(cfg.pipeline.launch, Launch::Remote);
+    assert_eq!(
+        cfg.pipeline.stages[1].address.as_deref(),
+        Some("tcp://10.0.0.2:7000")
+    );
+    assert_eq!(cfg.pipeline.stage_binary, Some(PathBuf::from("123")));
+    assert_eq!(
+        cfg.overrides
+            .get("pipeline.stages[1].address")
+            .map(String::as_str),
+        Some("GATEWAY_PIPELINE__STAGES__1__ADDRESS")
+    );
+    assert_eq!(cfg.overrides.len(), 10);
+    // The effective config shows the values and where they came from.
+    let shown = cfg.effective_toml();
+    assert!(
+        shown.contains("# server.listen is set by GATEWAY_SERVER__LISTEN"),
+        "{shown}"
+    );
+    assert!(shown.contains("listen = \"127.0.0.1:9999\""), "{shown}");
+    // Defaults are filled in.
+    assert!(shown.contains("receipt_retention = 10000"), "{shown}");
+    let again: GatewayConfig = toml::from_str(
+        &shown
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+    .unwrap();
+    assert_eq!(again.server.listen, cfg.server.listen);
+}
+
+#[test]
+fn env_override_errors_name_the_variable() {
+    let err = |pairs: &[(&str, &str)]| {
+        format!(
+            "{:#}",
+            GatewayConfig::parse(&shipped(), env(pairs)).unwrap_err()
+        )
+    };
+    for (pairs, want) in [
+        (
+            vec![("GATEWAY_SERVER__MAX_INPUTS", "0")],
+            "GATEWAY_SERVER__MAX_INPUTS (server.max_inputs): must be at least 1",
+        ),
+        (
+            vec![("GATEWAY_SERVER__MAX_BODY_BYTES", "lots")],
+            "GATEWAY_SERVER__MAX_BODY_BYTES (server.max_body_bytes): invalid type",
+        ),
+        (
+            vec![("GATEWAY_SERVER__BOGUS", "1")],
+            "GATEWAY_SERVER__BOGUS",
+        ),
+        (
+            vec![("GATEWAY_PIPELINE__STAGES__1__LAYERS", "[4, 6]")],
+            "GATEWAY_PIPELINE__STAGES__1__LAYERS (pipeline.stages[1].layers): expected",
+        ),
+        (
+            vec![("GATEWAY_PIPELINE__STAGES__5__LAYERS", "[6, 7]")],
+            "GATEWAY_PIPELINE__STAGES__5__LAYERS: pipeline.stages[5]: index out of range",
+        ),
+        (
+            vec![("GATEWAY_SERVER__LISTEN__PORT", "1")],
+            "GATEWAY_SERVER__LISTEN__PORT: server.listen is a value",
+        ),
+        (
+            vec![("GATEWAY_SERVER____LISTEN", "1")],
+            "GATEWAY_SERVER____LISTEN: empty key level",
+        ),
+        (
+            vec![("GATEWAY_AUTH__KEYS__0__NAME", "a")],
+            "GATEWAY_AUTH__KEYS__0__NAME (auth.keys[0]",
+        ),
+    ] {
+        let e = err(&pairs);
+        assert!(e.contains(want), "{pairs:?}: expected {want:?} in {e:?}");
+    }
+    // A bad key in the file is named without any variable.
+    let text = shipped().replace("max_inputs = 2048", "max_inputs = 0");
+    let e = format!("{:#}", GatewayConfig::parse(&text, env(&[])).unwrap_err());
+    assert!(
+        e.starts_with("server.max_inputs: must be at least 1"),
+        "{e}"
+    );
+    let text = shipped().replace("max_inputs = 2048", "max_inputs = \"many\"");
+    let e = format!("{:#}", GatewayConfig::parse(&text, env(&[])).unwrap_err());
+    assert!(e.starts_with("server.max_inputs: invalid type"), "{e}");
+}
+
+#[test]
+fn env_override_turns_tracing_on_and_errors_name_it() {
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml");
+    let load = |v: &str| {
+        GatewayConfig::load_with_env(
+            &shipped,
+            [("GATEWAY_TELEMETRY__OTLP_ENDPOINT".to_string(), v.into())],
+        )
+    };
+    let cfg = load("http://127.0.0.1:4318").unwrap();
+    assert_eq!(
+        cfg.telemetry.otlp_endpoint.as_deref(),
+        Some("http://127.0.0.1:4318")
+    );
+    assert_eq!(cfg.telemetry.service_name, "confidential-gateway");
+    let shown = cfg.effective_toml();
+    assert!(
+        shown.contains("[telemetry]")
+            && shown.contains("otlp_endpoint = \"http://127.0.0.1:4318\""),
+        "{shown}"
+    );
+    let e = format!("{:#}", load("grpc://x:4317").unwrap_err());
+    assert!(
+        e.contains(
+            "GATEWAY_TELEMETRY__OTLP_ENDPOINT (telemetry.otlp_endpoint): must be an http:// URL"
+        ),
+        "{e}"
+    );
+    // Off by default.
+    let cfg = GatewayConfig::load_with_env(&shipped, []).unwrap();
+    assert!(cfg.telemetry.otlp_endpoint.is_none());
+}
