@@ -705,14 +705,7 @@ async fn proxy_checks(c: &Ctx) {
             h("receipt-nonce"),
         );
         let body: serde_json::Value = r.json().await.unwrap();
-        let models: serde_json::Value = client()
-            .get(format!("{}/v1/models", proxy.url))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let models: serde_json::Value = get_json(&format!("{}/v1/models", proxy.url)).await;
         let bad = client()
             .post(format!("{}/v1/embeddings", proxy.url))
             .json(&json!({"model": "no-such-model", "input": "x"}))

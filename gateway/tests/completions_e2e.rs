@@ -20,8 +20,8 @@
 mod common;
 
 use common::{
-    assert_error_shape, client, completions_options, p, pinned_policy, post_json, root, sse_events,
-    Gateway,
+    assert_error_shape, client, completions_options, get_json, p, pinned_policy, post_json, root,
+    sse_events, Gateway,
 };
 use futures_util::StreamExt;
 use serde_json::{json, Value};
@@ -510,14 +510,7 @@ async fn bad_requests_get_openai_errors() {
     // The embeddings model does not complete, and the models list has both.
     let (s, b, _) = complete(&gw.url, json!({"model": "all-MiniLM-L6-v2", "prompt": "x"})).await;
     assert_eq!(s, 404, "{b}");
-    let models: Value = client()
-        .get(format!("{}/v1/models", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Value = get_json(&format!("{}/v1/models", gw.url)).await;
     let ids: Vec<&str> = models["data"]
         .as_array()
         .unwrap()

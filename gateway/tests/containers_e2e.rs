@@ -48,14 +48,7 @@ async fn measure_verb_matches_what_a_stage_reports() {
     );
 
     let gw = Gateway::start(Options::default());
-    let ready: serde_json::Value = client()
-        .get(format!("{}/readyz", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready: serde_json::Value = get_json(&format!("{}/readyz", gw.url)).await;
     let stages = ready["stages"].as_array().unwrap();
     assert_eq!(stages.len(), 2);
     for s in stages {

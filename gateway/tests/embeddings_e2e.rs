@@ -169,14 +169,7 @@ async fn bad_requests_get_openai_errors() {
     assert_eq!(s, 200);
     assert!(b["data"][0]["embedding"].is_string());
 
-    let models: serde_json::Value = c
-        .get(format!("{}/v1/models", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: serde_json::Value = get_json(&format!("{}/v1/models", gw.url)).await;
     assert_eq!(models["data"][0]["id"], MODEL);
     let ready = c.get(format!("{}/readyz", gw.url)).send().await.unwrap();
     assert_eq!(ready.status(), 200);

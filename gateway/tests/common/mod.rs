@@ -434,14 +434,7 @@ impl CaptureRelay {
 /// A client's policy text: the measurements the gateway reports, pinned,
 /// mock allowed (trust on first use: for tests against a local gateway).
 pub async fn client_policy_text(url: &str) -> String {
-    let ready: serde_json::Value = client()
-        .get(format!("{url}/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready: serde_json::Value = get_json(&format!("{url}/readyz")).await;
     let mut text = String::from("allow_mock = true\n");
     for s in ready["stages"].as_array().unwrap() {
         text += &format!(
@@ -750,14 +743,7 @@ pub fn python_openai_available() -> bool {
 /// report in `/readyz` (mock allowed), as a client would after checking them
 /// out of band; returns `path`.
 pub async fn pinned_policy(url: &str, model: &str, path: &Path) -> PathBuf {
-    let ready: serde_json::Value = client()
-        .get(format!("{url}/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready: serde_json::Value = get_json(&format!("{url}/readyz")).await;
     let pipeline = ready["pipelines"]
         .as_array()
         .unwrap()
@@ -831,4 +817,16 @@ pub async fn post_json(
         r.json().await.unwrap_or(serde_json::Value::Null),
         headers,
     )
+}
+
+/// GETs `url` and parses the JSON body (panics on any failure).
+pub async fn get_json(url: &str) -> serde_json::Value {
+    client()
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
 }
