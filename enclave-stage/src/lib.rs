@@ -13,6 +13,7 @@ pub mod keys;
 pub mod llama;
 pub mod provider;
 pub mod qmatmul;
+pub mod receipt_link;
 pub mod role;
 pub mod sampling;
 pub mod server;

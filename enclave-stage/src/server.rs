@@ -15,12 +15,12 @@ use proto::chat::parse_chat;
 use proto::completions::{context_length_error, parse_completions, Api, Prompt};
 use proto::digest::Sha256Digest;
 use proto::frames::{
-    ActivationMessage, BatchItem, ErrorKind, FeedbackMessage, GenerationContext, HostMessage,
-    PipelineError, PromptInfo, RequestContext, SealedRequest, StageClaims, StageReply,
+    ActivationMessage, BatchItem, Envelope, ErrorKind, FeedbackMessage, GenerationContext,
+    HostMessage, PipelineError, PromptInfo, RequestContext, SealedRequest, StageClaims, StageReply,
 };
 use proto::openai::{parse_embeddings, ApiError};
 use proto::policy::Policy;
-use proto::receipt::OpenedKey;
+use proto::receipt::{OpenedKey, ReceiptId};
 use proto::sealing::{open_request, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
 use proto::transport::{self, Endpoint, Listener};
 use rand::RngCore;
@@ -510,17 +510,9 @@ impl StageServer {
         let mut receipt_id = [0u8; 16];
         rand::rngs::OsRng.fill_bytes(&mut receipt_id);
         let ctx = RequestContext {
-            request_id,
-            receipt_id,
-            endpoint: req.endpoint,
+            env: envelope(req, receipt_id, &plaintext, key),
             request,
             n_inputs,
-            request_digest: Sha256Digest::of(&plaintext),
-            client_nonce: req.client_nonce,
-            sealing: req.sealing,
-            opened: OpenedKey::of(req.headers.key_id, &req.headers.enc),
-            response_key: key,
-            trace: req.trace,
         };
         if self.work.send(Work::Begin(Box::new(ctx))).is_err()
             || self.work.send(Work::Seqs(seqs)).is_err()
@@ -646,9 +638,7 @@ impl StageServer {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let ctx = GenerationContext {
-            request_id: req.request_id,
-            receipt_id,
-            endpoint: req.endpoint,
+            env: envelope(req, receipt_id, plaintext, key),
             request,
             prompts: ids
                 .iter()
@@ -659,12 +649,6 @@ impl StageServer {
                 .collect(),
             seed,
             created,
-            request_digest: Sha256Digest::of(plaintext),
-            client_nonce: req.client_nonce,
-            sealing: req.sealing,
-            opened: OpenedKey::of(req.headers.key_id, &req.headers.enc),
-            response_key: key,
-            trace: req.trace,
         };
         Ok((ctx, ids))
     }
@@ -863,5 +847,27 @@ async fn off_runtime_if_large<T: Send + 'static>(
         tokio::task::spawn_blocking(f)
             .await
             .map_err(|e| format!("tokenizer task failed: {e}"))?
+    }
+}
+
+/// The envelope of an opened request: its ids, the digest of its exact
+/// plaintext, the client's nonce, how and with which key it was sealed, and
+/// the key that seals the answer.
+fn envelope(
+    req: SealedRequest,
+    receipt_id: ReceiptId,
+    plaintext: &[u8],
+    response_key: ResponseKeyMaterial,
+) -> Envelope {
+    Envelope {
+        request_id: req.request_id,
+        receipt_id,
+        endpoint: req.endpoint,
+        request_digest: Sha256Digest::of(plaintext),
+        client_nonce: req.client_nonce,
+        sealing: req.sealing,
+        opened: OpenedKey::of(req.headers.key_id, &req.headers.enc),
+        response_key,
+        trace: req.trace,
     }
 }

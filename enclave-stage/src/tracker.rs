@@ -12,6 +12,7 @@
 //! received digest when nothing was changed in between.
 
 use crate::keys::StageKeys;
+use crate::receipt_link;
 use crate::stats::RequestTimer;
 use proto::digest::Sha256Digest;
 use proto::frames::{
@@ -19,7 +20,6 @@ use proto::frames::{
     ResultMessage, StageClaims, StageTiming,
 };
 use proto::openai::{embeddings_response, ApiError};
-use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody, ReceiptVersion};
 use proto::sealing::{seal_response, seal_response_with_trailer};
 use proto::tensor::TensorFrame;
 use std::collections::HashMap;
@@ -87,7 +87,7 @@ impl Tracker {
         let n = ctx.n_inputs as usize;
         let entry = self.claims.is_entry();
         self.requests.insert(
-            ctx.request_id,
+            ctx.env.request_id,
             Request {
                 ctx,
                 remaining: n as u32,
@@ -177,7 +177,7 @@ impl Tracker {
         let sealed_body = self
             .requests
             .remove(&request_id)
-            .and_then(|r| seal_response(&r.ctx.response_key, &api.body_bytes()).ok());
+            .and_then(|r| seal_response(&r.ctx.env.response_key, &api.body_bytes()).ok());
         PipelineError {
             kind,
             status: api.status,
@@ -219,40 +219,31 @@ impl Tracker {
             status: 500,
             message: m.to_string(),
             retry_after_secs: None,
-            sealed_body: seal_response(&r.ctx.response_key, &ApiError::internal(m).body_bytes())
-                .ok(),
+            sealed_body: seal_response(
+                &r.ctx.env.response_key,
+                &ApiError::internal(m).body_bytes(),
+            )
+            .ok(),
         };
         let upstream = r.upstream_links.clone().unwrap_or_default();
         let mut timings = r.upstream_timings.clone();
         timings.push(r.timer.finish(self.claims.stage_index));
-        let received = if self.claims.is_entry() {
-            r.ctx.request_digest
-        } else {
-            combine(&r.received).ok_or_else(|| fail("a received row is missing its digest"))?
-        };
         let c = &self.claims;
-        let mut link = Link {
-            receipt_id: r.ctx.receipt_id,
-            stage_index: c.stage_index,
-            layers: [c.layer_start, c.layer_end],
-            evidence_digest: keys.evidence_digest,
-            received_digest: received,
-            sent_digest: received,
-            prev_link_digest: upstream.last().map(|l| link_digest(l)),
-            // The entry stage binds which key it opened: what makes the
-            // receipt's `sealing` checkable by the client (docs/receipts.md).
-            opened: c.is_entry().then_some(r.ctx.opened),
-        };
+        let link = receipt_link::link(
+            c,
+            keys,
+            &r.ctx.env,
+            &upstream,
+            || combine(&r.received).ok_or_else(|| fail("a received row is missing its digest")),
+            Sha256Digest([0; 32]),
+        )?;
         if !c.is_exit() {
+            let mut link = link;
             link.sent_digest =
                 combine(&r.sent).ok_or_else(|| fail("a sent row is missing its digest"))?;
-            let mut links = upstream;
-            links.push(sign_link(&keys.receipt, &link));
-            return Ok(Finished::Links(ActivationMessage::Links {
-                request_id: r.ctx.request_id,
-                links: links.into_iter().map(serde_bytes::ByteBuf::from).collect(),
-                timings,
-            }));
+            return Ok(Finished::Links(receipt_link::pass_on(
+                keys, &r.ctx.env, &link, upstream, timings,
+            )));
         }
         let vectors: Option<Vec<Vec<f32>>> = r.vectors.into_iter().collect();
         let vectors = vectors.ok_or_else(|| fail("a row is missing its vector"))?;
@@ -263,39 +254,25 @@ impl Tracker {
             ..Default::default()
         };
         let body = serde_json::to_vec(&body).map_err(|_| fail("response encoding failed"))?;
-        let response_digest = Sha256Digest::of(&body);
-        link.sent_digest = response_digest;
-        let receipt = sign_receipt(
-            &keys.receipt,
-            &ReceiptBody {
-                version: ReceiptVersion::CURRENT,
-                receipt_id: r.ctx.receipt_id,
-                issued_at_ms,
-                endpoint: r.ctx.endpoint.clone(),
-                model_id: c.model_id.clone(),
-                manifest_digest: c.manifest_sha256,
-                request_digest: r.ctx.request_digest,
-                response_digest,
-                client_nonce: r.ctx.client_nonce.clone(),
-                sequence: keys.next_sequence(),
-                mock: keys.mock,
-                sealing: r.ctx.sealing,
-                // The exit stage's link rides in the receipt, under its
-                // signature: one Ed25519 signature per request fewer.
-                chain: upstream,
-                exit_link: link,
-            },
+        let receipt = receipt_link::sign_exit_receipt(
+            c,
+            keys,
+            &r.ctx.env,
+            link,
+            upstream,
+            &body,
+            issued_at_ms,
         );
         // The receipt travels twice: beside the body for the host (headers,
         // the receipt store) and as the sealed body's trailer for the client.
-        let sealed = seal_response_with_trailer(&r.ctx.response_key, &body, &receipt)
+        let sealed = seal_response_with_trailer(&r.ctx.env.response_key, &body, &receipt)
             .map_err(|_| fail("sealing the response failed"))?;
         Ok(Finished::Response(ResultMessage::Response {
-            request_id: r.ctx.request_id,
+            request_id: r.ctx.env.request_id,
             status: 200,
             body: sealed,
             receipt,
-            receipt_id: r.ctx.receipt_id,
+            receipt_id: r.ctx.env.receipt_id,
             telemetry: Some(telemetry),
         }))
     }

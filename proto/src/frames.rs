@@ -238,20 +238,18 @@ pub struct ActivationBatch {
     pub mask: TensorFrame,
 }
 
-/// What later stages need to know about a request; sent by the entry stage
-/// ahead of the request's activations, inside the attested channel.
+/// What every stage needs to know about any request to make its receipt
+/// link and, in the exit stage, the receipt and the sealed answer. Shared by
+/// [`RequestContext`] (embeddings) and [`GenerationContext`] (completions,
+/// chat), so that the receipt is built by one piece of code for both.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RequestContext {
+pub struct Envelope {
     /// Gateway-assigned request id.
     pub request_id: u64,
     /// The receipt id chosen by the entry stage.
     pub receipt_id: ReceiptId,
     /// The API path.
     pub endpoint: String,
-    /// The validated request with `inputs` emptied (texts stay in stage 0).
-    pub request: EmbeddingsRequest,
-    /// Number of inputs.
-    pub n_inputs: u32,
     /// SHA-256 of the exact plaintext request bytes.
     pub request_digest: Sha256Digest,
     /// The client's receipt nonce.
@@ -267,6 +265,19 @@ pub struct RequestContext {
     /// The gateway's trace context, when tracing is on.
     #[serde(default)]
     pub trace: Option<TraceContext>,
+}
+
+/// What later stages need to know about an embeddings request; sent by the
+/// entry stage ahead of the request's activations, inside the attested
+/// channel.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RequestContext {
+    /// Ids, digests, sealing and the response key.
+    pub env: Envelope,
+    /// The validated request with `inputs` emptied (texts stay in stage 0).
+    pub request: EmbeddingsRequest,
+    /// Number of inputs.
+    pub n_inputs: u32,
 }
 
 /// One prompt of a completions request as later stages see it.
@@ -282,12 +293,8 @@ pub struct PromptInfo {
 /// generation counterpart of [`RequestContext`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GenerationContext {
-    /// Gateway-assigned request id.
-    pub request_id: u64,
-    /// The receipt id chosen by the entry stage.
-    pub receipt_id: ReceiptId,
-    /// The API path.
-    pub endpoint: String,
+    /// Ids, digests, sealing and the response key.
+    pub env: Envelope,
     /// The validated request with `prompts` emptied (text stays in stage 0).
     pub request: CompletionsRequest,
     /// The prompts' lengths (and ids when echoed), in order.
@@ -296,21 +303,6 @@ pub struct GenerationContext {
     pub seed: u64,
     /// Unix seconds when the entry stage accepted the request.
     pub created: u64,
-    /// SHA-256 of the exact plaintext request bytes.
-    pub request_digest: Sha256Digest,
-    /// The client's receipt nonce.
-    #[serde(with = "serde_bytes")]
-    pub client_nonce: Option<Vec<u8>>,
-    /// Who sealed the request.
-    pub sealing: Sealing,
-    /// The HPKE key the entry stage opened the request with (bound into
-    /// its receipt link).
-    pub opened: OpenedKey,
-    /// Key material that seals the response to the client.
-    pub response_key: ResponseKeyMaterial,
-    /// The gateway's trace context, when tracing is on.
-    #[serde(default)]
-    pub trace: Option<TraceContext>,
 }
 
 /// One sequence's tokens in a generation step.

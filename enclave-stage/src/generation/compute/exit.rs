@@ -107,13 +107,13 @@ impl Generator {
         let stream = match r.stream {
             true => Some(Streaming {
                 identity: StreamIdentity {
-                    id: response_id(r.api, &ctx.receipt_id),
+                    id: response_id(r.api, &ctx.env.receipt_id),
                     created: ctx.created,
                     model: self.model.claims.model_id.clone(),
                     include_usage: r.include_usage,
                     api: r.api,
                 },
-                sealer: ResponseSealer::new(&ctx.response_key)?,
+                sealer: ResponseSealer::new(&ctx.env.response_key)?,
                 bytes: Vec::new(),
                 started: vec![false; choices.len()],
             }),
@@ -194,31 +194,18 @@ impl Generator {
         let upstream = r.upstream_links.clone().unwrap_or_default();
         let mut timings = r.upstream_timings.clone();
         timings.push(r.timer.finish(c.stage_index));
-        let received = if self.model.claims.is_entry() {
-            r.ctx.request_digest
-        } else {
-            combine(&r.received)
-        };
-        let mut link = Link {
-            receipt_id: r.ctx.receipt_id,
-            stage_index: c.stage_index,
-            layers: [c.layer_start, c.layer_end],
-            evidence_digest: self.keys.evidence_digest,
-            received_digest: received,
-            sent_digest: combine(&r.sent),
-            prev_link_digest: upstream.last().map(|l| link_digest(l)),
-            // The entry stage binds which key it opened: what makes the
-            // receipt's `sealing` checkable by the client (docs/receipts.md).
-            opened: c.is_entry().then_some(r.ctx.opened),
-        };
+        let link = crate::receipt_link::link(
+            c,
+            &self.keys,
+            &r.ctx.env,
+            &upstream,
+            || Ok::<_, anyhow::Error>(combine(&r.received)),
+            combine(&r.sent),
+        )?;
         if !self.is_exit() {
-            let mut links = upstream;
-            links.push(sign_link(&self.keys.receipt, &link));
-            return Ok(Output::Activation(ActivationMessage::Links {
-                request_id: r.ctx.request_id,
-                links: links.into_iter().map(serde_bytes::ByteBuf::from).collect(),
-                timings,
-            }));
+            return Ok(Output::Activation(crate::receipt_link::pass_on(
+                &self.keys, &r.ctx.env, &link, upstream, timings,
+            )));
         }
         let ex = r.exit.ok_or_else(|| anyhow!("exit state missing"))?;
         let usage = Usage {
@@ -258,7 +245,7 @@ impl Generator {
                     Api::Chat => chat_response,
                 };
                 let v = body(
-                    &response_id(api, &r.ctx.receipt_id),
+                    &response_id(api, &r.ctx.env.receipt_id),
                     r.ctx.created,
                     &c.model_id,
                     &choices,
@@ -267,28 +254,14 @@ impl Generator {
                 (serde_json::to_vec(&v)?, None)
             }
         };
-        let response_digest = Sha256Digest::of(&body);
-        link.sent_digest = response_digest;
-        let receipt = sign_receipt(
-            &self.keys.receipt,
-            &ReceiptBody {
-                version: ReceiptVersion::CURRENT,
-                receipt_id: r.ctx.receipt_id,
-                issued_at_ms: Self::now_ms(),
-                endpoint: r.ctx.endpoint.clone(),
-                model_id: c.model_id.clone(),
-                manifest_digest: c.manifest_sha256,
-                request_digest: r.ctx.request_digest,
-                response_digest,
-                client_nonce: r.ctx.client_nonce.clone(),
-                sequence: self.keys.next_sequence(),
-                mock: self.keys.mock,
-                sealing: r.ctx.sealing,
-                // The exit stage's link rides in the receipt, under its
-                // signature: one Ed25519 signature per request fewer.
-                chain: upstream,
-                exit_link: link,
-            },
+        let receipt = crate::receipt_link::sign_exit_receipt(
+            c,
+            &self.keys,
+            &r.ctx.env,
+            link,
+            upstream,
+            &body,
+            Self::now_ms(),
         );
         Ok(match stream {
             // The sealed stream or body ends with the receipt as its trailer
@@ -301,19 +274,19 @@ impl Generator {
                         .map_err(|e| anyhow!("{e}"))?,
                 );
                 Output::Result(ResultMessage::StreamEnd {
-                    request_id: r.ctx.request_id,
+                    request_id: r.ctx.env.request_id,
                     data,
                     receipt: Some(receipt),
                     telemetry: Some(telemetry),
                 })
             }
             None => Output::Result(ResultMessage::Response {
-                request_id: r.ctx.request_id,
+                request_id: r.ctx.env.request_id,
                 status: 200,
-                body: seal_response_with_trailer(&r.ctx.response_key, &body, &receipt)
+                body: seal_response_with_trailer(&r.ctx.env.response_key, &body, &receipt)
                     .map_err(|e| anyhow!("{e}"))?,
                 receipt,
-                receipt_id: r.ctx.receipt_id,
+                receipt_id: r.ctx.env.receipt_id,
                 telemetry: Some(telemetry),
             }),
         })

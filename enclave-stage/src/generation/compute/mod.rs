@@ -36,7 +36,6 @@ use proto::frames::{
     PipelineError, RequestTelemetry, ResultMessage, StageTiming, StepBatch, StepSeq,
 };
 use proto::openai::ApiError;
-use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody, ReceiptVersion};
 use proto::sealing::{seal_response, seal_response_with_trailer, ResponseSealer};
 use proto::tensor::TensorFrame;
 use std::collections::HashMap;
@@ -270,7 +269,7 @@ impl Generator {
         let sealed_body = self
             .requests
             .get(&request_id)
-            .and_then(|r| seal_response(&r.ctx.response_key, &api.body_bytes()).ok());
+            .and_then(|r| seal_response(&r.ctx.env.response_key, &api.body_bytes()).ok());
         PipelineError {
             kind,
             status: api.status,
@@ -292,7 +291,7 @@ impl Generator {
         let exit = match self.is_exit().then(|| self.exit_state(&ctx)).transpose() {
             Ok(exit) => exit,
             Err(e) => {
-                tracing::error!(request_id = ctx.request_id, error = %e, "unusable response key");
+                tracing::error!(request_id = ctx.env.request_id, error = %e, "unusable response key");
                 let err = PipelineError {
                     kind: ErrorKind::Internal,
                     status: 500,
@@ -300,13 +299,13 @@ impl Generator {
                     retry_after_secs: None,
                     sealed_body: None,
                 };
-                self.send(failure(true, ctx.request_id, err));
+                self.send(failure(true, ctx.env.request_id, err));
                 return false;
             }
         };
         let entry = self.model.claims.is_entry();
         self.requests.insert(
-            ctx.request_id,
+            ctx.env.request_id,
             GenRequest {
                 received: vec![None; n],
                 sent: vec![None; n],
@@ -323,7 +322,7 @@ impl Generator {
 
     /// Entry stage: a newly opened request with its tokenized prompts.
     fn begin_entry(&mut self, ctx: GenerationContext, prompts: Vec<Vec<u32>>) {
-        let request_id = ctx.request_id;
+        let request_id = ctx.env.request_id;
         let context = self.model.config.max_seq_len;
         let n = ctx.request.n.max(1) as usize;
         let max_tokens = ctx.request.max_tokens;
@@ -384,7 +383,7 @@ impl Generator {
 
     /// Later stages: a request announced by the previous stage.
     fn begin(&mut self, ctx: GenerationContext) {
-        let request_id = ctx.request_id;
+        let request_id = ctx.env.request_id;
         if !self.is_exit() {
             self.send(Output::Activation(ActivationMessage::BeginGeneration(
                 Box::new(ctx.clone()),
@@ -402,7 +401,7 @@ impl Generator {
         if r.exit.as_ref().is_some_and(|e| e.stream.is_some()) {
             self.send(Output::Result(ResultMessage::StreamStart {
                 request_id,
-                receipt_id: r.ctx.receipt_id,
+                receipt_id: r.ctx.env.receipt_id,
             }));
         }
     }
