@@ -802,7 +802,7 @@ async fn proxy_checks(c: &Ctx) {
         .await
         .unwrap();
     assert_eq!(r.status(), 502);
-    assert!(r.headers().get("receipt-verified").is_none());
+    assert_eq!(r.headers()["receipt-verified"], "false");
     let e: serde_json::Value = r.json().await.unwrap();
     assert_error_shape(&e);
     assert_eq!(e["error"]["code"], "response_unopenable", "{e}");

@@ -327,4 +327,58 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
     let e: Value = r.json().await.unwrap();
     assert_error_shape(&e);
     assert_eq!(e["error"]["code"], "response_unopenable", "{e}");
+    assert_eq!(r_headers_verified(&client(), &proxy.url).await, "false");
+    drop(proxy);
+
+    // A host that relabels a genuine sealed answer as an error: the proxy
+    // does not pass the answer on under the host's status (fail closed).
+    let relay = tampering_relay(gw.url.clone(), Tamper::Status(400));
+    let proxy = start_proxy(&relay, &[&pe, &pc], &[], &gw.dir)
+        .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
+    for stream in [false, true] {
+        let r = client()
+            .post(format!("{}/v1/chat/completions", proxy.url))
+            .json(
+                &json!({"model": GEN_MODEL, "max_tokens": 4, "stream": stream,
+                          "messages": [{"role": "user", "content": "hi"}]}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 502, "stream: {stream}");
+        assert_eq!(r.headers()["receipt-verified"], "false");
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"]["code"], "upstream_status_mismatch", "{e}");
+    }
+    drop(proxy);
+
+    // A genuine stage error (sealed to the proxy) passes with its status,
+    // marked as carrying no verified receipt.
+    let proxy = start_proxy(&gw.url, &[&pe, &pc], &[], &gw.dir)
+        .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
+    let r = client()
+        .post(format!("{}/v1/chat/completions", proxy.url))
+        .json(&json!({"model": GEN_MODEL, "tools": [{"type": "function"}],
+                      "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.headers()["receipt-verified"], "false");
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "tools", "{e}");
+}
+
+/// The `receipt-verified` header of a proxy-made error (an unknown model).
+async fn r_headers_verified(c: &reqwest::Client, url: &str) -> String {
+    let r = c
+        .post(format!("{url}/v1/embeddings"))
+        .json(&json!({"model": "no-such-model", "input": "x"}))
+        .send()
+        .await
+        .unwrap();
+    r.headers()["receipt-verified"]
+        .to_str()
+        .unwrap()
+        .to_string()
 }

@@ -645,6 +645,8 @@ pub enum Tamper {
     ReceiptHeader,
     /// Flips the last byte of the body (for a sealed answer: its trailer).
     LastBodyByte,
+    /// Answers with this HTTP status instead of the upstream's.
+    Status(u16),
 }
 
 /// An HTTP relay in front of a gateway that tampers with the answers to
@@ -671,7 +673,11 @@ pub fn tampering_relay(upstream: String, tamper: Tamper) -> String {
                 }
             }
             let r = rb.send().await.unwrap();
-            let mut out = Response::builder().status(r.status());
+            let status = match tamper {
+                Tamper::Status(s) if post => s,
+                _ => r.status().as_u16(),
+            };
+            let mut out = Response::builder().status(status);
             for (k, v) in r.headers() {
                 if post && k == "receipt" && matches!(tamper, Tamper::ReceiptHeader) {
                     let mut rc = base64::engine::general_purpose::URL_SAFE_NO_PAD

@@ -150,9 +150,27 @@ impl Proxy {
                 body,
             });
         }
+        // Only the stages hold the response key, so a body that opens is
+        // theirs; the HTTP status around it is the host's word. A stage error
+        // is an OpenAI error object without a receipt: anything else under
+        // an error status was relabelled on the way (fail closed).
         match open_response_with_trailer(client_key, &body) {
-            // An error from the stages, sealed to us; no receipt.
-            Ok((plain, _)) => ProxyError::Sealed(status, plain),
+            Ok((_, Some(_))) => bad_gateway(
+                "upstream_status_mismatch",
+                format!(
+                    "The upstream answered HTTP {status}, but the sealed body is a complete \
+                     answer with its receipt: the status was altered on the way."
+                ),
+            )
+            .into(),
+            Ok((plain, None)) if is_error_object(&plain) => ProxyError::Sealed(status, plain),
+            Ok(_) => bad_gateway(
+                "upstream_status_mismatch",
+                format!(
+                    "The upstream answered HTTP {status}, but the sealed body is not an error."
+                ),
+            )
+            .into(),
             Err(e) => unopenable(e).into(),
         }
     }
@@ -399,6 +417,22 @@ impl From<ApiError> for ProxyError {
 
 impl IntoResponse for ProxyError {
     fn into_response(self) -> Response {
+        // No error carries a verified receipt: say so on every one.
+        let mut r = self.into_unmarked_response();
+        r.headers_mut()
+            .insert(HEADER_RECEIPT_VERIFIED, HeaderValue::from_static("false"));
+        r
+    }
+}
+
+/// Whether `body` is an OpenAI error object (`{"error": {...}}`).
+pub(super) fn is_error_object(body: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .is_ok_and(|v| v.get("error").is_some_and(serde_json::Value::is_object))
+}
+
+impl ProxyError {
+    fn into_unmarked_response(self) -> Response {
         match self {
             ProxyError::Api(e) => e.into_response(),
             ProxyError::Sealed(status, body) => json_response(status, body),

@@ -25,7 +25,15 @@
 //!    are forwarded as they open, except `data: [DONE]` (however the sealed
 //!    chunks split it), which is held back until the receipt over the whole
 //!    event stream verifies; if it does not, the client gets an error event
-//!    instead and no `[DONE]`.
+//!    instead and no `[DONE]`. A stream that ends without a receipt is
+//!    complete only if a stage ended it with an error event; otherwise the
+//!    proxy ends it with its own error event.
+//! 5. fail closed on errors: no error response carries a verified receipt,
+//!    and each says so (`receipt-verified: false`). A stage error comes
+//!    sealed to the proxy (only the stages hold the response key) and passes
+//!    with the host's status; a sealed body under an error status that is a
+//!    complete answer with its receipt, or not an error at all, means the
+//!    host altered the status: 502 `upstream_status_mismatch`.
 //!
 //! Verified receipts are kept (last [`RECEIPTS_KEPT`]) and served at `GET
 //! /v1/receipts/{id}`; with `--archive DIR` every verified exchange is also

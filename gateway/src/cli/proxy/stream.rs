@@ -112,12 +112,14 @@ pub(super) async fn pump_stream(
                 .verified(x, trusted, sealed_to, &receipt, &all)
                 .await?;
         }
-        // No receipt: the stage ended the stream with an error event, which
-        // never follows a [DONE].
-        None if at_done => {
+        // No receipt: only a stage that ended the stream with an error
+        // event may do that (never after a [DONE]); anything else is not a
+        // complete answer, and the client must not take it for one.
+        None if at_done || !ends_with_error_event(&all) => {
             return Err(bad_gateway(
                 "receipt_verification_failed",
-                "The upstream stream ended without its receipt; [DONE] was withheld.",
+                "The upstream stream ended without its receipt or an error event; \
+                 [DONE] was withheld.",
             ))
         }
         None => {}
@@ -140,6 +142,16 @@ pub(super) fn forwardable(all: &[u8], from: usize) -> (usize, bool) {
         at += len + 2;
     }
     (at, false)
+}
+
+/// Whether the last event of an event stream is an error event.
+pub(super) fn ends_with_error_event(all: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(all);
+    text.trim_end()
+        .rsplit("\n\n")
+        .next()
+        .and_then(|e| e.strip_prefix("data: "))
+        .is_some_and(|e| is_error_object(e.as_bytes()))
 }
 
 /// An error as a Server-Sent Event (how OpenAI ends a failed stream).

@@ -121,3 +121,23 @@ fn receipts_must_prove_the_enclave_opened_the_proxys_key() {
         .collect();
     assert_eq!(failed, ["proxy.sealing"], "{:#?}", old.checks);
 }
+
+#[test]
+fn only_an_error_event_may_end_a_stream_without_receipt() {
+    use super::{ends_with_error_event, is_error_object};
+    assert!(is_error_object(br#"{"error":{"message":"x"}}"#));
+    assert!(!is_error_object(br#"{"choices":[]}"#));
+    assert!(!is_error_object(br#"{"error":"x"}"#));
+    assert!(!is_error_object(b"not json"));
+    let ok = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
+    let mut failed = ok.to_vec();
+    failed.extend(b"data: {\"error\":{\"message\":\"stage failed\"}}\n\n");
+    assert!(ends_with_error_event(&failed));
+    // Events that just stop are not a complete answer.
+    assert!(!ends_with_error_event(ok));
+    assert!(!ends_with_error_event(b""));
+    // An error event earlier in the stream does not count.
+    let mut later = failed.clone();
+    later.extend_from_slice(ok);
+    assert!(!ends_with_error_event(&later));
+}
