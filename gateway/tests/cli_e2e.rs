@@ -248,11 +248,72 @@ async fn receipt_checks(c: &Ctx) {
         &c.evidence_json,
         &["--receipt", p(&receipt_path), "--json"],
         &resp_path,
-        &[],
+        &["--nonce", &receipt_nonce],
     );
     assert_eq!(code, 0, "{out}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["ok"], true);
+    // Safe defaults: an input not given fails the verification, unless
+    // --insecure-partial, which every such line then repeats; what the
+    // receipt must say (endpoint, sealing) is checked when asked.
+    let (code, out, _) = verify(
+        &c.evidence_cbor,
+        &["--receipt", p(&receipt_path)],
+        &resp_path,
+        &[],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL nonce: not given") && out.contains("[input_missing]"),
+        "{out}"
+    );
+    let (code, out, _) = verify(
+        &c.evidence_cbor,
+        &["--receipt", p(&receipt_path)],
+        &resp_path,
+        &["--insecure-partial"],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("WARN nonce: INSECURE (--insecure-partial)"),
+        "{out}"
+    );
+    for (extra, ok, line) in [
+        (vec!["--endpoint", "/v1/embeddings"], true, "PASS endpoint"),
+        (
+            vec!["--endpoint", "/v1/completions"],
+            false,
+            "[endpoint_mismatch]",
+        ),
+        (
+            vec!["--expect-sealing", "plain"],
+            true,
+            "PASS sealing.expected",
+        ),
+        (
+            vec!["--expect-sealing", "enclave"],
+            false,
+            "FAIL sealing.expected: the receipt says plain",
+        ),
+        (
+            vec!["--no-nonce"],
+            false,
+            "FAIL nonce: the receipt carries a client nonce",
+        ),
+    ] {
+        let mut args = extra.clone();
+        if !extra.contains(&"--no-nonce") {
+            args.extend(["--nonce", receipt_nonce.as_str()]);
+        }
+        let (code, out, _) = verify(
+            &c.evidence_cbor,
+            &["--receipt", p(&receipt_path)],
+            &resp_path,
+            &args,
+        );
+        assert_eq!(code, if ok { 0 } else { 1 }, "{extra:?}:\n{out}");
+        assert!(out.contains(line), "{extra:?}:\n{out}");
+    }
     assert_eq!(v["sealing"], "plain");
     assert_eq!(v["mock"], true);
     assert_eq!(v["receipt"]["receipt"]["receipt_id"], id);
@@ -396,11 +457,14 @@ async fn seal_open_checks(c: &Ctx) {
     assert_eq!(out.as_bytes(), std::fs::read(&plain).unwrap());
 
     // The receipt binds the plaintext request and the opened response.
+    let evidence_nonce = hex::encode(&c.nonce);
     let base = [
         "verify",
         "receipt",
         "--evidence",
         p(&c.evidence_cbor),
+        "--evidence-nonce",
+        &evidence_nonce,
         "--policy",
         p(&c.policy),
         "--request",
@@ -442,27 +506,44 @@ async fn seal_open_checks(c: &Ctx) {
         proto::cbor::from_slice(&std::fs::read(&c.evidence_cbor).unwrap()).unwrap();
     let entry = proto::sealing::KeyConfig::decode_list(&bundle.stages[0].claims.hpke_keys).unwrap();
     let key_id = entry[0].key_id.to_string();
-    let (code, out, err) = cli(&[
-        "seal",
-        "--keys",
-        p(&keys_path),
-        "--key-id",
-        &key_id,
-        "--aead",
-        "chacha20poly1305",
-        "--no-receipt-nonce",
-        "--in",
-        p(&req),
-        "--out",
-        p(&body),
-        "--headers",
-        p(&headers),
-        "--key-out",
-        p(&key),
-    ]);
+    let unverified = |insecure: bool| {
+        let mut args = vec![
+            "seal",
+            "--keys",
+            p(&keys_path),
+            "--key-id",
+            &key_id,
+            "--aead",
+            "chacha20poly1305",
+            "--no-receipt-nonce",
+            "--in",
+            p(&req),
+            "--out",
+            p(&body),
+            "--headers",
+            p(&headers),
+            "--key-out",
+            p(&key),
+        ];
+        if insecure {
+            args.push("--insecure-unverified-keys");
+        }
+        cli(&args)
+    };
+    // Keys no verified evidence vouches for: refused by default...
+    let _ = std::fs::remove_file(&key);
+    let (code, _, err) = unverified(false);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("refusing to seal to keys that no verified evidence"),
+        "{err}"
+    );
+    assert!(!key.exists(), "nothing written");
+    // ...and used only when asked for explicitly, which the output repeats.
+    let (code, out, err) = unverified(true);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(
-        err.contains("WARN keys"),
+        err.contains("INSECURE keys (--insecure-unverified-keys)"),
         "unverified keys are flagged: {err}"
     );
     let header_text = std::fs::read_to_string(&headers).unwrap();
@@ -582,6 +663,7 @@ async fn resealing_host_checks(c: &Ctx) {
     // The client takes the host's keys on trust (no --policy).
     let (code, out, err) = cli(&[
         "seal",
+        "--insecure-unverified-keys",
         "--gateway",
         &host,
         "--in",
@@ -632,6 +714,8 @@ async fn resealing_host_checks(c: &Ctx) {
         p(&req),
         "--receipt-b64",
         &receipt_b64,
+        // No response kept here: the resealing host's answer is not opened.
+        "--insecure-partial",
     ];
     let (code, out, err) = cli(&args);
     assert_eq!(code, 0, "without the client key it verifies: {out}\n{err}");

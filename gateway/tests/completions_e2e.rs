@@ -292,6 +292,8 @@ async fn streamed_text_equals_non_streamed_and_its_receipt_verifies() {
                 p(&dir.join("request.json")),
                 "--response",
                 p(&dir.join(response)),
+                // The stream was requested without a receipt-nonce.
+                "--no-nonce",
                 "--receipt",
                 p(&dir.join("receipt.cose")),
             ])

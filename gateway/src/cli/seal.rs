@@ -106,6 +106,11 @@ pub struct SealArgs {
     /// completions model); default: the gateway's default pipeline.
     #[arg(long, requires = "gateway")]
     pub model: Option<String>,
+    /// Seal to keys no verified evidence vouches for (--keys, or --gateway
+    /// without --policy): the host could have listed a key of its own and
+    /// read the request. Refused without this flag.
+    #[arg(long)]
+    pub insecure_unverified_keys: bool,
 }
 
 /// `gateway open`
@@ -238,12 +243,21 @@ pub fn run_seal(a: SealArgs) -> Result<()> {
         (None, true) => None,
         (None, false) => Some(random_nonce(16)),
     };
+    let unverified = a.keys.is_some() || (a.evidence.is_none() && a.policy.is_none());
+    if unverified && !a.insecure_unverified_keys {
+        bail!(
+            "refusing to seal to keys that no verified evidence vouches for: the host could list \
+             a key of its own and read the request. Give --policy (with --gateway or --evidence), \
+             or --insecure-unverified-keys to seal to an unauthenticated key list anyway"
+        );
+    }
     let (keys, verified) = keys_for(&a)?;
     let key = pick_key(&keys, a.key_id, aead)?;
     if !verified {
         eprintln!(
-            "WARN keys: not taken from verified evidence; the host could have substituted its own \
-             key (use --gateway URL --policy P, or --evidence B --policy P)"
+            "INSECURE keys (--insecure-unverified-keys): not taken from verified evidence; the \
+             host could have substituted its own key (use --gateway URL --policy P, or --evidence \
+             B --policy P)"
         );
     }
     let (headers, body, client_key) =

@@ -15,7 +15,9 @@ use proto::attestation::{AnyVerifier, AttestError, BindingError, ExpectedBinding
 use proto::bundle::{EvidenceBundle, VerifiedBundle};
 use proto::nitro::{decode_document, NitroVerifier};
 use proto::policy::Policy;
-use proto::receipt::{verify_receipt, CheckStatus, ReceiptBody, Sealing, VerifyInputs};
+use proto::receipt::{
+    verify_receipt, CheckStatus, ReceiptBody, Sealing, VerifyInputs, VerifyReport,
+};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -107,8 +109,25 @@ pub struct ReceiptArgs {
     pub response: Option<PathBuf>,
     /// The `receipt-nonce` (hex) the client sent with the request (default:
     /// the one in --client-key).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_nonce")]
     pub nonce: Option<String>,
+    /// The client sent no `receipt-nonce`: the receipt must carry none.
+    #[arg(long)]
+    pub no_nonce: bool,
+    /// The API path the request was sent to (e.g. `/v1/chat/completions`):
+    /// the receipt must name it.
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    /// How the request must have been sealed (`enclave` must be proven with
+    /// --client-key).
+    #[arg(long, value_parser = ["enclave", "gateway", "plain"])]
+    pub expect_sealing: Option<String>,
+    /// Accept a verification without --request, --response, the receipt
+    /// nonce (--nonce, --no-nonce or --client-key) or --evidence-nonce:
+    /// what is not given is not checked, and every such line says INSECURE.
+    /// Without this flag a missing input fails the verification.
+    #[arg(long)]
+    pub insecure_partial: bool,
     /// The client key file `gateway seal --key-out` wrote: proves the
     /// receipt's `sealing` against the encapsulated key the request was
     /// sealed with (without it, `sealing` is the host's word).
@@ -768,14 +787,28 @@ fn run_receipt(a: ReceiptArgs) -> Result<i32> {
     inputs.allow_mock = policy.allow_mock;
     inputs.sealed_to = client_key.as_ref().map(ClientKeyFile::sealed_to);
     let report = verify_receipt(&inputs);
-    let ok = report.ok();
+    let extra = cli_checks(
+        &a,
+        &report,
+        &Given {
+            request: request.is_some(),
+            response: response.is_some(),
+            nonce: nonce.is_some(),
+            evidence_nonce: evidence_nonce.is_some(),
+        },
+    );
+    let ok = report.ok() && !extra.iter().any(|l| l.status == Status::Fail);
 
     if a.json {
         let mut doc = json!({
             "ok": ok,
-            "reason": report.failure().map(|e| e.code()),
+            "reason": report
+                .failure()
+                .map(|e| e.code())
+                .or_else(|| extra.iter().find_map(|l| l.reason)),
             "evidence": evidence.to_json(),
             "receipt": report.to_json(),
+            "inputs": extra.iter().map(Line::to_json).collect::<Vec<_>>(),
         });
         if let Some(r) = &report.receipt {
             doc["sealing"] = json!(r.sealing.as_str());
@@ -797,22 +830,131 @@ fn run_receipt(a: ReceiptArgs) -> Result<i32> {
                 reason: c.error.as_ref().map(|e| e.code()),
             });
         }
+        lines.extend(extra.iter().cloned());
         if let Some(r) = &report.receipt {
             lines.extend(receipt_info(r, report.sealing_proven, nonce.is_some()));
         }
         print_lines(&lines);
-        match report.failure() {
+        let first = report
+            .failure()
+            .map(|e| e.code())
+            .or_else(|| extra.iter().find_map(|l| l.reason));
+        match first {
             None => result_line(true, "receipt", &lines),
-            Some(e) => {
+            Some(code) => {
                 let failed = lines.iter().filter(|l| l.status == Status::Fail).count();
-                println!(
-                    "RESULT: FAILED ({failed} check(s) failed; first: {})",
-                    e.code()
-                );
+                println!("RESULT: FAILED ({failed} check(s) failed; first: {code})");
             }
         }
     }
     Ok(if ok { EXIT_OK } else { EXIT_FAILED })
+}
+
+/// Which inputs `verify receipt` was given.
+struct Given {
+    request: bool,
+    response: bool,
+    nonce: bool,
+    evidence_nonce: bool,
+}
+
+/// The checks of the command line itself: inputs not given fail unless
+/// --insecure-partial (then each says INSECURE), and what --no-nonce,
+/// --endpoint and --expect-sealing ask of the receipt.
+fn cli_checks(a: &ReceiptArgs, report: &VerifyReport, g: &Given) -> Vec<Line> {
+    let mut out = Vec::new();
+    let missing = [
+        (
+            g.request,
+            "request",
+            "--request (the exact request bytes sent)",
+        ),
+        (
+            g.response,
+            "response",
+            "--response (the exact response bytes received)",
+        ),
+        (
+            g.nonce || a.no_nonce,
+            "nonce",
+            "the receipt nonce sent (--nonce, --no-nonce or --client-key)",
+        ),
+        (
+            g.evidence_nonce,
+            "evidence.freshness",
+            "--evidence-nonce (the nonce the evidence was fetched with)",
+        ),
+    ];
+    for (given, name, what) in missing {
+        if given {
+            continue;
+        }
+        out.push(if a.insecure_partial {
+            Line::new(
+                Status::Warn,
+                name,
+                format!("INSECURE (--insecure-partial): not checked: {what} was not given"),
+            )
+        } else {
+            let mut l = Line::new(
+                Status::Fail,
+                name,
+                format!(
+                    "not given: {what}; without it the receipt proves less than it seems \
+                     (--insecure-partial accepts that)"
+                ),
+            );
+            l.reason = Some("input_missing");
+            l
+        });
+    }
+    let Some(r) = &report.receipt else {
+        return out;
+    };
+    let mut check = |name: &str, ok: bool, pass: String, fail: String, reason: &'static str| {
+        let mut l = Line::new(
+            if ok { Status::Pass } else { Status::Fail },
+            name,
+            if ok { pass } else { fail },
+        );
+        if !ok {
+            l.reason = Some(reason);
+        }
+        out.push(l);
+    };
+    if a.no_nonce {
+        check(
+            "nonce",
+            r.client_nonce.is_none(),
+            "no client nonce, as none was sent".into(),
+            "the receipt carries a client nonce, but --no-nonce says none was sent".into(),
+            "nonce_mismatch",
+        );
+    }
+    if let Some(e) = &a.endpoint {
+        check(
+            "endpoint",
+            &r.endpoint == e,
+            format!("{e}, as expected"),
+            format!("the receipt names {}, not {e}", r.endpoint),
+            "endpoint_mismatch",
+        );
+    }
+    if let Some(want) = &a.expect_sealing {
+        let proven = r.sealing.as_str() != "enclave" || report.sealing_proven;
+        check(
+            "sealing.expected",
+            r.sealing.as_str() == want && proven,
+            format!("{want}, as expected"),
+            if r.sealing.as_str() == want {
+                format!("{want}, but not proven: give --client-key")
+            } else {
+                format!("the receipt says {}, not {want}", r.sealing.as_str())
+            },
+            "sealing_mismatch",
+        );
+    }
+    out
 }
 
 #[cfg(test)]
