@@ -5,7 +5,9 @@
 //!   of exactly `n` tokens;
 //! - `STAGE_FAULT_DELAY_MS=<ms>` delays every micro-batch by `ms`;
 //! - `STAGE_FAULT_TOKEN_ID=<id>` (generation entry stage) fails every step
-//!   whose input token ids contain `id`.
+//!   whose input token ids contain `id`;
+//! - `STAGE_FAULT_HOST_REPLAY_CAPACITY=<n>` (entry stage) shrinks the replay
+//!   guard's partition for host-sealed requests to `n` keys.
 
 use proto::frames::BatchItem;
 
@@ -20,6 +22,8 @@ pub struct Fault {
     delay_ms: Option<u64>,
     #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     token_id: Option<u32>,
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    host_replay_capacity: Option<usize>,
 }
 
 impl Fault {
@@ -35,6 +39,7 @@ impl Fault {
                 tokens: var("STAGE_FAULT_TOKENS"),
                 delay_ms: var("STAGE_FAULT_DELAY_MS"),
                 token_id: var("STAGE_FAULT_TOKEN_ID"),
+                host_replay_capacity: var("STAGE_FAULT_HOST_REPLAY_CAPACITY"),
             };
             if f.stage.is_some() {
                 tracing::warn!(fault = ?f, "FAULT INJECTION ENABLED (test build)");
@@ -43,6 +48,17 @@ impl Fault {
         }
         #[cfg(not(feature = "fault-injection"))]
         Self::default()
+    }
+
+    /// The replay guard's capacity for host-sealed requests at `stage`, if
+    /// the fault overrides it.
+    pub fn host_replay_capacity(&self, stage: u32) -> Option<usize> {
+        #[cfg(feature = "fault-injection")]
+        if self.stage == Some(stage) {
+            return self.host_replay_capacity;
+        }
+        let _ = stage;
+        None
     }
 
     /// Applies the fault to a micro-batch at `stage`: sleeps if a delay is

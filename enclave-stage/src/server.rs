@@ -20,7 +20,7 @@ use proto::frames::{
 };
 use proto::openai::{parse_embeddings, ApiError};
 use proto::policy::Policy;
-use proto::receipt::{OpenedKey, ReceiptId};
+use proto::receipt::{OpenedKey, ReceiptId, Sealing};
 use proto::sealing::{open_request, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
 use proto::transport::{self, Endpoint, Listener};
 use rand::RngCore;
@@ -31,8 +31,15 @@ use tokio::sync::{mpsc, Mutex};
 
 /// How long an encapsulated key is remembered to refuse replays.
 const REPLAY_WINDOW: Duration = Duration::from_secs(600);
-/// Most encapsulated keys remembered at once.
+/// Most encapsulated keys remembered at once for requests clients sealed
+/// to the enclave key.
 const REPLAY_CAPACITY: usize = 1 << 20;
+/// Most remembered for requests the host says it sealed (plain and
+/// gateway-key clients): a partition of its own, so that host-sealed traffic
+/// cannot fill the room meant for catching replays of clients' sealed
+/// requests. A host that mislabels a client's request lands it here, where
+/// a replay is still caught.
+const HOST_SEALED_REPLAY_CAPACITY: usize = 1 << 19;
 /// Most tokens a chat answer may take when the client sets no limit (less
 /// where the context ends first). Admission reserves KV-cache room for the
 /// whole limit, so "up to the context" would let one chat hold the budget.
@@ -107,7 +114,7 @@ pub struct StageServer {
     provider: Arc<dyn AttestationProvider>,
     policy: Policy,
     local_measurement: Measurement,
-    replay: std::sync::Mutex<ReplayGuard>,
+    replay: std::sync::Mutex<ReplayGuards>,
     limits: ChannelLimits,
     work: std::sync::mpsc::Sender<Work>,
     out: mpsc::Sender<Output>,
@@ -125,13 +132,22 @@ impl StageServer {
         work: std::sync::mpsc::Sender<Work>,
         out: mpsc::Sender<Output>,
     ) -> Arc<Self> {
+        let stage_index = setup.model.claims().stage_index;
         Arc::new(Self {
             model: setup.model,
             keys: setup.keys,
             provider: setup.provider,
             policy: setup.policy,
             local_measurement: setup.local_measurement,
-            replay: std::sync::Mutex::new(ReplayGuard::new(REPLAY_WINDOW, REPLAY_CAPACITY)),
+            replay: std::sync::Mutex::new(ReplayGuards {
+                client: ReplayGuard::new(REPLAY_WINDOW, REPLAY_CAPACITY),
+                host: ReplayGuard::new(
+                    REPLAY_WINDOW,
+                    crate::fault::Fault::from_env()
+                        .host_replay_capacity(stage_index)
+                        .unwrap_or(HOST_SEALED_REPLAY_CAPACITY),
+                ),
+            }),
             limits: ChannelLimits::default(),
             work,
             out,
@@ -679,11 +695,15 @@ impl StageServer {
         let (plaintext, material) = open_request(key, &req.headers, &req.body)
             .map_err(|e| sealing_error(400, format!("the sealed request cannot be opened: {e}")))?;
         // Only an authenticated body counts against the replay window.
-        self.replay
-            .lock()
-            .expect("replay guard lock")
-            .check_and_insert(&req.headers.enc, Instant::now())
-            .map_err(|e| sealing_error(400, format!("refused: {e}")))?;
+        let mut guards = self.replay.lock().expect("replay guard lock");
+        let guard = match req.sealing {
+            Sealing::Enclave => &mut guards.client,
+            Sealing::Gateway | Sealing::Plain => &mut guards.host,
+        };
+        let now = Instant::now();
+        guard
+            .check_and_insert(&req.headers.enc, now)
+            .map_err(|e| replay_refusal(e, guard.retry_after(now)))?;
         Ok((plaintext, material))
     }
 
@@ -850,6 +870,34 @@ async fn off_runtime_if_large<T: Send + 'static>(
     }
 }
 
+/// The two partitions of the replay guard.
+struct ReplayGuards {
+    /// Requests clients sealed to the enclave key.
+    client: ReplayGuard,
+    /// Requests the host says it sealed.
+    host: ReplayGuard,
+}
+
+/// The answer to a request the replay guard refused: a replay is a 400; a
+/// full guard is a 503 with `Retry-After` (when its oldest entry leaves the
+/// window), so clients retry instead of failing.
+fn replay_refusal(e: SealError, retry_after: Duration) -> PipelineError {
+    let (status, retry_after_secs) = match e {
+        SealError::ReplayCacheFull => (503, Some(retry_after.as_secs().max(1) as u32)),
+        _ => (400, None),
+    };
+    PipelineError {
+        kind: ErrorKind::Sealing,
+        status,
+        message: match retry_after_secs {
+            Some(s) => format!("refused: {e}; retry in {s} s"),
+            None => format!("refused: {e}"),
+        },
+        retry_after_secs,
+        sealed_body: None,
+    }
+}
+
 /// The envelope of an opened request: its ids, the digest of its exact
 /// plaintext, the client's nonce, how and with which key it was sealed, and
 /// the key that seals the answer.
@@ -869,5 +917,21 @@ fn envelope(
         opened: OpenedKey::of(req.headers.key_id, &req.headers.enc),
         response_key,
         trace: req.trace,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_replay_guard_asks_to_retry() {
+        let full = replay_refusal(SealError::ReplayCacheFull, Duration::from_millis(2500));
+        assert_eq!((full.status, full.retry_after_secs), (503, Some(2)));
+        assert!(full.message.contains("retry in 2 s"), "{}", full.message);
+        let soon = replay_refusal(SealError::ReplayCacheFull, Duration::ZERO);
+        assert_eq!(soon.retry_after_secs, Some(1));
+        let replay = replay_refusal(SealError::Replay, Duration::from_secs(9));
+        assert_eq!((replay.status, replay.retry_after_secs), (400, None));
     }
 }

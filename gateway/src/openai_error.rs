@@ -99,6 +99,20 @@ impl ApiError {
         }
     }
 
+    /// 503 + `Retry-After` when the replay guard of the gateway-held key is
+    /// full of keys still inside their window.
+    pub fn replay_guard_full(retry_after_secs: u64) -> Self {
+        Self {
+            code: Some("replay_guard_full"),
+            retry_after: Some(retry_after_secs),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                format!("Too many sealed requests to remember for replay protection; retry in {retry_after_secs} s."),
+            )
+        }
+    }
+
     /// 504 when a request times out.
     pub fn timeout(secs: u64) -> Self {
         Self {
@@ -182,5 +196,17 @@ impl IntoResponse for ApiError {
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_replay_guard_is_a_503_with_retry_after() {
+        let r = ApiError::replay_guard_full(7).into_response();
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers()[axum::http::header::RETRY_AFTER], "7");
     }
 }

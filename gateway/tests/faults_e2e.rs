@@ -161,3 +161,44 @@ async fn killed_stage_gives_503_then_recovers() {
     assert_eq!(s, 200, "{b}");
     assert!(cosine(&vectors(&b)[0], &refs[0]) >= 0.9999);
 }
+
+/// Issue 18, finding 2: a full replay guard answers 503 + Retry-After (not
+/// an unsealed 400), and requests the host sealed (plain clients) fill a
+/// partition of their own, so a client's sealed request still gets in.
+#[tokio::test]
+async fn a_full_replay_guard_asks_to_retry_and_keeps_room_for_sealed_clients() {
+    let gw = Gateway::start_faulty(Options {
+        env: fault_env(0, &[("STAGE_FAULT_HOST_REPLAY_CAPACITY", "2")]),
+        ..Options::default()
+    });
+    for _ in 0..2 {
+        let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": "plain"})).await;
+        assert_eq!(s, 200, "{b}");
+    }
+    let r = client()
+        .post(format!("{}/v1/embeddings", gw.url))
+        .json(&json!({"model": MODEL, "input": "one too many"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=600).contains(&retry), "{retry}");
+    let b: serde_json::Value = r.json().await.unwrap();
+    assert_error_shape(&b);
+    // A client that sealed its request to the enclave key is not affected.
+    let keys = proto::sealing::KeyConfig::decode_list(
+        &get_bytes(&format!("{}/.well-known/hpke-keys", gw.url)).await,
+    )
+    .unwrap();
+    let entry = keys.iter().find(|k| k.key_id != 0x80).unwrap();
+    let request = serde_json::to_vec(&json!({"model": MODEL, "input": "sealed"})).unwrap();
+    let (headers, body, _) =
+        proto::sealing::seal_request(entry, proto::sealing::Aead::Aes128Gcm, &request).unwrap();
+    let r = post_sealed(&gw.url, &headers, body).await;
+    assert_eq!(r.status(), 200);
+}

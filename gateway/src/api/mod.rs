@@ -128,11 +128,18 @@ impl GatewayKey {
                 format!("the sealed request cannot be opened: {e}"),
             )
         })?;
-        self.replay
-            .lock()
-            .unwrap()
-            .check_and_insert(&sealed.enc, Instant::now())
-            .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("refused: {e}")))?;
+        let mut guard = self.replay.lock().unwrap();
+        let now = Instant::now();
+        guard
+            .check_and_insert(&sealed.enc, now)
+            .map_err(|e| match e {
+                // Full of keys still inside their window: ask to retry when
+                // the oldest leaves it, rather than refusing for good.
+                proto::sealing::SealError::ReplayCacheFull => {
+                    ApiError::replay_guard_full(guard.retry_after(now).as_secs().max(1))
+                }
+                e => ApiError::invalid(Some(HEADER_KEY_ID), format!("refused: {e}")),
+            })?;
         Ok((plaintext, material))
     }
 }

@@ -58,6 +58,15 @@ impl ReplayGuard {
         Ok(())
     }
 
+    /// How long until the oldest remembered key leaves the window (when
+    /// the guard is full: how long until there is room again).
+    pub fn retry_after(&self, now: Instant) -> Duration {
+        self.order.front().map_or(Duration::ZERO, |(t, _)| {
+            self.window
+                .saturating_sub(now.saturating_duration_since(*t))
+        })
+    }
+
     /// Number of remembered keys.
     pub fn len(&self) -> usize {
         self.seen.len()

@@ -605,6 +605,11 @@ fn replay_guard() {
         g.check_and_insert(&[3; 32], t0 + Duration::from_secs(2)),
         Err(SealError::ReplayCacheFull)
     );
+    // ... and say when there will be room: when [1] leaves the window.
+    assert_eq!(
+        g.retry_after(t0 + Duration::from_secs(2)),
+        w - Duration::from_secs(2)
+    );
     assert_eq!(g.len(), 2);
     // After the window the oldest is evicted and room appears.
     g.check_and_insert(&[3; 32], t0 + w).unwrap();
