@@ -198,7 +198,15 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
         assert!(streamed.ends_with(b"data: [DONE]\n\n"));
     }
 
+    let mode = |p: &Path| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    };
+    assert_eq!(mode(&archive), 0o700, "the archive holds plaintext");
     for d in &dirs {
+        assert_eq!(mode(d), 0o700, "{}", d.display());
+        assert_eq!(mode(&d.join("request.json")), 0o600, "{}", d.display());
+        assert_eq!(mode(&d.join("response")), 0o600, "{}", d.display());
         let request: Value =
             serde_json::from_slice(&std::fs::read(d.join("request.json")).unwrap()).unwrap();
         let policy = if request["model"] == GEN_MODEL {

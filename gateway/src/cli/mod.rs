@@ -171,6 +171,35 @@ pub(crate) async fn fetch_bundle(
     decode_bundle(&body).with_context(|| format!("GET {url}"))
 }
 
+/// Writes `data` to `path` with mode 0600 (also when the file existed).
+pub(crate) fn write_private(path: &Path, data: &[u8]) -> Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("chmod 600 {}", path.display()))?;
+    f.write_all(data)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Creates `dir` (and missing parents) readable by its owner only (0700),
+/// also when it existed: client-side archives hold plaintext.
+pub(crate) fn create_private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("chmod 700 {}", dir.display()))
+}
+
 /// Percent-encodes a query value (model ids are usually plain already).
 pub(crate) fn percent_encode(v: &str) -> String {
     v.bytes()
@@ -197,4 +226,32 @@ pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn private_file_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let p = std::env::temp_dir().join(format!("gw-cli-key-{}", std::process::id()));
+        std::fs::write(&p, b"old").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        write_private(&p, b"secret").unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(std::fs::read(&p).unwrap(), b"secret");
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn private_dir_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = std::env::temp_dir().join(format!("gw-cli-dir-{}/a/b", std::process::id()));
+        create_private_dir(&d).unwrap();
+        let mode = std::fs::metadata(&d).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        std::fs::remove_dir_all(d.parent().unwrap().parent().unwrap()).unwrap();
+    }
 }

@@ -29,7 +29,6 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use proto::policy::Policy;
 use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -129,22 +128,6 @@ pub struct OpenArgs {
     /// (its trailer), for `gateway verify receipt --receipt`.
     #[arg(long)]
     pub receipt_out: Option<PathBuf>,
-}
-
-/// Writes `data` to `path` with mode 0600 (also when the file existed).
-pub(crate) fn write_private(path: &Path, data: &[u8]) -> Result<()> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("writing {}", path.display()))?;
-    f.set_permissions(std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("chmod 600 {}", path.display()))?;
-    f.write_all(data)
-        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Picks the key to seal to.
@@ -276,7 +259,7 @@ pub fn run_seal(a: SealArgs) -> Result<()> {
         receipt_nonce: receipt_nonce.clone(),
         request_sha256: proto::digest::Sha256Digest::of(&plaintext).hex(),
     };
-    write_private(
+    super::write_private(
         &a.key_out,
         serde_json::to_string_pretty(&file.to_json()?)?.as_bytes(),
     )?;
@@ -378,18 +361,5 @@ mod tests {
             let sealed = seal_response(&material, b"response").unwrap();
             assert_eq!(open_response(&back.key, &sealed).unwrap(), b"response");
         }
-    }
-
-    #[test]
-    fn private_file_mode() {
-        use std::os::unix::fs::PermissionsExt;
-        let p = std::env::temp_dir().join(format!("gw-cli-key-{}", std::process::id()));
-        std::fs::write(&p, b"old").unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
-        write_private(&p, b"secret").unwrap();
-        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode, 0o600);
-        assert_eq!(std::fs::read(&p).unwrap(), b"secret");
-        std::fs::remove_file(&p).unwrap();
     }
 }

@@ -1,4 +1,5 @@
-//! `--archive DIR`: every verified exchange written out for offline audit.
+//! `--archive DIR`: every verified exchange written out for offline audit,
+//! readable by its owner only (folders 0700, files 0600).
 
 use super::*;
 
@@ -14,7 +15,8 @@ pub(super) fn archive(
 ) -> Result<()> {
     let name = hex::encode(id);
     let tmp = dir.join(format!(".{name}.tmp"));
-    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    // The exchange is plaintext: owner-only folders and files.
+    super::super::create_private_dir(&tmp)?;
     let (nonce, evidence) = (hex::encode(&x.nonce), proto::cbor::to_vec(&trusted.bundle));
     let evidence_nonce = hex::encode(&trusted.nonce);
     let files: [(&str, &[u8]); 6] = [
@@ -26,7 +28,7 @@ pub(super) fn archive(
         ("evidence-nonce.hex", evidence_nonce.as_bytes()),
     ];
     for (f, bytes) in files {
-        std::fs::write(tmp.join(f), bytes).with_context(|| format!("writing {f}"))?;
+        super::super::write_private(&tmp.join(f), bytes)?;
     }
     std::fs::rename(&tmp, dir.join(&name)).with_context(|| format!("renaming {}", tmp.display()))
 }

@@ -369,7 +369,7 @@ pub fn run(a: ProxyArgs) -> Result<i32> {
     let upstream = base_url(&a.upstream)?;
     let client = http_client(Duration::from_secs(a.timeout_secs))?;
     if let Some(dir) = &a.archive {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        super::create_private_dir(dir)?;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
