@@ -15,6 +15,7 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt as _;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use subtle::ConstantTimeEq;
@@ -195,7 +196,8 @@ fn bearer(req: &Request) -> Option<&[u8]> {
 
 /// Middleware for the `/v1/*` routes: 401 without a valid key, 429 over
 /// the key's limits; otherwise runs the request holding one of the key's
-/// concurrency permits.
+/// concurrency permits until its response body (a whole stream included)
+/// has been sent or dropped.
 pub async fn require_key(State(keys): State<Arc<ApiKeys>>, req: Request, next: Next) -> Response {
     if !keys.enabled {
         return next.run(req).await;
@@ -241,7 +243,18 @@ pub async fn require_key(State(keys): State<Arc<ApiKeys>>, req: Request, next: N
             );
         }
     }
-    next.run(req).await
+    let resp = next.run(req).await;
+    match _permit {
+        // The permit lives as long as the response body: a stream counts
+        // against the key's limit until it ends or its client goes away.
+        Some(permit) => resp.map(|body| {
+            axum::body::Body::from_stream(body.into_data_stream().map(move |chunk| {
+                let _held = &permit;
+                chunk
+            }))
+        }),
+        None => resp,
+    }
 }
 
 #[cfg(test)]

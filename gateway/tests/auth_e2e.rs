@@ -254,3 +254,42 @@ fn hash_key_prints_the_digest() {
     assert!(out.status.success());
     assert_eq!(String::from_utf8(out.stdout).unwrap().trim(), sha(TEAM));
 }
+
+/// Issue 18, finding 3: a key's `max_concurrent` counts a streamed answer
+/// until the stream ends, not only until its headers went out.
+#[tokio::test]
+async fn a_stream_holds_its_keys_concurrency_slot_until_it_ends() {
+    let mut opts = completions_options(&[[0, 30]], "");
+    opts.extra += &auth_table();
+    let gw = Gateway::start(opts);
+    let models = format!("{}/v1/models", gw.url);
+    let r = client()
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .bearer_auth(NARROW)
+        .json(
+            &json!({"model": "SmolLM2-135M-Instruct", "max_tokens": 2000, "stream": true,
+                      "temperature": 1.0, "logit_bias": {"2": -100},
+                      "messages": [{"role": "user", "content": "Tell me a long story."}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut stream = r.bytes_stream();
+    use futures_util::StreamExt as _;
+    stream.next().await.expect("first chunk").unwrap();
+    // The stream is running: the key's only slot is taken.
+    error_body(get(&models, Some(NARROW)).await, 429, "rate_limit_exceeded").await;
+    assert_eq!(get(&models, Some(TEAM)).await.status(), 200);
+    // The client goes away: the slot is free again.
+    drop(stream);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = get(&models, Some(NARROW)).await.status();
+        if s == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slot not released: {s}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
