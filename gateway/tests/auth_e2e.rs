@@ -37,6 +37,19 @@ async fn get(url: &str, token: Option<&str>) -> reqwest::Response {
     rb.send().await.unwrap()
 }
 
+/// Waits (10 s at most) until the narrow key's only slot is free again.
+async fn slot_released(models: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = get(models, Some(NARROW)).await.status();
+        if s == 200 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "slot not released: {s}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn error_body(r: reqwest::Response, status: u16, code: &str) -> serde_json::Value {
     assert_eq!(r.status().as_u16(), status);
     let body: serde_json::Value = r.json().await.unwrap();
@@ -157,15 +170,7 @@ async fn keys_limits_and_open_routes() {
     assert!(in_flight >= 2, "the held request and this one: {in_flight}");
     // Closing the held request frees the slot.
     drop(held);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = get(&models, Some(NARROW)).await.status();
-        if s == 200 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "slot not released: {s}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    slot_released(&models).await;
 
     // Refusals are counted by reason; no token or digest appears in the
     // metrics or the log.
@@ -283,13 +288,5 @@ async fn a_stream_holds_its_keys_concurrency_slot_until_it_ends() {
     assert_eq!(get(&models, Some(TEAM)).await.status(), 200);
     // The client goes away: the slot is free again.
     drop(stream);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = get(&models, Some(NARROW)).await.status();
-        if s == 200 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "slot not released: {s}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    slot_released(&models).await;
 }
