@@ -21,8 +21,8 @@ impl StreamMode {
 }
 
 /// A streamed HTTP response fed by the exit stage's messages. If the client
-/// goes away, the submission is dropped and the request is cancelled in the
-/// stages.
+/// goes away, or stops reading for the route's deadline, the submission is
+/// dropped and the request is cancelled in the stages.
 pub(super) fn stream_response(
     s: &AppState,
     sub: Submission,
@@ -136,9 +136,21 @@ pub(super) async fn pump_stream(
                 return;
             }
         };
-        if !out.is_empty() && tx.send(Bytes::from(out)).await.is_err() {
-            // The client went away: dropping `sub` cancels the request.
-            return;
+        if !out.is_empty() {
+            match tokio::time::timeout(idle, tx.send(Bytes::from(out))).await {
+                Ok(Ok(())) => {}
+                // The client went away: dropping `sub` cancels the request.
+                Ok(Err(_)) => return,
+                // The client stopped reading (the queue and the socket are
+                // full): give its sequences back rather than wait forever.
+                Err(_) => {
+                    tracing::warn!(
+                        idle_secs = idle.as_secs(),
+                        "a stream's client stopped reading; cancelled"
+                    );
+                    return;
+                }
+            }
         }
         if last {
             return;
