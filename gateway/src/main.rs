@@ -13,6 +13,7 @@ mod metrics;
 mod openai_error;
 mod pipeline;
 mod receipts;
+mod serve;
 mod shutdown;
 mod stage_metrics;
 mod telemetry;
@@ -359,6 +360,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
     // is a clean shutdown rather than the default kill.
     let on_signal = shutdown.on_signal()?;
     let router = api::router(state);
+    let limits = serve::ServeLimits {
+        max_connections: cfg.server.max_connections,
+        header_read_timeout: Duration::from_secs(cfg.server.header_read_timeout_secs),
+    };
     let served = async {
         match tls_cert {
             Some(cert) => {
@@ -366,16 +371,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 let listener = tls::TlsListener::new(listener, config)?;
                 tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening (TLS; HTTP/1.1 and HTTP/2)");
                 println!("GATEWAY LISTENING https://{addr}");
-                axum::serve(listener, router)
-                    .with_graceful_shutdown(on_signal)
-                    .await?;
+                serve::serve(listener, router, limits, on_signal).await;
             }
             None => {
                 tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
                 println!("GATEWAY LISTENING http://{addr}");
-                axum::serve(listener, router)
-                    .with_graceful_shutdown(on_signal)
-                    .await?;
+                serve::serve(listener, router, limits, on_signal).await;
             }
         }
         Ok::<_, anyhow::Error>(())

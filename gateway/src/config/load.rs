@@ -101,11 +101,18 @@ impl GatewayConfig {
         if self.server.max_inputs == 0 {
             bail!("{}: must be at least 1", k("server.max_inputs"));
         }
+        if self.server.max_connections == 0 {
+            bail!("{}: must be at least 1", k("server.max_connections"));
+        }
         let t = &self.server.timeouts;
         for (key, secs) in [
             (
                 "server.request_timeout_secs",
                 Some(self.server.request_timeout_secs),
+            ),
+            (
+                "server.header_read_timeout_secs",
+                Some(self.server.header_read_timeout_secs),
             ),
             ("server.timeouts.embeddings_secs", t.embeddings_secs),
             ("server.timeouts.completions_secs", t.completions_secs),

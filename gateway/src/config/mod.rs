@@ -153,6 +153,14 @@ pub struct ServerConfig {
     /// they are cancelled (503 `shutting_down`).
     #[serde(default = "default_shutdown_grace")]
     pub shutdown_grace_secs: u64,
+    /// Most client connections open at once; past it, new connections wait
+    /// in the listen backlog until one closes.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// A connection that has not sent a request's whole head within this
+    /// many seconds is closed (slow-header clients).
+    #[serde(default = "default_header_read_timeout")]
+    pub header_read_timeout_secs: u64,
     /// `[server.tls]`: serve HTTPS (none: plain HTTP).
     #[serde(default)]
     pub tls: Option<TlsConfig>,
@@ -320,6 +328,12 @@ fn default_timeout() -> u64 {
 }
 fn default_shutdown_grace() -> u64 {
     30
+}
+fn default_max_connections() -> usize {
+    1024
+}
+fn default_header_read_timeout() -> u64 {
+    10
 }
 fn default_receipt_retention() -> usize {
     10_000

@@ -1,0 +1,174 @@
+//! The HTTP server loop: hyper-util's auto builder (HTTP/1.1 and HTTP/2)
+//! over any [`axum::serve::Listener`] (plain TCP or [`crate::tls`]), with
+//! the bounds `axum::serve` does not set:
+//!
+//! - **at most `max_connections` open connections**: past it, accepting
+//!   waits (new connections queue in the kernel's backlog) until one closes;
+//! - **a header-read timeout**: a connection that has not sent a request's
+//!   whole head within `header_read_timeout` is closed (slowloris), which
+//!   needs hyper's timer, here Tokio's;
+//! - **graceful shutdown**: on the signal, stop accepting, let every
+//!   connection finish its requests, and return when all are closed.
+
+use axum::extract::Request;
+use axum::serve::Listener;
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::service::TowerToHyperService;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{watch, Semaphore};
+use tower::ServiceExt as _;
+
+/// Bounds on connections.
+#[derive(Clone, Copy, Debug)]
+pub struct ServeLimits {
+    /// Most connections open at once.
+    pub max_connections: usize,
+    /// Longest time to receive a request's head (HTTP/1.1).
+    pub header_read_timeout: Duration,
+}
+
+/// Serves `router` on `listener` until `shutdown` completes and every
+/// connection has closed.
+pub async fn serve<L>(
+    mut listener: L,
+    router: Router,
+    limits: ServeLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) where
+    L: Listener,
+{
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    builder.http2().timer(TokioTimer::new());
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    // Dropped on the signal: every connection task then starts its graceful
+    // shutdown; `closed` completes once every task dropped its receiver.
+    let (signal_tx, _) = watch::channel(());
+    let signal_tx = Arc::new(signal_tx);
+    let (closed_tx, closed_rx) = watch::channel(());
+    let stop = signal_tx.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        stop.send_replace(());
+        drop(stop);
+    });
+    let mut stopping = signal_tx.subscribe();
+    stopping.mark_unchanged();
+    loop {
+        let slot = tokio::select! {
+            s = slots.clone().acquire_owned() => s.expect("the semaphore is never closed"),
+            _ = stopping.changed() => break,
+        };
+        let (io, _addr) = tokio::select! {
+            c = listener.accept() => c,
+            _ = stopping.changed() => break,
+        };
+        let service = TowerToHyperService::new(
+            router
+                .clone()
+                .map_request(|req: Request<Incoming>| req.map(axum::body::Body::new)),
+        );
+        let builder = builder.clone();
+        let mut signal = signal_tx.subscribe();
+        signal.mark_unchanged();
+        let closed = closed_rx.clone();
+        tokio::spawn(async move {
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+            tokio::pin!(conn);
+            let mut draining = false;
+            loop {
+                tokio::select! {
+                    r = conn.as_mut() => {
+                        if let Err(e) = r {
+                            tracing::debug!(error = %e, "connection ended with an error");
+                        }
+                        break;
+                    }
+                    _ = signal.changed(), if !draining => {
+                        draining = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+            drop(slot);
+            drop(closed);
+        });
+    }
+    drop(listener);
+    drop(closed_rx);
+    closed_tx.closed().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    /// A client that sends half a request head and then nothing is closed
+    /// after the header-read timeout; a second connection over the cap
+    /// waits until a slot frees.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn slow_heads_are_closed_and_connections_are_capped() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(
+            listener,
+            router,
+            ServeLimits {
+                max_connections: 1,
+                header_read_timeout: Duration::from_millis(300),
+            },
+            async {
+                let _ = stop_rx.await;
+            },
+        ));
+        let result = tokio::task::spawn_blocking(move || {
+            let t0 = std::time::Instant::now();
+            let mut slow = std::net::TcpStream::connect(addr).unwrap();
+            slow.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n").unwrap();
+            // The only slot is taken: a second client is not served yet.
+            let mut second = std::net::TcpStream::connect(addr).unwrap();
+            second
+                .write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                .unwrap();
+            // The slow head is cut off: the server closes it (EOF, not
+            // our read timeout), and not before the header-read timeout.
+            let mut buf = Vec::new();
+            slow.set_read_timeout(Some(Duration::from_secs(30)))
+                .unwrap();
+            let closed = slow.read_to_end(&mut buf).is_ok();
+            let cut = t0.elapsed();
+            assert!(closed, "the server did not close the slow connection");
+            // ...and then the second client gets its answer.
+            let mut answer = String::new();
+            second
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            second.read_to_string(&mut answer).unwrap();
+            (cut, answer)
+        })
+        .await
+        .unwrap();
+        let (cut, answer) = result;
+        assert!(
+            cut >= Duration::from_millis(250),
+            "closed before the timeout: {cut:?}"
+        );
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        stop_tx.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .expect("shutdown completes")
+            .unwrap();
+    }
+}
