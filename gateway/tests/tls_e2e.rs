@@ -407,3 +407,77 @@ fn check_config_ok_and_failing_cases() {
         assert!(err.contains(var), "{var} not named in: {err}");
     }
 }
+
+/// Issue 18, finding 6: the client verbs reach a TLS gateway (trusting a
+/// private CA given with --cacert), refuse one whose certificate they cannot
+/// verify, and refuse plain HTTP off loopback unless told otherwise.
+#[tokio::test]
+async fn client_verbs_speak_tls_and_refuse_plain_http_off_loopback() {
+    let ca = Ca::new();
+    let certs = temp_dir("tls-client");
+    let (cert, key, _) = ca.issue(7);
+    let tls = write_pair(&certs, &cert, &key);
+    let gw = Gateway::start(Options {
+        server_extra: tls,
+        ..Options::default()
+    });
+    let ca_path = certs.join("ca.pem");
+    std::fs::write(&ca_path, ca.cert.pem()).unwrap();
+    let policy = certs.join("policy.toml");
+    let ready: serde_json::Value = tls_client(Some(&ca.cert.pem()), false)
+        .get(format!("{}/readyz", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut text = String::from("allow_mock = true\n");
+    for st in ready["stages"].as_array().unwrap() {
+        text += &format!(
+            "[[stages]]\nindex = {}\nlayers = {}\nmeasurements = [{}]\n",
+            st["index"], st["layers"], st["measurement"]
+        );
+    }
+    std::fs::write(&policy, text).unwrap();
+    let req = certs.join("req.json");
+    std::fs::write(&req, br#"{"model":"all-MiniLM-L6-v2","input":"over TLS"}"#).unwrap();
+    let (body, headers, key) = (
+        certs.join("body.bin"),
+        certs.join("headers.txt"),
+        certs.join("key.json"),
+    );
+    let seal = |gateway: &str, extra: &[&str]| {
+        let mut args = vec![
+            "seal",
+            "--gateway",
+            gateway,
+            "--policy",
+            p(&policy),
+            "--in",
+            p(&req),
+            "--out",
+            p(&body),
+            "--headers",
+            p(&headers),
+            "--key-out",
+            p(&key),
+        ];
+        args.extend_from_slice(extra);
+        cli(&args)
+    };
+    // With the CA: evidence fetched and verified over TLS, request sealed.
+    let (code, out, err) = seal(&gw.url, &["--cacert", p(&ca_path)]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    // Without it, the certificate does not verify: nothing is fetched.
+    let (code, _, err) = seal(&gw.url, &[]);
+    assert_ne!(code, 0);
+    assert!(
+        err.to_lowercase().contains("certificate") || err.contains("error sending request"),
+        "{err}"
+    );
+    // Plain HTTP to a host that is not loopback is refused, naming the flag.
+    let (code, _, err) = seal("http://192.0.2.1:8080", &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--insecure-plain-http"), "{err}");
+}

@@ -122,22 +122,61 @@ pub(crate) fn load_bundle(path: &Path) -> Result<EvidenceBundle> {
     decode_bundle(&read_input(path)?).with_context(|| format!("evidence {}", path.display()))
 }
 
-/// A plain-HTTP client (no TLS: loopback or a trusted tunnel only).
-pub(crate) fn http_client(timeout: Duration) -> Result<reqwest::Client> {
-    reqwest::Client::builder()
-        .timeout(timeout)
-        .build()
-        .context("building the HTTP client")
+/// How the client verbs reach a gateway: which extra root certificate to
+/// trust, and whether plain HTTP off loopback is allowed.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct Transport {
+    /// A PEM certificate (e.g. a private CA) to trust for an https://
+    /// gateway, besides the platform's roots.
+    #[arg(long)]
+    pub cacert: Option<std::path::PathBuf>,
+    /// Allow http:// to a gateway that is not on loopback: API keys and
+    /// plain requests would cross the network in the clear. Refused
+    /// without this flag.
+    #[arg(long)]
+    pub insecure_plain_http: bool,
 }
 
-/// `url` without a trailing slash, checked to be `http://…`.
-pub(crate) fn base_url(url: &str) -> Result<String> {
+/// An HTTP client: HTTPS with rustls (the platform's roots and
+/// `--cacert`), HTTP where [`base_url`] allowed it.
+pub(crate) fn http_client(timeout: Duration, t: &Transport) -> Result<reqwest::Client> {
+    let mut b = reqwest::Client::builder().use_rustls_tls().timeout(timeout);
+    if let Some(path) = &t.cacert {
+        let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let certs = reqwest::Certificate::from_pem_bundle(&pem)
+            .with_context(|| format!("{}: not a PEM certificate", path.display()))?;
+        if certs.is_empty() {
+            bail!("{}: no PEM certificate in it", path.display());
+        }
+        for c in certs {
+            b = b.add_root_certificate(c);
+        }
+    }
+    b.build().context("building the HTTP client")
+}
+
+/// `url` without a trailing slash: `https://…`, or `http://…` to a
+/// loopback host (any host with `--insecure-plain-http`).
+pub(crate) fn base_url(url: &str, t: &Transport) -> Result<String> {
     let u = url.trim().trim_end_matches('/');
     if u.starts_with("https://") {
-        bail!("{u}: this build speaks plain HTTP only (run it against a loopback gateway or through a TLS tunnel)");
+        return Ok(u.to_string());
     }
-    if !u.starts_with("http://") {
-        bail!("{u}: expected an http:// URL");
+    let Some(rest) = u.strip_prefix("http://") else {
+        bail!("{u}: expected an https:// (or loopback http://) URL");
+    };
+    let host = rest.split('/').next().unwrap_or_default();
+    let host_port = if host.ends_with(']') || !host.contains(':') {
+        format!("{host}:80")
+    } else {
+        host.to_string()
+    };
+    if !crate::config::is_loopback(&host_port) && !t.insecure_plain_http {
+        bail!(
+            "{u}: plain HTTP to a host that is not loopback would send API keys and plain \
+             requests in the clear; use https:// (with --cacert for a private CA), or \
+             --insecure-plain-http"
+        );
     }
     Ok(u.to_string())
 }

@@ -110,6 +110,9 @@ pub struct SealArgs {
     /// read the request. Refused without this flag.
     #[arg(long)]
     pub insecure_unverified_keys: bool,
+    /// How to reach the gateway (with --gateway).
+    #[command(flatten)]
+    pub transport: super::Transport,
 }
 
 /// `gateway open`
@@ -169,8 +172,8 @@ fn keys_for(a: &SealArgs) -> Result<(Vec<KeyConfig>, bool)> {
             .transpose()?;
         return verified_keys(&bundle, &policy, nonce.as_deref()).map(|k| (k, true));
     }
-    let base = base_url(a.gateway.as_deref().unwrap_or_default())?;
-    let client = http_client(Duration::from_secs(a.timeout_secs))?;
+    let base = base_url(a.gateway.as_deref().unwrap_or_default(), &a.transport)?;
+    let client = http_client(Duration::from_secs(a.timeout_secs), &a.transport)?;
     runtime()?.block_on(async {
         if let Some(p) = &a.policy {
             let policy = load_policy(Some(p))?;

@@ -130,6 +130,9 @@ pub struct ProxyArgs {
     /// holds plaintext: keep it in the client's trust domain.
     #[arg(long)]
     pub archive: Option<PathBuf>,
+    /// How to reach the upstream gateway.
+    #[command(flatten)]
+    pub transport: super::Transport,
 }
 
 /// What the proxy trusts for one model: the last verified evidence.
@@ -366,8 +369,8 @@ pub fn run(a: ProxyArgs) -> Result<i32> {
         .iter()
         .map(|p| Ok((p.clone(), Policy::load(p).map_err(|e| anyhow!(e))?)))
         .collect::<Result<Vec<_>>>()?;
-    let upstream = base_url(&a.upstream)?;
-    let client = http_client(Duration::from_secs(a.timeout_secs))?;
+    let upstream = base_url(&a.upstream, &a.transport)?;
+    let client = http_client(Duration::from_secs(a.timeout_secs), &a.transport)?;
     if let Some(dir) = &a.archive {
         super::create_private_dir(dir)?;
     }
