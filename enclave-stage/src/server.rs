@@ -18,7 +18,7 @@ use proto::frames::{
     ActivationMessage, BatchItem, Envelope, ErrorKind, FeedbackMessage, GenerationContext,
     HostMessage, PipelineError, PromptInfo, RequestContext, SealedRequest, StageClaims, StageReply,
 };
-use proto::openai::{parse_embeddings, ApiError};
+use proto::openai::{parse_embeddings, ApiEndpoint, ApiError};
 use proto::policy::Policy;
 use proto::receipt::{OpenedKey, ReceiptId, Sealing};
 use proto::sealing::{open_request, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
@@ -67,11 +67,10 @@ impl StageModel {
 
     /// Whether the model serves API path `endpoint`.
     pub fn serves(&self, endpoint: &str) -> bool {
-        match self {
-            StageModel::Embedding(_) => endpoint == "/v1/embeddings",
-            StageModel::Generation(_) => {
-                endpoint == Api::Completions.path() || endpoint == Api::Chat.path()
-            }
+        match (self, ApiEndpoint::from_path(endpoint)) {
+            (StageModel::Embedding(_), Some(e)) => !e.is_generation(),
+            (StageModel::Generation(_), Some(e)) => e.is_generation(),
+            (_, None) => false,
         }
     }
 }
@@ -579,23 +578,24 @@ impl StageServer {
         let vocab = cfg.vocab_size as u32;
         // A chat request becomes one text prompt: the model's chat template
         // over its messages, rendered here, inside the stage.
-        let (mut request, default_limit) = if req.endpoint == Api::Chat.path() {
-            let chat = parse_chat(plaintext, vocab, DEFAULT_CHAT_MAX_TOKENS)?;
-            let template = model.chat_template.as_ref().ok_or_else(|| {
-                ApiError::invalid(
-                    Some("messages"),
-                    "This model has no chat template; use /v1/completions.",
-                )
-            })?;
-            let text = template
-                .render(&chat.messages)
-                .map_err(|e| ApiError::invalid(Some("messages"), e))?;
-            let mut r = chat.request;
-            r.prompts = vec![Prompt::Text(text)];
-            (r, !chat.max_tokens_given)
-        } else {
-            (parse_completions(plaintext, vocab)?, false)
-        };
+        let (mut request, default_limit) =
+            if ApiEndpoint::from_path(&req.endpoint) == Some(ApiEndpoint::ChatCompletions) {
+                let chat = parse_chat(plaintext, vocab, DEFAULT_CHAT_MAX_TOKENS)?;
+                let template = model.chat_template.as_ref().ok_or_else(|| {
+                    ApiError::invalid(
+                        Some("messages"),
+                        "This model has no chat template; use /v1/completions.",
+                    )
+                })?;
+                let text = template
+                    .render(&chat.messages)
+                    .map_err(|e| ApiError::invalid(Some("messages"), e))?;
+                let mut r = chat.request;
+                r.prompts = vec![Prompt::Text(text)];
+                (r, !chat.max_tokens_given)
+            } else {
+                (parse_completions(plaintext, vocab)?, false)
+            };
         let prompt_param = match request.api {
             Api::Chat => "messages",
             Api::Completions => "prompt",

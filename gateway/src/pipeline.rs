@@ -19,6 +19,7 @@ use proto::frames::{
     StageReply, StageStats,
 };
 use proto::manifest::LoadedManifest;
+use proto::openai::ApiEndpoint;
 use proto::policy::Policy;
 use proto::receipt::{ReceiptId, Sealing};
 use proto::sealing::{KeyConfig, SealedHeaders};
@@ -154,8 +155,9 @@ pub struct Pipeline {
     pub manifest: LoadedManifest,
     /// The manifest's exact bytes (served in the evidence bundle).
     pub manifest_bytes: Vec<u8>,
-    /// The API path this pipeline serves.
-    pub endpoint: &'static str,
+    /// The API this pipeline serves first (generation pipelines also serve
+    /// chat: [`Pipeline::endpoints`]).
+    pub endpoint: ApiEndpoint,
     connected: StdMutex<Option<Connected>>,
     not_ready_reason: StdMutex<String>,
     pending: StdMutex<HashMap<u64, mpsc::UnboundedSender<Answer>>>,
@@ -199,9 +201,9 @@ impl Pipeline {
             manifest: manifest.clone(),
             manifest_bytes: manifest.bytes.clone(),
             endpoint: if manifest.manifest.architecture == "llama" {
-                "/v1/completions"
+                ApiEndpoint::Completions
             } else {
-                "/v1/embeddings"
+                ApiEndpoint::Embeddings
             },
             connected: StdMutex::new(None),
             not_ready_reason: StdMutex::new("pipeline is starting".into()),
@@ -221,7 +223,15 @@ impl Pipeline {
 
     /// Whether this pipeline generates text (`/v1/completions`, `/v1/chat/completions`).
     pub fn is_generation(&self) -> bool {
-        self.endpoint == "/v1/completions"
+        self.endpoint.is_generation()
+    }
+
+    /// Every API this pipeline serves.
+    pub fn endpoints(&self) -> Vec<ApiEndpoint> {
+        ApiEndpoint::ALL
+            .into_iter()
+            .filter(|e| e.is_generation() == self.is_generation())
+            .collect()
     }
 
     /// A stage now listens at `endpoint` (a restarted local stage).

@@ -13,15 +13,16 @@ use crate::openai_error::ApiError;
 use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use proto::openai::ApiEndpoint;
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Route template of the embeddings API.
-pub const EMBEDDINGS: &str = "/v1/embeddings";
+pub const EMBEDDINGS: &str = ApiEndpoint::Embeddings.path();
 /// Route template of the completions API.
-pub const COMPLETIONS: &str = "/v1/completions";
+pub const COMPLETIONS: &str = ApiEndpoint::Completions.path();
 /// Route template of the chat API (the completions deadline applies).
-pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
+pub const CHAT_COMPLETIONS: &str = ApiEndpoint::ChatCompletions.path();
 /// Route template of the evidence bundle.
 pub const ATTESTATION: &str = "/v1/attestation";
 

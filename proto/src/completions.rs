@@ -78,11 +78,11 @@ pub enum Api {
 }
 
 impl Api {
-    /// The API path.
-    pub fn path(self) -> &'static str {
+    /// The endpoint requests of this API come to.
+    pub fn endpoint(self) -> crate::openai::ApiEndpoint {
         match self {
-            Api::Completions => "/v1/completions",
-            Api::Chat => "/v1/chat/completions",
+            Api::Completions => crate::openai::ApiEndpoint::Completions,
+            Api::Chat => crate::openai::ApiEndpoint::ChatCompletions,
         }
     }
 }

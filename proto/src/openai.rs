@@ -7,6 +7,45 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+/// The API paths the stages serve (compared as this enum, not as strings).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ApiEndpoint {
+    /// `POST /v1/embeddings`.
+    Embeddings,
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+}
+
+impl ApiEndpoint {
+    /// Every endpoint.
+    pub const ALL: [ApiEndpoint; 3] = [
+        ApiEndpoint::Embeddings,
+        ApiEndpoint::Completions,
+        ApiEndpoint::ChatCompletions,
+    ];
+
+    /// The path (what receipts name).
+    pub const fn path(self) -> &'static str {
+        match self {
+            ApiEndpoint::Embeddings => "/v1/embeddings",
+            ApiEndpoint::Completions => "/v1/completions",
+            ApiEndpoint::ChatCompletions => "/v1/chat/completions",
+        }
+    }
+
+    /// The endpoint at `path`, if the stages serve it.
+    pub fn from_path(path: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|e| e.path() == path)
+    }
+
+    /// Whether a generation model serves it (completions and chat).
+    pub fn is_generation(self) -> bool {
+        !matches!(self, ApiEndpoint::Embeddings)
+    }
+}
+
 /// An OpenAI-shaped error: HTTP status plus
 /// `{"error":{"message","type","param","code"}}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -282,6 +321,17 @@ pub fn embeddings_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn endpoints_by_path() {
+        for e in ApiEndpoint::ALL {
+            assert_eq!(ApiEndpoint::from_path(e.path()), Some(e));
+        }
+        assert_eq!(ApiEndpoint::from_path("/v1/models"), None);
+        assert_eq!(ApiEndpoint::from_path("/v1/completions/"), None);
+        assert!(!ApiEndpoint::Embeddings.is_generation());
+        assert!(ApiEndpoint::ChatCompletions.is_generation());
+    }
 
     fn p(body: &str) -> Result<EmbeddingsRequest, ApiError> {
         parse_embeddings(body.as_bytes(), 4, 384)

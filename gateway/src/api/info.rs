@@ -46,8 +46,12 @@ pub(super) async fn readyz(State(s): State<AppState>) -> Response {
         match p.status() {
             Ok(stages) => {
                 mock |= stages.iter().any(|st| st.evidence == "mock");
-                pipelines
-                    .push(json!({"endpoint": p.endpoint, "model": p.model_id, "stages": stages}));
+                pipelines.push(json!({
+                    "endpoint": p.endpoint.path(),
+                    "endpoints": p.endpoints().iter().map(|e| e.path()).collect::<Vec<_>>(),
+                    "model": p.model_id,
+                    "stages": stages,
+                }));
             }
             Err(reason) => {
                 return ApiError::not_ready(&format!("{}: {reason}", p.model_id)).into_response()
@@ -98,7 +102,7 @@ pub(super) async fn hpke_keys(
         match p.entry_keys() {
             Ok(k) => {
                 for c in &k {
-                    serves.insert(c.key_id, (p.model_id.clone(), p.endpoint));
+                    serves.insert(c.key_id, (p.model_id.clone(), p.endpoint.path()));
                 }
                 keys.extend(k);
             }

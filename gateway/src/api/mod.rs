@@ -14,6 +14,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
 use proto::bundle::{EvidenceBundle, StageEvidence};
+use proto::openai::ApiEndpoint;
 use proto::receipt::Sealing;
 use proto::sealing::{
     open_request, open_response, seal_request, seal_response, seal_response_with_trailer, Aead,
@@ -152,9 +153,9 @@ impl GatewayKey {
 /// metrics) stay open.
 pub fn router(state: AppState) -> Router {
     let keyed = Router::new()
-        .route("/v1/embeddings", post(embeddings_handler))
-        .route("/v1/chat/completions", post(chat_handler))
-        .route("/v1/completions", post(completions_handler))
+        .route(ApiEndpoint::Embeddings.path(), post(embeddings_handler))
+        .route(ApiEndpoint::ChatCompletions.path(), post(chat_handler))
+        .route(ApiEndpoint::Completions.path(), post(completions_handler))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/receipts/{id}", get(get_receipt))

@@ -20,7 +20,7 @@ pub(super) async fn embeddings_handler(
     let pipeline = s.pipeline.clone();
     let resp = relay(&s, &pipeline, pipeline.endpoint, &headers, body).await;
     tracing::info!(
-        endpoint = "/v1/embeddings",
+        endpoint = ApiEndpoint::Embeddings.path(),
         status = resp.status().as_u16(),
         latency_ms = started.elapsed().as_secs_f64() * 1e3,
         "request"
@@ -51,7 +51,7 @@ pub(super) async fn chat_handler(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    generation_handler(s, crate::timeouts::CHAT_COMPLETIONS, headers, body).await
+    generation_handler(s, ApiEndpoint::ChatCompletions, headers, body).await
 }
 
 pub(super) async fn completions_handler(
@@ -59,14 +59,14 @@ pub(super) async fn completions_handler(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    generation_handler(s, crate::timeouts::COMPLETIONS, headers, body).await
+    generation_handler(s, ApiEndpoint::Completions, headers, body).await
 }
 
 /// `/v1/completions` and `/v1/chat/completions`: both go to the completions
 /// pipeline, whose entry stage reads (and, for chat, templates) the request.
 pub(super) async fn generation_handler(
     s: AppState,
-    endpoint: &'static str,
+    endpoint: ApiEndpoint,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -78,7 +78,8 @@ pub(super) async fn generation_handler(
                 404,
                 format!(
                     "This gateway serves no completions model ([completions] is not \
-                     configured), so {endpoint} is not available."
+                     configured), so {} is not available.",
+                    endpoint.path()
                 ),
             )
         }
@@ -86,7 +87,7 @@ pub(super) async fn generation_handler(
     };
     let resp = relay(&s, &pipeline, endpoint, &headers, body).await;
     tracing::info!(
-        endpoint,
+        endpoint = endpoint.path(),
         status = resp.status().as_u16(),
         latency_ms = started.elapsed().as_secs_f64() * 1e3,
         "request"
@@ -98,7 +99,7 @@ pub(super) async fn generation_handler(
 pub(super) async fn relay(
     s: &AppState,
     pipeline: &Arc<Pipeline>,
-    endpoint: &'static str,
+    endpoint: ApiEndpoint,
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
@@ -111,7 +112,7 @@ pub(super) async fn relay(
 pub(super) async fn relay_inner(
     s: &AppState,
     pipeline: &Arc<Pipeline>,
-    endpoint: &'static str,
+    endpoint: ApiEndpoint,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
@@ -149,12 +150,12 @@ pub(super) async fn relay_inner(
         s.metrics.sealing(Sealing::Enclave);
         let (reply, sub) = pipeline
             .submit(
-                endpoint,
+                endpoint.path(),
                 sealed,
                 bytes.to_vec(),
                 nonce,
                 Sealing::Enclave,
-                s.limits.routes.for_route(endpoint),
+                s.limits.routes.for_route(endpoint.path()),
             )
             .await
             .map_err(|f| failure_error(s, f))?;
@@ -243,7 +244,7 @@ pub(super) fn set_retry_after(r: &mut Response, secs: Option<u32>) {
 pub(super) async fn seal_to_entry(
     s: &AppState,
     pipeline: &Arc<Pipeline>,
-    endpoint: &'static str,
+    endpoint: ApiEndpoint,
     keys: &[KeyConfig],
     plaintext: &[u8],
     nonce: Option<Vec<u8>>,
@@ -259,12 +260,12 @@ pub(super) async fn seal_to_entry(
         .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
     let (reply, sub) = pipeline
         .submit(
-            endpoint,
+            endpoint.path(),
             sealed,
             body,
             nonce,
             sealing,
-            s.limits.routes.for_route(endpoint),
+            s.limits.routes.for_route(endpoint.path()),
         )
         .await
         .map_err(|f| failure_error(s, f))?;
@@ -315,7 +316,7 @@ pub(super) async fn seal_to_entry(
 pub(super) async fn via_gateway_key(
     s: &AppState,
     pipeline: &Arc<Pipeline>,
-    endpoint: &'static str,
+    endpoint: ApiEndpoint,
     keys: &[KeyConfig],
     sealed: &SealedHeaders,
     bytes: &[u8],

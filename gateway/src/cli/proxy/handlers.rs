@@ -146,78 +146,69 @@ pub(super) fn kept_receipt(s: &Proxy, id: &str) -> Response {
 }
 
 pub(super) fn router(state: AppState) -> Router {
-    Router::new()
-        .route(
-            "/v1/embeddings",
-            post(|State(s): State<AppState>, h: HeaderMap, b: Body| {
-                sealed_handler(s, "/v1/embeddings", h, b)
+    // Every model API: sealed to the attested entry stage, receipt verified.
+    let mut r = Router::new();
+    for e in proto::openai::ApiEndpoint::ALL {
+        r = r.route(
+            e.path(),
+            post(move |State(s): State<AppState>, h: HeaderMap, b: Body| {
+                sealed_handler(s, e.path(), h, b)
             }),
-        )
-        .route(
-            "/v1/completions",
-            post(|State(s): State<AppState>, h: HeaderMap, b: Body| {
-                sealed_handler(s, "/v1/completions", h, b)
-            }),
-        )
-        .route(
-            "/v1/chat/completions",
-            post(|State(s): State<AppState>, h: HeaderMap, b: Body| {
-                sealed_handler(s, "/v1/chat/completions", h, b)
-            }),
-        )
-        .route(
-            "/v1/models",
-            get(|State(s): State<AppState>, h: HeaderMap| async move {
-                forward_get(&s, "/v1/models", &h).await
-            }),
-        )
-        .route(
-            "/v1/models/{id}",
-            get(
-                |State(s): State<AppState>, h: HeaderMap, UrlPath(id): UrlPath<String>| async move {
-                    if s.route(&id).is_none() {
-                        return ApiError::model_not_found(&id).into_response();
-                    }
-                    forward_get(&s, &format!("/v1/models/{id}"), &h).await
-                },
-            ),
-        )
-        .route(
-            "/v1/receipts/{id}",
-            get(
-                |State(s): State<AppState>, UrlPath(id): UrlPath<String>| async move {
-                    kept_receipt(&s, &id)
-                },
-            ),
-        )
-        .route(
-            "/healthz",
-            get(|State(s): State<AppState>| async move {
-                let models: Vec<_> = s
-                    .routes
-                    .iter()
-                    .map(|r| {
-                        let t = r.current();
-                        json!({
-                            "model": r.model,
-                            "mock": t.verified.mock,
-                            "measurements": t.verified.measurements,
-                        })
+        );
+    }
+    r.route(
+        "/v1/models",
+        get(|State(s): State<AppState>, h: HeaderMap| async move {
+            forward_get(&s, "/v1/models", &h).await
+        }),
+    )
+    .route(
+        "/v1/models/{id}",
+        get(
+            |State(s): State<AppState>, h: HeaderMap, UrlPath(id): UrlPath<String>| async move {
+                if s.route(&id).is_none() {
+                    return ApiError::model_not_found(&id).into_response();
+                }
+                forward_get(&s, &format!("/v1/models/{id}"), &h).await
+            },
+        ),
+    )
+    .route(
+        "/v1/receipts/{id}",
+        get(
+            |State(s): State<AppState>, UrlPath(id): UrlPath<String>| async move {
+                kept_receipt(&s, &id)
+            },
+        ),
+    )
+    .route(
+        "/healthz",
+        get(|State(s): State<AppState>| async move {
+            let models: Vec<_> = s
+                .routes
+                .iter()
+                .map(|r| {
+                    let t = r.current();
+                    json!({
+                        "model": r.model,
+                        "mock": t.verified.mock,
+                        "measurements": t.verified.measurements,
                     })
-                    .collect();
-                Json(json!({
-                    "status": "ok",
-                    "upstream": s.upstream,
-                    "models": models,
-                    "aead": aead_name(s.aead),
-                }))
-            }),
-        )
-        .fallback(|method: Method, uri: Uri| async move {
-            ApiError::unknown_route(method.as_str(), uri.path())
-        })
-        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
-            ApiError::method_not_allowed(method.as_str(), uri.path())
-        })
-        .with_state(state)
+                })
+                .collect();
+            Json(json!({
+                "status": "ok",
+                "upstream": s.upstream,
+                "models": models,
+                "aead": aead_name(s.aead),
+            }))
+        }),
+    )
+    .fallback(|method: Method, uri: Uri| async move {
+        ApiError::unknown_route(method.as_str(), uri.path())
+    })
+    .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+        ApiError::method_not_allowed(method.as_str(), uri.path())
+    })
+    .with_state(state)
 }
