@@ -142,6 +142,11 @@ impl ApiKeys {
         self.keys.len()
     }
 
+    /// Whether no key is configured.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
     /// The key whose digest equals the token's, comparing every key's
     /// digest in constant time (no early exit).
     fn find(&self, token: &[u8]) -> Option<&Key> {

@@ -1,0 +1,491 @@
+//! The `gateway` command: `gateway serve` reads `config/gateway.toml`,
+//! starts (or connects to) the attested stages, verifies them against the
+//! policy and serves the OpenAI-compatible API; the client verbs are in
+//! [`crate::cli`].
+
+use crate::config::{GatewayConfig, Launch};
+use crate::pipeline::{Pipeline, StageTarget};
+use crate::{
+    api, auth, cli, config, host_proxy, launcher, metrics, receipts, serve, shutdown, telemetry,
+    timeouts, tls,
+};
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use proto::manifest::LoadedManifest;
+use proto::policy::Policy;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "Confidential inference gateway (OpenAI-compatible API over attested stages)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+#[allow(clippy::large_enum_variant)] // parsed once at start
+enum Command {
+    /// Start the stages (local launch) or connect to them, verify them, and serve the API.
+    Serve(ServeArgs),
+    /// Print the SHA-256 (hex) of an API token read from stdin, for `[[auth.keys]] sha256`.
+    HashKey,
+    /// Load and validate the config (and the policy, model manifest and TLS
+    /// files it names) without starting anything; exit 0 when it is valid.
+    CheckConfig(CheckConfigArgs),
+    /// Print the mock measurement (`mock:<hex>`) of a stage binary serving a
+    /// model, computed from the files, for a policy's `[[stages]] measurements`
+    /// (e.g. of the binary copied into a container image).
+    Measure(MeasureArgs),
+    /// Relay bytes between endpoints (vsock <-> TCP) on a Nitro parent
+    /// instance; one `--route LISTEN=TARGET` per relay. Sees ciphertext only.
+    HostProxy(host_proxy::HostProxyArgs),
+    #[command(flatten)]
+    Client(cli::ClientCommand),
+}
+
+#[derive(clap::Args, Debug, Default)]
+struct ServeArgs {
+    /// Config file.
+    #[arg(long, default_value = "config/gateway.toml")]
+    config: PathBuf,
+    /// Override `server.listen`.
+    #[arg(long)]
+    listen: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+struct CheckConfigArgs {
+    /// Config file.
+    #[arg(long, default_value = "config/gateway.toml")]
+    config: PathBuf,
+}
+
+#[derive(clap::Args, Debug)]
+struct MeasureArgs {
+    /// The `enclave-stage` binary.
+    #[arg(long)]
+    stage_binary: PathBuf,
+    /// Model folder; its `manifest.json` is measured.
+    #[arg(long)]
+    model_dir: PathBuf,
+}
+
+/// Parses the command line and runs the verb: `serve` (the default), a
+/// client verb, `hash-key`, `measure` or `check-config`.
+pub fn run() -> Result<()> {
+    let cli = Cli::parse();
+    // `serve` reads its config first: traces need their exporter in the subscriber.
+    // A config that does not load is left to `serve` to report.
+    let serve_config = match &cli.command {
+        Some(Command::Serve(a)) => Some(a.config.as_path()),
+        None => Some(std::path::Path::new("config/gateway.toml")),
+        _ => None,
+    };
+    telemetry::init_logging(
+        serve_config
+            .and_then(|p| config::GatewayConfig::load(p).ok())
+            .map(|c| c.telemetry),
+    );
+    let args = match cli.command {
+        Some(Command::Serve(a)) => a,
+        Some(Command::Client(c)) => std::process::exit(cli::run(c)),
+        Some(Command::HashKey) => return hash_key(),
+        Some(Command::CheckConfig(a)) => std::process::exit(check_config(&a.config)),
+        Some(Command::Measure(a)) => return measure(&a),
+        Some(Command::HostProxy(a)) => return host_proxy::main(a),
+        None => ServeArgs {
+            config: "config/gateway.toml".into(),
+            listen: None,
+        },
+    };
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(serve(args))
+}
+
+/// `gateway hash-key`: one token on stdin (a trailing newline is ignored).
+fn hash_key() -> Result<()> {
+    use std::io::Read;
+    let mut token = String::new();
+    std::io::stdin()
+        .read_to_string(&mut token)
+        .context("reading the token from stdin")?;
+    let token = token.trim_end_matches(['\n', '\r']);
+    if token.is_empty() {
+        anyhow::bail!("no token on stdin");
+    }
+    println!("{}", hex::encode(auth::digest(token.as_bytes())));
+    Ok(())
+}
+
+/// `gateway measure`: the measurement a mock stage running this binary with
+/// this model reports, from the files themselves (nothing is run).
+fn measure(a: &MeasureArgs) -> Result<()> {
+    let manifest = LoadedManifest::load(&a.model_dir)
+        .with_context(|| format!("--model-dir {}", a.model_dir.display()))?;
+    let binary = proto::digest::Sha256Digest::of_file(&a.stage_binary)
+        .with_context(|| format!("--stage-binary {}", a.stage_binary.display()))?;
+    let m = proto::attestation::mock_measurement(&binary, &manifest.digest);
+    println!("{}", m.pinned_form());
+    Ok(())
+}
+
+/// `gateway check-config`: `OK …` with a summary on stdout and exit 0, or
+/// the error (naming the bad key) on stderr and exit 1.
+fn check_config(path: &std::path::Path) -> i32 {
+    match check_config_summary(path) {
+        Ok((summary, effective)) => {
+            println!("OK {}: {summary}", path.display());
+            println!("# effective configuration (file, environment overrides, defaults):");
+            print!("{effective}");
+            0
+        }
+        Err(e) => {
+            eprintln!("config error: {e:#}");
+            1
+        }
+    }
+}
+
+fn check_config_summary(path: &std::path::Path) -> Result<(String, String)> {
+    let cfg = GatewayConfig::load(path)?;
+    let scheme = match &cfg.server.tls {
+        Some(t) => {
+            tls::load_pair(&t.cert, &t.key)
+                .map_err(|e| cfg.attribute(e))
+                .with_context(|| format!("config {}", path.display()))?;
+            "https"
+        }
+        None => "http",
+    };
+    let metrics = std::sync::Arc::new(metrics::Metrics::default());
+    let env_keys = std::env::var(auth::ENV_KEYS).ok();
+    let keys = auth::ApiKeys::from_config(&cfg.auth, env_keys.as_deref(), metrics)
+        .with_context(|| format!("config {}", path.display()))?;
+    let policy = Policy::load(&cfg.pipeline.policy).map_err(|e| {
+        anyhow::anyhow!(
+            "config {}: {}: {e}",
+            path.display(),
+            cfg.key("pipeline.policy")
+        )
+    })?;
+    let manifest = LoadedManifest::load(&cfg.pipeline.model_dir).map_err(|e| {
+        anyhow::anyhow!(
+            "config {}: {}: {}: {e}",
+            path.display(),
+            cfg.key("pipeline.model_dir"),
+            cfg.pipeline.model_dir.display()
+        )
+    })?;
+    if cfg.pipeline.launch == Launch::Local {
+        let bin = cfg.stage_binary()?;
+        if !bin.exists() {
+            anyhow::bail!(
+                "config {}: {}: {} does not exist",
+                path.display(),
+                cfg.key("pipeline.stage_binary"),
+                bin.display()
+            );
+        }
+    }
+    let auth = if keys.enabled() {
+        format!("auth on ({} keys)", keys.len())
+    } else {
+        "auth off".to_string()
+    };
+    let summary = format!(
+        "{scheme}://{}, model {}, {} stages ({}), {auth}, policy {}{}",
+        cfg.server.listen,
+        manifest.manifest.model_id,
+        cfg.pipeline.stages.len(),
+        match cfg.pipeline.launch {
+            Launch::Local => "local",
+            Launch::Remote => "remote",
+        },
+        cfg.pipeline.policy.display(),
+        if policy.allow_mock {
+            " (MOCK attestation allowed)"
+        } else {
+            ""
+        },
+    );
+    Ok((summary, cfg.effective_toml()))
+}
+
+/// How long connections may stay open after the shutdown deadline (for the
+/// cancelled requests' answers to be written) before they are dropped.
+const CLOSE_AFTER_DEADLINE: Duration = Duration::from_secs(1);
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let mut cfg = GatewayConfig::load(&args.config)?;
+    let routes = timeouts::RouteTimeouts::from_config(&cfg.server);
+    if let Some(l) = args.listen {
+        cfg.server.listen = l;
+        cfg.check_listen()
+            .with_context(|| format!("--listen {}", cfg.server.listen))?;
+    }
+    // Read the certificate before starting anything, so a bad one fails fast.
+    let tls_cert = match &cfg.server.tls {
+        Some(t) => Some(std::sync::Arc::new(
+            tls::ReloadingCert::load(&t.cert, &t.key)
+                .map_err(|e| cfg.attribute(e))
+                .with_context(|| format!("config {}", args.config.display()))?,
+        )),
+        None => None,
+    };
+    // SIGHUP reloads the certificate (from now on, so an early one does not
+    // kill the gateway with its stages).
+    let mut sighup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let reload = tls_cert.clone();
+    tokio::spawn(async move {
+        while sighup.recv().await.is_some() {
+            match &reload {
+                Some(cert) => match cert.reload() {
+                    Ok(()) => tracing::info!(
+                        cert = %cert.cert_path().display(),
+                        key = %cert.key_path().display(),
+                        "SIGHUP: TLS certificate reloaded; new connections use it"
+                    ),
+                    Err(e) => tracing::error!(
+                        "SIGHUP: TLS certificate reload failed, keeping the previous certificate: {e:#}"
+                    ),
+                },
+                None => tracing::info!("SIGHUP: no [server.tls] configured, nothing to reload"),
+            }
+        }
+    });
+    let metrics = std::sync::Arc::new(metrics::Metrics::default());
+    let env_keys = std::env::var(auth::ENV_KEYS).ok();
+    let api_keys = auth::ApiKeys::from_config(&cfg.auth, env_keys.as_deref(), metrics.clone())?;
+    if api_keys.enabled() {
+        tracing::info!(
+            keys = api_keys.len(),
+            "API keys required on /v1/embeddings, /v1/models, /v1/receipts"
+        );
+    } else {
+        if env_keys.is_some() {
+            tracing::warn!(
+                "{} is set but auth.enabled = false: keys are not checked",
+                auth::ENV_KEYS
+            );
+        }
+        tracing::warn!("auth.enabled = false: the API is open to anyone who can reach it");
+    }
+    let policy = Policy::load(&cfg.pipeline.policy).map_err(anyhow::Error::msg)?;
+    if policy.allow_mock {
+        tracing::warn!(
+            "MOCK ATTESTATION ALLOWED by policy {}: stage evidence from the public mock key is accepted; \
+             this deployment proves nothing to clients",
+            cfg.pipeline.policy.display()
+        );
+    }
+    let specs = cfg.pipelines();
+    let mut policies = Vec::new();
+    for s in &specs {
+        policies.push(
+            Policy::load(&s.policy)
+                .map_err(|e| anyhow::anyhow!("{} policy {}: {e}", s.name, s.policy.display()))?,
+        );
+    }
+    // The pipelines load their models at the same time.
+    let started = futures_util::future::join_all(
+        specs
+            .iter()
+            .zip(&policies)
+            .map(|(s, policy)| start_pipeline(&cfg, s, policy)),
+    )
+    .await;
+    let mut ok = Vec::new();
+    let mut first_error = None;
+    for r in started {
+        match r {
+            Ok(s) => ok.push(s),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        for s in ok {
+            if let Some(st) = s.stages {
+                st.stop().await;
+            }
+        }
+        return Err(e);
+    }
+    let mut stages = Vec::new();
+    let mut pipelines = Vec::new();
+    for s in ok {
+        stages.extend(s.stages);
+        pipelines.push(s.pipeline);
+    }
+    let pipeline = pipelines[0].clone();
+    let completions = pipelines.get(1).cloned();
+    let shutdown = shutdown::Shutdown::new(Duration::from_secs(cfg.server.shutdown_grace_secs));
+    let state = api::AppState {
+        pipeline: pipeline.clone(),
+        completions,
+        limits: api::ApiLimits {
+            max_body_bytes: cfg.server.max_body_bytes,
+            timeout: routes.for_route(timeouts::EMBEDDINGS),
+            routes: std::sync::Arc::new(routes),
+        },
+        receipts: std::sync::Arc::new(receipts::ReceiptStore::new(cfg.server.receipt_retention)),
+        gateway_key: std::sync::Arc::new(api::GatewayKey::generate()),
+        auth: std::sync::Arc::new(api_keys),
+        metrics,
+        shutdown: shutdown.clone(),
+    };
+    let listener = tokio::net::TcpListener::bind(&cfg.server.listen)
+        .await
+        .with_context(|| format!("binding {}", cfg.server.listen))?;
+    let addr = listener.local_addr()?;
+    // Registered before we announce ourselves, so an early Ctrl-C or SIGTERM
+    // is a clean shutdown rather than the default kill.
+    let on_signal = shutdown.on_signal()?;
+    let router = api::router(state);
+    let limits = serve::ServeLimits {
+        max_connections: cfg.server.max_connections,
+        header_read_timeout: Duration::from_secs(cfg.server.header_read_timeout_secs),
+    };
+    let served = async {
+        match tls_cert {
+            Some(cert) => {
+                let config = std::sync::Arc::new(tls::server_config(cert)?);
+                let listener = tls::TlsListener::new(listener, config)?;
+                tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening (TLS; HTTP/1.1 and HTTP/2)");
+                println!("GATEWAY LISTENING https://{addr}");
+                serve::serve(listener, router, limits, on_signal).await;
+            }
+            None => {
+                tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
+                println!("GATEWAY LISTENING http://{addr}");
+                serve::serve(listener, router, limits, on_signal).await;
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    };
+    // The server returns once every connection is closed. Requests still
+    // running at the deadline are answered 503 by `shutdown::guard`; a
+    // connection that is still open a moment later (a client that does not
+    // read its answer) is dropped.
+    let hard_stop = async {
+        shutdown.expired().await;
+        tokio::time::sleep(CLOSE_AFTER_DEADLINE).await;
+    };
+    tokio::select! {
+        r = served => r?,
+        _ = hard_stop => tracing::warn!("connections still open after the shutdown deadline; closing them"),
+    }
+    for p in &pipelines {
+        p.close().await;
+    }
+    for s in stages {
+        s.stop().await;
+    }
+    telemetry::shutdown();
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// A pipeline that is connected and verified, with its local stages.
+struct StartedPipeline {
+    pipeline: std::sync::Arc<Pipeline>,
+    stages: Option<launcher::LocalStages>,
+}
+
+/// Starts (or finds) one pipeline's stages, waits for the first verified
+/// connection, and keeps it supervised.
+async fn start_pipeline(
+    cfg: &GatewayConfig,
+    spec: &config::PipelineSpec,
+    policy: &Policy,
+) -> Result<StartedPipeline> {
+    let manifest = LoadedManifest::load(&spec.model_dir).with_context(|| {
+        format!(
+            "{} model not found at {}: run scripts/setup.sh first",
+            spec.name,
+            spec.model_dir.display()
+        )
+    })?;
+    let (stages, endpoints, restarts) = match cfg.pipeline.launch {
+        Launch::Local => {
+            let (s, restarts) = launcher::LocalStages::start(cfg, spec).await?;
+            let eps = s.endpoints.clone();
+            (Some(s), eps, Some(restarts))
+        }
+        Launch::Remote => {
+            let eps = spec
+                .stages
+                .iter()
+                .map(|s| s.address.as_deref().unwrap_or_default().parse())
+                .collect::<Result<Vec<_>, String>>()
+                .map_err(anyhow::Error::msg)?;
+            (None, eps, None)
+        }
+    };
+    let targets: Vec<StageTarget> = endpoints
+        .into_iter()
+        .zip(&spec.stages)
+        .map(|(endpoint, s)| {
+            Ok(StageTarget {
+                endpoint,
+                layers: s.layers,
+                peer: s.peer_address.as_deref().map(str::parse).transpose()?,
+            })
+        })
+        .collect::<Result<_, String>>()
+        .map_err(anyhow::Error::msg)?;
+    // Only a binary the gateway launches itself can stand for "the local build".
+    let stage_binary = match cfg.pipeline.launch {
+        Launch::Local => cfg.stage_binary().ok(),
+        Launch::Remote => None,
+    };
+    let pipeline = Pipeline::new(targets, policy.clone(), &manifest, stage_binary.as_deref())?;
+    let connect_timeout = Duration::from_secs(cfg.pipeline.connect_timeout_secs);
+    // Wait for the first verified connection before listening.
+    let first = tokio::time::timeout(connect_timeout, async {
+        loop {
+            match pipeline.connect().await {
+                Ok(()) => return Ok(()),
+                Err(e) if e.rejected => return Err(e.reason),
+                Err(e) => {
+                    pipeline.set_not_ready(&e.reason);
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+            }
+        }
+    })
+    .await;
+    let failed = match first {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(format!("refusing to serve {}: {e}", spec.name)),
+        Err(_) => Some(format!(
+            "{} stages did not become ready in time: {}",
+            spec.name,
+            pipeline.status().err().unwrap_or_default()
+        )),
+    };
+    if let Some(why) = failed {
+        if let Some(s) = stages {
+            s.stop().await;
+        }
+        anyhow::bail!(why);
+    }
+    pipeline.log_verified();
+    if let Some(mut restarts) = restarts {
+        let p = pipeline.clone();
+        tokio::spawn(async move {
+            while let Some((i, ep)) = restarts.recv().await {
+                p.set_endpoint(i, ep);
+            }
+        });
+    }
+    tokio::spawn(pipeline.clone().supervise_after_first());
+    Ok(StartedPipeline { pipeline, stages })
+}

@@ -1,0 +1,28 @@
+//! `gateway`: the host side of the confidential inference system, as a
+//! library with a thin binary (`main.rs` calls [`app::run`]).
+//!
+//! - the HTTP server and the OpenAI-compatible API: [`serve`], [`api`],
+//!   [`auth`], [`timeouts`], [`shutdown`], [`tls`], [`openai_error`];
+//! - the pipelines of attested stages: [`pipeline`], [`launcher`],
+//!   [`host_proxy`] (Nitro), [`receipts`];
+//! - operations: [`config`], [`metrics`], [`stage_metrics`], [`telemetry`];
+//! - the client verbs, which run in the client's trust domain (`verify`,
+//!   `seal`, `open`, `proxy`): [`cli`].
+
+pub mod api;
+pub mod app;
+pub mod auth;
+pub mod cli;
+pub mod config;
+pub mod host_proxy;
+pub mod launcher;
+pub mod metrics;
+pub mod openai_error;
+pub mod pipeline;
+pub mod receipts;
+pub mod serve;
+pub mod shutdown;
+pub mod stage_metrics;
+pub mod telemetry;
+pub mod timeouts;
+pub mod tls;
