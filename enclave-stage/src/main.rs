@@ -219,6 +219,11 @@ fn main() -> Result<()> {
         let endpoint: Endpoint = args.listen.parse().map_err(anyhow::Error::msg)?;
         let listener = Listener::bind(&endpoint).await?;
         tokio::spawn(server.clone().write_outputs(out_rx));
+        // Signal handlers first: a supervisor may signal as soon as it reads
+        // LISTENING, and an unhandled SIGTERM would kill the stage silently.
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut sigterm = signal(SignalKind::terminate())?;
+        let mut sigint = signal(SignalKind::interrupt())?;
         println!("LISTENING {}", listener.local_endpoint()?);
         use std::io::Write;
         std::io::stdout().flush()?;
@@ -238,11 +243,9 @@ fn main() -> Result<()> {
                 std::process::exit(0);
             });
         }
-        let mut sigterm =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             _ = server.serve(listener) => {}
-            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; exiting"),
+            _ = sigint.recv() => tracing::info!("interrupted; exiting"),
             _ = sigterm.recv() => tracing::info!("SIGTERM; exiting"),
         }
         Ok::<_, anyhow::Error>(())
