@@ -7,10 +7,12 @@
 //! session they negotiated. A reload that fails (unreadable file, bad PEM,
 //! key that does not match the certificate) keeps the old pair.
 //!
-//! [`TlsListener`] plugs into `axum::serve`: a background task accepts TCP
-//! connections and runs each handshake in its own task (a slow or silent
-//! client does not hold up others), handing finished TLS streams to axum,
-//! whose hyper-util auto builder serves HTTP/1.1 and HTTP/2 on them.
+//! [`TlsListener`] plugs into the server loop (`crate::serve`, any
+//! `axum::serve::Listener`): a background task accepts TCP connections and
+//! runs each handshake in its own task (a slow or silent client does not
+//! hold up others; a handshake has 10 s, and at most 256 run at once),
+//! handing finished TLS streams to the server loop, whose hyper-util auto
+//! builder serves HTTP/1.1 and HTTP/2 on them.
 
 use anyhow::{anyhow, bail, Context, Result};
 use rustls::crypto::CryptoProvider;
@@ -30,6 +32,10 @@ use tokio_rustls::TlsAcceptor;
 
 /// A client that has not finished its handshake after this is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most TLS handshakes in progress at once; more connections wait in the
+/// listen backlog (handshakes happen before the server loop's connection
+/// cap counts a connection).
+const MAX_HANDSHAKES: usize = 256;
 
 fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
@@ -125,7 +131,7 @@ pub fn server_config(cert: Arc<ReloadingCert>) -> Result<ServerConfig> {
     Ok(cfg)
 }
 
-/// TLS connections for `axum::serve`.
+/// TLS connections for the server loop (`crate::serve`).
 pub struct TlsListener {
     rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
     local: SocketAddr,
@@ -137,8 +143,12 @@ impl TlsListener {
         let local = tcp.local_addr()?;
         let acceptor = TlsAcceptor::from(config);
         let (tx, rx) = mpsc::channel(64);
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
         tokio::spawn(async move {
             loop {
+                let Ok(slot) = handshakes.clone().acquire_owned().await else {
+                    return;
+                };
                 let (stream, peer) = match tcp.accept().await {
                     Ok(c) => c,
                     Err(e) => {
@@ -154,6 +164,7 @@ impl TlsListener {
                 let acceptor = acceptor.clone();
                 let tx = tx.clone();
                 tokio::spawn(async move {
+                    let _slot = slot;
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                         Ok(Ok(tls)) => {
                             let _ = tx.send((tls, peer)).await;
