@@ -19,13 +19,19 @@ pub(super) async fn embeddings_handler(
     let started = Instant::now();
     let pipeline = s.pipeline.clone();
     let resp = relay(&s, &pipeline, pipeline.endpoint, &headers, body).await;
+    log_request(pipeline.endpoint, started, &resp);
+    resp
+}
+
+/// One log line per model request: endpoint, status and latency (never
+/// content).
+fn log_request(endpoint: ApiEndpoint, started: Instant, resp: &Response) {
     tracing::info!(
-        endpoint = ApiEndpoint::Embeddings.path(),
+        endpoint = endpoint.path(),
         status = resp.status().as_u16(),
         latency_ms = started.elapsed().as_secs_f64() * 1e3,
         "request"
     );
-    resp
 }
 
 pub(super) async fn read_body(
@@ -86,12 +92,7 @@ pub(super) async fn generation_handler(
         .into_response();
     };
     let resp = relay(&s, &pipeline, endpoint, &headers, body).await;
-    tracing::info!(
-        endpoint = endpoint.path(),
-        status = resp.status().as_u16(),
-        latency_ms = started.elapsed().as_secs_f64() * 1e3,
-        "request"
-    );
+    log_request(endpoint, started, &resp);
     resp
 }
 
