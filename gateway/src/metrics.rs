@@ -208,7 +208,7 @@ impl Metrics {
             &mut o,
             "gateway_embeddings_requests_by_sealing_total",
             "counter",
-            "Embeddings requests by how the body arrived: plain (gateway seals), enclave (sealed by the client to the entry stage), gateway (sealed to the gateway key).",
+            "Model requests (embeddings, completions, chat; the name is historical) by how the body arrived: plain (gateway seals), enclave (sealed by the client to the entry stage), gateway (sealed to the gateway key).",
         );
         for (i, l) in SEALING_LABELS.iter().enumerate() {
             let _ = writeln!(
