@@ -1,5 +1,5 @@
 //! The HTTP server loop: hyper-util's auto builder (HTTP/1.1 and HTTP/2)
-//! over any [`axum::serve::Listener`] (plain TCP or [`crate::tls`]), with
+//! over any [`axum::serve::Listener`] (plain TCP, or the TLS listener), with
 //! the bounds `axum::serve` does not set:
 //!
 //! - **at most `max_connections` open connections**: past it, accepting

@@ -7,12 +7,12 @@
 //! session they negotiated. A reload that fails (unreadable file, bad PEM,
 //! key that does not match the certificate) keeps the old pair.
 //!
-//! [`TlsListener`] plugs into the server loop (`crate::serve`, any
-//! `axum::serve::Listener`): a background task accepts TCP connections and
-//! runs each handshake in its own task (a slow or silent client does not
-//! hold up others; a handshake has 10 s, and at most 256 run at once),
-//! handing finished TLS streams to the server loop, whose hyper-util auto
-//! builder serves HTTP/1.1 and HTTP/2 on them.
+//! [`TlsListener`] is an `axum::serve::Listener` for the server loop: a
+//! background task accepts TCP connections and runs each handshake in its
+//! own task (a slow or silent client does not hold up others; a handshake
+//! has 10 s, and at most 256 run at once), handing finished TLS streams to
+//! the server loop, whose hyper-util auto builder serves HTTP/1.1 and
+//! HTTP/2 on them.
 
 use anyhow::{anyhow, bail, Context, Result};
 use rustls::crypto::CryptoProvider;
@@ -131,7 +131,7 @@ pub fn server_config(cert: Arc<ReloadingCert>) -> Result<ServerConfig> {
     Ok(cfg)
 }
 
-/// TLS connections for the server loop (`crate::serve`).
+/// TLS connections, as an `axum::serve::Listener`.
 pub struct TlsListener {
     rx: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
     local: SocketAddr,

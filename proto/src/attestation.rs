@@ -13,7 +13,7 @@
 //! and says `mock: true` in its payload: it proves nothing and a production
 //! policy rejects it.
 
-use crate::claims::StageClaims;
+pub use crate::claims::{attest_claims, bound_claims, claims_binding};
 use crate::digest::Sha256Digest;
 pub use crate::evidence::{
     AttestError, AttestationProvider, BindingError, Evidence, EvidenceFormat, EvidenceVerifier,
@@ -224,55 +224,6 @@ pub fn verify_any(evidence: &Evidence) -> Result<VerifiedDocument, AttestError> 
 /// time, since the leaf certificate expires hours after the stage started.
 pub fn verify_boot(evidence: &Evidence) -> Result<VerifiedDocument, AttestError> {
     AnyVerifier::default().at_document_time().verify(evidence)
-}
-
-/// Domain label of the claims digest Nitro documents carry in `user_data`.
-const CLAIMS_DIGEST_LABEL: &str = "stage-claims/v1";
-
-/// What a document of `format` carries in `user_data` for a stage's claims
-/// (their CBOR encoding, `claims_cbor`): mock documents carry the claims
-/// themselves; Nitro documents carry `H("stage-claims/v1"; claims_cbor)`
-/// (32 bytes), because the NSM takes at most 512 bytes of user data, and
-/// the claims travel beside the document.
-pub fn claims_binding(format: EvidenceFormat, claims_cbor: &[u8]) -> Vec<u8> {
-    match format {
-        EvidenceFormat::Mock => claims_cbor.to_vec(),
-        EvidenceFormat::Nitro => Sha256Digest::of_parts(CLAIMS_DIGEST_LABEL, &[claims_cbor])
-            .0
-            .to_vec(),
-    }
-}
-
-/// Asks `provider` for a document binding `public_key`, `claims` (as
-/// [`claims_binding`] says for its format) and `nonce`.
-pub fn attest_claims(
-    provider: &dyn AttestationProvider,
-    public_key: &[u8],
-    claims: &StageClaims,
-    nonce: &[u8],
-) -> Result<Evidence, AttestError> {
-    let user_data = claims_binding(provider.format(), &crate::cbor::to_vec(claims));
-    provider.attest(public_key, &user_data, nonce)
-}
-
-/// The claims a verified document binds. Mock documents carry them in
-/// `user_data` (`carried`, when given, must be the same bytes); Nitro
-/// documents carry their digest, and `carried` (the claims sent beside the
-/// document) must match it.
-pub fn bound_claims(doc: &VerifiedDocument, carried: Option<&[u8]>) -> Result<StageClaims, String> {
-    let bytes = match (doc.format, carried) {
-        (EvidenceFormat::Mock, None) => doc.user_data.as_slice(),
-        (EvidenceFormat::Nitro, None) => {
-            return Err("Nitro evidence arrived without the claims it binds".into())
-        }
-        (format, Some(c)) => {
-            if claims_binding(format, c) != doc.user_data {
-                return Err("the evidence does not bind these claims".into());
-            }
-            c
-        }
-    };
-    crate::cbor::from_slice(bytes).map_err(|e| format!("claims in evidence: {e}"))
 }
 
 #[cfg(test)]

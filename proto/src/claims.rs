@@ -1,8 +1,13 @@
 //! What a stage claims about itself ([`StageClaims`]: position, layers,
-//! model, keys, weight format), bound into its attestation documents. A leaf
-//! module shared by the attestation code, the policy and the frames.
+//! model, keys, weight format), and how the claims are bound into its
+//! attestation documents ([`claims_binding`], [`attest_claims`],
+//! [`bound_claims`]). Built only on the evidence types; the attestation
+//! code, the Nitro provider, the policy and the frames build on it.
 
 use crate::digest::Sha256Digest;
+use crate::evidence::{
+    AttestError, AttestationProvider, Evidence, EvidenceFormat, VerifiedDocument,
+};
 use serde::{Deserialize, Serialize};
 
 /// What a stage claims about itself; carried as `user_data` in its
@@ -97,4 +102,53 @@ impl StageClaims {
     pub fn is_exit(&self) -> bool {
         self.stage_index + 1 == self.num_stages
     }
+}
+
+/// Domain label of the claims digest Nitro documents carry in `user_data`.
+const CLAIMS_DIGEST_LABEL: &str = "stage-claims/v1";
+
+/// What a document of `format` carries in `user_data` for a stage's claims
+/// (their CBOR encoding, `claims_cbor`): mock documents carry the claims
+/// themselves; Nitro documents carry `H("stage-claims/v1"; claims_cbor)`
+/// (32 bytes), because the NSM takes at most 512 bytes of user data, and
+/// the claims travel beside the document.
+pub fn claims_binding(format: EvidenceFormat, claims_cbor: &[u8]) -> Vec<u8> {
+    match format {
+        EvidenceFormat::Mock => claims_cbor.to_vec(),
+        EvidenceFormat::Nitro => Sha256Digest::of_parts(CLAIMS_DIGEST_LABEL, &[claims_cbor])
+            .0
+            .to_vec(),
+    }
+}
+
+/// Asks `provider` for a document binding `public_key`, `claims` (as
+/// [`claims_binding`] says for its format) and `nonce`.
+pub fn attest_claims(
+    provider: &dyn AttestationProvider,
+    public_key: &[u8],
+    claims: &StageClaims,
+    nonce: &[u8],
+) -> Result<Evidence, AttestError> {
+    let user_data = claims_binding(provider.format(), &crate::cbor::to_vec(claims));
+    provider.attest(public_key, &user_data, nonce)
+}
+
+/// The claims a verified document binds. Mock documents carry them in
+/// `user_data` (`carried`, when given, must be the same bytes); Nitro
+/// documents carry their digest, and `carried` (the claims sent beside the
+/// document) must match it.
+pub fn bound_claims(doc: &VerifiedDocument, carried: Option<&[u8]>) -> Result<StageClaims, String> {
+    let bytes = match (doc.format, carried) {
+        (EvidenceFormat::Mock, None) => doc.user_data.as_slice(),
+        (EvidenceFormat::Nitro, None) => {
+            return Err("Nitro evidence arrived without the claims it binds".into())
+        }
+        (format, Some(c)) => {
+            if claims_binding(format, c) != doc.user_data {
+                return Err("the evidence does not bind these claims".into());
+            }
+            c
+        }
+    };
+    crate::cbor::from_slice(bytes).map_err(|e| format!("claims in evidence: {e}"))
 }

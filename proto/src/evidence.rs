@@ -2,9 +2,9 @@
 //! the wire form ([`Evidence`]), what a verified document says
 //! ([`VerifiedDocument`], [`Measurement`], [`Pcrs`]), the errors, and the
 //! provider and verifier traits. A leaf module: the mock provider and
-//! verifier ([`crate::attestation`]), the Nitro verifier ([`crate::nitro`]),
-//! the policy ([`crate::policy`]) and the pipeline frames
-//! ([`crate::frames`]) all build on it.
+//! verifier (`attestation`), the Nitro verifier (`nitro`), the policy
+//! (`policy`) and the pipeline frames (`frames`) all build on it, and it
+//! refers to none of them.
 
 use crate::digest::Sha256Digest;
 use serde::{Deserialize, Serialize};
@@ -83,7 +83,7 @@ pub struct ExpectedBinding<'a> {
     pub nonce: Option<&'a [u8]>,
     /// The key the document must bind.
     pub public_key: Option<&'a [u8]>,
-    /// The user data (e.g. [`claims_binding`] of the claims) it must bind.
+    /// The user data (e.g. `attestation::claims_binding` of the claims) it must bind.
     pub user_data: Option<&'a [u8]>,
 }
 
@@ -178,7 +178,7 @@ pub trait AttestationProvider: Send + Sync {
 /// Something that can check attestation documents' signatures.
 pub trait EvidenceVerifier: Send + Sync {
     /// Verifies the document's signature chain and returns its fields.
-    /// Binding and policy checks are the caller's (see [`crate::policy`]).
+    /// Binding and policy checks are the caller's (the `policy` module).
     fn verify(&self, evidence: &Evidence) -> Result<VerifiedDocument, AttestError>;
 }
 

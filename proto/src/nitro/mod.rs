@@ -30,7 +30,7 @@
 //!    h'', payload]` with the leaf's P-384 key ([`AttestError::BadSignature`]).
 //!
 //! PCR policy and the binding of `nonce`, `public_key` and `user_data` are
-//! the caller's: see [`crate::policy`] and [`crate::attestation`].
+//! the caller's (the `policy` and `attestation` modules).
 
 #[cfg(feature = "nitro")]
 pub mod nsm;

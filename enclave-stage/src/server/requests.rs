@@ -1,0 +1,356 @@
+//! Requests from the host (entry stage): the key id, the replay guard and
+//! the opening of the sealed body, then validation (embeddings, completions,
+//! chat with its template), tokenization and the request's envelope, handed
+//! to the compute thread; errors after the body opened are sealed to the
+//! client.
+
+use super::*;
+
+impl StageServer {
+    /// Opens, validates and tokenizes a sealed request, then hands its
+    /// context and sequences to the compute thread. Errors after the body is
+    /// open are sealed to the client.
+    pub(super) async fn accept_request(&self, req: SealedRequest) {
+        let exit = self.model.claims().is_exit();
+        let request_id = req.request_id;
+        let (plaintext, key) = match self.open(&req) {
+            Ok(v) => v,
+            Err(e) => return self.emit(failure(exit, request_id, e)).await,
+        };
+        // The details (which may echo request content, e.g. a model name) go
+        // only into the sealed body; the host sees the status and a generic line.
+        let sealed_error = |api: ApiError, kind: ErrorKind| PipelineError {
+            kind,
+            status: api.status,
+            message: format!(
+                "request rejected with status {} (details sealed to the client)",
+                api.status
+            ),
+            retry_after_secs: None,
+            sealed_body: seal_response(&key, &api.body_bytes()).ok(),
+        };
+        if !self.model.serves(&req.endpoint) {
+            let api = ApiError {
+                status: 404,
+                message: format!("This model does not serve {}.", req.endpoint),
+                kind: "invalid_request_error".into(),
+                param: None,
+                code: Some("unknown_url".into()),
+            };
+            return self
+                .emit(failure(
+                    exit,
+                    request_id,
+                    sealed_error(api, ErrorKind::BadInput),
+                ))
+                .await;
+        }
+        let engine = match &self.model {
+            StageModel::Embedding(e) => e.clone(),
+            StageModel::Generation(g) => {
+                return self
+                    .accept_completion(g.clone(), req, plaintext, key.clone(), &sealed_error)
+                    .await
+            }
+        };
+        let parsed =
+            parse_embeddings(&plaintext, self.max_inputs, engine.hidden_size()).and_then(|r| {
+                if r.model == self.claims().model_id {
+                    Ok(r)
+                } else {
+                    Err(ApiError::model_not_found(&r.model))
+                }
+            });
+        let mut request = match parsed {
+            Ok(r) => r,
+            Err(api) => {
+                return self
+                    .emit(failure(
+                        exit,
+                        request_id,
+                        sealed_error(api, ErrorKind::BadInput),
+                    ))
+                    .await
+            }
+        };
+        let inputs = std::mem::take(&mut request.inputs);
+        let n_inputs = inputs.len() as u32;
+        let seqs = match self.tokenize(&engine, request_id, inputs).await {
+            Ok(s) => s,
+            Err(e) => {
+                let api = ApiError::invalid(Some("input"), e);
+                return self
+                    .emit(failure(
+                        exit,
+                        request_id,
+                        sealed_error(api, ErrorKind::BadInput),
+                    ))
+                    .await;
+            }
+        };
+        let mut receipt_id = [0u8; 16];
+        rand::rngs::OsRng.fill_bytes(&mut receipt_id);
+        let ctx = RequestContext {
+            env: envelope(req, receipt_id, &plaintext, key),
+            request,
+            n_inputs,
+        };
+        if self.work.send(Work::Begin(Box::new(ctx))).is_err()
+            || self.work.send(Work::Seqs(seqs)).is_err()
+        {
+            tracing::error!("compute thread is gone");
+        }
+    }
+
+    /// Validates and tokenizes a completions request, then hands it to the
+    /// compute thread (which admits it by KV memory).
+    pub(super) async fn accept_completion(
+        &self,
+        model: Arc<GenModel>,
+        req: SealedRequest,
+        plaintext: Vec<u8>,
+        key: ResponseKeyMaterial,
+        sealed_error: &(dyn Fn(ApiError, ErrorKind) -> PipelineError + Send + Sync),
+    ) {
+        let request_id = req.request_id;
+        match self.prepare_completion(model, req, &plaintext, key).await {
+            Ok((ctx, prompts)) => {
+                let work = Work::BeginGeneration {
+                    ctx: Box::new(ctx),
+                    prompts,
+                };
+                if self.work.send(work).is_err() {
+                    tracing::error!("compute thread is gone");
+                }
+            }
+            Err(api) => {
+                let err = sealed_error(api, ErrorKind::BadInput);
+                self.emit(failure(self.model.claims().is_exit(), request_id, err))
+                    .await
+            }
+        }
+    }
+
+    /// Parses, checks and tokenizes a completions request: its context for
+    /// later stages and its prompts' token ids.
+    pub(super) async fn prepare_completion(
+        &self,
+        model: Arc<GenModel>,
+        req: SealedRequest,
+        plaintext: &[u8],
+        key: ResponseKeyMaterial,
+    ) -> Result<(GenerationContext, Vec<Vec<u32>>), ApiError> {
+        let cfg = &model.config;
+        let vocab = cfg.vocab_size as u32;
+        // A chat request becomes one text prompt: the model's chat template
+        // over its messages, rendered here, inside the stage.
+        let (mut request, default_limit) =
+            if ApiEndpoint::from_path(&req.endpoint) == Some(ApiEndpoint::ChatCompletions) {
+                let chat = parse_chat(plaintext, vocab, DEFAULT_CHAT_MAX_TOKENS)?;
+                let template = model.chat_template.as_ref().ok_or_else(|| {
+                    ApiError::invalid(
+                        Some("messages"),
+                        "This model has no chat template; use /v1/completions.",
+                    )
+                })?;
+                let text = template
+                    .render(&chat.messages)
+                    .map_err(|e| ApiError::invalid(Some("messages"), e))?;
+                let mut r = chat.request;
+                r.prompts = vec![Prompt::Text(text)];
+                (r, !chat.max_tokens_given)
+            } else {
+                (parse_completions(plaintext, vocab)?, false)
+            };
+        let prompt_param = match request.api {
+            Api::Chat => "messages",
+            Api::Completions => "prompt",
+        };
+        if request.model != self.claims().model_id {
+            return Err(ApiError::model_not_found(&request.model));
+        }
+        let prompts = std::mem::take(&mut request.prompts);
+        let total_bytes: usize = prompts
+            .iter()
+            .map(|p| match p {
+                Prompt::Text(t) => t.len(),
+                Prompt::Tokens(t) => t.len() * 4,
+            })
+            .sum();
+        let m = model.clone();
+        let ids = off_runtime_if_large(total_bytes, move || {
+            prompts
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| match p {
+                    Prompt::Text(t) => m.tokenize(&t).map_err(|e| format!("prompt {i}: {e}")),
+                    Prompt::Tokens(ids) => Ok(ids),
+                })
+                .collect::<Result<Vec<_>, String>>()
+        })
+        .await
+        .map_err(|e| ApiError::invalid(Some(prompt_param), e))?;
+        if default_limit {
+            // No limit from the client: answer up to the default, or to
+            // what the context leaves.
+            let longest = ids.iter().map(Vec::len).max().unwrap_or(0);
+            let left = cfg.max_seq_len.saturating_sub(longest).max(1);
+            request.max_tokens = request.max_tokens.min(left as u32);
+        }
+        let context = cfg.max_seq_len;
+        for p in &ids {
+            if p.is_empty() {
+                return Err(ApiError::invalid(
+                    Some(prompt_param),
+                    "A prompt is empty (no tokens).",
+                ));
+            }
+            if p.len() + request.max_tokens as usize > context {
+                let mut e = context_length_error(context, p.len(), request.max_tokens);
+                e.param = Some(prompt_param.into());
+                return Err(e);
+            }
+        }
+        let mut receipt_id = [0u8; 16];
+        rand::rngs::OsRng.fill_bytes(&mut receipt_id);
+        let seed = request.seed.unwrap_or_else(|| rand::rngs::OsRng.next_u64());
+        let echo = request.echo;
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let ctx = GenerationContext {
+            env: envelope(req, receipt_id, plaintext, key),
+            request,
+            prompts: ids
+                .iter()
+                .map(|p| PromptInfo {
+                    tokens: p.len() as u32,
+                    ids: echo.then(|| p.clone()),
+                })
+                .collect(),
+            seed,
+            created,
+        };
+        Ok((ctx, ids))
+    }
+
+    /// Checks the key id, refuses replays, and opens the body.
+    pub(super) fn open(
+        &self,
+        req: &SealedRequest,
+    ) -> Result<(Vec<u8>, ResponseKeyMaterial), PipelineError> {
+        let sealing_error = |status: u16, message: String| PipelineError {
+            kind: ErrorKind::Sealing,
+            status,
+            message,
+            retry_after_secs: None,
+            sealed_body: None,
+        };
+        let key = self
+            .keys
+            .hpke
+            .as_ref()
+            .filter(|k| k.key_id() == req.headers.key_id)
+            .ok_or_else(|| {
+                sealing_error(
+                    400,
+                    format!(
+                        "{}; fetch the current keys from /.well-known/hpke-keys",
+                        SealError::UnknownKeyId(req.headers.key_id)
+                    ),
+                )
+            })?;
+        let (plaintext, material) = open_request(key, &req.headers, &req.body)
+            .map_err(|e| sealing_error(400, format!("the sealed request cannot be opened: {e}")))?;
+        // Only an authenticated body counts against the replay window.
+        let mut guards = self.replay.lock().expect("replay guard lock");
+        let guard = match req.sealing {
+            Sealing::Enclave => &mut guards.client,
+            Sealing::Gateway | Sealing::Plain => &mut guards.host,
+        };
+        let now = Instant::now();
+        guard
+            .check_and_insert(&req.headers.enc, now)
+            .map_err(|e| replay_refusal(e, guard.retry_after(now)))?;
+        Ok((plaintext, material))
+    }
+
+    pub(super) async fn tokenize(
+        &self,
+        engine: &Arc<Engine>,
+        request_id: u64,
+        inputs: Vec<String>,
+    ) -> Result<Vec<Seq>, String> {
+        let total_bytes: usize = inputs.iter().map(|t| t.len()).sum();
+        let engine = engine.clone();
+        let tokenize = move || {
+            inputs
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    let ids = engine.tokenize(t).map_err(|e| format!("input {i}: {e}"))?;
+                    Ok(Seq {
+                        item: BatchItem {
+                            request_id,
+                            index: i as u32,
+                            tokens: ids.len() as u32,
+                        },
+                        ids,
+                    })
+                })
+                .collect::<Result<Vec<_>, String>>()
+        };
+        off_runtime_if_large(total_bytes, tokenize).await
+    }
+}
+
+/// The two partitions of the replay guard.
+pub(super) struct ReplayGuards {
+    /// Requests clients sealed to the enclave key.
+    pub(super) client: ReplayGuard,
+    /// Requests the host says it sealed.
+    pub(super) host: ReplayGuard,
+}
+
+/// The answer to a request the replay guard refused: a replay is a 400; a
+/// full guard is a 503 with `Retry-After` (when its oldest entry leaves the
+/// window), so clients retry instead of failing.
+pub(super) fn replay_refusal(e: SealError, retry_after: Duration) -> PipelineError {
+    let (status, retry_after_secs) = match e {
+        SealError::ReplayCacheFull => (503, Some(retry_after.as_secs().max(1) as u32)),
+        _ => (400, None),
+    };
+    PipelineError {
+        kind: ErrorKind::Sealing,
+        status,
+        message: match retry_after_secs {
+            Some(s) => format!("refused: {e}; retry in {s} s"),
+            None => format!("refused: {e}"),
+        },
+        retry_after_secs,
+        sealed_body: None,
+    }
+}
+
+/// The envelope of an opened request: its ids, the digest of its exact
+/// plaintext, the client's nonce, how and with which key it was sealed, and
+/// the key that seals the answer.
+pub(super) fn envelope(
+    req: SealedRequest,
+    receipt_id: ReceiptId,
+    plaintext: &[u8],
+    response_key: ResponseKeyMaterial,
+) -> Envelope {
+    Envelope {
+        request_id: req.request_id,
+        receipt_id,
+        endpoint: req.endpoint,
+        request_digest: Sha256Digest::of(plaintext),
+        client_nonce: req.client_nonce,
+        sealing: req.sealing,
+        opened: OpenedKey::of(req.headers.key_id, &req.headers.enc),
+        response_key,
+        trace: req.trace,
+    }
+}

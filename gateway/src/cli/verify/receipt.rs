@@ -1,0 +1,414 @@
+//! `gateway verify receipt`: the evidence first, then the receipt against
+//! the request, response and nonces the client kept, and what the command
+//! line asks of it (endpoint, sealing); a missing input fails unless
+//! `--insecure-partial`.
+
+use super::*;
+
+/// `gateway verify receipt`
+#[derive(Args, Debug)]
+pub struct ReceiptArgs {
+    /// The evidence bundle (CBOR or JSON from `/v1/attestation`).
+    #[arg(long)]
+    pub evidence: PathBuf,
+    /// Measurement policy; its `allow_mock` also decides whether a mock
+    /// receipt is accepted.
+    #[arg(long)]
+    pub policy: PathBuf,
+    /// The nonce (hex) the evidence was fetched with; without it the
+    /// evidence's freshness is not checked (a WARN line says so).
+    #[arg(long)]
+    pub evidence_nonce: Option<String>,
+    /// The exact request body the client sent (plaintext).
+    #[arg(long)]
+    pub request: Option<PathBuf>,
+    /// The exact response body the client received (plaintext: opened, if sealed).
+    #[arg(long)]
+    pub response: Option<PathBuf>,
+    /// The `receipt-nonce` (hex) the client sent with the request (default:
+    /// the one in --client-key).
+    #[arg(long, conflicts_with = "no_nonce")]
+    pub nonce: Option<String>,
+    /// The client sent no `receipt-nonce`: the receipt must carry none.
+    #[arg(long)]
+    pub no_nonce: bool,
+    /// The API path the request was sent to (e.g. `/v1/chat/completions`):
+    /// the receipt must name it.
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    /// How the request must have been sealed (`enclave` must be proven with
+    /// --client-key).
+    #[arg(long, value_parser = ["enclave", "gateway", "plain"])]
+    pub expect_sealing: Option<String>,
+    /// Accept a verification without --request, --response, the receipt
+    /// nonce (--nonce, --no-nonce or --client-key) or --evidence-nonce:
+    /// what is not given is not checked, and every such line says INSECURE.
+    /// Without this flag a missing input fails the verification.
+    #[arg(long)]
+    pub insecure_partial: bool,
+    /// The client key file `gateway seal --key-out` wrote: proves the
+    /// receipt's `sealing` against the encapsulated key the request was
+    /// sealed with (without it, `sealing` is the host's word).
+    #[arg(long)]
+    pub client_key: Option<PathBuf>,
+    /// The receipt: raw COSE_Sign1 bytes (`GET /v1/receipts/{id}`), the
+    /// base64url text of the `receipt` response header, or the response
+    /// headers as `curl -D` saved them (the `receipt:` line is used).
+    #[arg(
+        long,
+        conflicts_with = "receipt_b64",
+        required_unless_present = "receipt_b64"
+    )]
+    pub receipt: Option<PathBuf>,
+    /// The receipt as base64url text (the `receipt` response header's value).
+    #[arg(long)]
+    pub receipt_b64: Option<String>,
+    /// Judge the evidence's Nitro certificates at this time (Unix seconds)
+    /// instead of now: e.g. when the receipt was issued.
+    #[arg(long)]
+    pub at: Option<u64>,
+    /// Machine-readable output (one JSON document).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Reads a receipt: raw COSE_Sign1 bytes, or base64url/base64 text.
+pub(crate) fn decode_receipt_text(bytes: &[u8]) -> Result<Vec<u8>> {
+    // A COSE_Sign1 is a CBOR array of 4 (0x84); anything else is taken as text.
+    if bytes.first() == Some(&0x84) {
+        return Ok(bytes.to_vec());
+    }
+    let text = std::str::from_utf8(bytes)
+        .map_err(|_| anyhow!("the receipt is neither COSE_Sign1 bytes nor base64 text"))?
+        .trim();
+    // Response headers as `curl -D` saved them: take the `receipt:` line.
+    let header = text.lines().find_map(|l| {
+        l.split_once(':')
+            .filter(|(name, _)| name.trim().eq_ignore_ascii_case("receipt"))
+            .map(|(_, value)| value.trim())
+    });
+    let text = header.unwrap_or(text);
+    let engines = [
+        base64::engine::general_purpose::URL_SAFE_NO_PAD,
+        base64::engine::general_purpose::URL_SAFE,
+        base64::engine::general_purpose::STANDARD,
+        base64::engine::general_purpose::STANDARD_NO_PAD,
+    ];
+    engines
+        .iter()
+        .find_map(|e| e.decode(text).ok())
+        .ok_or_else(|| anyhow!("the receipt is neither COSE_Sign1 bytes nor base64(url) text"))
+}
+
+pub(super) fn sealing_detail(s: Sealing) -> &'static str {
+    match s {
+        Sealing::Enclave => {
+            "the client sealed to the entry stage's enclave-held HPKE key: the host relayed ciphertext only"
+        }
+        Sealing::Gateway => {
+            "the client sealed to the gateway's own key: the gateway opened and re-sealed the request (the host saw plaintext)"
+        }
+        Sealing::Plain => {
+            "a plain request: the gateway sealed it to the entry stage (the host saw plaintext)"
+        }
+    }
+}
+
+pub(super) fn receipt_info(r: &ReceiptBody, sealing_proven: bool, nonce_given: bool) -> Vec<Line> {
+    // Only "enclave" claims that the host did not see the request; "gateway"
+    // and "plain" say it did, so they need no proof.
+    let sealing = if sealing_proven || r.sealing != Sealing::Enclave {
+        Line::new(
+            Status::Info,
+            "sealing",
+            format!(
+                "{}: {}{}",
+                r.sealing.as_str(),
+                sealing_detail(r.sealing),
+                if sealing_proven {
+                    " (proven: the entry stage's signed link names the key this request was sealed with)"
+                } else {
+                    ""
+                }
+            ),
+        )
+    } else {
+        Line::new(
+            Status::Warn,
+            "sealing",
+            format!(
+                "NOT PROVEN: the receipt says \"enclave\", which is only the host's word ({}); \
+                 a sealed client proves it with --client-key",
+                if r.version == proto::receipt::ReceiptVersion::V2 {
+                    "a v2 receipt does not say which key the enclave opened"
+                } else {
+                    "no client key given"
+                }
+            ),
+        )
+    };
+    let mut out = vec![
+        Line::new(
+            Status::Info,
+            "receipt",
+            format!(
+                "id {}, endpoint {}, model {}, issued at {} ms, sequence {}, {} stage(s)",
+                hex::encode(r.receipt_id),
+                r.endpoint,
+                r.model_id,
+                r.issued_at_ms,
+                r.sequence,
+                r.links()
+            ),
+        ),
+        sealing,
+        Line::new(
+            if r.mock { Status::Warn } else { Status::Info },
+            "mock",
+            if r.mock {
+                format!("yes: {}", proto::attestation::MOCK_WARNING)
+            } else {
+                "no: the receipt was made with hardware evidence".to_string()
+            },
+        ),
+    ];
+    if let (Some(n), false) = (&r.client_nonce, nonce_given) {
+        out.push(Line::new(
+            Status::Info,
+            "nonce",
+            format!(
+                "the receipt carries client nonce {} (not checked: pass --nonce)",
+                hex::encode(n)
+            ),
+        ));
+    }
+    out
+}
+
+pub(super) fn run_receipt(a: ReceiptArgs) -> Result<i32> {
+    let policy = load_policy(&a.policy)?;
+    let bundle = load_bundle(&a.evidence)?;
+    let evidence_nonce = a
+        .evidence_nonce
+        .as_deref()
+        .map(|n| parse_hex("--evidence-nonce", n))
+        .transpose()?;
+    let receipt = match (&a.receipt, &a.receipt_b64) {
+        (Some(p), _) => decode_receipt_text(&read_input(p)?)
+            .with_context(|| format!("receipt {}", p.display()))?,
+        (None, Some(s)) => decode_receipt_text(s.as_bytes()).context("--receipt-b64")?,
+        (None, None) => bail!("give the receipt with --receipt FILE or --receipt-b64 STRING"),
+    };
+    let request = a.request.as_deref().map(read_input).transpose()?;
+    let response = a.response.as_deref().map(read_input).transpose()?;
+    let client_key = a
+        .client_key
+        .as_deref()
+        .map(ClientKeyFile::load)
+        .transpose()?;
+    let nonce = match (&a.nonce, &client_key) {
+        (Some(n), _) => Some(parse_hex("--nonce", n)?),
+        (None, Some(k)) => k.receipt_nonce.clone(),
+        (None, None) => None,
+    };
+
+    let mut evidence = verify_evidence(&bundle, &policy, evidence_nonce.as_deref(), a.at);
+    for l in &mut evidence.lines {
+        if matches!(l.status, Status::Pass | Status::Fail) {
+            l.name = format!("evidence.{}", l.name);
+        }
+    }
+    let Some(verified) = evidence.verified.clone().filter(|_| evidence.ok()) else {
+        if a.json {
+            let doc = json!({
+                "ok": false,
+                "reason": "evidence_not_verified",
+                "evidence": evidence.to_json(),
+                "receipt": serde_json::Value::Null,
+            });
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            print_lines(&evidence.lines);
+            println!("FAIL receipt: not checked: the evidence does not verify against the policy [evidence_not_verified]");
+            result_line(false, "receipt", &evidence.lines);
+        }
+        return Ok(EXIT_FAILED);
+    };
+
+    let mut inputs = VerifyInputs::new(&receipt, &verified.stage_keys);
+    inputs.request = request.as_deref();
+    inputs.response = response.as_deref();
+    inputs.expected_nonce = nonce.as_deref();
+    inputs.expected_manifest = Some(verified.manifest_digest);
+    inputs.allow_mock = policy.allow_mock;
+    inputs.sealed_to = client_key.as_ref().map(ClientKeyFile::sealed_to);
+    let report = verify_receipt(&inputs);
+    let extra = cli_checks(
+        &a,
+        &report,
+        &Given {
+            request: request.is_some(),
+            response: response.is_some(),
+            nonce: nonce.is_some(),
+            evidence_nonce: evidence_nonce.is_some(),
+        },
+    );
+    let ok = report.ok() && !extra.iter().any(|l| l.status == Status::Fail);
+
+    if a.json {
+        let mut doc = json!({
+            "ok": ok,
+            "reason": report
+                .failure()
+                .map(|e| e.code())
+                .or_else(|| extra.iter().find_map(|l| l.reason)),
+            "evidence": evidence.to_json(),
+            "receipt": report.to_json(),
+            "inputs": extra.iter().map(Line::to_json).collect::<Vec<_>>(),
+        });
+        if let Some(r) = &report.receipt {
+            doc["sealing"] = json!(r.sealing.as_str());
+            doc["sealing_proven"] = json!(report.sealing_proven);
+            doc["mock"] = json!(r.mock);
+        }
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        let mut lines = evidence.lines.clone();
+        for c in &report.checks {
+            lines.push(Line {
+                status: match c.status {
+                    CheckStatus::Pass => Status::Pass,
+                    CheckStatus::Fail => Status::Fail,
+                    CheckStatus::Skipped => Status::Skip,
+                },
+                name: c.name.clone(),
+                detail: c.detail.clone(),
+                reason: c.error.as_ref().map(|e| e.code()),
+            });
+        }
+        lines.extend(extra.iter().cloned());
+        if let Some(r) = &report.receipt {
+            lines.extend(receipt_info(r, report.sealing_proven, nonce.is_some()));
+        }
+        print_lines(&lines);
+        let first = report
+            .failure()
+            .map(|e| e.code())
+            .or_else(|| extra.iter().find_map(|l| l.reason));
+        match first {
+            None => result_line(true, "receipt", &lines),
+            Some(code) => {
+                let failed = lines.iter().filter(|l| l.status == Status::Fail).count();
+                println!("RESULT: FAILED ({failed} check(s) failed; first: {code})");
+            }
+        }
+    }
+    Ok(if ok { EXIT_OK } else { EXIT_FAILED })
+}
+
+/// Which inputs `verify receipt` was given.
+pub(super) struct Given {
+    request: bool,
+    response: bool,
+    nonce: bool,
+    evidence_nonce: bool,
+}
+
+/// The checks of the command line itself: inputs not given fail unless
+/// --insecure-partial (then each says INSECURE), and what --no-nonce,
+/// --endpoint and --expect-sealing ask of the receipt.
+pub(super) fn cli_checks(a: &ReceiptArgs, report: &VerifyReport, g: &Given) -> Vec<Line> {
+    let mut out = Vec::new();
+    let missing = [
+        (
+            g.request,
+            "request",
+            "--request (the exact request bytes sent)",
+        ),
+        (
+            g.response,
+            "response",
+            "--response (the exact response bytes received)",
+        ),
+        (
+            g.nonce || a.no_nonce,
+            "nonce",
+            "the receipt nonce sent (--nonce, --no-nonce or --client-key)",
+        ),
+        (
+            g.evidence_nonce,
+            "evidence.freshness",
+            "--evidence-nonce (the nonce the evidence was fetched with)",
+        ),
+    ];
+    for (given, name, what) in missing {
+        if given {
+            continue;
+        }
+        out.push(if a.insecure_partial {
+            Line::new(
+                Status::Warn,
+                name,
+                format!("INSECURE (--insecure-partial): not checked: {what} was not given"),
+            )
+        } else {
+            let mut l = Line::new(
+                Status::Fail,
+                name,
+                format!(
+                    "not given: {what}; without it the receipt proves less than it seems \
+                     (--insecure-partial accepts that)"
+                ),
+            );
+            l.reason = Some("input_missing");
+            l
+        });
+    }
+    let Some(r) = &report.receipt else {
+        return out;
+    };
+    let mut check = |name: &str, ok: bool, pass: String, fail: String, reason: &'static str| {
+        let mut l = Line::new(
+            if ok { Status::Pass } else { Status::Fail },
+            name,
+            if ok { pass } else { fail },
+        );
+        if !ok {
+            l.reason = Some(reason);
+        }
+        out.push(l);
+    };
+    if a.no_nonce {
+        check(
+            "nonce",
+            r.client_nonce.is_none(),
+            "no client nonce, as none was sent".into(),
+            "the receipt carries a client nonce, but --no-nonce says none was sent".into(),
+            "nonce_mismatch",
+        );
+    }
+    if let Some(e) = &a.endpoint {
+        check(
+            "endpoint",
+            &r.endpoint == e,
+            format!("{e}, as expected"),
+            format!("the receipt names {}, not {e}", r.endpoint),
+            "endpoint_mismatch",
+        );
+    }
+    if let Some(want) = &a.expect_sealing {
+        let proven = r.sealing.as_str() != "enclave" || report.sealing_proven;
+        check(
+            "sealing.expected",
+            r.sealing.as_str() == want && proven,
+            format!("{want}, as expected"),
+            if r.sealing.as_str() == want {
+                format!("{want}, but not proven: give --client-key")
+            } else {
+                format!("the receipt says {}, not {want}", r.sealing.as_str())
+            },
+            "sealing_mismatch",
+        );
+    }
+    out
+}
