@@ -341,7 +341,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         metrics,
         shutdown: shutdown.clone(),
     };
-    let listener = tokio::net::TcpListener::bind(&cfg.server.listen)
+    let listener = serve::bind(&cfg.server.listen, cfg.server.send_buffer_bytes)
         .await
         .with_context(|| format!("binding {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;

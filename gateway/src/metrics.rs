@@ -68,6 +68,28 @@ impl AuthRejection {
     }
 }
 
+/// Why a streamed answer ended before its last event reached the client.
+#[derive(Clone, Copy, Debug)]
+pub enum StreamCut {
+    /// The client closed the connection.
+    ClientGone,
+    /// The client stopped reading for the route's deadline.
+    ClientStalled,
+    /// The pipeline broke, went silent or answered out of order.
+    Pipeline,
+}
+
+impl StreamCut {
+    const ALL: [StreamCut; 3] = [Self::ClientGone, Self::ClientStalled, Self::Pipeline];
+    fn label(self) -> &'static str {
+        match self {
+            Self::ClientGone => "client_gone",
+            Self::ClientStalled => "client_stopped_reading",
+            Self::Pipeline => "pipeline",
+        }
+    }
+}
+
 /// A histogram over [`BUCKETS`] (cumulative counts per bound).
 #[derive(Default)]
 pub(crate) struct Histogram {
@@ -98,6 +120,7 @@ pub struct Metrics {
     receipts: AtomicU64,
     sealing: [AtomicU64; 3],
     auth_rejections: [AtomicU64; 4],
+    streams_cut: [AtomicU64; 3],
 }
 
 /// Decrements the in-flight gauge when a request ends (or is cancelled).
@@ -149,6 +172,12 @@ impl Metrics {
     /// The auth middleware refused a request.
     pub fn auth_rejected(&self, why: AuthRejection) {
         self.auth_rejections[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A streamed answer was cut short (its sequences are cancelled in
+    /// every stage).
+    pub fn stream_cut(&self, why: StreamCut) {
+        self.streams_cut[why as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The exposition text; `pipeline` (the default pipeline's health) adds
@@ -228,20 +257,34 @@ impl Metrics {
             "gateway_receipts_issued_total {}",
             self.receipts.load(Ordering::Relaxed)
         );
-        family(
+        let by_reason = |o: &mut String,
+                         name: &str,
+                         help: &str,
+                         rows: &mut dyn Iterator<Item = (&str, u64)>| {
+            family(o, name, "counter", help);
+            for (reason, n) in rows {
+                let _ = writeln!(o, "{name}{{reason=\"{reason}\"}} {n}");
+            }
+        };
+        by_reason(
             &mut o,
             "gateway_auth_rejections_total",
-            "counter",
             "Requests refused by the API-key middleware, by reason.",
+            &mut AuthRejection::ALL.into_iter().map(|r| {
+                (
+                    r.label(),
+                    self.auth_rejections[r as usize].load(Ordering::Relaxed),
+                )
+            }),
         );
-        for r in AuthRejection::ALL {
-            let _ = writeln!(
-                o,
-                "gateway_auth_rejections_total{{reason=\"{}\"}} {}",
-                r.label(),
-                self.auth_rejections[r as usize].load(Ordering::Relaxed)
-            );
-        }
+        by_reason(
+            &mut o,
+            "gateway_streams_cut_total",
+            "Streamed answers that ended before their last event, by reason (their work is cancelled in every stage).",
+            &mut StreamCut::ALL
+                .into_iter()
+                .map(|r| (r.label(), self.streams_cut[r as usize].load(Ordering::Relaxed))),
+        );
         if let Some(p) = pipeline {
             let up = p.ready;
             family(

@@ -7,6 +7,9 @@
 //! - **a header-read timeout**: a connection that has not sent a request's
 //!   whole head within `header_read_timeout` is closed (slowloris), which
 //!   needs hyper's timer, here Tokio's;
+//! - **an optional send-buffer size** per connection ([`bind`]), so a
+//!   client that stops reading pins little memory and its stream's
+//!   stalled-reader deadline starts soon;
 //! - **graceful shutdown**: on the signal, stop accepting, let every
 //!   connection finish its requests, and return when all are closed.
 
@@ -20,6 +23,7 @@ use hyper_util::service::TowerToHyperService;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{watch, Semaphore};
 use tower::ServiceExt as _;
 
@@ -30,6 +34,32 @@ pub struct ServeLimits {
     pub max_connections: usize,
     /// Longest time to receive a request's head (HTTP/1.1).
     pub header_read_timeout: Duration,
+}
+
+/// Binds the listening socket for `listen` (`host:port`). `send_buffer`
+/// sets `SO_SNDBUF` on it, which every accepted connection inherits (Linux
+/// copies the listener's buffer sizes and turns off send autotuning).
+pub async fn bind(listen: &str, send_buffer: Option<u32>) -> std::io::Result<TcpListener> {
+    let addr = tokio::net::lookup_host(listen)
+        .await?
+        .next()
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "the address resolves to nothing",
+            )
+        })?;
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    if let Some(n) = send_buffer {
+        socket.set_send_buffer_size(n)?;
+    }
+    socket.bind(addr)?;
+    socket.listen(1024)
 }
 
 /// Serves `router` on `listener` until `shutdown` completes and every

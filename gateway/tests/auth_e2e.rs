@@ -261,7 +261,8 @@ fn hash_key_prints_the_digest() {
 }
 
 /// Issue 18, finding 3: a key's `max_concurrent` counts a streamed answer
-/// until the stream ends, not only until its headers went out.
+/// until the stream ends, not only until its headers went out: 200 more
+/// streams under the key are all refused while one runs.
 #[tokio::test]
 async fn a_stream_holds_its_keys_concurrency_slot_until_it_ends() {
     let mut opts = completions_options(&[[0, 30]], "");
@@ -283,8 +284,31 @@ async fn a_stream_holds_its_keys_concurrency_slot_until_it_ends() {
     let mut stream = r.bytes_stream();
     use futures_util::StreamExt as _;
     stream.next().await.expect("first chunk").unwrap();
-    // The stream is running: the key's only slot is taken.
+    // The stream is running: the key's only slot is taken, for 200 more
+    // streams sent at once as for a plain request.
     error_body(get(&models, Some(NARROW)).await, 429, "rate_limit_exceeded").await;
+    let url = format!("{}/v1/chat/completions", gw.url);
+    let tries = (0..200).map(|i| {
+        let url = url.clone();
+        async move {
+            let r = client()
+                .post(url)
+                .bearer_auth(NARROW)
+                .json(&json!({"model": "SmolLM2-135M-Instruct", "max_tokens": 8,
+                              "stream": true, "seed": i,
+                              "messages": [{"role": "user", "content": "Hi"}]}))
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        }
+    });
+    let statuses = futures_util::future::join_all(tries).await;
+    assert!(
+        statuses.iter().all(|&s| s == 429),
+        "a second stream ran under max_concurrent = 1: {:?}",
+        statuses.iter().filter(|&&s| s != 429).collect::<Vec<_>>()
+    );
     assert_eq!(get(&models, Some(TEAM)).await.status(), 200);
     // The client goes away: the slot is free again.
     drop(stream);

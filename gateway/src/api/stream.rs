@@ -3,6 +3,7 @@
 //! and cancellation when the client goes away.
 
 use super::*;
+use crate::metrics::StreamCut;
 
 /// How the gateway passes a stream's sealed bytes to its client.
 pub(super) enum StreamMode {
@@ -30,7 +31,8 @@ pub(super) fn stream_response(
     mode: StreamMode,
 ) -> Response {
     let plain = mode.is_plain();
-    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+    // A short queue: what a client does not read waits in the socket.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
     let receipts = s.receipts.clone();
     let metrics = s.metrics.clone();
     // A stream may run long; only a silence this long ends it.
@@ -99,6 +101,7 @@ pub(super) async fn pump_stream(
                     _ => "The exit stage answered out of order.".to_string(),
                 };
                 tracing::warn!(error = %why, "stream ended early");
+                metrics.stream_cut(StreamCut::Pipeline);
                 if mode.is_plain() {
                     let e = ApiError::from_stage(503, why);
                     let mut ev = b"data: ".to_vec();
@@ -133,6 +136,7 @@ pub(super) async fn pump_stream(
             Ok(b) => b,
             Err(e) => {
                 tracing::error!(error = %e, "a stream chunk from the exit stage does not open");
+                metrics.stream_cut(StreamCut::Pipeline);
                 return;
             }
         };
@@ -140,7 +144,10 @@ pub(super) async fn pump_stream(
             match tokio::time::timeout(idle, tx.send(Bytes::from(out))).await {
                 Ok(Ok(())) => {}
                 // The client went away: dropping `sub` cancels the request.
-                Ok(Err(_)) => return,
+                Ok(Err(_)) => {
+                    metrics.stream_cut(StreamCut::ClientGone);
+                    return;
+                }
                 // The client stopped reading (the queue and the socket are
                 // full): give its sequences back rather than wait forever.
                 Err(_) => {
@@ -148,6 +155,7 @@ pub(super) async fn pump_stream(
                         idle_secs = idle.as_secs(),
                         "a stream's client stopped reading; cancelled"
                     );
+                    metrics.stream_cut(StreamCut::ClientStalled);
                     return;
                 }
             }

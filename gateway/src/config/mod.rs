@@ -161,6 +161,12 @@ pub struct ServerConfig {
     /// many seconds is closed (slow-header clients).
     #[serde(default = "default_header_read_timeout")]
     pub header_read_timeout_secs: u64,
+    /// The kernel send buffer of each client connection, in bytes (none:
+    /// the kernel's autotuning, up to `net.ipv4.tcp_wmem`'s maximum). A
+    /// bound caps the memory a client that stops reading can pin, and lets
+    /// the stalled-reader deadline act sooner.
+    #[serde(default)]
+    pub send_buffer_bytes: Option<u32>,
     /// `[server.tls]`: serve HTTPS (none: plain HTTP).
     #[serde(default)]
     pub tls: Option<TlsConfig>,

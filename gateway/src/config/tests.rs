@@ -253,6 +253,12 @@ fn env_override_errors_name_the_variable() {
         e.starts_with("server.max_inputs: must be at least 1"),
         "{e}"
     );
+    let text = shipped().replace("max_inputs = 2048", "send_buffer_bytes = 100");
+    let e = format!("{:#}", GatewayConfig::parse(&text, env(&[])).unwrap_err());
+    assert!(
+        e.starts_with("server.send_buffer_bytes: must be at least 4096"),
+        "{e}"
+    );
     let text = shipped().replace("max_inputs = 2048", "max_inputs = \"many\"");
     let e = format!("{:#}", GatewayConfig::parse(&text, env(&[])).unwrap_err());
     assert!(e.starts_with("server.max_inputs: invalid type"), "{e}");

@@ -1,0 +1,145 @@
+//! Clients that hold the gateway's resources (issue 18, finding 3), against
+//! the real binaries: a request head that never completes (slowloris), and
+//! a streamed answer whose client never reads it.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+/// Issue 18, finding 3: the real gateway closes a connection whose request
+/// head does not arrive within `header_read_timeout_secs` (slowloris), and
+/// keeps serving everyone else.
+#[tokio::test]
+async fn a_slow_request_head_is_cut_off() {
+    use std::io::{Read, Write};
+    let gw = Gateway::start(Options {
+        server_extra: "header_read_timeout_secs = 1\nmax_connections = 64\n".into(),
+        ..Options::default()
+    });
+    let addr = gw.url.strip_prefix("http://").unwrap().to_string();
+    let t0 = std::time::Instant::now();
+    let closed = tokio::task::spawn_blocking(move || {
+        let mut slow = std::net::TcpStream::connect(&addr).unwrap();
+        slow.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+            .unwrap();
+        slow.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .unwrap();
+        let mut buf = Vec::new();
+        slow.read_to_end(&mut buf).is_ok()
+    })
+    .await
+    .unwrap();
+    assert!(closed, "the gateway kept the slow connection open");
+    assert!(t0.elapsed() >= std::time::Duration::from_millis(900));
+    let r = client()
+        .get(format!("{}/healthz", gw.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// A client that sends a streamed chat request and then never reads: once
+/// the socket and the gateway's queue are full, the gateway waits the
+/// route's deadline, cuts the stream (counted as `client_stopped_reading`)
+/// and the sequences are freed in the stage, while the client still holds
+/// its connection open.
+#[tokio::test]
+async fn a_stream_whose_client_never_reads_is_cancelled() {
+    let mut opts = completions_options(&[[0, 30]], "");
+    opts.server_extra =
+        "send_buffer_bytes = 16384\n[server.timeouts]\ncompletions_secs = 3\n".into();
+    let gw = Gateway::start(opts);
+    let addr: std::net::SocketAddr = gw.url.strip_prefix("http://").unwrap().parse().unwrap();
+    // Sixteen choices: about 3 KB of events per step, so the socket
+    // buffers fill long before the answer ends.
+    let body = json!({"model": "SmolLM2-135M-Instruct", "stream": true, "n": 16,
+        "max_tokens": 480, "temperature": 1.0,
+        "logit_bias": {"2": -100, "0": -100},
+        "messages": [{"role": "user", "content": "Tell me a long story."}]})
+    .to_string();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut conn = socket.connect(addr).await.unwrap();
+    conn.write_all(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    // Read the status line only, then never again.
+    let mut head = [0u8; 12];
+    conn.read_exact(&mut head).await.unwrap();
+    if &head != b"HTTP/1.1 200" {
+        let mut rest = vec![0u8; 2000];
+        let n = conn.read(&mut rest).await.unwrap();
+        panic!(
+            "{}{}",
+            String::from_utf8_lossy(&head),
+            String::from_utf8_lossy(&rest[..n])
+        );
+    }
+    let cut = "gateway_streams_cut_total{reason=\"client_stopped_reading\"}";
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut generating = false;
+    loop {
+        let m = metrics_text(&gw.url).await;
+        generating |= sample(
+            &m,
+            "gateway_stage_active_sequences{pipeline=\"completions\",stage=\"0\"}",
+        ) > 0.0;
+        if sample(&m, cut) >= 1.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stalled stream was never cut:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(generating, "the stream never started");
+    // The stage gives the four sequences and their KV room back.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = metrics_text(&gw.url).await;
+        let seqs = sample(
+            &m,
+            "gateway_stage_active_sequences{pipeline=\"completions\",stage=\"0\"}",
+        );
+        let kv = sample(
+            &m,
+            "gateway_stage_kv_cache_tokens{pipeline=\"completions\",stage=\"0\"}",
+        );
+        if seqs == 0.0 && kv == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "sequences not freed: {seqs}, KV {kv}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Nothing else was counted as cut, and the gateway serves the next one.
+    let m = metrics_text(&gw.url).await;
+    assert_eq!(
+        sample(&m, "gateway_streams_cut_total{reason=\"pipeline\"}"),
+        0.0
+    );
+    let (status, b, _) = post_json(
+        &gw.url,
+        "/v1/chat/completions",
+        &json!({"model": "SmolLM2-135M-Instruct", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{b}");
+    drop(conn);
+}
