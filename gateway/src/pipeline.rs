@@ -132,8 +132,10 @@ pub struct StageStatus {
 }
 
 struct Connected {
-    /// Host channels, entry stage first; dropping them closes the channels.
+    /// Host channels, entry stage first.
     senders: Vec<Arc<Mutex<ChannelSender>>>,
+    /// The tasks reading each channel.
+    readers: Vec<tokio::task::AbortHandle>,
     stages: Vec<StageStatus>,
     entry_keys: Vec<KeyConfig>,
     epoch: u64,
@@ -383,14 +385,18 @@ impl Pipeline {
             });
         }
         let mut senders = Vec::new();
+        let mut readers = Vec::new();
         for (i, ch) in channels.into_iter().enumerate() {
             let (tx, rx) = ch.expect("every stage connected");
             let this = self.clone();
-            tokio::spawn(async move { this.read_stage(i, rx, epoch).await });
+            readers.push(
+                tokio::spawn(async move { this.read_stage(i, rx, epoch).await }).abort_handle(),
+            );
             senders.push(Arc::new(Mutex::new(tx)));
         }
         *self.connected.lock().unwrap() = Some(Connected {
             senders,
+            readers,
             stages,
             entry_keys,
             epoch,
@@ -465,12 +471,23 @@ impl Pipeline {
         if self.closing.load(Ordering::SeqCst) {
             return;
         }
-        {
+        let old = {
             let mut c = self.connected.lock().unwrap();
             if c.as_ref().map(|c| c.epoch) != Some(epoch) {
                 return;
             }
-            *c = None;
+            c.take()
+        };
+        // Close every channel of the broken pipeline, the surviving stages'
+        // too: a stage accepts a new configuration only once the host
+        // channel that configured it has closed.
+        if let Some(old) = old {
+            for r in old.readers {
+                r.abort();
+            }
+            for tx in old.senders {
+                tokio::spawn(async move { tx.lock().await.shutdown().await });
+            }
         }
         *self.not_ready_reason.lock().unwrap() = reason.clone();
         // Dropping the waiters' senders fails every pending request with 503.

@@ -8,7 +8,9 @@ mod common;
 
 use common::*;
 use proto::attestation::mock_measurement;
+use proto::channel::{ChannelLimits, LocalIdentity, PeerInfo};
 use proto::digest::Sha256Digest;
+use proto::frames::{HostMessage, StageReply};
 use proto::manifest::LoadedManifest;
 use proto::sealing::{seal_request, Aead, KeyConfig};
 use serde_json::json;
@@ -18,21 +20,7 @@ const MODEL: &str = "all-MiniLM-L6-v2";
 #[tokio::test]
 async fn the_host_relays_only_ciphertext() {
     let dir = temp_dir("hostview");
-    let manifest = LoadedManifest::load(&model_dir()).unwrap();
-    let measurement = mock_measurement(
-        &Sha256Digest::of_file(&stage_binary()).unwrap(),
-        &manifest.digest,
-    );
-    // Remote stages are not launched by the gateway, so it cannot vouch for
-    // "the local build": the measurement is pinned.
-    let policy = format!(
-        "allow_mock = true\ntrust_local_build = true\n[[stages]]\nindex = 0\nlayers = [0, 3]\nmeasurements = [\"{m}\"]\n[[stages]]\nindex = 1\nlayers = [3, 6]\nmeasurements = [\"{m}\"]\n",
-        m = measurement.pinned_form()
-    );
-    let policy_path = dir.join("stage-policy.toml");
-    std::fs::write(&policy_path, &policy).unwrap();
-    let s1 = StageProc::start(1, 2, [3, 6], &policy_path, &dir);
-    let s0 = StageProc::start(0, 2, [0, 3], &policy_path, &dir);
+    let (policy, s0, s1) = remote_stages(&dir);
     let r1 = CaptureRelay::start(&s1.endpoint);
     let r0 = CaptureRelay::start(&s0.endpoint);
     let gw = Gateway::start(Options {
@@ -112,4 +100,91 @@ async fn the_host_relays_only_ciphertext() {
     // And what the gateway logged carries no content either.
     let log = gw.log();
     assert!(!log.contains(plain_marker) && !log.contains(sealed_marker));
+}
+
+/// Stages 0 and 1 of the embeddings model started by the test, under a
+/// policy that pins their measurement: the policy text and the stages.
+fn remote_stages(dir: &std::path::Path) -> (String, StageProc, StageProc) {
+    let manifest = LoadedManifest::load(&model_dir()).unwrap();
+    let measurement = mock_measurement(
+        &Sha256Digest::of_file(&stage_binary()).unwrap(),
+        &manifest.digest,
+    );
+    // Remote stages are not launched by the gateway, so it cannot vouch for
+    // "the local build": the measurement is pinned.
+    let policy = format!(
+        "allow_mock = true\ntrust_local_build = true\n[[stages]]\nindex = 0\nlayers = [0, 3]\nmeasurements = [\"{m}\"]\n[[stages]]\nindex = 1\nlayers = [3, 6]\nmeasurements = [\"{m}\"]\n",
+        m = measurement.pinned_form()
+    );
+    let policy_path = dir.join("stage-policy.toml");
+    std::fs::write(&policy_path, &policy).unwrap();
+    let s1 = StageProc::start(1, 2, [3, 6], &policy_path, dir);
+    let s0 = StageProc::start(0, 2, [0, 3], &policy_path, dir);
+    (policy, s0, s1)
+}
+
+/// Sends `Configure` to a stage over a host channel of its own (as any
+/// local process can) and returns the stage's answer.
+async fn configure_as_intruder(endpoint: &str, next: Option<String>) -> StageReply {
+    let ep: proto::transport::Endpoint = endpoint.parse().unwrap();
+    let stream = proto::transport::connect(&ep).await.unwrap();
+    let (mut tx, mut rx, _) = proto::channel::initiate(
+        stream,
+        &LocalIdentity::host(),
+        ChannelLimits::default(),
+        &|_: &PeerInfo| Ok(()),
+    )
+    .await
+    .unwrap();
+    tx.send_msg(&HostMessage::Configure {
+        next,
+        feedback: None,
+    })
+    .await
+    .unwrap();
+    rx.recv_msg::<StageReply>().await.unwrap().unwrap()
+}
+
+/// Issue 18, finding 6: a second host channel cannot reconfigure a stage
+/// (and so take its output) while the gateway's channel that configured it
+/// is open; the gateway keeps serving. Once that channel closes, the stage
+/// may be configured again (as the gateway does when it reconnects).
+#[tokio::test]
+async fn another_host_channel_cannot_take_a_stage_over() {
+    let dir = temp_dir("takeover");
+    let (policy, s0, s1) = remote_stages(&dir);
+    let gw = Gateway::start(Options {
+        policy: Some(policy),
+        remote: Some(vec![s0.endpoint.clone(), s1.endpoint.clone()]),
+        ..Options::default()
+    });
+    for (ep, next) in [
+        (&s1.endpoint, None),
+        (&s0.endpoint, Some(s1.endpoint.clone())),
+    ] {
+        match configure_as_intruder(ep, next).await {
+            StageReply::ConfigureFailed(why) => {
+                assert!(why.contains("another host channel"), "{why}")
+            }
+            StageReply::Configured { .. } => panic!("a second host took stage {ep} over"),
+            _ => panic!("stage {ep} answered Configure with something else"),
+        }
+    }
+    let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": "still served"})).await;
+    assert_eq!(s, 200, "{b}");
+    // The gateway goes away: its channels close, and the exit stage takes
+    // a configuration from a new host channel.
+    drop(gw);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match configure_as_intruder(&s1.endpoint, None).await {
+            StageReply::Configured { .. } => break,
+            StageReply::ConfigureFailed(why) => assert!(
+                std::time::Instant::now() < deadline,
+                "the stage stayed owned after its host left: {why}"
+            ),
+            _ => panic!("the stage answered Configure with something else"),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }

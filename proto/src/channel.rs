@@ -336,6 +336,12 @@ impl ChannelSender {
 
     /// Closes the sending direction.
     pub async fn close(mut self) {
+        self.shutdown().await;
+    }
+
+    /// Closes the sending direction of a sender others may still hold
+    /// (their later sends fail).
+    pub async fn shutdown(&mut self) {
         let _ = self.w.shutdown().await;
     }
 }

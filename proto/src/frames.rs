@@ -56,7 +56,9 @@ pub enum ErrorKind {
 pub enum HostMessage {
     /// Sets where this stage sends its output: `Some(endpoint)` for the next
     /// stage (which it dials and attests), `None` when this stage is the exit
-    /// stage and answers on this very channel.
+    /// stage and answers on this very channel. Only the host channel that
+    /// configured a stage may configure it again while it is open; any other
+    /// gets `ConfigureFailed`.
     Configure {
         /// Next stage's endpoint, as `tcp://host:port`.
         next: Option<String>,

@@ -127,6 +127,11 @@ pub struct StageServer {
     /// Generation exit stage: the attested channel back to the entry stage.
     feedback: Mutex<Option<SharedSender>>,
     next_sink: AtomicU64,
+    /// The host channel (session number) whose `Configure` set this stage
+    /// up, while it is open: no other channel may reconfigure the stage
+    /// (and so take its output) until it closes.
+    owner: std::sync::Mutex<Option<u64>>,
+    next_session: AtomicU64,
     max_inputs: usize,
 }
 
@@ -159,6 +164,8 @@ impl StageServer {
             sink: Mutex::new(None),
             feedback: Mutex::new(None),
             next_sink: AtomicU64::new(1),
+            owner: std::sync::Mutex::new(None),
+            next_session: AtomicU64::new(1),
             max_inputs: setup.max_inputs,
         })
     }
@@ -286,7 +293,25 @@ impl StageServer {
         }
     }
 
+    /// Makes host channel `session` the stage's owner, unless another
+    /// open host channel already is.
+    fn claim_ownership(&self, session: u64) -> Result<(), String> {
+        let mut owner = self.owner.lock().unwrap();
+        match *owner {
+            Some(o) if o != session => Err(
+                "this stage is configured by another host channel that is still open; \
+                 only that channel may reconfigure it"
+                    .into(),
+            ),
+            _ => {
+                *owner = Some(session);
+                Ok(())
+            }
+        }
+    }
+
     async fn host_session(self: &Arc<Self>, tx: SharedSender, mut rx: ChannelReceiver) {
+        let session = self.next_session.fetch_add(1, Ordering::Relaxed);
         let mut my_sink: Option<u64> = None;
         loop {
             let msg = match rx.recv_msg::<HostMessage>().await {
@@ -299,7 +324,11 @@ impl StageServer {
             };
             let reply = match msg {
                 HostMessage::Configure { next, feedback } => {
-                    match self.configure(next, feedback, &tx).await {
+                    let configured = match self.claim_ownership(session) {
+                        Ok(()) => self.configure(next, feedback, &tx).await,
+                        Err(e) => Err(e),
+                    };
+                    match configured {
                         Ok(id) => {
                             if id.is_some() {
                                 my_sink = id;
@@ -358,6 +387,12 @@ impl StageServer {
         if sink.as_ref().map(|s| s.id) == my_sink && my_sink.is_some() {
             tracing::warn!("the gateway channel that received our output closed");
             *sink = None;
+        }
+        drop(sink);
+        let mut owner = self.owner.lock().unwrap();
+        if *owner == Some(session) {
+            tracing::info!("the host channel that configured this stage closed");
+            *owner = None;
         }
     }
 
