@@ -4,7 +4,7 @@
 
 use ed25519_dalek::SigningKey;
 use proto::attestation::{
-    attest_claims, AttestError, AttestationProvider, Evidence, EvidenceFormat,
+    attest_claims, AttestError, AttestationProvider, Evidence, EvidenceFormat, EvidencePurpose,
 };
 use proto::digest::Sha256Digest;
 use proto::frames::StageClaims;
@@ -49,7 +49,13 @@ impl StageKeys {
             .as_ref()
             .map(|k| KeyConfig::encode_list(&[k.config()]))
             .unwrap_or_default();
-        let boot_evidence = attest_claims(provider, &claims.receipt_key, claims, &[])?;
+        let boot_evidence = attest_claims(
+            provider,
+            &claims.receipt_key,
+            EvidencePurpose::Boot,
+            claims,
+            &[],
+        )?;
         Ok(Self {
             evidence_digest: boot_evidence.digest(),
             mock: provider.format() == EvidenceFormat::Mock,

@@ -8,7 +8,8 @@
 //! itself (plain OpenAI clients): it holds no key of the stages.
 
 use proto::attestation::{
-    claims_binding, mock_measurement, verify_boot, Evidence, EvidenceFormat, Measurement,
+    claims_binding, mock_measurement, verify_boot, Evidence, EvidenceFormat, EvidencePurpose,
+    Measurement,
 };
 use proto::channel::{
     self, ChannelError, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
@@ -765,7 +766,13 @@ pub fn check_boot_evidence(
     if doc.public_key != claims.receipt_key {
         return Err("it is not bound to the stage's receipt key".into());
     }
-    if doc.user_data != claims_binding(doc.format, &proto::cbor::to_vec(claims)) {
+    if doc.user_data
+        != claims_binding(
+            doc.format,
+            EvidencePurpose::Boot,
+            &proto::cbor::to_vec(claims),
+        )
+    {
         return Err("its claims differ from the channel evidence".into());
     }
     Ok(())

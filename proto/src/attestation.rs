@@ -13,7 +13,9 @@
 //! and says `mock: true` in its payload: it proves nothing and a production
 //! policy rejects it.
 
-pub use crate::claims::{attest_claims, bound_claims, claims_binding};
+pub use crate::claims::{
+    attest_claims, bound_claims, claims_binding, legacy_claims_binding, EvidencePurpose,
+};
 use crate::digest::Sha256Digest;
 pub use crate::evidence::{
     AttestError, AttestationProvider, BindingError, Evidence, EvidenceFormat, EvidenceVerifier,

@@ -3,7 +3,10 @@
 //! binding of the verifier's nonce, the stage keys, and the model manifest.
 //! A verified bundle yields the [`StageKeys`] that receipts are checked with.
 
-use crate::attestation::{claims_binding, AnyVerifier, Evidence, EvidenceFormat, EvidenceVerifier};
+use crate::attestation::{
+    claims_binding, legacy_claims_binding, AnyVerifier, Evidence, EvidenceFormat, EvidencePurpose,
+    EvidenceVerifier,
+};
 use crate::digest::Sha256Digest;
 use crate::frames::StageClaims;
 use crate::policy::Policy;
@@ -138,7 +141,7 @@ impl EvidenceBundle {
                 verifier,
             );
             match r {
-                Ok((k, m, is_mock)) => {
+                Ok((k, m, is_mock, legacy)) => {
                     next_layer = s.claims.layer_end;
                     measurements.push(m.clone());
                     mock |= is_mock;
@@ -146,10 +149,15 @@ impl EvidenceBundle {
                         &mut lines,
                         name("evidence"),
                         Ok(format!(
-                            "{} evidence verifies; measurement {m} accepted; layers [{}, {}); keys and nonce bound",
+                            "{} evidence verifies; measurement {m} accepted; layers [{}, {}); keys and nonce bound{}",
                             if is_mock { "MOCK" } else { "hardware" },
                             k.layers[0],
-                            k.layers[1]
+                            k.layers[1],
+                            if legacy {
+                                "; LEGACY evidence made before documents carried a purpose label"
+                            } else {
+                                ""
+                            }
                         )),
                     );
                     keys.push(k);
@@ -201,7 +209,7 @@ impl EvidenceBundle {
         manifest_digest: &Sha256Digest,
         next_layer: u32,
         verifier: &AnyVerifier,
-    ) -> Result<(StageKeys, String, bool), String> {
+    ) -> Result<(StageKeys, String, bool, bool), String> {
         let c = &s.claims;
         if s.index as usize != pos || c.stage_index != s.index {
             return Err(format!(
@@ -233,9 +241,20 @@ impl EvidenceBundle {
             .at_document_time()
             .verify(&s.boot_evidence)
             .map_err(|e| format!("boot evidence: {e}"))?;
-        for (what, doc) in [("fresh", &fresh), ("boot", &boot)] {
-            if doc.user_data != claims_binding(doc.format, &claims_bytes) {
-                return Err(format!("{what} evidence does not bind these claims"));
+        // Documents made before evidence carried a purpose still verify, as
+        // such; a document made for another purpose never does.
+        let mut legacy = false;
+        for (what, doc, purpose) in [
+            ("fresh", &fresh, EvidencePurpose::Attestation),
+            ("boot", &boot, EvidencePurpose::Boot),
+        ] {
+            if doc.user_data == legacy_claims_binding(doc.format, &claims_bytes) {
+                legacy = true;
+            } else if doc.user_data != claims_binding(doc.format, purpose, &claims_bytes) {
+                return Err(format!(
+                    "{what} evidence does not bind these claims for its purpose ({})",
+                    purpose.label()
+                ));
             }
             if doc.public_key != c.receipt_key {
                 return Err(format!("{what} evidence does not bind the receipt key"));
@@ -257,6 +276,113 @@ impl EvidenceBundle {
             },
             fresh.measurement.pinned_form(),
             fresh.format == EvidenceFormat::Mock,
+            legacy,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attestation::{attest_claims, mock_measurement, AttestationProvider, MockProvider};
+
+    const MANIFEST: &[u8] = b"manifest";
+
+    fn claims() -> StageClaims {
+        StageClaims {
+            stage_index: 0,
+            num_stages: 1,
+            layer_start: 0,
+            layer_end: 6,
+            model_id: "m".into(),
+            manifest_sha256: Sha256Digest::of(MANIFEST),
+            receipt_key: [7; 32],
+            hpke_keys: KeyConfig::encode_list(&[
+                crate::sealing::ServerKey::derive(1, b"k").config()
+            ]),
+            weights: None,
+        }
+    }
+
+    /// A one-stage bundle whose fresh and boot documents `make` builds
+    /// from the provider, the claims and the nonce; and a policy pinning
+    /// the provider's measurement.
+    fn bundle(
+        make: impl Fn(&MockProvider, &StageClaims, &[u8]) -> Evidence,
+        boot: impl Fn(&MockProvider, &StageClaims) -> Evidence,
+    ) -> (EvidenceBundle, Policy) {
+        let m = mock_measurement(&Sha256Digest::of(b"bin"), &Sha256Digest::of(MANIFEST));
+        let p = MockProvider::new("stage-0", &m);
+        let c = claims();
+        let policy = Policy::from_toml(&format!(
+            "allow_mock = true\n[[stages]]\nindex = 0\nlayers = [0, 6]\nmeasurements = [\"{}\"]\n",
+            m.pinned_form()
+        ))
+        .unwrap();
+        let b = EvidenceBundle {
+            nonce: b"nonce".to_vec(),
+            manifest: MANIFEST.to_vec(),
+            stages: vec![StageEvidence {
+                index: 0,
+                evidence: make(&p, &c, b"nonce"),
+                boot_evidence: boot(&p, &c),
+                claims: c,
+            }],
+        };
+        (b, policy)
+    }
+
+    fn purposed(
+        purpose: EvidencePurpose,
+    ) -> impl Fn(&MockProvider, &StageClaims, &[u8]) -> Evidence {
+        move |p, c, nonce| attest_claims(p, &c.receipt_key, purpose, c, nonce).unwrap()
+    }
+
+    fn boot(p: &MockProvider, c: &StageClaims) -> Evidence {
+        attest_claims(p, &c.receipt_key, EvidencePurpose::Boot, c, &[]).unwrap()
+    }
+
+    /// Issue 18, finding 6: fresh evidence must have been made for
+    /// `/v1/attestation`; channel or boot documents binding the same key,
+    /// nonce and claims are refused.
+    #[test]
+    fn fresh_evidence_must_be_made_for_attestation() {
+        let (b, policy) = bundle(purposed(EvidencePurpose::Attestation), boot);
+        let (lines, ok) = b.verify(&policy, b"nonce");
+        assert!(ok.is_some(), "{lines:?}");
+        assert!(!lines.iter().any(|l| l.detail.contains("LEGACY")));
+        for wrong in [EvidencePurpose::Channel, EvidencePurpose::Boot] {
+            let (b, policy) = bundle(purposed(wrong), boot);
+            let (lines, ok) = b.verify(&policy, b"nonce");
+            assert!(ok.is_none(), "{wrong:?} accepted");
+            assert!(
+                lines
+                    .iter()
+                    .any(|l| !l.ok && l.detail.contains("for its purpose (attestation)")),
+                "{lines:?}"
+            );
+        }
+        // Boot evidence made for the channel purpose is refused too.
+        let (b, policy) = bundle(purposed(EvidencePurpose::Attestation), |p, c| {
+            attest_claims(p, &c.receipt_key, EvidencePurpose::Channel, c, &[]).unwrap()
+        });
+        assert!(b.verify(&policy, b"nonce").1.is_none());
+    }
+
+    /// A bundle archived before documents carried a purpose still
+    /// verifies, and says it is legacy evidence.
+    #[test]
+    fn legacy_evidence_verifies_as_legacy() {
+        let legacy = |p: &MockProvider, c: &StageClaims, nonce: &[u8]| {
+            let ud = legacy_claims_binding(p.format(), &crate::cbor::to_vec(c));
+            p.attest(&c.receipt_key, &ud, nonce).unwrap()
+        };
+        let (b, policy) = bundle(legacy, |p, c| legacy(p, c, &[]));
+        let (lines, ok) = b.verify(&policy, b"nonce");
+        assert!(ok.is_some(), "{lines:?}");
+        assert!(
+            lines.iter().any(|l| l.ok && l.detail.contains("LEGACY")),
+            "{lines:?}"
+        );
     }
 }

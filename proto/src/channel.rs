@@ -4,9 +4,10 @@
 //! 1. initiator → responder `ClientHello { version, attested, eph_i, challenge_i }`
 //! 2. responder → initiator `ServerHello { eph_r, challenge_r, evidence_r,
 //!    claims_r? }`, where evidence_r binds `public_key = eph_r`,
-//!    `nonce = challenge_i` and the stage's claims: mock evidence carries
-//!    `user_data = CBOR(StageClaims)`, Nitro evidence its digest with the
-//!    claims beside it in `claims_r` (see [`crate::attestation::claims_binding`]);
+//!    `nonce = challenge_i` and the stage's claims for the `channel`
+//!    purpose: mock evidence carries `user_data = "channel" ‖ 0 ‖
+//!    CBOR(StageClaims)`, Nitro evidence a digest of both with the claims
+//!    beside it in `claims_r` (see [`crate::attestation::claims_binding`]);
 //! 3. initiator → responder `Finish { evidence_i?, claims_i? }` (a stage
 //!    initiator binds `eph_i` and `challenge_r` the same way; the host
 //!    gateway has no evidence);
@@ -30,7 +31,7 @@
 
 use crate::attestation::{
     attest_claims, bound_claims, AnyVerifier, AttestationProvider, Evidence, EvidenceFormat,
-    EvidenceVerifier, VerifiedDocument,
+    EvidencePurpose, EvidenceVerifier, VerifiedDocument,
 };
 use crate::digest::Sha256Digest;
 use crate::frames::StageClaims;
@@ -171,7 +172,7 @@ impl LocalIdentity {
     fn attest(&self, eph: &[u8; 32], nonce: &[u8; 32]) -> Result<Option<Attested>, ChannelError> {
         match (&self.provider, &self.claims) {
             (Some(p), Some(c)) => {
-                let evidence = attest_claims(p.as_ref(), eph, c, nonce)
+                let evidence = attest_claims(p.as_ref(), eph, EvidencePurpose::Channel, c, nonce)
                     .map_err(|e| ChannelError::Handshake(e.to_string()))?;
                 let carried =
                     (evidence.format != EvidenceFormat::Mock).then(|| crate::cbor::to_vec(c));
@@ -504,8 +505,8 @@ fn verify_peer(
             "evidence is not bound to our challenge (stale or replayed evidence)".into(),
         ));
     }
-    let claims: StageClaims =
-        bound_claims(&doc, carried_claims).map_err(ChannelError::PeerRejected)?;
+    let claims: StageClaims = bound_claims(&doc, EvidencePurpose::Channel, carried_claims)
+        .map_err(ChannelError::PeerRejected)?;
     Ok(PeerInfo {
         evidence: Some(evidence),
         document: Some(doc),

@@ -1,7 +1,7 @@
 //! What a stage claims about itself ([`StageClaims`]: position, layers,
 //! model, keys, weight format), and how the claims are bound into its
-//! attestation documents ([`claims_binding`], [`attest_claims`],
-//! [`bound_claims`]). Built only on the evidence types; the attestation
+//! attestation documents for a purpose ([`EvidencePurpose`],
+//! [`claims_binding`], [`attest_claims`], [`bound_claims`]). Built only on the evidence types; the attestation
 //! code, the Nitro provider, the policy and the frames build on it.
 
 use crate::digest::Sha256Digest;
@@ -104,48 +104,115 @@ impl StageClaims {
     }
 }
 
-/// Domain label of the claims digest Nitro documents carry in `user_data`.
-const CLAIMS_DIGEST_LABEL: &str = "stage-claims/v1";
+/// What an attestation document was made for. The purpose is bound with
+/// the claims ([`claims_binding`]), so evidence made for one purpose is
+/// never accepted for another: a document fetched through
+/// `/v1/attestation` cannot pass as channel or boot evidence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvidencePurpose {
+    /// The attested channel handshake (binds the channel's ephemeral key
+    /// and the peer's challenge).
+    Channel,
+    /// Made at stage start (binds the receipt key, empty nonce); receipt
+    /// links name its digest.
+    Boot,
+    /// Fresh evidence for a verifier's nonce (`/v1/attestation`).
+    Attestation,
+}
 
-/// What a document of `format` carries in `user_data` for a stage's claims
-/// (their CBOR encoding, `claims_cbor`): mock documents carry the claims
-/// themselves; Nitro documents carry `H("stage-claims/v1"; claims_cbor)`
-/// (32 bytes), because the NSM takes at most 512 bytes of user data, and
-/// the claims travel beside the document.
-pub fn claims_binding(format: EvidenceFormat, claims_cbor: &[u8]) -> Vec<u8> {
+impl EvidencePurpose {
+    /// The label bound into the document.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Channel => "channel",
+            Self::Boot => "boot",
+            Self::Attestation => "attestation",
+        }
+    }
+}
+
+/// Domain label of the claims digest Nitro documents carry in `user_data`.
+const CLAIMS_DIGEST_LABEL: &str = "stage-claims/v2";
+/// The label before documents carried a purpose.
+const LEGACY_CLAIMS_DIGEST_LABEL: &str = "stage-claims/v1";
+
+/// What a document of `format` made for `purpose` carries in `user_data`
+/// for a stage's claims (their CBOR encoding, `claims_cbor`): mock
+/// documents carry the purpose label, a zero byte and the claims
+/// themselves; Nitro documents carry `H("stage-claims/v2"; label,
+/// claims_cbor)` (32 bytes), because the NSM takes at most 512 bytes of
+/// user data, and the claims travel beside the document.
+pub fn claims_binding(
+    format: EvidenceFormat,
+    purpose: EvidencePurpose,
+    claims_cbor: &[u8],
+) -> Vec<u8> {
+    match format {
+        EvidenceFormat::Mock => [purpose.label().as_bytes(), &[0], claims_cbor].concat(),
+        EvidenceFormat::Nitro => Sha256Digest::of_parts(
+            CLAIMS_DIGEST_LABEL,
+            &[purpose.label().as_bytes(), claims_cbor],
+        )
+        .0
+        .to_vec(),
+    }
+}
+
+/// The binding of documents made before they carried a purpose (mock: the
+/// claims; Nitro: `H("stage-claims/v1"; claims_cbor)`). Accepted only when
+/// an evidence bundle archived then is verified, and reported as such.
+pub fn legacy_claims_binding(format: EvidenceFormat, claims_cbor: &[u8]) -> Vec<u8> {
     match format {
         EvidenceFormat::Mock => claims_cbor.to_vec(),
-        EvidenceFormat::Nitro => Sha256Digest::of_parts(CLAIMS_DIGEST_LABEL, &[claims_cbor])
+        EvidenceFormat::Nitro => Sha256Digest::of_parts(LEGACY_CLAIMS_DIGEST_LABEL, &[claims_cbor])
             .0
             .to_vec(),
     }
 }
 
-/// Asks `provider` for a document binding `public_key`, `claims` (as
-/// [`claims_binding`] says for its format) and `nonce`.
+/// Asks `provider` for a document made for `purpose` binding `public_key`,
+/// `claims` (as [`claims_binding`] says for its format) and `nonce`.
 pub fn attest_claims(
     provider: &dyn AttestationProvider,
     public_key: &[u8],
+    purpose: EvidencePurpose,
     claims: &StageClaims,
     nonce: &[u8],
 ) -> Result<Evidence, AttestError> {
-    let user_data = claims_binding(provider.format(), &crate::cbor::to_vec(claims));
+    let user_data = claims_binding(provider.format(), purpose, &crate::cbor::to_vec(claims));
     provider.attest(public_key, &user_data, nonce)
 }
 
-/// The claims a verified document binds. Mock documents carry them in
-/// `user_data` (`carried`, when given, must be the same bytes); Nitro
-/// documents carry their digest, and `carried` (the claims sent beside the
-/// document) must match it.
-pub fn bound_claims(doc: &VerifiedDocument, carried: Option<&[u8]>) -> Result<StageClaims, String> {
+/// The claims a verified document made for `purpose` binds. Mock documents
+/// carry them in `user_data` after the purpose label (`carried`, when
+/// given, must be the same bytes); Nitro documents carry their digest, and
+/// `carried` (the claims sent beside the document) must match it. A
+/// document made for another purpose is refused.
+pub fn bound_claims(
+    doc: &VerifiedDocument,
+    purpose: EvidencePurpose,
+    carried: Option<&[u8]>,
+) -> Result<StageClaims, String> {
     let bytes = match (doc.format, carried) {
-        (EvidenceFormat::Mock, None) => doc.user_data.as_slice(),
+        (EvidenceFormat::Mock, None) => doc
+            .user_data
+            .strip_prefix(purpose.label().as_bytes())
+            .and_then(|rest| rest.strip_prefix(&[0]))
+            .ok_or_else(|| {
+                format!(
+                    "the evidence was not made for the {} purpose",
+                    purpose.label()
+                )
+            })?,
         (EvidenceFormat::Nitro, None) => {
             return Err("Nitro evidence arrived without the claims it binds".into())
         }
         (format, Some(c)) => {
-            if claims_binding(format, c) != doc.user_data {
-                return Err("the evidence does not bind these claims".into());
+            if claims_binding(format, purpose, c) != doc.user_data {
+                return Err(format!(
+                    "the evidence does not bind these claims for the {} purpose",
+                    purpose.label()
+                ));
             }
             c
         }

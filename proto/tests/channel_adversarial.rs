@@ -44,7 +44,10 @@ async fn host_and_stage_exchange_messages_through_a_counting_relay() {
     let doc = ipeer.document.as_ref().expect("verified document");
     assert_eq!(doc.format, EvidenceFormat::Mock);
     assert_eq!(doc.module_id, "stage-1");
-    assert_eq!(doc.user_data, proto::cbor::to_vec(&claims(1)));
+    assert_eq!(
+        doc.user_data,
+        [b"channel\0".as_slice(), &proto::cbor::to_vec(&claims(1))].concat()
+    );
     assert_eq!(doc.public_key.len(), 32);
     assert_eq!(doc.nonce.len(), 32);
 

@@ -16,7 +16,7 @@
 use coset::{iana, CborSerializable, CoseSign1Builder, HeaderBuilder, TaggedCborSerializable};
 use proto::attestation::{
     attest_claims, claims_binding, AnyVerifier, AttestError, AttestationProvider, BindingError,
-    Evidence, EvidenceFormat, ExpectedBinding, Measurement, VerifiedDocument,
+    Evidence, EvidenceFormat, EvidencePurpose, ExpectedBinding, Measurement, VerifiedDocument,
 };
 use proto::channel::{self, ChannelLimits, LocalIdentity, PeerInfo};
 use proto::digest::Sha256Digest;
@@ -764,7 +764,11 @@ async fn stage_channel_accepts_nitro_evidence_that_matches_the_policy() {
     assert_eq!(c, claims(0));
     assert_eq!(
         doc.user_data,
-        claims_binding(EvidenceFormat::Nitro, &proto::cbor::to_vec(&c))
+        claims_binding(
+            EvidenceFormat::Nitro,
+            EvidencePurpose::Channel,
+            &proto::cbor::to_vec(&c)
+        )
     );
     assert_eq!(doc.user_data.len(), 32);
 
@@ -780,28 +784,31 @@ async fn stage_channel_accepts_nitro_evidence_that_matches_the_policy() {
     assert!(e.contains("not trusted"), "{e}");
 }
 
+/// A Nitro provider (self-made chain) that binds `claims` for `purpose`,
+/// whatever it is asked to bind.
+struct BindsOther(Arc<TestCa>, EvidencePurpose, StageClaims);
+
+impl AttestationProvider for BindsOther {
+    fn format(&self) -> EvidenceFormat {
+        EvidenceFormat::Nitro
+    }
+    fn attest(&self, pk: &[u8], _ud: &[u8], nonce: &[u8]) -> Result<Evidence, AttestError> {
+        let ud = claims_binding(EvidenceFormat::Nitro, self.1, &proto::cbor::to_vec(&self.2));
+        Ok(Evidence {
+            format: EvidenceFormat::Nitro,
+            document: self.0.document(pk, &ud, nonce),
+        })
+    }
+}
+
 #[tokio::test]
 async fn nitro_evidence_binding_other_claims_is_refused() {
-    /// Binds the digest of claims other than the ones it sends.
-    struct Lying(Arc<TestCa>);
-    impl AttestationProvider for Lying {
-        fn format(&self) -> EvidenceFormat {
-            EvidenceFormat::Nitro
-        }
-        fn attest(&self, pk: &[u8], _ud: &[u8], nonce: &[u8]) -> Result<Evidence, AttestError> {
-            let other = claims_binding(EvidenceFormat::Nitro, &proto::cbor::to_vec(&claims(1)));
-            Ok(Evidence {
-                format: EvidenceFormat::Nitro,
-                document: self.0.document(pk, &other, nonce),
-            })
-        }
-    }
     let ca = Arc::new(own_ca());
     let verifier = AnyVerifier {
         nitro: ca.verifier(),
     };
     let e = handshake_with(
-        Arc::new(Lying(ca.clone())),
+        Arc::new(BindsOther(ca.clone(), EvidencePurpose::Channel, claims(1))),
         verifier,
         synth_policy(&hex::encode(vec![0x10u8; 48])),
     )
@@ -812,14 +819,47 @@ async fn nitro_evidence_binding_other_claims_is_refused() {
 
 #[test]
 fn attest_claims_binds_the_claims_digest_for_nitro() {
+    use proto::attestation::bound_claims;
     let ca = Arc::new(own_ca());
     let provider = SynthProvider(ca.clone());
-    let ev = attest_claims(&provider, b"key", &claims(0), b"n").unwrap();
+    let ev = attest_claims(&provider, b"key", EvidencePurpose::Boot, &claims(0), b"n").unwrap();
     let doc = ca.verifier().verify(&ev.document).unwrap().document;
-    let bound = proto::attestation::bound_claims(&doc, Some(&proto::cbor::to_vec(&claims(0))));
+    let c0 = proto::cbor::to_vec(&claims(0));
+    let bound = bound_claims(&doc, EvidencePurpose::Boot, Some(&c0));
     assert_eq!(bound, Ok(claims(0)));
-    assert!(proto::attestation::bound_claims(&doc, None).is_err());
-    assert!(
-        proto::attestation::bound_claims(&doc, Some(&proto::cbor::to_vec(&claims(1)))).is_err()
-    );
+    assert!(bound_claims(&doc, EvidencePurpose::Boot, None).is_err());
+    let c1 = proto::cbor::to_vec(&claims(1));
+    assert!(bound_claims(&doc, EvidencePurpose::Boot, Some(&c1)).is_err());
+    // Made for one purpose, refused for the others.
+    for other in [EvidencePurpose::Channel, EvidencePurpose::Attestation] {
+        let e = bound_claims(&doc, other, Some(&c0)).unwrap_err();
+        assert!(e.contains(other.label()), "{e}");
+    }
+}
+
+/// Issue 18, finding 6: a stage whose channel evidence was made for
+/// another purpose (e.g. a document obtained through `/v1/attestation`,
+/// binding the right key, nonce and claims) is refused in the handshake.
+#[tokio::test]
+async fn evidence_made_for_another_purpose_is_not_channel_evidence() {
+    let ca = Arc::new(own_ca());
+    let pcr0 = hex::encode(vec![0x10u8; 48]);
+    for purpose in [EvidencePurpose::Attestation, EvidencePurpose::Boot] {
+        let verifier = AnyVerifier {
+            nitro: ca.verifier(),
+        };
+        let provider = Arc::new(BindsOther(ca.clone(), purpose, claims(0)));
+        let e = handshake_with(provider, verifier, synth_policy(&pcr0))
+            .await
+            .unwrap_err();
+        assert!(e.contains("for the channel purpose"), "{purpose:?}: {e}");
+    }
+    // The same provider making channel evidence is accepted.
+    let verifier = AnyVerifier {
+        nitro: ca.verifier(),
+    };
+    let provider = Arc::new(BindsOther(ca.clone(), EvidencePurpose::Channel, claims(0)));
+    handshake_with(provider, verifier, synth_policy(&pcr0))
+        .await
+        .unwrap();
 }

@@ -7,7 +7,7 @@ use crate::compute::{failure, Output, Work};
 use crate::engine::Engine;
 use crate::generation::model::GenModel;
 use crate::keys::StageKeys;
-use proto::attestation::{attest_claims, AttestationProvider, Measurement};
+use proto::attestation::{attest_claims, AttestationProvider, EvidencePurpose, Measurement};
 use proto::channel::{
     self, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
 };
@@ -366,6 +366,7 @@ impl StageServer {
                     match attest_claims(
                         self.provider.as_ref(),
                         &self.claims().receipt_key,
+                        EvidencePurpose::Attestation,
                         self.claims(),
                         &nonce,
                     ) {

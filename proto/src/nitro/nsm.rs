@@ -159,7 +159,7 @@ pub fn own_measurement(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::claims::{attest_claims, bound_claims, claims_binding};
+    use crate::claims::{attest_claims, bound_claims, claims_binding, EvidencePurpose};
     use crate::digest::Sha256Digest;
     use crate::frames::StageClaims;
     use crate::nitro::NitroVerifier;
@@ -252,10 +252,14 @@ mod tests {
         let p = recorder(|| Response::Attestation {
             document: RECORDED.to_vec(),
         });
-        attest_claims(&p, &[5; 32], &claims, &[6; 32]).unwrap();
+        attest_claims(&p, &[5; 32], EvidencePurpose::Channel, &claims, &[6; 32]).unwrap();
         let seen = p.device.seen.lock().unwrap();
         assert_eq!(seen.len(), 1);
-        let digest = claims_binding(EvidenceFormat::Nitro, &crate::cbor::to_vec(&claims));
+        let digest = claims_binding(
+            EvidenceFormat::Nitro,
+            EvidencePurpose::Channel,
+            &crate::cbor::to_vec(&claims),
+        );
         assert_eq!(digest.len(), 32);
         // The request the device saw carried the digest, the key and the nonce.
         let want = format!(
@@ -282,7 +286,7 @@ mod tests {
         assert_eq!(doc.user_data, b"hello, world!");
         // This recording binds no claims digest: a verifier refuses it as
         // stage evidence.
-        assert!(bound_claims(&doc, Some(b"claims")).is_err());
+        assert!(bound_claims(&doc, EvidencePurpose::Channel, Some(b"claims")).is_err());
         // (The evidence verifier dispatch on recorded documents is tested in
         // tests/nitro.rs.)
     }
