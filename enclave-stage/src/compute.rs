@@ -69,6 +69,8 @@ pub enum Work {
         /// The request.
         request_id: u64,
     },
+    /// The pipeline this stage served was torn down: drop every request.
+    Reset,
 }
 
 /// What the compute thread (or a session) sends downstream.
@@ -157,6 +159,10 @@ impl Compute {
                         self.send(failure(self.engine.claims.is_exit(), request_id, error));
                     }
                     Work::Cancel { request_id } => self.tracker.forget(request_id),
+                    Work::Reset => {
+                        seqs.clear();
+                        self.tracker.clear();
+                    }
                     Work::BeginGeneration { .. } | Work::Activation(_) | Work::Feedback(_) => {
                         tracing::warn!("generation work sent to an embedding stage; ignored")
                     }

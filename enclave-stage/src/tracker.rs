@@ -192,6 +192,11 @@ impl Tracker {
         self.requests.remove(&request_id);
     }
 
+    /// Stops tracking every request.
+    pub fn clear(&mut self) {
+        self.requests.clear();
+    }
+
     /// If the request is complete in this stage, signs this stage's link and
     /// returns what to send on.
     pub fn try_finish(

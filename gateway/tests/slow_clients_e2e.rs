@@ -42,6 +42,52 @@ async fn a_slow_request_head_is_cut_off() {
     assert_eq!(r.status(), 200);
 }
 
+/// A kept-alive connection that sends nothing after its first request is
+/// closed once the header-read timeout passes (an idle timeout), so idle
+/// clients do not hold connection slots for ever.
+#[tokio::test]
+async fn an_idle_kept_alive_connection_is_closed() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let gw = Gateway::start(Options {
+        server_extra: "header_read_timeout_secs = 1\n".into(),
+        ..Options::default()
+    });
+    let addr = gw.url.strip_prefix("http://").unwrap().to_string();
+    let (answered, idle_for) = tokio::task::spawn_blocking(move || {
+        let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+        conn.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            .unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let mut r = BufReader::new(conn);
+        let mut status = String::new();
+        r.read_line(&mut status).unwrap();
+        let mut length = 0usize;
+        loop {
+            let mut h = String::new();
+            r.read_line(&mut h).unwrap();
+            if h == "\r\n" {
+                break;
+            }
+            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap();
+            }
+        }
+        let mut body = vec![0u8; length];
+        r.read_exact(&mut body).unwrap();
+        // Now idle: the gateway closes the connection (EOF, not our timeout).
+        let t0 = Instant::now();
+        let mut rest = Vec::new();
+        let closed = r.read_to_end(&mut rest).is_ok() && rest.is_empty();
+        assert!(closed, "the idle connection was not closed: {rest:?}");
+        (status, t0.elapsed())
+    })
+    .await
+    .unwrap();
+    assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
+    assert!(idle_for >= Duration::from_millis(900), "{idle_for:?}");
+}
+
 /// A client that sends a streamed chat request and then never reads: once
 /// the socket and the gateway's queue are full, the gateway waits the
 /// route's deadline, cuts the stream (counted as `client_stopped_reading`)
@@ -133,13 +179,6 @@ async fn a_stream_whose_client_never_reads_is_cancelled() {
         sample(&m, "gateway_streams_cut_total{reason=\"pipeline\"}"),
         0.0
     );
-    let (status, b, _) = post_json(
-        &gw.url,
-        "/v1/chat/completions",
-        &json!({"model": "SmolLM2-135M-Instruct", "max_tokens": 4,
-                "messages": [{"role": "user", "content": "Hi"}]}),
-    )
-    .await;
-    assert_eq!(status, 200, "{b}");
+    assert_chat_serves(&gw.url).await;
     drop(conn);
 }

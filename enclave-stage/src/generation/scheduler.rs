@@ -102,6 +102,14 @@ impl Scheduler {
         }
     }
 
+    /// Drops every request, waiting or running.
+    pub fn clear(&mut self) {
+        self.waiting.clear();
+        self.running.clear();
+        self.ready.clear();
+        self.used = 0;
+    }
+
     /// KV tokens reserved by running requests.
     pub fn kv_tokens_used(&self) -> usize {
         self.used

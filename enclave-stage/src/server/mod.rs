@@ -132,6 +132,11 @@ pub struct StageServer {
     /// (and so take its output) until it closes.
     owner: std::sync::Mutex<Option<u64>>,
     next_session: AtomicU64,
+    /// Configuration epoch: bumped when the owner's host channel closes
+    /// (the pipeline it served is gone). Work reaches the compute thread
+    /// only from channels of the current epoch ([`Self::submit`]), so
+    /// nothing of a torn-down pipeline outlives its `Work::Reset`.
+    epoch: std::sync::Mutex<u64>,
     max_inputs: usize,
 }
 
@@ -166,6 +171,7 @@ impl StageServer {
             next_sink: AtomicU64::new(1),
             owner: std::sync::Mutex::new(None),
             next_session: AtomicU64::new(1),
+            epoch: std::sync::Mutex::new(0),
             max_inputs: setup.max_inputs,
         })
     }
@@ -293,6 +299,56 @@ impl StageServer {
         }
     }
 
+    /// The current configuration epoch.
+    fn current_epoch(&self) -> u64 {
+        *self.epoch.lock().unwrap()
+    }
+
+    /// Hands `works` to the compute thread if the stage is still in
+    /// configuration `epoch`; `false` (nothing sent) if the pipeline they
+    /// came from was torn down since. Checked and sent under one lock, so
+    /// no work of an old epoch can follow its `Work::Reset`.
+    pub(super) fn submit(&self, epoch: u64, works: impl IntoIterator<Item = Work>) -> bool {
+        let current = self.epoch.lock().unwrap();
+        if *current != epoch {
+            return false;
+        }
+        for w in works {
+            if self.work.send(w).is_err() {
+                tracing::error!("compute thread is gone");
+                return false;
+            }
+        }
+        true
+    }
+
+    /// The host channel that configured the stage closed: its pipeline is
+    /// gone. Every request of it is dropped in the compute thread (freeing
+    /// trackers, sequences and KV cache), and the channels it set up (to
+    /// the next stage, and the exit stage's feedback channel) are closed,
+    /// so the stages beside this one drop theirs too.
+    async fn tear_down(&self) {
+        {
+            let mut epoch = self.epoch.lock().unwrap();
+            *epoch += 1;
+            if self.work.send(Work::Reset).is_err() {
+                tracing::error!("compute thread is gone");
+            }
+        }
+        let sink = self.sink.lock().await.take();
+        let feedback = self.feedback.lock().await.take();
+        // Not awaited here: a send stuck on a dead peer holds the lock.
+        tokio::spawn(async move {
+            if let Some(s) = sink {
+                s.tx.lock().await.shutdown().await;
+            }
+            if let Some(f) = feedback {
+                f.lock().await.shutdown().await;
+            }
+        });
+        tracing::info!("pipeline torn down: its requests are dropped and its channels closed");
+    }
+
     /// Makes host channel `session` the stage's owner, unless another
     /// open host channel already is.
     fn claim_ownership(&self, session: u64) -> Result<(), String> {
@@ -313,6 +369,9 @@ impl StageServer {
     async fn host_session(self: &Arc<Self>, tx: SharedSender, mut rx: ChannelReceiver) {
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
         let mut my_sink: Option<u64> = None;
+        // Set once this channel configured the stage: only then may it
+        // send requests and cancellations.
+        let mut my_epoch: Option<u64> = None;
         loop {
             let msg = match rx.recv_msg::<HostMessage>().await {
                 Ok(Some(m)) => m,
@@ -333,6 +392,7 @@ impl StageServer {
                             if id.is_some() {
                                 my_sink = id;
                             }
+                            my_epoch = Some(self.current_epoch());
                             Some(StageReply::Configured {
                                 boot_evidence: self.keys.boot_evidence.clone(),
                             })
@@ -344,9 +404,11 @@ impl StageServer {
                     }
                 }
                 HostMessage::Cancel { request_id } => {
-                    if self.work.send(Work::Cancel { request_id }).is_err() {
-                        tracing::error!("compute thread is gone");
-                    }
+                    let Some(epoch) = my_epoch else {
+                        tracing::warn!("cancellation from a host channel that did not configure the stage; closing");
+                        break;
+                    };
+                    self.submit(epoch, [Work::Cancel { request_id }]);
                     None
                 }
                 HostMessage::Request(req) => {
@@ -354,7 +416,13 @@ impl StageServer {
                         tracing::warn!("request sent to a non-entry stage; closing");
                         break;
                     }
-                    self.accept_request(req).await;
+                    let Some(epoch) = my_epoch else {
+                        tracing::warn!(
+                            "request from a host channel that did not configure the stage; closing"
+                        );
+                        break;
+                    };
+                    self.accept_request(req, epoch).await;
                     None
                 }
                 HostMessage::Stats => Some(StageReply::Stats(crate::stats::STATS.snapshot())),
@@ -390,10 +458,17 @@ impl StageServer {
             *sink = None;
         }
         drop(sink);
-        let mut owner = self.owner.lock().unwrap();
-        if *owner == Some(session) {
+        let owned = {
+            let mut owner = self.owner.lock().unwrap();
+            let owned = *owner == Some(session);
+            if owned {
+                *owner = None;
+            }
+            owned
+        };
+        if owned {
             tracing::info!("the host channel that configured this stage closed");
-            *owner = None;
+            self.tear_down().await;
         }
     }
 
@@ -506,6 +581,7 @@ impl StageServer {
     }
 
     async fn upstream_session(&self, mut rx: ChannelReceiver) {
+        let epoch = self.current_epoch();
         loop {
             let work = match rx.recv_msg::<ActivationMessage>().await {
                 Ok(Some(ActivationMessage::Begin(ctx))) => Work::Begin(ctx),
@@ -533,8 +609,8 @@ impl StageServer {
                     return;
                 }
             };
-            if self.work.send(work).is_err() {
-                tracing::error!("compute thread is gone");
+            if !self.submit(epoch, [work]) {
+                tracing::info!("upstream channel of a torn-down pipeline; closing it");
                 return;
             }
         }

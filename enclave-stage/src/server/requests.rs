@@ -10,7 +10,8 @@ impl StageServer {
     /// Opens, validates and tokenizes a sealed request, then hands its
     /// context and sequences to the compute thread. Errors after the body is
     /// open are sealed to the client.
-    pub(super) async fn accept_request(&self, req: SealedRequest) {
+    /// `epoch` is the configuration epoch of the host channel it came on.
+    pub(super) async fn accept_request(&self, req: SealedRequest, epoch: u64) {
         let exit = self.model.claims().is_exit();
         let request_id = req.request_id;
         let (plaintext, key) = match self.open(&req) {
@@ -49,7 +50,7 @@ impl StageServer {
             StageModel::Embedding(e) => e.clone(),
             StageModel::Generation(g) => {
                 return self
-                    .accept_completion(g.clone(), req, plaintext, key.clone(), &sealed_error)
+                    .accept_completion(g.clone(), req, plaintext, key.clone(), epoch, &sealed_error)
                     .await
             }
         };
@@ -95,10 +96,8 @@ impl StageServer {
             request,
             n_inputs,
         };
-        if self.work.send(Work::Begin(Box::new(ctx))).is_err()
-            || self.work.send(Work::Seqs(seqs)).is_err()
-        {
-            tracing::error!("compute thread is gone");
+        if !self.submit(epoch, [Work::Begin(Box::new(ctx)), Work::Seqs(seqs)]) {
+            tracing::info!("a request outlived its pipeline; dropped");
         }
     }
 
@@ -110,6 +109,7 @@ impl StageServer {
         req: SealedRequest,
         plaintext: Vec<u8>,
         key: ResponseKeyMaterial,
+        epoch: u64,
         sealed_error: &(dyn Fn(ApiError, ErrorKind) -> PipelineError + Send + Sync),
     ) {
         let request_id = req.request_id;
@@ -119,8 +119,8 @@ impl StageServer {
                     ctx: Box::new(ctx),
                     prompts,
                 };
-                if self.work.send(work).is_err() {
-                    tracing::error!("compute thread is gone");
+                if !self.submit(epoch, [work]) {
+                    tracing::info!("a request outlived its pipeline; dropped");
                 }
             }
             Err(api) => {

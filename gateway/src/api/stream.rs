@@ -93,22 +93,14 @@ pub(super) async fn pump_stream(
             Ok(Reply::StreamData(d)) => (d, false, None),
             Ok(Reply::StreamEnd { data, receipt }) => (data, true, receipt),
             other => {
-                // The pipeline broke or went silent: say so to a plain client
-                // (a sealed stream just ends, and its opener sees it truncated).
+                // The pipeline broke or went silent: say so to a plain client.
                 let why = match other {
                     Err(Failure::Timeout) => "The stream stalled and was closed.".to_string(),
                     Err(Failure::NotReady(r)) => format!("The pipeline failed mid-stream: {r}"),
                     _ => "The exit stage answered out of order.".to_string(),
                 };
                 tracing::warn!(error = %why, "stream ended early");
-                metrics.stream_cut(StreamCut::Pipeline);
-                if mode.is_plain() {
-                    let e = ApiError::from_stage(503, why);
-                    let mut ev = b"data: ".to_vec();
-                    ev.extend(e.body_bytes());
-                    ev.extend(b"\n\n");
-                    let _ = tx.send(Bytes::from(ev)).await;
-                }
+                cut_by_pipeline(&mode, &tx, &metrics, why).await;
                 return;
             }
         };
@@ -136,7 +128,7 @@ pub(super) async fn pump_stream(
             Ok(b) => b,
             Err(e) => {
                 tracing::error!(error = %e, "a stream chunk from the exit stage does not open");
-                metrics.stream_cut(StreamCut::Pipeline);
+                cut_by_pipeline(&mode, &tx, &metrics, UNOPENED.into()).await;
                 return;
             }
         };
@@ -161,7 +153,34 @@ pub(super) async fn pump_stream(
             }
         }
         if last {
+            // Chunks that opened before a bad one were passed on; the
+            // stream is whole only if its final chunk opened too.
+            if opener.as_ref().is_some_and(|o| !o.is_complete()) {
+                tracing::error!("the exit stage's stream ended without a final chunk that opens");
+                cut_by_pipeline(&mode, &tx, &metrics, UNOPENED.into()).await;
+            }
             return;
         }
+    }
+}
+
+const UNOPENED: &str = "The exit stage's stream did not open; it was cut short.";
+
+/// Counts a stream the pipeline cut short and, for a plain client, ends it
+/// with an error event (a sealed stream just ends: its opener sees it
+/// truncated).
+async fn cut_by_pipeline(
+    mode: &StreamMode,
+    tx: &tokio::sync::mpsc::Sender<Bytes>,
+    metrics: &Metrics,
+    why: String,
+) {
+    metrics.stream_cut(StreamCut::Pipeline);
+    if mode.is_plain() {
+        let e = ApiError::from_stage(503, why);
+        let mut ev = b"data: ".to_vec();
+        ev.extend(e.body_bytes());
+        ev.extend(b"\n\n");
+        let _ = tx.send(Bytes::from(ev)).await;
     }
 }

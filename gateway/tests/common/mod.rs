@@ -803,6 +803,18 @@ pub fn completions_options(stages: &[[u32; 2]], extra: &str) -> Options {
     }
 }
 
+/// Asserts that the gateway at `url` answers a short chat request with 200.
+pub async fn assert_chat_serves(url: &str) {
+    let (status, b, _) = post_json(
+        url,
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "SmolLM2-135M-Instruct", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{b}");
+}
+
 /// POSTs `body` as JSON to `url` + `path`: status, JSON body (null if none)
 /// and headers.
 pub async fn post_json(

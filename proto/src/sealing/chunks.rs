@@ -124,6 +124,8 @@ pub struct ChunkOpener {
     /// Whether a trailer may end the body (responses only).
     allow_trailer: bool,
     pub(super) trailer: Option<Vec<u8>>,
+    /// The error of a call that also returned opened chunks, for the next call.
+    deferred: Option<SealError>,
 }
 
 impl ChunkOpener {
@@ -136,20 +138,36 @@ impl ChunkOpener {
             state: OpenState::Open,
             allow_trailer,
             trailer: None,
+            deferred: None,
         }
     }
 
     /// Feeds bytes; returns the plaintext of every chunk they completed.
+    ///
+    /// When a chunk fails after others in the same bytes opened, the opened
+    /// (authentic) chunks are returned and the error comes from the next
+    /// call (or [`Self::finish`]), so no genuine plaintext is lost.
     pub fn feed(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, SealError> {
-        let r = self.feed_inner(data);
-        if r.is_err() {
-            self.state = OpenState::Failed;
-            self.buf.clear();
+        if let Some(e) = self.deferred.take() {
+            return Err(e);
         }
-        r
+        let mut out = Vec::new();
+        match self.feed_inner(data, &mut out) {
+            Ok(()) => Ok(out),
+            Err(e) => {
+                self.state = OpenState::Failed;
+                self.buf.clear();
+                if out.is_empty() {
+                    Err(e)
+                } else {
+                    self.deferred = Some(e);
+                    Ok(out)
+                }
+            }
+        }
     }
 
-    pub(super) fn feed_inner(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>, SealError> {
+    fn feed_inner(&mut self, data: &[u8], out: &mut Vec<Vec<u8>>) -> Result<(), SealError> {
         match self.state {
             OpenState::Failed => return Err(SealError::Poisoned),
             OpenState::Done if !data.is_empty() => return Err(SealError::TrailingData),
@@ -157,7 +175,6 @@ impl ChunkOpener {
         }
         self.count(data.len())?;
         self.buf.extend_from_slice(data);
-        let mut out = Vec::new();
         let mut pos = 0;
         let limit = self.limits.max_chunk as u64 + TAG_LEN as u64;
         while self.state == OpenState::Open && self.buf.len() - pos >= LEN_PREFIX {
@@ -199,7 +216,7 @@ impl ChunkOpener {
         if self.state == OpenState::Done && !self.buf.is_empty() {
             return Err(SealError::TrailingData);
         }
-        Ok(out)
+        Ok(())
     }
 
     pub(super) fn count(&mut self, n: usize) -> Result<(), SealError> {
@@ -220,6 +237,9 @@ impl ChunkOpener {
     /// Ends the body: `Ok` only if the final chunk arrived and nothing
     /// followed it.
     pub fn finish(self) -> Result<(), SealError> {
+        if let Some(e) = self.deferred {
+            return Err(e);
+        }
         match self.state {
             OpenState::Done => Ok(()),
             OpenState::Open => Err(SealError::Truncated),

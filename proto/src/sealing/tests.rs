@@ -229,6 +229,39 @@ fn opener_is_poisoned_after_error() {
     assert_eq!(o.finish(), Err(SealError::Poisoned));
 }
 
+/// Issue 15: chunks that opened before a later chunk in the same bytes
+/// failed are returned (they are authentic); the failure comes from the
+/// next call and from `finish`.
+#[test]
+fn chunks_opened_before_a_failure_are_not_lost() {
+    for aead in Aead::ALL {
+        let (h, mut c, _) = multi_chunk(aead, &[b"one", b"two", b"three"]);
+        c[2][5] ^= 1;
+        let (mut o, _) = open_request_stream(&key(), &h, limits()).unwrap();
+        assert_eq!(
+            o.feed(&c.concat()).unwrap(),
+            vec![b"one".to_vec(), b"two".to_vec()]
+        );
+        assert_eq!(o.feed(&[]), Err(SealError::Open));
+        assert_eq!(o.feed(&[]), Err(SealError::Poisoned));
+        let (mut o, _) = open_request_stream(&key(), &h, limits()).unwrap();
+        assert_eq!(o.feed(&c.concat()).unwrap().len(), 2);
+        assert_eq!(o.finish(), Err(SealError::Open));
+        // A response opener passes them on the same way.
+        let (h, body, k) = seal_request(&key().config(), aead, b"q").unwrap();
+        let (_, m) = open_request(&key(), &h, &body).unwrap();
+        let mut rs = ResponseSealer::new(&m).unwrap();
+        let mut resp = rs.seal(b"data: a\n\n", false).unwrap();
+        let mut bad = rs.seal(b"data: b\n\n", false).unwrap();
+        *bad.last_mut().unwrap() ^= 1;
+        resp.extend(bad);
+        let mut ro = ResponseOpener::new(&k, limits());
+        assert_eq!(ro.feed(&resp).unwrap().concat(), b"data: a\n\n");
+        assert_eq!(ro.feed(&[]), Err(SealError::Open));
+        assert_eq!(ro.finish(), Err(SealError::Poisoned));
+    }
+}
+
 #[test]
 fn wrong_key_and_unknown_key_id() {
     let (h, body, _) = seal_request(&key().config(), Aead::ChaCha20Poly1305, b"x").unwrap();

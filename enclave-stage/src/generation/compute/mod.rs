@@ -245,6 +245,7 @@ impl Generator {
             } => self.upstream_links(request_id, links, timings),
             Work::Failed { request_id, error } => self.upstream_failed(request_id, error),
             Work::Cancel { request_id } => self.cancel(request_id),
+            Work::Reset => self.reset(),
             Work::Begin(_) | Work::Seqs(_) | Work::Batch(_) | Work::Activation(_) => {
                 tracing::warn!("embedding work sent to a generation stage; ignored")
             }
@@ -413,6 +414,22 @@ impl Generator {
             self.part.free(seq_key(request_id, c));
         }
         Some(r)
+    }
+
+    /// The pipeline was torn down: frees every request's sequences and KV
+    /// caches (nothing is sent: its channels are gone).
+    fn reset(&mut self) {
+        if let Some(s) = self.sched.as_mut() {
+            s.clear();
+        }
+        let ids: Vec<u64> = self.requests.keys().copied().collect();
+        let n = ids.len();
+        for id in ids {
+            self.forget(id);
+        }
+        if n > 0 {
+            tracing::info!(requests = n, "requests of a torn-down pipeline freed");
+        }
     }
 
     fn cancel(&mut self, request_id: u64) {
