@@ -340,6 +340,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
         auth: std::sync::Arc::new(api_keys),
         metrics,
         shutdown: shutdown.clone(),
+        attestation: std::sync::Arc::new(crate::attestation_limits::AttestationLimits::new(
+            cfg.server.attestation_per_minute,
+            Duration::from_secs(cfg.server.attestation_cache_secs),
+        )),
     };
     let listener = serve::bind(&cfg.server.listen, cfg.server.send_buffer_bytes)
         .await

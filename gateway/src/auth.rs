@@ -177,15 +177,7 @@ fn unauthorized(message: &str) -> Response {
 }
 
 fn too_many(message: String, retry_after: u64) -> Response {
-    ApiError {
-        status: StatusCode::TOO_MANY_REQUESTS,
-        message,
-        kind: "requests",
-        param: None,
-        code: Some("rate_limit_exceeded"),
-        retry_after: Some(retry_after),
-    }
-    .into_response()
+    ApiError::rate_limited(message, retry_after).into_response()
 }
 
 /// The bearer token of a request, if it has one.

@@ -11,6 +11,7 @@
 
 pub mod api;
 pub mod app;
+pub mod attestation_limits;
 pub mod auth;
 pub mod cli;
 pub mod config;

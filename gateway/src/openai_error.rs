@@ -113,6 +113,15 @@ impl ApiError {
         }
     }
 
+    /// 429 `rate_limit_exceeded` + `Retry-After` (OpenAI's type `requests`).
+    pub fn rate_limited(message: impl Into<String>, retry_after_secs: u64) -> Self {
+        Self {
+            code: Some("rate_limit_exceeded"),
+            retry_after: Some(retry_after_secs),
+            ..Self::new(StatusCode::TOO_MANY_REQUESTS, "requests", message)
+        }
+    }
+
     /// 504 when a request times out.
     pub fn timeout(secs: u64) -> Self {
         Self {

@@ -258,6 +258,12 @@ impl Pipeline {
         }
     }
 
+    /// The current connection's epoch (`None` while the pipeline is down):
+    /// it changes whenever the pipeline is rebuilt, with new stage keys.
+    pub fn epoch(&self) -> Option<u64> {
+        self.connected.lock().unwrap().as_ref().map(|c| c.epoch)
+    }
+
     /// The entry stage's published HPKE key configurations (enclave-held).
     pub fn entry_keys(&self) -> Result<Vec<KeyConfig>, String> {
         match &*self.connected.lock().unwrap() {

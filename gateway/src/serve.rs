@@ -71,6 +71,7 @@ pub async fn serve<L>(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) where
     L: Listener,
+    L::Addr: Clone + Send + Sync + 'static,
 {
     let mut builder = Builder::new(TokioExecutor::new());
     builder
@@ -97,15 +98,19 @@ pub async fn serve<L>(
             s = slots.clone().acquire_owned() => s.expect("the semaphore is never closed"),
             _ = stopping.changed() => break,
         };
-        let (io, _addr) = tokio::select! {
+        let (io, addr) = tokio::select! {
             c = listener.accept() => c,
             _ = stopping.changed() => break,
         };
-        let service = TowerToHyperService::new(
-            router
-                .clone()
-                .map_request(|req: Request<Incoming>| req.map(axum::body::Body::new)),
-        );
+        // Handlers see the peer address as `ConnectInfo` (e.g. the
+        // attestation route's per-client rate).
+        let service =
+            TowerToHyperService::new(router.clone().map_request(move |req: Request<Incoming>| {
+                let mut req = req.map(axum::body::Body::new);
+                req.extensions_mut()
+                    .insert(axum::extract::ConnectInfo(addr.clone()));
+                req
+            }));
         let builder = builder.clone();
         let mut signal = signal_tx.subscribe();
         signal.mark_unchanged();

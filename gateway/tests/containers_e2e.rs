@@ -12,7 +12,6 @@
 mod common;
 
 use common::*;
-use proto::bundle::EvidenceBundle;
 use proto::policy::Policy;
 use serde_json::json;
 use std::path::PathBuf;
@@ -437,14 +436,7 @@ async fn compose_pipeline_serves_and_survives_a_stage_restart() {
         assert_eq!(s["evidence"], "mock");
     }
     let nonce = b"containers e2e nonce";
-    let r = client()
-        .get(format!("{url}/v1/attestation?nonce={}", hex::encode(nonce)))
-        .header("accept", "application/cbor")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let bundle: EvidenceBundle = proto::cbor::from_slice(&r.bytes().await.unwrap()).unwrap();
+    let bundle = evidence_bundle(&url, nonce).await;
     let (lines, verified) = bundle.verify(&policy, nonce);
     assert!(verified.is_some(), "bundle must verify: {lines:#?}");
 

@@ -19,14 +19,7 @@ async fn client_policy(url: &str) -> Policy {
 }
 
 async fn bundle(url: &str, nonce: &[u8]) -> EvidenceBundle {
-    let r = client()
-        .get(format!("{url}/v1/attestation?nonce={}", hex::encode(nonce)))
-        .header("accept", "application/cbor")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    proto::cbor::from_slice(&r.bytes().await.unwrap()).unwrap()
+    evidence_bundle(url, nonce).await
 }
 
 #[tokio::test]
@@ -264,4 +257,43 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
     assert_eq!(trailer, None, "an error has no receipt");
     let e: serde_json::Value = serde_json::from_slice(&plain).unwrap();
     assert_eq!(e["error"]["code"], "model_not_found");
+}
+
+/// Issue 15: `/v1/attestation` is bounded. Evidence made for a nonce is
+/// served again for that nonce (the same documents, not counted); calls
+/// that need fresh evidence are limited per client address (429 +
+/// `Retry-After`); a new nonce still gets documents made for it.
+#[tokio::test]
+async fn attestation_is_cached_per_nonce_and_rate_limited_per_client() {
+    let gw = Gateway::start(Options {
+        server_extra: "attestation_per_minute = 3\nattestation_cache_secs = 60\n".into(),
+        ..Options::default()
+    });
+    let (s, _, first) = attestation_cbor(&gw.url, b"n-1").await;
+    assert_eq!(s, 200);
+    let (s, _, again) = attestation_cbor(&gw.url, b"n-1").await;
+    assert_eq!(s, 200);
+    assert_eq!(first, again, "the same nonce is answered from the cache");
+    for n in [&b"n-2"[..], b"n-3"] {
+        let (s, _, body) = attestation_cbor(&gw.url, n).await;
+        assert_eq!(s, 200);
+        let b: EvidenceBundle = proto::cbor::from_slice(&body).unwrap();
+        assert_eq!(b.nonce, n, "fresh evidence for the client's own nonce");
+        assert_ne!(b.stages[0].evidence, {
+            let f: EvidenceBundle = proto::cbor::from_slice(&first).unwrap();
+            f.stages[0].evidence.clone()
+        });
+    }
+    // Three fresh calls used the minute's budget.
+    let (s, retry, body) = attestation_cbor(&gw.url, b"n-4").await;
+    assert_eq!(s, 429, "{}", String::from_utf8_lossy(&body));
+    let retry: u64 = retry.expect("retry-after").parse().unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    let e: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_error_shape(&e);
+    assert_eq!(e["error"]["code"], "rate_limit_exceeded");
+    // A cached nonce is still served.
+    let (s, _, cached) = attestation_cbor(&gw.url, b"n-1").await;
+    assert_eq!(s, 200);
+    assert_eq!(cached, first);
 }

@@ -142,6 +142,7 @@ pub(super) async fn hpke_keys(
 
 pub(super) async fn attestation(
     State(s): State<AppState>,
+    peer: Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>,
     headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
@@ -160,23 +161,44 @@ pub(super) async fn attestation(
         },
         None => s.pipeline.clone(),
     };
+    // Evidence for this nonce made moments ago is served again; only a
+    // call that needs fresh evidence counts against the client's rate.
+    let slot = s.attestation.slot(
+        &pipeline.model_id,
+        pipeline.epoch().unwrap_or(u64::MAX),
+        &nonce,
+    );
+    if !slot.initialized() {
+        if let Err(retry) = s.attestation.admit(peer.map(|p| p.0 .0.ip())) {
+            return ApiError::rate_limited(
+                "Too many attestation requests from this address; retry later, or reuse a nonce's evidence.",
+                retry,
+            )
+            .into_response();
+        }
+    }
     let wait = s.limits.routes.for_route(crate::timeouts::ATTESTATION);
-    let stages = match pipeline.attest(&nonce, wait).await {
-        Ok(v) => v,
+    let made = slot
+        .get_or_try_init(|| async {
+            let stages = pipeline.attest(&nonce, wait).await?;
+            Ok::<_, Failure>(Arc::new(EvidenceBundle {
+                nonce: nonce.clone(),
+                manifest: pipeline.manifest_bytes.clone(),
+                stages: stages
+                    .into_iter()
+                    .map(|(st, evidence)| StageEvidence {
+                        index: st.index,
+                        claims: st.claims,
+                        boot_evidence: st.boot_evidence,
+                        evidence,
+                    })
+                    .collect(),
+            }))
+        })
+        .await;
+    let bundle = match made {
+        Ok(b) => b.clone(),
         Err(f) => return failure_response(&s, f),
-    };
-    let bundle = EvidenceBundle {
-        nonce,
-        manifest: pipeline.manifest_bytes.clone(),
-        stages: stages
-            .into_iter()
-            .map(|(st, evidence)| StageEvidence {
-                index: st.index,
-                claims: st.claims,
-                boot_evidence: st.boot_evidence,
-                evidence,
-            })
-            .collect(),
     };
     let wants_cbor = headers
         .get(header::ACCEPT)
@@ -185,7 +207,7 @@ pub(super) async fn attestation(
     if wants_cbor {
         return (
             [(header::CONTENT_TYPE, "application/cbor")],
-            proto::cbor::to_vec(&bundle),
+            proto::cbor::to_vec(bundle.as_ref()),
         )
             .into_response();
     }

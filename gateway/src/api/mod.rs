@@ -73,6 +73,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Graceful shutdown state.
     pub shutdown: Arc<crate::shutdown::Shutdown>,
+    /// `/v1/attestation`'s per-client rate and evidence cache.
+    pub attestation: Arc<crate::attestation_limits::AttestationLimits>,
 }
 
 impl AppState {

@@ -104,6 +104,9 @@ impl GatewayConfig {
         if self.server.max_connections == 0 {
             bail!("{}: must be at least 1", k("server.max_connections"));
         }
+        if self.server.attestation_per_minute == 0 {
+            bail!("{}: must be at least 1", k("server.attestation_per_minute"));
+        }
         if self.server.send_buffer_bytes.is_some_and(|n| n < 4096) {
             bail!("{}: must be at least 4096", k("server.send_buffer_bytes"));
         }

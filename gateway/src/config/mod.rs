@@ -167,6 +167,14 @@ pub struct ServerConfig {
     /// the stalled-reader deadline act sooner.
     #[serde(default)]
     pub send_buffer_bytes: Option<u32>,
+    /// `GET /v1/attestation` calls per client address and minute that need
+    /// fresh evidence from the stages (cached answers are not counted).
+    #[serde(default = "default_attestation_per_minute")]
+    pub attestation_per_minute: u32,
+    /// How long evidence made for a nonce is served again for the same
+    /// nonce (0: never).
+    #[serde(default = "default_attestation_cache_secs")]
+    pub attestation_cache_secs: u64,
     /// `[server.tls]`: serve HTTPS (none: plain HTTP).
     #[serde(default)]
     pub tls: Option<TlsConfig>,
@@ -337,6 +345,12 @@ fn default_shutdown_grace() -> u64 {
 }
 fn default_max_connections() -> usize {
     1024
+}
+fn default_attestation_per_minute() -> u32 {
+    60
+}
+fn default_attestation_cache_secs() -> u64 {
+    10
 }
 fn default_header_read_timeout() -> u64 {
     10

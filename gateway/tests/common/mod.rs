@@ -803,6 +803,32 @@ pub fn completions_options(stages: &[[u32; 2]], extra: &str) -> Options {
     }
 }
 
+/// `GET /v1/attestation?nonce=…` as CBOR: status, `Retry-After`, body.
+pub async fn attestation_cbor(url: &str, nonce: &[u8]) -> (u16, Option<String>, Vec<u8>) {
+    let r = client()
+        .get(format!("{url}/v1/attestation?nonce={}", hex::encode(nonce)))
+        .header("accept", "application/cbor")
+        .send()
+        .await
+        .unwrap();
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_string());
+    (
+        r.status().as_u16(),
+        retry,
+        r.bytes().await.unwrap().to_vec(),
+    )
+}
+
+/// The evidence bundle for `nonce` (panics unless 200).
+pub async fn evidence_bundle(url: &str, nonce: &[u8]) -> proto::bundle::EvidenceBundle {
+    let (status, _, body) = attestation_cbor(url, nonce).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    proto::cbor::from_slice(&body).unwrap()
+}
+
 /// Asserts that the gateway at `url` answers a short chat request with 200.
 pub async fn assert_chat_serves(url: &str) {
     let (status, b, _) = post_json(

@@ -1,0 +1,151 @@
+//! Bounds on `GET /v1/attestation`, which is open to anyone who can reach
+//! the gateway and makes every stage produce fresh evidence (on Nitro, a
+//! call to the Nitro Security Module each):
+//!
+//! - **a short cache per nonce**: evidence made for a nonce is served again
+//!   for the same nonce (and the same pipeline connection) for
+//!   `attestation_cache_secs`; concurrent calls for one nonce share one
+//!   round to the stages. A client that sends its own fresh nonce still gets
+//!   documents made for it, so freshness is not weakened;
+//! - **a per-client rate**: calls that need fresh evidence are counted per
+//!   client address in one-minute windows (`attestation_per_minute`); past
+//!   it the answer is 429 with `Retry-After`.
+//!
+//! Both maps are bounded: expired entries are dropped as new ones arrive,
+//! and past [`MAX_ENTRIES`] a call is served uncached (the cache) or
+//! counted only against the windows already kept (the rate).
+
+use proto::bundle::EvidenceBundle;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::OnceCell;
+
+/// Most cached nonces, and most client windows, kept at once.
+pub const MAX_ENTRIES: usize = 4096;
+const WINDOW: Duration = Duration::from_secs(60);
+
+/// Evidence for one nonce, made once and shared.
+pub type SharedBundle = Arc<OnceCell<Arc<EvidenceBundle>>>;
+
+/// What a cached bundle is for: model, pipeline connection (a reconnect
+/// brings new stage keys), nonce.
+type CacheKey = (String, u64, Vec<u8>);
+
+/// The limiter and cache.
+pub struct AttestationLimits {
+    per_minute: u32,
+    ttl: Duration,
+    windows: Mutex<HashMap<IpAddr, (Instant, u32)>>,
+    cache: Mutex<HashMap<CacheKey, (Instant, SharedBundle)>>,
+}
+
+impl AttestationLimits {
+    /// `per_minute` fresh-evidence calls per client address; evidence kept
+    /// `ttl` per nonce (zero: not kept).
+    pub fn new(per_minute: u32, ttl: Duration) -> Self {
+        Self {
+            per_minute,
+            ttl,
+            windows: Mutex::new(HashMap::new()),
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Counts one call that needs fresh evidence from `client`; `Err` with
+    /// the seconds until its window ends when it is over the rate.
+    pub fn admit(&self, client: Option<IpAddr>) -> Result<(), u64> {
+        let Some(ip) = client else { return Ok(()) };
+        let now = Instant::now();
+        let mut w = self.windows.lock().unwrap();
+        if w.len() >= MAX_ENTRIES && !w.contains_key(&ip) {
+            w.retain(|_, (start, _)| now.duration_since(*start) < WINDOW);
+            if w.len() >= MAX_ENTRIES {
+                return Ok(());
+            }
+        }
+        let (start, count) = w.entry(ip).or_insert((now, 0));
+        if now.duration_since(*start) >= WINDOW {
+            *start = now;
+            *count = 0;
+        }
+        if *count >= self.per_minute {
+            let left = WINDOW.saturating_sub(now.duration_since(*start));
+            return Err(left.as_secs().max(1));
+        }
+        *count += 1;
+        Ok(())
+    }
+
+    /// The shared evidence slot for `nonce` on pipeline `model` at
+    /// connection `epoch`: the cached one while it is young, else a new one
+    /// (kept when the cache is on and has room).
+    pub fn slot(&self, model: &str, epoch: u64, nonce: &[u8]) -> SharedBundle {
+        if self.ttl.is_zero() {
+            return Arc::default();
+        }
+        let now = Instant::now();
+        let key = (model.to_string(), epoch, nonce.to_vec());
+        let mut c = self.cache.lock().unwrap();
+        if let Some((at, slot)) = c.get(&key) {
+            if now.duration_since(*at) < self.ttl {
+                return slot.clone();
+            }
+        }
+        if c.len() >= MAX_ENTRIES {
+            c.retain(|_, (at, _)| now.duration_since(*at) < self.ttl);
+            if c.len() >= MAX_ENTRIES {
+                return Arc::default();
+            }
+        }
+        let slot = SharedBundle::default();
+        c.insert(key, (now, slot.clone()));
+        slot
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_is_per_client_and_per_window() {
+        let l = AttestationLimits::new(2, Duration::from_secs(10));
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        assert_eq!(l.admit(Some(a)), Ok(()));
+        assert_eq!(l.admit(Some(a)), Ok(()));
+        let retry = l.admit(Some(a)).unwrap_err();
+        assert!((1..=60).contains(&retry), "{retry}");
+        assert_eq!(l.admit(Some(b)), Ok(()));
+        // Expired windows make room for new clients.
+        l.windows
+            .lock()
+            .unwrap()
+            .insert(a, (Instant::now() - WINDOW, 2));
+        assert_eq!(l.admit(Some(a)), Ok(()));
+    }
+
+    #[test]
+    fn slots_are_shared_per_nonce_and_connection_while_young() {
+        let l = AttestationLimits::new(1, Duration::from_secs(10));
+        let s1 = l.slot("m", 1, b"n");
+        assert!(Arc::ptr_eq(&s1, &l.slot("m", 1, b"n")));
+        assert!(!Arc::ptr_eq(&s1, &l.slot("m", 1, b"other")));
+        assert!(!Arc::ptr_eq(&s1, &l.slot("m", 2, b"n")), "a new connection");
+        assert!(!Arc::ptr_eq(&s1, &l.slot("x", 1, b"n")));
+        let off = AttestationLimits::new(1, Duration::ZERO);
+        assert!(!Arc::ptr_eq(
+            &off.slot("m", 1, b"n"),
+            &off.slot("m", 1, b"n")
+        ));
+        // Bounded: a full cache of young entries serves uncached.
+        for i in 0..MAX_ENTRIES {
+            l.slot("m", 9, &i.to_be_bytes());
+        }
+        let a = l.slot("m", 9, b"late");
+        assert!(!Arc::ptr_eq(&a, &l.slot("m", 9, b"late")));
+        assert!(l.cache.lock().unwrap().len() <= MAX_ENTRIES);
+    }
+}
