@@ -1,0 +1,141 @@
+//! One decoder block over a packed batch: rotary tables, attention with
+//! each sequence's cache, the causal mask.
+
+use super::*;
+
+/// `cos`/`sin` tables `[max_seq_len, head_dim / 2]`, computed in f32 as
+/// Hugging Face does (`inv_freq = 1 / theta^(2i/d)`, angle = pos × inv_freq).
+pub(super) fn rope_tables(
+    cfg: &LlamaConfig,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let d = cfg.head_dim;
+    let inv_freq: Vec<f32> = (0..d)
+        .step_by(2)
+        .map(|i| 1f32 / cfg.rope_theta.powf(i as f32 / d as f32))
+        .collect();
+    let inv_freq = Tensor::from_vec(inv_freq, (1, d / 2), device)?;
+    let pos = Tensor::arange(0u32, cfg.max_seq_len as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((cfg.max_seq_len, 1))?;
+    let freqs = pos.broadcast_mul(&inv_freq)?;
+    Ok((freqs.cos()?, freqs.sin()?))
+}
+
+/// Query rows per attention chunk of a long prefill.
+pub(super) const ATTN_CHUNK: usize = 256;
+
+/// One decoder layer over a packed batch.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn block_forward(
+    cfg: &LlamaConfig,
+    b: &Block,
+    layer: usize,
+    x: &Tensor,
+    batch: &[SeqSlice],
+    cos: &Tensor,
+    sin: &Tensor,
+    caches: &HashMap<u64, KvCache>,
+) -> candle_core::Result<Tensor> {
+    let eps = cfg.rms_norm_eps as f32;
+    let (t, hidden) = x.dims2()?;
+    let (nh, nkv, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let group = nh / nkv;
+
+    let xn = candle_nn::ops::rms_norm(x, &b.attn_norm, eps)?;
+    // [tokens, heads * d] → [1, heads, tokens, d] for the rotary kernel.
+    let heads = |y: Tensor, n: usize| -> candle_core::Result<Tensor> {
+        y.reshape((t, n, d))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .unsqueeze(0)
+    };
+    let q = heads(b.q.forward(&xn)?, nh)?;
+    let k = heads(b.k.forward(&xn)?, nkv)?;
+    let v = heads(b.v.forward(&xn)?, nkv)?;
+    let q = candle_nn::rotary_emb::rope_i(&q, cos, sin)?.squeeze(0)?;
+    let k = candle_nn::rotary_emb::rope_i(&k, cos, sin)?.squeeze(0)?;
+    let v = v.squeeze(0)?;
+
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut outs = Vec::with_capacity(batch.len());
+    let mut off = 0;
+    for s in batch {
+        let n = s.len;
+        let cache = caches.get(&s.seq_id).expect("prepared");
+        let (kc, vc) = &cache.layers[layer];
+        kc.slice_set(&k.narrow(1, off, n)?.contiguous()?, 1, s.pos)?;
+        vc.slice_set(&v.narrow(1, off, n)?.contiguous()?, 1, s.pos)?;
+        // Long prefills attend in chunks of query rows, so the score matrix
+        // stays at most [kv, group * ATTN_CHUNK, total].
+        let mut c0 = 0;
+        while c0 < n {
+            let c = (n - c0).min(ATTN_CHUNK);
+            let past = s.pos + c0;
+            let total = past + c;
+            let keys = kc.narrow(1, 0, total)?; // [kv, total, d]
+            let vals = vc.narrow(1, 0, total)?;
+            // Query heads that share a KV head are stacked: [kv, group * c, d].
+            let qs = q
+                .narrow(1, off + c0, c)?
+                .contiguous()?
+                .reshape((nkv, group * c, d))?;
+            let mut scores = (qs.matmul(&keys.t()?)? * scale)?; // [kv, group * c, total]
+            if c > 1 {
+                scores = scores.broadcast_add(&causal_mask(group, c, past, x.device())?)?;
+            }
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            let ctx = probs
+                .matmul(&vals)? // [kv, group * c, d]
+                .reshape((nh, c, d))?
+                .transpose(0, 1)?
+                .reshape((c, nh * d))?;
+            outs.push(ctx);
+            c0 += c;
+        }
+        off += n;
+    }
+    let ctx = if outs.len() == 1 {
+        outs.pop().expect("one")
+    } else {
+        Tensor::cat(&outs, 0)?
+    };
+    let x = (x + b.o.forward(&ctx)?)?;
+    debug_assert_eq!(x.dims2()?, (t, hidden));
+
+    let xn = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
+    let act = (candle_nn::ops::silu(&b.gate.forward(&xn)?)? * b.up.forward(&xn)?)?;
+    x + b.down.forward(&act)?
+}
+
+/// Additive causal mask `[group * n, past + n]` for `n` new tokens after
+/// `past` cached ones (rows repeat per query head of a group).
+pub(super) fn causal_mask(
+    group: usize,
+    n: usize,
+    past: usize,
+    dev: &Device,
+) -> candle_core::Result<Tensor> {
+    let total = past + n;
+    let mut m = vec![0f32; group * n * total];
+    for g in 0..group {
+        for i in 0..n {
+            let row = &mut m[(g * n + i) * total..(g * n + i + 1) * total];
+            for x in row.iter_mut().skip(past + i + 1) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
+    Tensor::from_vec(m, (group * n, total), dev)
+}
+
+/// Index of the largest logit of each row of `[rows, vocab]` logits (greedy
+/// decoding). Ties go to the lowest index; NaN never wins.
+pub fn argmax_rows(logits: &Tensor) -> candle_core::Result<Vec<u32>> {
+    Ok(logits
+        .to_dtype(DType::F32)?
+        .to_vec2::<f32>()?
+        .iter()
+        .map(|r| crate::sampling::argmax(r))
+        .collect())
+}
