@@ -150,14 +150,7 @@ impl Engine {
     /// Tokenizes one text (with `[CLS]`/`[SEP]`, truncated to the model's
     /// maximum length).
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
-        let t = self
-            .tokenizer
-            .as_ref()
-            .ok_or("this stage does not tokenize")?;
-        let enc = t
-            .encode(text, true)
-            .map_err(|e| format!("tokenizer: {e}"))?;
-        Ok(enc.get_ids().to_vec())
+        crate::tokens::encode(self.tokenizer.as_ref(), text, true)
     }
 
     /// Pads token sequences into a batch and runs embeddings + this stage's layers.

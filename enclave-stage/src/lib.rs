@@ -18,4 +18,5 @@ pub mod role;
 pub mod sampling;
 pub mod server;
 pub mod stats;
+pub mod tokens;
 pub mod tracker;

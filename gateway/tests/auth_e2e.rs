@@ -82,12 +82,11 @@ async fn keys_limits_and_open_routes() {
         .await
         .unwrap();
     error_body(r, 401, "invalid_api_key").await;
-    let r = client()
-        .post(format!("{}/v1/embeddings", gw.url))
-        .json(&json!({"model": MODEL, "input": "no key"}))
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(
+        &format!("{}/v1/embeddings", gw.url),
+        &json!({"model": MODEL, "input": "no key"}),
+    )
+    .await;
     error_body(r, 401, "invalid_api_key").await;
 
     // The right key works, on every keyed route.

@@ -20,7 +20,8 @@
 mod common;
 
 use common::{
-    assert_error_shape, client, completions_options, post_json, root, sse_events, Gateway,
+    assert_error_shape, completions_options, http_get, http_post, post_json, root, sse_events,
+    Gateway,
 };
 use serde_json::{json, Value};
 
@@ -94,12 +95,7 @@ async fn chat_serves_the_template_streams_and_rejects_what_it_cannot_do() {
     let mut req = base.clone();
     req["stream"] = json!(true);
     req["stream_options"] = json!({"include_usage": true});
-    let r = client()
-        .post(format!("{url}/v1/chat/completions"))
-        .json(&req)
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(&format!("{url}/v1/chat/completions"), &req).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "text/event-stream");
     let receipt_id = r.headers()["receipt-id"].to_str().unwrap().to_string();
@@ -146,11 +142,7 @@ async fn chat_serves_the_template_streams_and_rejects_what_it_cannot_do() {
         );
     }
     assert_ne!(texts[0], texts[1], "the n samples differ");
-    let r = client()
-        .get(format!("{url}/v1/receipts/{receipt_id}"))
-        .send()
-        .await
-        .unwrap();
+    let r = http_get(&format!("{url}/v1/receipts/{receipt_id}")).await;
     assert_eq!(r.status(), 200, "the stream's receipt is kept");
 
     // 3. What the model cannot do is refused, naming the field.

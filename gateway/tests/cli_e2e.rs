@@ -18,7 +18,6 @@ use base64::Engine as _;
 use common::*;
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 const MODEL: &str = "all-MiniLM-L6-v2";
 

@@ -20,27 +20,17 @@
 mod common;
 
 use common::{
-    assert_error_shape, client, completions_options, get_json, p, pinned_policy, post_json, root,
-    sse_events, Gateway,
+    assert_error_shape, client, completions_options, get_json, http_get, http_post, p,
+    pinned_policy, post_json, root, smollm_dir, sse_events, Gateway,
 };
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "SmolLM2-135M-Instruct";
 /// `[completions]` line for the f32 weights (the exact-reference tests).
 const F32: &str = "weights = \"f32\"";
 const EOS: u32 = 2;
-
-fn smollm_dir() -> PathBuf {
-    let d = root().join("models/smollm2-135m-instruct");
-    assert!(
-        d.join("tokenizer.json").exists(),
-        "run scripts/setup.sh first"
-    );
-    d.canonicalize().unwrap()
-}
 
 struct RefItem {
     prompt: String,
@@ -254,11 +244,7 @@ async fn streamed_text_equals_non_streamed_and_its_receipt_verifies() {
     for st in &bundle.stages {
         assert_eq!(st.claims.weights, Some(proto::frames::WeightFormat::Q4_1));
     }
-    let receipt = client()
-        .get(format!("{}/v1/receipts/{receipt_id}", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let receipt = http_get(&format!("{}/v1/receipts/{receipt_id}", gw.url)).await;
     assert_eq!(receipt.status(), 200);
     let receipt = receipt.bytes().await.unwrap();
     let dir = &gw.dir;
@@ -317,12 +303,7 @@ async fn streamed_text_equals_non_streamed_and_its_receipt_verifies() {
 
 /// Reads a streamed completion: (texts by choice, an error event if any, saw [DONE]).
 async fn read_stream(url: &str, body: Value) -> (String, Option<Value>, bool) {
-    let r = client()
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(&format!("{url}/v1/completions"), &body).await;
     assert_eq!(r.status(), 200);
     let bytes = r.bytes().await.unwrap();
     let mut text = String::new();
@@ -413,12 +394,7 @@ async fn admission_by_kv_memory_and_disconnect_frees_every_stage() {
     assert!(body["error"]["message"].as_str().unwrap().contains("2100"));
 
     // A stream holds almost the whole budget.
-    let r = client()
-        .post(format!("{}/v1/completions", gw.url))
-        .json(&long(true))
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(&format!("{}/v1/completions", gw.url), &long(true)).await;
     assert_eq!(r.status(), 200);
     let mut s = r.bytes_stream();
     let mut seen = 0;
@@ -438,16 +414,12 @@ async fn admission_by_kv_memory_and_disconnect_frees_every_stage() {
     drop(s);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let r = client()
-            .post(format!("{}/v1/completions", gw.url))
-            .json(&{
-                let mut b = long(true);
-                b["max_tokens"] = json!(2000);
-                b
-            })
-            .send()
-            .await
-            .unwrap();
+        let r = http_post(&format!("{}/v1/completions", gw.url), &{
+            let mut b = long(true);
+            b["max_tokens"] = json!(2000);
+            b
+        })
+        .await;
         if r.status() == 200 {
             let mut s = r.bytes_stream();
             let first = s.next().await.unwrap().unwrap();

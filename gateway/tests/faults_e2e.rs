@@ -127,11 +127,7 @@ async fn killed_stage_gives_503_then_recovers() {
     assert_error_shape(&b);
     let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": "after"})).await;
     assert_eq!(s, 503, "{b}");
-    let r = client()
-        .get(format!("{}/readyz", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let r = http_get(&format!("{}/readyz", gw.url)).await;
     assert_eq!(r.status(), 503);
     assert!(r.headers().contains_key("retry-after"));
 
@@ -139,11 +135,7 @@ async fn killed_stage_gives_503_then_recovers() {
     let mut ready = false;
     for _ in 0..120 {
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-        let r = client()
-            .get(format!("{}/readyz", gw.url))
-            .send()
-            .await
-            .unwrap();
+        let r = http_get(&format!("{}/readyz", gw.url)).await;
         if r.status() == 200 {
             ready = true;
             break;
@@ -175,12 +167,11 @@ async fn a_full_replay_guard_asks_to_retry_and_keeps_room_for_sealed_clients() {
         let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": "plain"})).await;
         assert_eq!(s, 200, "{b}");
     }
-    let r = client()
-        .post(format!("{}/v1/embeddings", gw.url))
-        .json(&json!({"model": MODEL, "input": "one too many"}))
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(
+        &format!("{}/v1/embeddings", gw.url),
+        &json!({"model": MODEL, "input": "one too many"}),
+    )
+    .await;
     assert_eq!(r.status(), 503);
     let retry: u64 = r.headers()["retry-after"]
         .to_str()

@@ -65,13 +65,7 @@ impl Drop for HostProxy {
 }
 
 async fn ready_status(url: &str) -> u16 {
-    client()
-        .get(format!("{url}/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .status()
-        .as_u16()
+    http_get(&format!("{url}/readyz")).await.status().as_u16()
 }
 
 #[tokio::test]

@@ -39,11 +39,7 @@ async fn the_host_relays_only_ciphertext() {
     assert_eq!(s, 200, "{b}");
 
     // A request sealed by the client to the enclave key.
-    let keys = client()
-        .get(format!("{}/.well-known/hpke-keys", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let keys = http_get(&format!("{}/.well-known/hpke-keys", gw.url)).await;
     let keys = KeyConfig::decode_list(&keys.bytes().await.unwrap()).unwrap();
     let enclave = keys.iter().find(|k| k.key_id < 0x80).unwrap();
     let sealed_marker = "SEALED-MARKER-99ab01";
@@ -87,15 +83,7 @@ async fn the_host_relays_only_ciphertext() {
         .header(aead_h, aead_v)
         .header(enc_h, enc_v);
     let r = rb.send().await.unwrap();
-    assert_eq!(r.status(), 400);
-    let e: serde_json::Value = r.json().await.unwrap();
-    assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("cannot be opened"),
-        "{e}"
-    );
+    expect_api_error(r, 400, "cannot be opened").await;
 
     // And what the gateway logged carries no content either.
     let log = gw.log();

@@ -11,7 +11,7 @@ const MODEL: &str = "all-MiniLM-L6-v2";
 const MARKER: &str = "MARKER-9c41e7-never-in-metrics";
 
 async fn metrics(url: &str) -> String {
-    let r = client().get(format!("{url}/metrics")).send().await.unwrap();
+    let r = http_get(&format!("{url}/metrics")).await;
     assert_eq!(r.status(), 200);
     let ct = r.headers()["content-type"].to_str().unwrap().to_string();
     assert!(ct.starts_with("text/plain; version=0.0.4"), "{ct}");
@@ -48,11 +48,7 @@ async fn counters_move_stages_are_up_and_no_content_leaks() {
         format!("/v1/receipts/{MARKER}"),
         format!("/{MARKER}"),
     ] {
-        let r = client()
-            .get(format!("{}{path}", gw.url))
-            .send()
-            .await
-            .unwrap();
+        let r = http_get(&format!("{}{path}", gw.url)).await;
         assert_eq!(r.status(), 404, "{path}");
     }
 

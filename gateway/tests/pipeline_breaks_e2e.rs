@@ -58,17 +58,14 @@ async fn surviving_stages_free_requests_caught_in_a_break() {
     for round in 0..3 {
         let url = gw.url.clone();
         let stream = tokio::spawn(async move {
-            let r = client()
-                .post(format!("{url}/v1/chat/completions"))
-                .json(
-                    &json!({"model": "SmolLM2-135M-Instruct", "stream": true, "n": 2,
+            let r = http_post(
+                &format!("{url}/v1/chat/completions"),
+                &json!({"model": "SmolLM2-135M-Instruct", "stream": true, "n": 2,
                     "max_tokens": 2000, "temperature": 1.0,
                     "logit_bias": {"2": -100, "0": -100},
                     "messages": [{"role": "user", "content": "Tell me a long story."}]}),
-                )
-                .send()
-                .await
-                .unwrap();
+            )
+            .await;
             assert_eq!(r.status(), 200);
             r.bytes().await.map(|b| b.to_vec()).unwrap_or_default()
         });
@@ -87,14 +84,7 @@ async fn surviving_stages_free_requests_caught_in_a_break() {
         );
         // Rebuilt, with the same entry stage, which holds nothing of it.
         let deadline = Instant::now() + Duration::from_secs(60);
-        while client()
-            .get(format!("{}/readyz", gw.url))
-            .send()
-            .await
-            .unwrap()
-            .status()
-            != 200
-        {
+        while http_get(&format!("{}/readyz", gw.url)).await.status() != 200 {
             assert!(
                 Instant::now() < deadline,
                 "round {round}: not rebuilt:\n{}",

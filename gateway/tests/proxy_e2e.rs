@@ -21,7 +21,6 @@ use common::*;
 use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 const EMBED_MODEL: &str = "all-MiniLM-L6-v2";
 const GEN_MODEL: &str = "SmolLM2-135M-Instruct";
@@ -141,17 +140,7 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
         .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
 
     let result: Value = if python_openai_available() {
-        let out = Command::new("python3")
-            .args(["-c", SDK_SCRIPT, &proxy.url, EMBED_MODEL, GEN_MODEL])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "openai SDK through the proxy failed:\n{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+        run_python_json(SDK_SCRIPT, &[&proxy.url, EMBED_MODEL, GEN_MODEL])
     } else {
         eprintln!("python3 + openai not importable: driving the proxy with reqwest");
         drive_with_reqwest(&proxy.url).await
@@ -174,11 +163,7 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
 
     // The proxy serves the stream's receipt, which it verified.
     let id = result["stream_receipt_id"].as_str().unwrap();
-    let r = client()
-        .get(format!("{}/v1/receipts/{id}", proxy.url))
-        .send()
-        .await
-        .unwrap();
+    let r = http_get(&format!("{}/v1/receipts/{id}", proxy.url)).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["receipt-verified"], "true");
 
@@ -253,17 +238,14 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
 
     // A stream sealed to the gateway-held key (0x80): the gateway opens the
     // stages' stream and seals it again, receipt trailer included.
-    let keys = client()
-        .get(format!(
-            "{}/.well-known/hpke-keys?model={GEN_MODEL}",
-            gw.url
-        ))
-        .send()
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap();
+    let keys = http_get(&format!(
+        "{}/.well-known/hpke-keys?model={GEN_MODEL}",
+        gw.url
+    ))
+    .await
+    .bytes()
+    .await
+    .unwrap();
     let keys = KeyConfig::decode_list(&keys).unwrap();
     let gateway_key = keys.iter().find(|k| k.key_id == 0x80).unwrap();
     let request = serde_json::to_vec(&json!({"model": GEN_MODEL, "prompt": "Hello",
@@ -282,11 +264,8 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
     let (events, trailer) =
         open_response_with_trailer(&client_key, &r.bytes().await.unwrap()).unwrap();
     assert!(events.ends_with(b"data: [DONE]\n\n"));
-    let stored = client()
-        .get(format!("{}/v1/receipts/{id}", gw.url))
-        .send()
+    let stored = http_get(&format!("{}/v1/receipts/{id}", gw.url))
         .await
-        .unwrap()
         .bytes()
         .await
         .unwrap();
@@ -307,15 +286,12 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
     let relay = tampering_relay(gw.url.clone(), Tamper::LastBodyByte);
     let proxy = start_proxy(&relay, &[&pe, &pc], &[], &gw.dir)
         .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
-    let r = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(
-            &json!({"model": GEN_MODEL, "prompt": "Once upon a time", "max_tokens": 8,
+    let r = http_post(
+        &format!("{}/v1/completions", proxy.url),
+        &json!({"model": GEN_MODEL, "prompt": "Once upon a time", "max_tokens": 8,
                       "temperature": 0, "stream": true}),
-        )
-        .send()
-        .await
-        .unwrap();
+    )
+    .await;
     assert_eq!(r.status(), 200);
     let body = r.text().await.unwrap();
     let events: Vec<&str> = body
@@ -325,12 +301,11 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
     assert!(!events.contains(&"[DONE]"), "{body}");
     let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
     assert_eq!(last["error"]["code"], "response_unopenable", "{body}");
-    let r = client()
-        .post(format!("{}/v1/embeddings", proxy.url))
-        .json(&json!({"model": EMBED_MODEL, "input": "x"}))
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(
+        &format!("{}/v1/embeddings", proxy.url),
+        &json!({"model": EMBED_MODEL, "input": "x"}),
+    )
+    .await;
     assert_eq!(r.status(), 502);
     let e: Value = r.json().await.unwrap();
     assert_error_shape(&e);
@@ -344,15 +319,12 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
     let proxy = start_proxy(&relay, &[&pe, &pc], &[], &gw.dir)
         .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
     for stream in [false, true] {
-        let r = client()
-            .post(format!("{}/v1/chat/completions", proxy.url))
-            .json(
-                &json!({"model": GEN_MODEL, "max_tokens": 4, "stream": stream,
+        let r = http_post(
+            &format!("{}/v1/chat/completions", proxy.url),
+            &json!({"model": GEN_MODEL, "max_tokens": 4, "stream": stream,
                           "messages": [{"role": "user", "content": "hi"}]}),
-            )
-            .send()
-            .await
-            .unwrap();
+        )
+        .await;
         assert_eq!(r.status(), 502, "stream: {stream}");
         assert_eq!(r.headers()["receipt-verified"], "false");
         let e: Value = r.json().await.unwrap();
@@ -364,13 +336,12 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
     // marked as carrying no verified receipt.
     let proxy = start_proxy(&gw.url, &[&pe, &pc], &[], &gw.dir)
         .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
-    let r = client()
-        .post(format!("{}/v1/chat/completions", proxy.url))
-        .json(&json!({"model": GEN_MODEL, "tools": [{"type": "function"}],
-                      "messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(
+        &format!("{}/v1/chat/completions", proxy.url),
+        &json!({"model": GEN_MODEL, "tools": [{"type": "function"}],
+                      "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
     assert_eq!(r.status(), 400);
     assert_eq!(r.headers()["receipt-verified"], "false");
     let e: Value = r.json().await.unwrap();

@@ -7,7 +7,7 @@ use base64::Engine as _;
 use common::*;
 use proto::bundle::EvidenceBundle;
 use proto::policy::Policy;
-use proto::receipt::{verify_receipt, VerifyInputs};
+use proto::receipt::{verify_receipt, StageKeys, VerifyInputs};
 use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
 use serde_json::json;
 
@@ -55,11 +55,7 @@ async fn plain_request_gets_a_receipt_that_verifies() {
     let body: serde_json::Value = serde_json::from_slice(&response).unwrap();
     assert_eq!(body["data"].as_array().unwrap().len(), 2);
 
-    let stored = client()
-        .get(format!("{}/v1/receipts/{id}", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let stored = http_get(&format!("{}/v1/receipts/{id}", gw.url)).await;
     assert_eq!(stored.status(), 200);
     let stored = stored.bytes().await.unwrap().to_vec();
     assert_eq!(stored, header_receipt);
@@ -106,22 +102,14 @@ async fn plain_request_gets_a_receipt_that_verifies() {
         "nonce_mismatch"
     );
 
-    let missing = client()
-        .get(format!("{}/v1/receipts/{}", gw.url, "00".repeat(16)))
-        .send()
-        .await
-        .unwrap();
+    let missing = http_get(&format!("{}/v1/receipts/{}", gw.url, "00".repeat(16))).await;
     assert_eq!(missing.status(), 404);
 }
 
 #[tokio::test]
 async fn sealed_request_round_trip_replay_and_unknown_key() {
     let gw = Gateway::start(Options::default());
-    let keys = client()
-        .get(format!("{}/.well-known/hpke-keys", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let keys = http_get(&format!("{}/.well-known/hpke-keys", gw.url)).await;
     assert_eq!(keys.headers()["content-type"], "application/ohttp-keys");
     let all_keys = KeyConfig::decode_list(&keys.bytes().await.unwrap()).unwrap();
     assert_eq!(
@@ -170,22 +158,11 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
         assert_eq!(v["data"][0]["embedding"].as_array().unwrap().len(), 384);
         // The exit stage sealed the same receipt into the response.
         assert_eq!(trailer.as_deref(), Some(&receipt[..]), "receipt trailer");
-        let mut inputs = VerifyInputs::new(&receipt, &verified.stage_keys);
-        inputs.request = Some(&request);
-        inputs.response = Some(&plain);
-        inputs.allow_mock = true;
-        let report = verify_receipt(&inputs);
-        assert!(report.ok(), "{:#?}", report.checks);
-        assert_eq!(report.receipt.unwrap().sealing.as_str(), "enclave");
+        assert_receipt_sealing(&receipt, &verified.stage_keys, &request, &plain, "enclave");
 
         // The same sealed request again is a replay.
         let again = send(body).await.unwrap();
-        assert_eq!(again.status(), 400);
-        let e: serde_json::Value = again.json().await.unwrap();
-        assert!(
-            e["error"]["message"].as_str().unwrap().contains("replay"),
-            "{e}"
-        );
+        expect_api_error(again, 400, "replay").await;
     }
 
     // Sealed to the gateway-held key: the gateway opens and re-seals; the
@@ -206,26 +183,15 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
         Some(&receipt[..]),
         "re-sealed receipt trailer"
     );
-    let mut inputs = VerifyInputs::new(&receipt, &verified.stage_keys);
-    inputs.request = Some(&request);
-    inputs.response = Some(&plain);
-    inputs.allow_mock = true;
-    let report = verify_receipt(&inputs);
-    assert!(report.ok(), "{:#?}", report.checks);
-    assert_eq!(report.receipt.unwrap().sealing.as_str(), "gateway");
+    assert_receipt_sealing(&receipt, &verified.stage_keys, &request, &plain, "gateway");
 
     // A key id that is not published: a distinct error telling the client to refetch.
     let mut stale = keys[0].clone();
     stale.key_id = (1..=0x7f).find(|id| *id != keys[0].key_id).unwrap();
     let (headers, body, _) = seal_request(&stale, Aead::Aes128Gcm, b"{}").unwrap();
     let r = post_sealed(&gw.url, &headers, body).await;
-    assert_eq!(r.status(), 400);
-    let e: serde_json::Value = r.json().await.unwrap();
+    let e = expect_api_error(r, 400, "/.well-known/hpke-keys").await;
     assert_eq!(e["error"]["code"], "hpke_key_unknown");
-    assert!(e["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("/.well-known/hpke-keys"));
 
     // A tampered sealed body does not open in the enclave.
     let (headers, mut body, _) =
@@ -233,15 +199,7 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
     let n = body.len();
     body[n - 1] ^= 1;
     let r = post_sealed(&gw.url, &headers, body).await;
-    assert_eq!(r.status(), 400);
-    let e: serde_json::Value = r.json().await.unwrap();
-    assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("cannot be opened"),
-        "{e}"
-    );
+    expect_api_error(r, 400, "cannot be opened").await;
 
     // An invalid request inside a sealed body gets a sealed error.
     let (headers, body, client_key) = seal_request(
@@ -296,4 +254,22 @@ async fn attestation_is_cached_per_nonce_and_rate_limited_per_client() {
     let (s, _, cached) = attestation_cbor(&gw.url, b"n-1").await;
     assert_eq!(s, 200);
     assert_eq!(cached, first);
+}
+
+/// Verifies a receipt over `request` and `response` (mock evidence allowed)
+/// and asserts who opened the request.
+fn assert_receipt_sealing(
+    receipt: &[u8],
+    stage_keys: &[StageKeys],
+    request: &[u8],
+    response: &[u8],
+    sealing: &str,
+) {
+    let mut inputs = VerifyInputs::new(receipt, stage_keys);
+    inputs.request = Some(request);
+    inputs.response = Some(response);
+    inputs.allow_mock = true;
+    let report = verify_receipt(&inputs);
+    assert!(report.ok(), "{:#?}", report.checks);
+    assert_eq!(report.receipt.unwrap().sealing.as_str(), sealing);
 }

@@ -148,11 +148,7 @@ async fn each_route_has_its_own_deadline() {
     );
     // The evidence route (stages answer it outside the compute thread) is
     // not held to the embeddings deadline.
-    let r = client()
-        .get(format!("{}/v1/attestation", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let r = http_get(&format!("{}/v1/attestation", gw.url)).await;
     assert_eq!(r.status(), 200);
     let m = metrics_text(&gw.url).await;
     assert_eq!(

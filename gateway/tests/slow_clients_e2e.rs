@@ -34,11 +34,7 @@ async fn a_slow_request_head_is_cut_off() {
     .unwrap();
     assert!(closed, "the gateway kept the slow connection open");
     assert!(t0.elapsed() >= std::time::Duration::from_millis(900));
-    let r = client()
-        .get(format!("{}/healthz", gw.url))
-        .send()
-        .await
-        .unwrap();
+    let r = http_get(&format!("{}/healthz", gw.url)).await;
     assert_eq!(r.status(), 200);
 }
 

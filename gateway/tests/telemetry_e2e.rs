@@ -19,7 +19,6 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message as _;
 use serde_json::{json, Value};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -92,15 +91,6 @@ fn attr_int(s: &Span, key: &str) -> i64 {
         Some(AnyValue::IntValue(v)) => *v,
         other => panic!("{}: {key} is {other:?}", s.name),
     }
-}
-
-fn smollm_dir() -> PathBuf {
-    let d = root().join("models/smollm2-135m-instruct");
-    assert!(
-        d.join("tokenizer.json").exists(),
-        "run scripts/setup.sh first"
-    );
-    d.canonicalize().unwrap()
 }
 
 /// Both pipelines with two stages each; traces to `collector`.
@@ -202,38 +192,31 @@ async fn spans_carry_genai_attributes_and_stage_hops_and_no_content() {
 
     // A completion and a streamed completion with the marker in the prompt.
     let prompt = format!("Repeat {MARKER} please:");
-    let r = client()
-        .post(format!("{}/v1/completions", gw.url))
-        .json(
-            &json!({"model": GEN_MODEL, "prompt": prompt, "max_tokens": 6, "n": 2,
+    let r = http_post(
+        &format!("{}/v1/completions", gw.url),
+        &json!({"model": GEN_MODEL, "prompt": prompt, "max_tokens": 6, "n": 2,
                       "temperature": 0.0}),
-        )
-        .send()
-        .await
-        .unwrap();
+    )
+    .await;
     assert_eq!(r.status(), 200);
     let body: Value = r.json().await.unwrap();
     assert!(body["usage"]["completion_tokens"].as_u64().unwrap() > 0);
-    let r = client()
-        .post(format!("{}/v1/completions", gw.url))
-        .json(
-            &json!({"model": GEN_MODEL, "prompt": prompt, "max_tokens": 6,
+    let r = http_post(
+        &format!("{}/v1/completions", gw.url),
+        &json!({"model": GEN_MODEL, "prompt": prompt, "max_tokens": 6,
                       "stream": true}),
-        )
-        .send()
-        .await
-        .unwrap();
+    )
+    .await;
     assert_eq!(r.status(), 200);
     let stream = r.bytes().await.unwrap();
     assert!(String::from_utf8_lossy(&stream).contains("[DONE]"));
     // A chat request with the marker in a message.
-    let r = client()
-        .post(format!("{}/v1/chat/completions", gw.url))
-        .json(&json!({"model": GEN_MODEL, "max_tokens": 4,
-                      "messages": [{"role": "user", "content": prompt}]}))
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(
+        &format!("{}/v1/chat/completions", gw.url),
+        &json!({"model": GEN_MODEL, "max_tokens": 4,
+                      "messages": [{"role": "user", "content": prompt}]}),
+    )
+    .await;
     assert_eq!(r.status(), 200);
 
     // The spans arrive within a few export periods.

@@ -448,23 +448,8 @@ async fn client_verbs_speak_tls_and_refuse_plain_http_off_loopback() {
         certs.join("key.json"),
     );
     let seal = |gateway: &str, extra: &[&str]| {
-        let mut args = vec![
-            "seal",
-            "--gateway",
-            gateway,
-            "--policy",
-            p(&policy),
-            "--in",
-            p(&req),
-            "--out",
-            p(&body),
-            "--headers",
-            p(&headers),
-            "--key-out",
-            p(&key),
-        ];
-        args.extend_from_slice(extra);
-        cli(&args)
+        let args = [&["--gateway", gateway, "--policy", p(&policy)], extra].concat();
+        seal_cli(&args, [&req, &body, &headers, &key])
     };
     // With the CA: evidence fetched and verified over TLS, request sealed.
     let (code, out, err) = seal(&gw.url, &["--cacert", p(&ca_path)]);

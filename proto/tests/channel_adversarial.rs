@@ -234,13 +234,7 @@ async fn dropped_record_is_out_of_sequence() {
     let drop_rec1 = at_frame(I2R_REC0 + 1, |_| vec![]);
     let (itx, mut rrx) = tampered(drop_rec1, 4).await;
     expect_message(&mut rrx, &msg(0)).await;
-    match recv(&mut rrx).await {
-        Err(ChannelError::OutOfSequence {
-            expected: 1,
-            got: 2,
-        }) => {}
-        other => panic!("expected OutOfSequence 1/2, got {other:?}"),
-    }
+    expect_out_of_sequence(&mut rrx, 1, 2).await;
     nothing_more(itx, &mut rrx, 4).await;
 }
 
@@ -250,13 +244,7 @@ async fn duplicated_record_is_out_of_sequence() {
     let (itx, mut rrx) = tampered(dup_rec1, 3).await;
     expect_message(&mut rrx, &msg(0)).await;
     expect_message(&mut rrx, &msg(1)).await;
-    match recv(&mut rrx).await {
-        Err(ChannelError::OutOfSequence {
-            expected: 2,
-            got: 1,
-        }) => {}
-        other => panic!("expected OutOfSequence 2/1, got {other:?}"),
-    }
+    expect_out_of_sequence(&mut rrx, 2, 1).await;
     nothing_more(itx, &mut rrx, 3).await;
 }
 
@@ -275,13 +263,7 @@ async fn reordered_records_are_out_of_sequence() {
     });
     let (itx, mut rrx) = tampered(swap, 4).await;
     expect_message(&mut rrx, &msg(0)).await;
-    match recv(&mut rrx).await {
-        Err(ChannelError::OutOfSequence {
-            expected: 1,
-            got: 2,
-        }) => {}
-        other => panic!("expected OutOfSequence 1/2, got {other:?}"),
-    }
+    expect_out_of_sequence(&mut rrx, 1, 2).await;
     nothing_more(itx, &mut rrx, 4).await;
 }
 
@@ -305,13 +287,7 @@ async fn replayed_record_is_out_of_sequence() {
     for k in 0..3 {
         expect_message(&mut rrx, &msg(k)).await;
     }
-    match recv(&mut rrx).await {
-        Err(ChannelError::OutOfSequence {
-            expected: 3,
-            got: 0,
-        }) => {}
-        other => panic!("expected OutOfSequence 3/0, got {other:?}"),
-    }
+    expect_out_of_sequence(&mut rrx, 3, 0).await;
     nothing_more(itx, &mut rrx, 4).await;
 }
 
@@ -335,13 +311,7 @@ async fn flipped_sequence_byte_is_out_of_sequence() {
     // Low byte: 1 ^ 4 = 5.
     let (itx, mut rrx) = tampered(flip(I2R_REC0 + 1, 7, 0x04), 3).await;
     expect_message(&mut rrx, &msg(0)).await;
-    match recv(&mut rrx).await {
-        Err(ChannelError::OutOfSequence {
-            expected: 1,
-            got: 5,
-        }) => {}
-        other => panic!("expected OutOfSequence 1/5, got {other:?}"),
-    }
+    expect_out_of_sequence(&mut rrx, 1, 5).await;
     nothing_more(itx, &mut rrx, 3).await;
 
     // High byte.
@@ -402,10 +372,7 @@ async fn reflected_record_fails_authentication() {
     itx.send(&msg(0)).await.unwrap();
     itx.send(&msg(1)).await.unwrap();
     expect_message(&mut rrx, &msg(0)).await;
-    match recv(&mut rrx).await {
-        Err(ChannelError::Authentication(1)) => {}
-        other => panic!("expected Authentication(1), got {other:?}"),
-    }
+    expect_failure(&mut rrx, ChannelError::Authentication(1)).await;
     nothing_more(itx, &mut rrx, 2).await;
 }
 
@@ -424,10 +391,7 @@ async fn record_from_another_session_fails_authentication() {
     let splice = at_frame(I2R_REC0 + 1, move |_| vec![Out::Frame(old_rec1.clone())]);
     let (itx, mut rrx) = tampered(splice, 3).await;
     expect_message(&mut rrx, &msg(0)).await;
-    match recv(&mut rrx).await {
-        Err(ChannelError::Authentication(1)) => {}
-        other => panic!("expected Authentication(1), got {other:?}"),
-    }
+    expect_failure(&mut rrx, ChannelError::Authentication(1)).await;
     nothing_more(itx, &mut rrx, 3).await;
 }
 
@@ -488,13 +452,14 @@ async fn receiver_refuses_a_message_over_its_max_message() {
     itx.send(&pattern(100)).await.unwrap(); // 64 + 36: at the limit
     itx.send(&pattern(150)).await.unwrap(); // 64 + 64 + 22: over it
     expect_message(&mut rrx, &pattern(100)).await;
-    match recv(&mut rrx).await {
-        Err(ChannelError::MessageTooLarge {
+    expect_failure(
+        &mut rrx,
+        ChannelError::MessageTooLarge {
             size: 128,
             limit: 100,
-        }) => {}
-        other => panic!("expected MessageTooLarge 128/100, got {other:?}"),
-    }
+        },
+    )
+    .await;
     expect_poisoned(&mut rrx).await;
 
     // In one record, too.
@@ -502,13 +467,14 @@ async fn receiver_refuses_a_message_over_its_max_message() {
     let (mut itx, _, _) = ok(i, "initiator");
     let (_, mut rrx, _) = ok(r, "responder");
     itx.send(&pattern(101)).await.unwrap();
-    match recv(&mut rrx).await {
-        Err(ChannelError::MessageTooLarge {
+    expect_failure(
+        &mut rrx,
+        ChannelError::MessageTooLarge {
             size: 101,
             limit: 100,
-        }) => {}
-        other => panic!("expected MessageTooLarge 101/100, got {other:?}"),
-    }
+        },
+    )
+    .await;
     expect_poisoned(&mut rrx).await;
 }
 
@@ -616,10 +582,7 @@ async fn peer_closing_inside_a_length_prefix_is_truncation() {
     itx.send(&msg(0)).await.unwrap();
     itx.send(&msg(1)).await.unwrap();
     expect_message(&mut rrx, &msg(0)).await;
-    match recv(&mut rrx).await {
-        Err(ChannelError::Truncated) => {}
-        other => panic!("expected Truncated, got {other:?}"),
-    }
+    expect_failure(&mut rrx, ChannelError::Truncated).await;
     expect_poisoned(&mut rrx).await;
 }
 

@@ -32,17 +32,11 @@ async fn capture(initiator: &Peer<'_>) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
 
 #[tokio::test]
 async fn server_hello_with_flipped_key_is_rejected() {
-    let hs = handshake(
-        &host(),
-        &stage(1),
-        pass(),
-        flip_with(0, |b| bytes32_field(b, "eph"), 0x01),
-    )
+    let hs = flipped_hello(&host(), &stage(1), Hello::Server, |b| {
+        bytes32_field(b, "eph")
+    })
     .await;
-    match err(hs.init, "initiator") {
-        ChannelError::PeerRejected(m) => assert!(m.contains("channel key"), "{m}"),
-        other => panic!("expected PeerRejected, got {other:?}"),
-    }
+    expect_rejected(hs.init, "initiator", "channel key");
     // The initiator hung up before Finish.
     assert!(matches!(err(hs.resp, "responder"), ChannelError::Truncated));
 }
@@ -51,17 +45,8 @@ async fn server_hello_with_flipped_key_is_rejected() {
 async fn server_hello_with_flipped_evidence_is_rejected() {
     // The last byte of the ServerHello is the last byte of the document's
     // signature.
-    let hs = handshake(
-        &host(),
-        &stage(1),
-        pass(),
-        flip_with(0, |b| b.len() - 1, 0x01),
-    )
-    .await;
-    match err(hs.init, "initiator") {
-        ChannelError::PeerRejected(m) => assert!(m.contains("signature"), "{m}"),
-        other => panic!("expected PeerRejected, got {other:?}"),
-    }
+    let hs = flipped_hello(&host(), &stage(1), Hello::Server, |b| b.len() - 1).await;
+    expect_rejected(hs.init, "initiator", "signature");
     assert!(hs.resp.is_err());
 }
 
@@ -69,12 +54,9 @@ async fn server_hello_with_flipped_evidence_is_rejected() {
 async fn server_hello_with_flipped_challenge_fails() {
     // A host initiator does not use the responder's challenge, but it is in
     // the transcript: the keys differ and the Outcome does not authenticate.
-    let hs = handshake(
-        &host(),
-        &stage(1),
-        pass(),
-        flip_with(0, |b| bytes32_field(b, "challenge"), 0x01),
-    )
+    let hs = flipped_hello(&host(), &stage(1), Hello::Server, |b| {
+        bytes32_field(b, "challenge")
+    })
     .await;
     assert!(matches!(
         err(hs.init, "initiator"),
@@ -83,21 +65,15 @@ async fn server_hello_with_flipped_challenge_fails() {
 
     // A stage initiator binds its evidence to the tampered challenge: the
     // responder rejects it (and its rejection does not authenticate either).
-    let hs = handshake(
-        &stage(0),
-        &stage(1),
-        pass(),
-        flip_with(0, |b| bytes32_field(b, "challenge"), 0x01),
-    )
+    let hs = flipped_hello(&stage(0), &stage(1), Hello::Server, |b| {
+        bytes32_field(b, "challenge")
+    })
     .await;
     assert!(matches!(
         err(hs.init, "initiator"),
         ChannelError::Authentication(0)
     ));
-    match err(hs.resp, "responder") {
-        ChannelError::PeerRejected(m) => assert!(m.contains("challenge"), "{m}"),
-        other => panic!("expected PeerRejected, got {other:?}"),
-    }
+    expect_rejected(hs.resp, "responder", "challenge");
 }
 
 #[tokio::test]
@@ -115,12 +91,9 @@ async fn any_flipped_server_hello_byte_fails_the_handshake() {
 
 #[tokio::test]
 async fn client_hello_with_flipped_key_fails() {
-    let hs = handshake(
-        &host(),
-        &stage(1),
-        flip_with(0, |b| bytes32_field(b, "eph"), 0x01),
-        pass(),
-    )
+    let hs = flipped_hello(&host(), &stage(1), Hello::Client, |b| {
+        bytes32_field(b, "eph")
+    })
     .await;
     // The responder derived its keys from the wrong key: its Outcome does
     // not authenticate at the initiator.
@@ -132,39 +105,24 @@ async fn client_hello_with_flipped_key_fails() {
 
 #[tokio::test]
 async fn client_hello_with_flipped_challenge_fails() {
-    let hs = handshake(
-        &host(),
-        &stage(1),
-        flip_with(0, |b| bytes32_field(b, "challenge"), 0x01),
-        pass(),
-    )
+    let hs = flipped_hello(&host(), &stage(1), Hello::Client, |b| {
+        bytes32_field(b, "challenge")
+    })
     .await;
     // The responder's evidence is bound to the tampered challenge.
-    match err(hs.init, "initiator") {
-        ChannelError::PeerRejected(m) => assert!(m.contains("challenge"), "{m}"),
-        other => panic!("expected PeerRejected, got {other:?}"),
-    }
+    expect_rejected(hs.init, "initiator", "challenge");
     assert!(matches!(err(hs.resp, "responder"), ChannelError::Truncated));
 }
 
 #[tokio::test]
 async fn client_hello_with_flipped_attestation_flag_fails() {
     // Host says "not attested"; flipped to "attested" with no evidence.
-    let hs = handshake(
-        &host(),
-        &stage(1),
-        flip_with(0, attested_field, 0x01),
-        pass(),
-    )
-    .await;
+    let hs = flipped_hello(&host(), &stage(1), Hello::Client, attested_field).await;
     assert!(matches!(
         err(hs.init, "initiator"),
         ChannelError::Authentication(0)
     ));
-    match err(hs.resp, "responder") {
-        ChannelError::PeerRejected(m) => assert!(m.contains("disagree"), "{m}"),
-        other => panic!("expected PeerRejected, got {other:?}"),
-    }
+    expect_rejected(hs.resp, "responder", "disagree");
 }
 
 #[tokio::test]
@@ -192,10 +150,7 @@ async fn finish_with_flipped_evidence_is_rejected() {
         pass(),
     )
     .await;
-    match err(hs.resp, "responder") {
-        ChannelError::PeerRejected(m) => assert!(m.contains("signature"), "{m}"),
-        other => panic!("expected PeerRejected, got {other:?}"),
-    }
+    expect_rejected(hs.resp, "responder", "signature");
     assert!(matches!(
         err(hs.init, "initiator"),
         ChannelError::Authentication(0)
@@ -266,10 +221,7 @@ async fn replayed_client_hello_and_finish_are_rejected() {
         _ => vec![Out::Frame(b)],
     });
     let hs = handshake(&stage(0), &stage(1), replay, pass()).await;
-    match err(hs.resp, "responder") {
-        ChannelError::PeerRejected(m) => assert!(m.contains("challenge"), "{m}"),
-        other => panic!("expected PeerRejected, got {other:?}"),
-    }
+    expect_rejected(hs.resp, "responder", "challenge");
     // The live initiator sees evidence bound to the replayed challenge.
     assert!(matches!(
         err(hs.init, "initiator"),
@@ -363,10 +315,7 @@ async fn initiator_check_rejecting_the_responder_fails_initiate() {
         }
     };
     let (i, r) = direct(&host().with_check(&want_stage_2), &stage(1)).await;
-    match err(i, "initiator") {
-        ChannelError::PeerRejected(m) => assert!(m.contains("wrong stage index 1"), "{m}"),
-        other => panic!("expected PeerRejected, got {other:?}"),
-    }
+    expect_rejected(i, "initiator", "wrong stage index 1");
     // The initiator hung up before Finish.
     assert!(matches!(err(r, "responder"), ChannelError::Truncated));
 }
@@ -390,10 +339,7 @@ async fn responder_check_rejecting_a_stage_initiator_is_reported_to_it() {
         }
         other => panic!("expected RejectedByPeer, got {other:?}"),
     }
-    match err(r, "responder") {
-        ChannelError::PeerRejected(m) => assert!(m.contains("got stage 5"), "{m}"),
-        other => panic!("expected PeerRejected, got {other:?}"),
-    }
+    expect_rejected(r, "responder", "got stage 5");
 
     // The same check rejects the host.
     let (i, _) = direct(&host(), &stage(1).with_check(&want_stage_0)).await;

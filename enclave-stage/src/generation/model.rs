@@ -131,13 +131,6 @@ impl GenModel {
     /// Tokenizes a prompt (no special tokens added: the model's reference
     /// completions are made without a BOS token).
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
-        let t = self
-            .tokenizer
-            .as_ref()
-            .ok_or("this stage does not tokenize")?;
-        let enc = t
-            .encode(text, false)
-            .map_err(|e| format!("tokenizer: {e}"))?;
-        Ok(enc.get_ids().to_vec())
+        crate::tokens::encode(self.tokenizer.as_ref(), text, false)
     }
 }

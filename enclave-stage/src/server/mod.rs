@@ -197,9 +197,9 @@ impl StageServer {
                 .is_some_and(|c| c.stage_index + 1 == me.num_stages)
     }
 
-    /// Checks the exit stage that dials the entry stage for feedback (or
-    /// that the entry stage's exit dials): policy, position, same pipeline.
-    fn check_loop_peer(&self, peer: &PeerInfo, want_index: u32) -> Result<(), String> {
+    /// Checks an attested peer: policy, that it is stage `want_index`, same
+    /// pipeline and manifest (the feedback loop's ends, and neighbours).
+    fn check_peer_at(&self, peer: &PeerInfo, want_index: u32) -> Result<(), String> {
         let (Some(doc), Some(c)) = (&peer.document, &peer.claims) else {
             return Err("peer presented no evidence".into());
         };
@@ -222,23 +222,11 @@ impl StageServer {
     /// Checks an attested peer against the policy and that it is our
     /// neighbour at `offset` (-1 upstream, +1 downstream) serving the same model.
     fn check_neighbour(&self, peer: &PeerInfo, offset: i64) -> Result<(), String> {
-        let (Some(doc), Some(c)) = (&peer.document, &peer.claims) else {
-            return Err("peer presented no evidence".into());
-        };
-        self.policy
-            .check(doc, c, Some(&self.local_measurement))
-            .map_err(|e| e.to_string())?;
         let me = self.claims();
-        let want = me.stage_index as i64 + offset;
-        if c.stage_index as i64 != want {
-            return Err(format!(
-                "peer is stage {}, expected stage {want}",
-                c.stage_index
-            ));
-        }
-        if c.num_stages != me.num_stages || c.manifest_sha256 != me.manifest_sha256 {
-            return Err("peer serves a different pipeline or model manifest".into());
-        }
+        let want = u32::try_from(me.stage_index as i64 + offset)
+            .map_err(|_| "the first stage has no upstream neighbour".to_string())?;
+        self.check_peer_at(peer, want)?;
+        let c = peer.claims.as_ref().expect("checked by check_peer_at");
         let adjacent = if offset < 0 {
             c.layer_end == me.layer_start
         } else {
@@ -274,7 +262,7 @@ impl StageServer {
             if p.is_host() {
                 Ok(())
             } else if self.is_feedback_peer(p) {
-                self.check_loop_peer(p, self.claims().num_stages - 1)
+                self.check_peer_at(p, self.claims().num_stages - 1)
             } else {
                 self.check_neighbour(p, -1)
             }
@@ -368,7 +356,6 @@ impl StageServer {
 
     async fn host_session(self: &Arc<Self>, tx: SharedSender, mut rx: ChannelReceiver) {
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
-        let mut my_sink: Option<u64> = None;
         // Set once this channel configured the stage: only then may it
         // send requests and cancellations.
         let mut my_epoch: Option<u64> = None;
@@ -388,10 +375,7 @@ impl StageServer {
                         Err(e) => Err(e),
                     };
                     match configured {
-                        Ok(id) => {
-                            if id.is_some() {
-                                my_sink = id;
-                            }
+                        Ok(()) => {
                             my_epoch = Some(self.current_epoch());
                             Some(StageReply::Configured {
                                 boot_evidence: self.keys.boot_evidence.clone(),
@@ -452,12 +436,6 @@ impl StageServer {
                 }
             }
         }
-        let mut sink = self.sink.lock().await;
-        if sink.as_ref().map(|s| s.id) == my_sink && my_sink.is_some() {
-            tracing::warn!("the gateway channel that received our output closed");
-            *sink = None;
-        }
-        drop(sink);
         let owned = {
             let mut owner = self.owner.lock().unwrap();
             let owned = *owner == Some(session);
@@ -495,14 +473,14 @@ impl StageServer {
         next: Option<String>,
         feedback: Option<String>,
         host_tx: &SharedSender,
-    ) -> Result<Option<u64>, String> {
+    ) -> Result<(), String> {
         let id = self.next_sink.fetch_add(1, Ordering::Relaxed);
         match (&feedback, &self.model) {
             (Some(ep), StageModel::Generation(_))
                 if self.model.claims().is_exit() && !self.model.claims().is_entry() =>
             {
                 let ep: Endpoint = ep.parse()?;
-                let check = |p: &PeerInfo| self.check_loop_peer(p, 0);
+                let check = |p: &PeerInfo| self.check_peer_at(p, 0);
                 let (tx, _rx) = self.dial(&ep, "the entry stage", &check).await?;
                 *self.feedback.lock().await = Some(Arc::new(Mutex::new(tx)));
                 tracing::info!(entry = %ep, "connected and attested the entry stage for feedback");
@@ -527,7 +505,7 @@ impl StageServer {
                     host: None,
                 });
                 tracing::info!("configured as exit stage: output goes to the gateway");
-                Ok(Some(id))
+                Ok(())
             }
             (Some(ep), false) => {
                 let ep: Endpoint = ep.parse()?;
@@ -551,7 +529,7 @@ impl StageServer {
                     .await;
                 });
                 tracing::info!(next = %ep, "connected and attested the next stage");
-                Ok(None)
+                Ok(())
             }
             (None, false) => Err("this stage is not the exit stage; it needs a next stage".into()),
             (Some(_), true) => Err("the exit stage has no next stage".into()),

@@ -30,6 +30,8 @@ impl StageServer {
             retry_after_secs: None,
             sealed_body: seal_response(&key, &api.body_bytes()).ok(),
         };
+        let reject =
+            |api: ApiError| failure(exit, request_id, sealed_error(api, ErrorKind::BadInput));
         if !self.model.serves(&req.endpoint) {
             let api = ApiError {
                 status: 404,
@@ -38,13 +40,7 @@ impl StageServer {
                 param: None,
                 code: Some("unknown_url".into()),
             };
-            return self
-                .emit(failure(
-                    exit,
-                    request_id,
-                    sealed_error(api, ErrorKind::BadInput),
-                ))
-                .await;
+            return self.emit(reject(api)).await;
         }
         let engine = match &self.model {
             StageModel::Embedding(e) => e.clone(),
@@ -64,29 +60,14 @@ impl StageServer {
             });
         let mut request = match parsed {
             Ok(r) => r,
-            Err(api) => {
-                return self
-                    .emit(failure(
-                        exit,
-                        request_id,
-                        sealed_error(api, ErrorKind::BadInput),
-                    ))
-                    .await
-            }
+            Err(api) => return self.emit(reject(api)).await,
         };
         let inputs = std::mem::take(&mut request.inputs);
         let n_inputs = inputs.len() as u32;
         let seqs = match self.tokenize(&engine, request_id, inputs).await {
             Ok(s) => s,
             Err(e) => {
-                let api = ApiError::invalid(Some("input"), e);
-                return self
-                    .emit(failure(
-                        exit,
-                        request_id,
-                        sealed_error(api, ErrorKind::BadInput),
-                    ))
-                    .await;
+                return self.emit(reject(ApiError::invalid(Some("input"), e))).await;
             }
         };
         let mut receipt_id = [0u8; 16];

@@ -138,11 +138,8 @@ pub(super) async fn receipt_checks(c: &Ctx) {
     let id = r.headers()["receipt-id"].to_str().unwrap().to_string();
     let header_b64 = r.headers()["receipt"].to_str().unwrap().to_string();
     let response = r.bytes().await.unwrap().to_vec();
-    let stored = client()
-        .get(format!("{}/v1/receipts/{id}", c.url))
-        .send()
+    let stored = http_get(&format!("{}/v1/receipts/{id}", c.url))
         .await
-        .unwrap()
         .bytes()
         .await
         .unwrap();

@@ -32,27 +32,14 @@ pub(super) async fn proxy_checks(c: &Ctx) {
         .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
 
     let result: serde_json::Value = if python_openai_available() {
-        let out = Command::new("python3")
-            .args(["-c", OPENAI_SCRIPT, &proxy.url, MODEL])
-            .env("NO_PROXY", "127.0.0.1,localhost")
-            .env_remove("OPENAI_BASE_URL")
-            .output()
-            .expect("python3");
-        assert!(
-            out.status.success(),
-            "openai SDK through the proxy failed:\n{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+        run_python_json(OPENAI_SCRIPT, &[&proxy.url, MODEL])
     } else {
         eprintln!("python3 + openai not importable: driving the proxy with reqwest");
-        let r = client()
-            .post(format!("{}/v1/embeddings", proxy.url))
-            .json(&json!({"model": MODEL, "input": ["hello through the proxy", "second input"]}))
-            .send()
-            .await
-            .unwrap();
+        let r = http_post(
+            &format!("{}/v1/embeddings", proxy.url),
+            &json!({"model": MODEL, "input": ["hello through the proxy", "second input"]}),
+        )
+        .await;
         assert_eq!(r.status(), 200);
         let h = |n: &str| r.headers().get(n).map(|v| v.to_str().unwrap().to_string());
         let (verified, sealing, receipt, receipt_id, receipt_nonce) = (
@@ -64,12 +51,11 @@ pub(super) async fn proxy_checks(c: &Ctx) {
         );
         let body: serde_json::Value = r.json().await.unwrap();
         let models: serde_json::Value = get_json(&format!("{}/v1/models", proxy.url)).await;
-        let bad = client()
-            .post(format!("{}/v1/embeddings", proxy.url))
-            .json(&json!({"model": "no-such-model", "input": "x"}))
-            .send()
-            .await
-            .unwrap();
+        let bad = http_post(
+            &format!("{}/v1/embeddings", proxy.url),
+            &json!({"model": "no-such-model", "input": "x"}),
+        )
+        .await;
         json!({
             "verified": verified, "sealing": sealing, "receipt": receipt,
             "receipt_id": receipt_id, "receipt_nonce": receipt_nonce,
@@ -110,27 +96,13 @@ pub(super) async fn proxy_checks(c: &Ctx) {
     assert_error_shape(&r.json().await.unwrap());
     // An input only the entry stage can refuse (the host sees ciphertext):
     // its error comes back sealed and the proxy opens it.
-    let r = client()
-        .post(format!("{}/v1/embeddings", proxy.url))
-        .json(&json!({"model": MODEL, "input": []}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    let e: serde_json::Value = r.json().await.unwrap();
-    assert_error_shape(&e);
-    assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("must not be an empty array"),
-        "{e}"
-    );
-    let r = client()
-        .get(format!("{}/v1/nothing-here", proxy.url))
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(
+        &format!("{}/v1/embeddings", proxy.url),
+        &json!({"model": MODEL, "input": []}),
+    )
+    .await;
+    expect_api_error(r, 400, "must not be an empty array").await;
+    let r = http_get(&format!("{}/v1/nothing-here", proxy.url)).await;
     assert_eq!(r.status(), 404);
     assert_error_shape(&r.json().await.unwrap());
     drop(proxy);
@@ -141,24 +113,22 @@ pub(super) async fn proxy_checks(c: &Ctx) {
     let relay = tampering_relay(c.url.clone(), Tamper::ReceiptHeader);
     let proxy = start_proxy(&relay, &[&c.policy], &[], &c.dir)
         .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
-    let r = client()
-        .post(format!("{}/v1/embeddings", proxy.url))
-        .json(&json!({"model": MODEL, "input": "x"}))
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(
+        &format!("{}/v1/embeddings", proxy.url),
+        &json!({"model": MODEL, "input": "x"}),
+    )
+    .await;
     assert_eq!(r.status(), 200, "the sealed-in receipt is the one checked");
     assert_eq!(r.headers()["receipt-verified"], "true");
     drop(proxy);
     let relay = tampering_relay(c.url.clone(), Tamper::LastBodyByte);
     let proxy = start_proxy(&relay, &[&c.policy], &[], &c.dir)
         .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
-    let r = client()
-        .post(format!("{}/v1/embeddings", proxy.url))
-        .json(&json!({"model": MODEL, "input": "x"}))
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(
+        &format!("{}/v1/embeddings", proxy.url),
+        &json!({"model": MODEL, "input": "x"}),
+    )
+    .await;
     assert_eq!(r.status(), 502);
     assert_eq!(r.headers()["receipt-verified"], "false");
     let e: serde_json::Value = r.json().await.unwrap();

@@ -30,21 +30,10 @@ pub(super) async fn seal_open_checks(c: &Ctx) {
         dir.join("resp.bin"),
         dir.join("resp.json"),
     );
-    let (code, out, err) = cli(&[
-        "seal",
-        "--gateway",
-        &c.url,
-        "--policy",
-        p(&c.policy),
-        "--in",
-        p(&req),
-        "--out",
-        p(&body),
-        "--headers",
-        p(&headers),
-        "--key-out",
-        p(&key),
-    ]);
+    let (code, out, err) = seal_cli(
+        &["--gateway", &c.url, "--policy", p(&c.policy)],
+        [&req, &body, &headers, &key],
+    );
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(!err.contains("WARN keys"), "keys come from evidence: {err}");
     let mode = std::fs::metadata(&key).unwrap().permissions().mode() & 0o777;
@@ -138,7 +127,6 @@ pub(super) async fn seal_open_checks(c: &Ctx) {
     let key_id = entry[0].key_id.to_string();
     let unverified = |insecure: bool| {
         let mut args = vec![
-            "seal",
             "--keys",
             p(&keys_path),
             "--key-id",
@@ -146,19 +134,11 @@ pub(super) async fn seal_open_checks(c: &Ctx) {
             "--aead",
             "chacha20poly1305",
             "--no-receipt-nonce",
-            "--in",
-            p(&req),
-            "--out",
-            p(&body),
-            "--headers",
-            p(&headers),
-            "--key-out",
-            p(&key),
         ];
         if insecure {
             args.push("--insecure-unverified-keys");
         }
-        cli(&args)
+        seal_cli(&args, [&req, &body, &headers, &key])
     };
     // Keys no verified evidence vouches for: refused by default...
     let _ = std::fs::remove_file(&key);
@@ -188,21 +168,15 @@ pub(super) async fn seal_open_checks(c: &Ctx) {
     assert_eq!(v["model"], MODEL);
 
     // Evidence that does not verify: `seal` refuses to use its keys.
-    let (code, _, err) = cli(&[
-        "seal",
-        "--evidence",
-        p(&c.evidence_cbor),
-        "--policy",
-        p(&c.bad_policy),
-        "--in",
-        p(&req),
-        "--out",
-        p(&body),
-        "--headers",
-        p(&headers),
-        "--key-out",
-        p(&key),
-    ]);
+    let (code, _, err) = seal_cli(
+        &[
+            "--evidence",
+            p(&c.evidence_cbor),
+            "--policy",
+            p(&c.bad_policy),
+        ],
+        [&req, &body, &headers, &key],
+    );
     assert_ne!(code, 0);
     assert!(err.contains("refusing to seal"), "{err}");
 }
@@ -291,20 +265,10 @@ pub(super) async fn resealing_host_checks(c: &Ctx) {
         dir.join("mitm-receipt.cbor"),
     );
     // The client takes the host's keys on trust (no --policy).
-    let (code, out, err) = cli(&[
-        "seal",
-        "--insecure-unverified-keys",
-        "--gateway",
-        &host,
-        "--in",
-        p(&req),
-        "--out",
-        p(&body),
-        "--headers",
-        p(&headers),
-        "--key-out",
-        p(&key),
-    ]);
+    let (code, out, err) = seal_cli(
+        &["--insecure-unverified-keys", "--gateway", &host],
+        [&req, &body, &headers, &key],
+    );
     assert_eq!(code, 0, "{out}\n{err}");
     let r = post_sealed(&host, &body, &headers).await;
     assert_eq!(r.status(), 200);

@@ -12,14 +12,21 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The packaged model folder (set up by scripts/setup.sh).
-pub fn model_dir() -> PathBuf {
-    let d = root().join("models/all-minilm-l6-v2");
-    assert!(
-        d.join("manifest.json").exists(),
-        "run scripts/setup.sh first"
-    );
+/// A packaged model folder (set up by scripts/setup.sh), checked for `file`.
+fn packaged_model(name: &str, file: &str) -> PathBuf {
+    let d = root().join("models").join(name);
+    assert!(d.join(file).exists(), "run scripts/setup.sh first");
     d.canonicalize().unwrap()
+}
+
+/// The packaged MiniLM folder.
+pub fn model_dir() -> PathBuf {
+    packaged_model("all-minilm-l6-v2", "manifest.json")
+}
+
+/// The packaged SmolLM2 folder.
+pub fn smollm_dir() -> PathBuf {
+    packaged_model("smollm2-135m-instruct", "tokenizer.json")
 }
 
 /// A fresh temporary folder.
@@ -257,7 +264,7 @@ pub fn fault_env(stage: u32, extra: &[(&str, &str)]) -> Vec<(String, String)> {
 
 /// `GET /metrics` as text.
 pub async fn metrics_text(url: &str) -> String {
-    let r = client().get(format!("{url}/metrics")).send().await.unwrap();
+    let r = http_get(&format!("{url}/metrics")).await;
     assert_eq!(r.status(), 200);
     r.text().await.unwrap()
 }
@@ -471,12 +478,7 @@ pub fn client() -> reqwest::Client {
 
 /// POSTs `/v1/embeddings` and returns (status, JSON body).
 pub async fn embed(gw_url: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
-    let r = client()
-        .post(format!("{gw_url}/v1/embeddings"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(&format!("{gw_url}/v1/embeddings"), &body).await;
     let status = r.status().as_u16();
     (status, r.json().await.unwrap_or(serde_json::Value::Null))
 }
@@ -721,14 +723,7 @@ pub fn serve_on_thread(listener: std::net::TcpListener, app: axum::Router) -> St
 
 /// `GET url`, the body (panics on a transport error).
 pub async fn get_bytes(url: &str) -> axum::body::Bytes {
-    client()
-        .get(url)
-        .send()
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap()
+    http_get(url).await.bytes().await.unwrap()
 }
 
 /// Whether `python3` can import the stock `openai` SDK (`NO_PYTHON_SDK=1`
@@ -848,12 +843,7 @@ pub async fn post_json(
     path: &str,
     body: &serde_json::Value,
 ) -> (u16, serde_json::Value, reqwest::header::HeaderMap) {
-    let r = client()
-        .post(format!("{url}{path}"))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
+    let r = http_post(&format!("{url}{path}"), body).await;
     let status = r.status().as_u16();
     let headers = r.headers().clone();
     (
@@ -865,12 +855,67 @@ pub async fn post_json(
 
 /// GETs `url` and parses the JSON body (panics on any failure).
 pub async fn get_json(url: &str) -> serde_json::Value {
-    client()
-        .get(url)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    http_get(url).await.json().await.unwrap()
+}
+
+/// `GET url` with the test client (panics on a transport error).
+pub async fn http_get(url: &str) -> reqwest::Response {
+    client().get(url).send().await.unwrap()
+}
+
+/// `POST url` with `body` as JSON (panics on a transport error).
+pub async fn http_post(url: &str, body: &serde_json::Value) -> reqwest::Response {
+    client().post(url).json(body).send().await.unwrap()
+}
+
+/// `gateway seal ARGS --in REQ --out BODY --headers HEADERS --key-out KEY`,
+/// with the files given in that order.
+pub fn seal_cli(args: &[&str], [req, body, headers, key]: [&Path; 4]) -> (i32, String, String) {
+    let files = [
+        "--in",
+        p(req),
+        "--out",
+        p(body),
+        "--headers",
+        p(headers),
+        "--key-out",
+        p(key),
+    ];
+    cli(&[&["seal"], args, &files[..]].concat())
+}
+
+/// Asserts that `r` is an OpenAI-shaped error with `status` whose message
+/// mentions `needle`; returns its body.
+pub async fn expect_api_error(
+    r: reqwest::Response,
+    status: u16,
+    needle: &str,
+) -> serde_json::Value {
+    assert_eq!(r.status(), status);
+    let e: serde_json::Value = r.json().await.unwrap();
+    assert_error_shape(&e);
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(message.contains(needle), "{e}");
+    e
+}
+
+/// Runs `python3 -c script args…` (no proxy for loopback, no
+/// `OPENAI_BASE_URL` from the environment), asserts it succeeded and parses
+/// its stdout as JSON.
+pub fn run_python_json(script: &str, args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .env("NO_PROXY", "127.0.0.1,localhost")
+        .env_remove("OPENAI_BASE_URL")
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "python3 script failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }

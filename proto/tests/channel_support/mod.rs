@@ -380,3 +380,47 @@ pub fn attested_field(body: &[u8]) -> usize {
         .expect("attested field");
     at + pat.len()
 }
+
+/// The next receive fails with `want` (compared by its `Debug` form).
+pub async fn expect_failure(rx: &mut ChannelReceiver, want: ChannelError) {
+    match recv(rx).await {
+        Err(e) if format!("{e:?}") == format!("{want:?}") => {}
+        other => panic!("expected {want:?}, got {other:?}"),
+    }
+}
+
+/// The next receive fails as out of sequence: record `got` where `expected` was due.
+pub async fn expect_out_of_sequence(rx: &mut ChannelReceiver, expected: u64, got: u64) {
+    expect_failure(rx, ChannelError::OutOfSequence { expected, got }).await;
+}
+
+/// Which hello of the handshake a test tampers with.
+pub enum Hello {
+    /// The initiator's first frame.
+    Client,
+    /// The responder's first frame.
+    Server,
+}
+
+/// A handshake with one bit flipped in `hello`, at the byte `pos` picks.
+pub async fn flipped_hello(
+    initiator: &Peer<'_>,
+    responder: &Peer<'_>,
+    hello: Hello,
+    pos: fn(&[u8]) -> usize,
+) -> Handshake {
+    let tamper = flip_with(0, pos, 0x01);
+    match hello {
+        Hello::Client => handshake(initiator, responder, tamper, pass()).await,
+        Hello::Server => handshake(initiator, responder, pass(), tamper).await,
+    }
+}
+
+/// `side`'s handshake failed because its peer was rejected, for a reason
+/// that mentions `needle`.
+pub fn expect_rejected(r: HandshakeResult, side: &str, needle: &str) {
+    match err(r, side) {
+        ChannelError::PeerRejected(m) => assert!(m.contains(needle), "{m}"),
+        other => panic!("expected PeerRejected, got {other:?}"),
+    }
+}
