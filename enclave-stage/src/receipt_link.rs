@@ -9,13 +9,24 @@
 //! - [`pass_on`]: a stage before the exit stage signs its link and passes
 //!   the chain on;
 //! - [`sign_exit_receipt`]: the exit stage puts its link, the chain and the
-//!   digest of the exact response bytes under one signature.
+//!   digest of the exact response bytes under one signature;
+//! - [`client_trailer`]: what the exit stage seals after the response for the
+//!   client: the receipt and the salt of its digests.
+//!
+//! Stages compute plain SHA-256 digests of what they received and sent;
+//! every digest is salted with the request's secret salt
+//! ([`proto::receipt::salted_digest`]) just before it is signed, so that
+//! whoever holds the receipt without the salt cannot confirm a guess of the
+//! request, the response or the activations.
 
 use crate::keys::StageKeys;
 use proto::claims::StageClaims;
 use proto::digest::Sha256Digest;
 use proto::frames::{ActivationMessage, Envelope, StageTiming};
-use proto::receipt::{link_digest, sign_link, sign_receipt, Link, ReceiptBody, ReceiptVersion};
+use proto::receipt::{
+    link_digest, salted_digest, sign_link, sign_receipt, Link, ReceiptBody, ReceiptTrailer,
+    ReceiptVersion,
+};
 
 /// This stage's link for the request in `env`. `received_rows` gives the
 /// digest of the rows this stage received (not asked of the entry stage,
@@ -55,7 +66,7 @@ pub fn pass_on(
     mut upstream: Vec<Vec<u8>>,
     timings: Vec<StageTiming>,
 ) -> ActivationMessage {
-    upstream.push(sign_link(&keys.receipt, link));
+    upstream.push(sign_link(&keys.receipt, &salted(env, link)));
     ActivationMessage::Links {
         request_id: env.request_id,
         links: upstream
@@ -81,6 +92,7 @@ pub fn sign_exit_receipt(
 ) -> Vec<u8> {
     let response_digest = Sha256Digest::of(response);
     link.sent_digest = response_digest;
+    let salt = &env.digest_salt;
     sign_receipt(
         &keys.receipt,
         &ReceiptBody {
@@ -90,8 +102,8 @@ pub fn sign_exit_receipt(
             endpoint: env.endpoint.clone(),
             model_id: claims.model_id.clone(),
             manifest_digest: claims.manifest_sha256,
-            request_digest: env.request_digest,
-            response_digest,
+            request_digest: salted_digest(salt, &env.request_digest),
+            response_digest: salted_digest(salt, &response_digest),
             client_nonce: env.client_nonce.clone(),
             sequence: keys.next_sequence(),
             mock: keys.mock,
@@ -99,7 +111,26 @@ pub fn sign_exit_receipt(
             // The exit stage's link rides in the receipt, under its
             // signature: one Ed25519 signature per request fewer.
             chain: upstream,
-            exit_link: link,
+            exit_link: salted(env, &link),
         },
     )
+}
+
+/// `link` with its received and sent digests salted for the receipt.
+fn salted(env: &Envelope, link: &Link) -> Link {
+    Link {
+        received_digest: salted_digest(&env.digest_salt, &link.received_digest),
+        sent_digest: salted_digest(&env.digest_salt, &link.sent_digest),
+        ..link.clone()
+    }
+}
+
+/// The trailer the exit stage seals after the response body for the
+/// client: the `receipt` and the salt of its digests.
+pub fn client_trailer(env: &Envelope, receipt: &[u8]) -> Vec<u8> {
+    ReceiptTrailer {
+        receipt: receipt.to_vec(),
+        digest_salt: Some(env.digest_salt),
+    }
+    .encode()
 }

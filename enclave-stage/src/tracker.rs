@@ -270,7 +270,8 @@ impl Tracker {
         );
         // The receipt travels twice: beside the body for the host (headers,
         // the receipt store) and as the sealed body's trailer for the client.
-        let sealed = seal_response_with_trailer(&r.ctx.env.response_key, &body, &receipt)
+        let trailer = receipt_link::client_trailer(&r.ctx.env, &receipt);
+        let sealed = seal_response_with_trailer(&r.ctx.env.response_key, &body, &trailer)
             .map_err(|_| fail("sealing the response failed"))?;
         Ok(Finished::Response(ResultMessage::Response {
             request_id: r.ctx.env.request_id,

@@ -1,11 +1,15 @@
 //! Bounded retention of receipts for `GET /v1/receipts/{id}`: the newest
-//! `capacity` receipts are kept; older ones are dropped first.
+//! `capacity` receipts are kept; older ones are dropped first. A receipt is
+//! kept with the salt of its digests where the gateway knows it (requests
+//! it saw in plaintext); for requests sealed to the enclave only the client
+//! has the salt.
 
+use proto::receipt::ReceiptTrailer;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 /// Receipts by id, and their ids oldest first.
-type Kept = (HashMap<[u8; 16], Vec<u8>>, VecDeque<[u8; 16]>);
+type Kept = (HashMap<[u8; 16], ReceiptTrailer>, VecDeque<[u8; 16]>);
 
 /// The receipt store.
 pub struct ReceiptStore {
@@ -22,8 +26,8 @@ impl ReceiptStore {
         }
     }
 
-    /// Keeps a receipt.
-    pub fn insert(&self, id: [u8; 16], receipt: Vec<u8>) {
+    /// Keeps a receipt (and the salt of its digests, if known).
+    pub fn insert(&self, id: [u8; 16], receipt: ReceiptTrailer) {
         if self.capacity == 0 {
             return;
         }
@@ -40,7 +44,7 @@ impl ReceiptStore {
     }
 
     /// A kept receipt.
-    pub fn get(&self, id: &[u8; 16]) -> Option<Vec<u8>> {
+    pub fn get(&self, id: &[u8; 16]) -> Option<ReceiptTrailer> {
         self.inner.lock().unwrap().0.get(id).cloned()
     }
 }
@@ -51,12 +55,16 @@ mod tests {
 
     #[test]
     fn keeps_the_newest() {
+        let kept = |b: u8| ReceiptTrailer {
+            receipt: vec![b],
+            digest_salt: None,
+        };
         let s = ReceiptStore::new(2);
-        s.insert([1; 16], vec![1]);
-        s.insert([2; 16], vec![2]);
-        s.insert([3; 16], vec![3]);
+        s.insert([1; 16], kept(1));
+        s.insert([2; 16], kept(2));
+        s.insert([3; 16], kept(3));
         assert_eq!(s.get(&[1; 16]), None);
-        assert_eq!(s.get(&[3; 16]), Some(vec![3]));
+        assert_eq!(s.get(&[3; 16]), Some(kept(3)));
         assert_eq!(ReceiptStore::new(0).get(&[1; 16]), None);
     }
 }

@@ -246,6 +246,12 @@ async fn streamed_text_equals_non_streamed_and_its_receipt_verifies() {
     }
     let receipt = http_get(&format!("{}/v1/receipts/{receipt_id}", gw.url)).await;
     assert_eq!(receipt.status(), 200);
+    // A plain stream: the gateway opened it, so it kept the salt of the
+    // receipt's digests from the stage's trailer and hands it out.
+    let salt = receipt.headers()["receipt-digest-salt"]
+        .to_str()
+        .unwrap()
+        .to_string();
     let receipt = receipt.bytes().await.unwrap();
     let dir = &gw.dir;
     let files = [
@@ -280,6 +286,8 @@ async fn streamed_text_equals_non_streamed_and_its_receipt_verifies() {
                 p(&dir.join(response)),
                 // The stream was requested without a receipt-nonce.
                 "--no-nonce",
+                "--digest-salt",
+                &salt,
                 "--receipt",
                 p(&dir.join("receipt.cose")),
             ])

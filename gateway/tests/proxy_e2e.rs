@@ -216,6 +216,8 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
                 p(response),
                 "--nonce",
                 &read("nonce.hex"),
+                "--digest-salt",
+                &read("digest-salt.hex"),
                 "--receipt",
                 p(&d.join("receipt.cbor")),
             ])
@@ -269,16 +271,18 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
         .bytes()
         .await
         .unwrap();
-    assert_eq!(
-        trailer.as_deref(),
-        Some(&stored[..]),
-        "re-sealed receipt trailer"
-    );
+    let trailer = proto::receipt::ReceiptTrailer::decode(&trailer.unwrap()).unwrap();
+    assert_eq!(trailer.receipt, stored, "re-sealed receipt trailer");
     let (body, _) = proto::receipt::parse_unverified(&stored).unwrap();
     assert_eq!(body.sealing.as_str(), "gateway");
+    // The response digest is salted: the plain SHA-256 of the events is not
+    // in the receipt, the salted one is.
+    let salt = trailer.digest_salt.expect("the trailer carries the salt");
+    let plain = proto::digest::Sha256Digest::of(&events);
+    assert_ne!(body.response_digest, plain);
     assert_eq!(
         body.response_digest,
-        proto::digest::Sha256Digest::of(&events)
+        proto::receipt::salted_digest(&salt, &plain)
     );
 
     // A host that flips a byte of the sealed stream (in its receipt

@@ -7,7 +7,7 @@ use base64::Engine as _;
 use common::*;
 use proto::bundle::EvidenceBundle;
 use proto::policy::Policy;
-use proto::receipt::{verify_receipt, StageKeys, VerifyInputs};
+use proto::receipt::{parse_unverified, verify_receipt, ReceiptTrailer, StageKeys, VerifyInputs};
 use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
 use serde_json::json;
 
@@ -51,12 +51,20 @@ async fn plain_request_gets_a_receipt_that_verifies() {
     let header_receipt = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(r.headers()["receipt"].to_str().unwrap())
         .unwrap();
+    // A plain request: the gateway saw it, so it hands out the salt of the
+    // receipt's digests too (with the response and with the stored receipt).
+    let salt_hex = r.headers()["receipt-digest-salt"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let salt: proto::receipt::DigestSalt = hex::decode(&salt_hex).unwrap().try_into().unwrap();
     let response = r.bytes().await.unwrap().to_vec();
     let body: serde_json::Value = serde_json::from_slice(&response).unwrap();
     assert_eq!(body["data"].as_array().unwrap().len(), 2);
 
     let stored = http_get(&format!("{}/v1/receipts/{id}", gw.url)).await;
     assert_eq!(stored.status(), 200);
+    assert_eq!(stored.headers()["receipt-digest-salt"], salt_hex.as_str());
     let stored = stored.bytes().await.unwrap().to_vec();
     assert_eq!(stored, header_receipt);
 
@@ -64,6 +72,7 @@ async fn plain_request_gets_a_receipt_that_verifies() {
         let mut inputs = VerifyInputs::new(&stored, &verified.stage_keys);
         inputs.request = Some(req);
         inputs.response = Some(resp);
+        inputs.digest_salt = Some(&salt);
         inputs.expected_nonce = nonce;
         inputs.expected_manifest = Some(verified.manifest_digest);
         inputs.allow_mock = true;
@@ -148,6 +157,8 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
         let receipt = base64::engine::general_purpose::URL_SAFE_NO_PAD
             .decode(r.headers()["receipt"].to_str().unwrap())
             .unwrap();
+        // Sealed to the enclave: the host never learns the salt.
+        assert!(r.headers().get("receipt-digest-salt").is_none());
         let sealed = r.bytes().await.unwrap().to_vec();
         assert!(
             serde_json::from_slice::<serde_json::Value>(&sealed).is_err(),
@@ -156,9 +167,16 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
         let (plain, trailer) = open_response_with_trailer(&client_key, &sealed).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&plain).unwrap();
         assert_eq!(v["data"][0]["embedding"].as_array().unwrap().len(), 384);
-        // The exit stage sealed the same receipt into the response.
-        assert_eq!(trailer.as_deref(), Some(&receipt[..]), "receipt trailer");
-        assert_receipt_sealing(&receipt, &verified.stage_keys, &request, &plain, "enclave");
+        // The exit stage sealed the same receipt into the response, with
+        // the salt of its digests.
+        let trailer = ReceiptTrailer::decode(&trailer.unwrap()).unwrap();
+        assert_eq!(trailer.receipt, receipt, "receipt trailer");
+        assert_receipt_sealing(&trailer, &verified.stage_keys, &request, &plain, "enclave");
+        // The stored receipt comes without it too.
+        let id = hex::encode(parse_unverified(&receipt).unwrap().0.receipt_id);
+        let stored = http_get(&format!("{}/v1/receipts/{id}", gw.url)).await;
+        assert!(stored.headers().get("receipt-digest-salt").is_none());
+        assert_eq!(stored.bytes().await.unwrap(), receipt);
 
         // The same sealed request again is a replay.
         let again = send(body).await.unwrap();
@@ -178,12 +196,9 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
         .unwrap();
     let (plain, trailer) =
         open_response_with_trailer(&client_key, &r.bytes().await.unwrap()).unwrap();
-    assert_eq!(
-        trailer.as_deref(),
-        Some(&receipt[..]),
-        "re-sealed receipt trailer"
-    );
-    assert_receipt_sealing(&receipt, &verified.stage_keys, &request, &plain, "gateway");
+    let trailer = ReceiptTrailer::decode(&trailer.unwrap()).unwrap();
+    assert_eq!(trailer.receipt, receipt, "re-sealed receipt trailer");
+    assert_receipt_sealing(&trailer, &verified.stage_keys, &request, &plain, "gateway");
 
     // A key id that is not published: a distinct error telling the client to refetch.
     let mut stale = keys[0].clone();
@@ -259,15 +274,16 @@ async fn attestation_is_cached_per_nonce_and_rate_limited_per_client() {
 /// Verifies a receipt over `request` and `response` (mock evidence allowed)
 /// and asserts who opened the request.
 fn assert_receipt_sealing(
-    receipt: &[u8],
+    trailer: &ReceiptTrailer,
     stage_keys: &[StageKeys],
     request: &[u8],
     response: &[u8],
     sealing: &str,
 ) {
-    let mut inputs = VerifyInputs::new(receipt, stage_keys);
+    let mut inputs = VerifyInputs::new(&trailer.receipt, stage_keys);
     inputs.request = Some(request);
     inputs.response = Some(response);
+    inputs.digest_salt = trailer.digest_salt.as_ref();
     inputs.allow_mock = true;
     let report = verify_receipt(&inputs);
     assert!(report.ok(), "{:#?}", report.checks);

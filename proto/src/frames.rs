@@ -254,6 +254,10 @@ pub struct Envelope {
     pub endpoint: String,
     /// SHA-256 of the exact plaintext request bytes.
     pub request_digest: Sha256Digest,
+    /// The per-request secret that salts every digest in the receipt
+    /// (drawn by the entry stage; reaches the client only inside the sealed
+    /// response, never the host).
+    pub digest_salt: crate::receipt::DigestSalt,
     /// The client's receipt nonce.
     #[serde(with = "serde_bytes")]
     pub client_nonce: Option<Vec<u8>>,

@@ -11,9 +11,9 @@ use coset::{iana, CborSerializable, CoseSign1Builder, HeaderBuilder};
 use ed25519_dalek::{Signer, SigningKey};
 use proto::digest::Sha256Digest;
 use proto::receipt::{
-    link_digest, sign_link, sign_receipt, verify_receipt, CheckStatus, Link, OpenedKey,
-    ReceiptBody, ReceiptId, ReceiptVersion, SealedTo, Sealing, StageKeys, VerifyInputs,
-    RECEIPT_CONTENT_TYPE,
+    link_digest, salted_digest, sign_link, sign_receipt, verify_receipt, CheckStatus, DigestSalt,
+    Link, OpenedKey, ReceiptBody, ReceiptId, ReceiptVersion, SealedTo, Sealing, StageKeys,
+    VerifyInputs, RECEIPT_CONTENT_TYPE,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -38,6 +38,9 @@ struct Case {
     nonce: Option<String>,
     /// Expected manifest digest (hex), if any.
     manifest: Option<String>,
+    /// The salt of the receipt's digests (hex), if the verifier is given it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    digest_salt: Option<String>,
     /// Whether the policy allows mock receipts.
     allow_mock: bool,
     /// The key the client sealed to: `{"key_id", "enc" (hex)}`, if given.
@@ -78,6 +81,13 @@ const RECEIPT_ID: ReceiptId = [
     0x00, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x09, 0x0a, 0x0b, 0x0c, 0x0d, 0x0e, 0x0f,
 ];
 const STAGES: usize = 3;
+/// The salt of the valid receipt's digests (v4).
+const DIGEST_SALT: DigestSalt = [0x5a; 32];
+
+/// The digest a current (salted) receipt carries for `bytes`.
+fn digest(bytes: &[u8]) -> Sha256Digest {
+    salted_digest(&DIGEST_SALT, &Sha256Digest::of(bytes))
+}
 
 fn key(label: &str) -> SigningKey {
     SigningKey::from_bytes(&Sha256Digest::of(format!("receipt test vector: {label}").as_bytes()).0)
@@ -108,7 +118,7 @@ impl Gen {
 
     fn links(&self) -> Vec<Link> {
         let act = |i: usize| {
-            Sha256Digest::of(format!("receipt test vector: activations {i}->{}", i + 1).as_bytes())
+            digest(format!("receipt test vector: activations {i}->{}", i + 1).as_bytes())
         };
         (0..STAGES)
             .map(|i| Link {
@@ -116,13 +126,9 @@ impl Gen {
                 stage_index: i as u32,
                 layers: self.stages[i].layers,
                 evidence_digest: self.stages[i].evidence_digest,
-                received_digest: if i == 0 {
-                    Sha256Digest::of(REQUEST)
-                } else {
-                    act(i - 1)
-                },
+                received_digest: if i == 0 { digest(REQUEST) } else { act(i - 1) },
                 sent_digest: if i + 1 == STAGES {
-                    Sha256Digest::of(RESPONSE)
+                    digest(RESPONSE)
                 } else {
                     act(i)
                 },
@@ -156,8 +162,8 @@ impl Gen {
             endpoint: "/v1/embeddings".into(),
             model_id: "all-MiniLM-L6-v2".into(),
             manifest_digest: Sha256Digest::from_hex(MANIFEST).unwrap(),
-            request_digest: Sha256Digest::of(REQUEST),
-            response_digest: Sha256Digest::of(RESPONSE),
+            request_digest: digest(REQUEST),
+            response_digest: digest(RESPONSE),
             client_nonce: Some(NONCE.to_vec()),
             sequence: 42,
             mock: true,
@@ -199,6 +205,7 @@ impl Gen {
                 response: Some("response.json".into()),
                 nonce: Some(hex::encode(NONCE)),
                 manifest: Some(MANIFEST.into()),
+                digest_salt: Some(hex::encode(DIGEST_SALT)),
                 allow_mock: true,
                 sealed_to: client_sealing(),
                 expect: expect.into(),
@@ -413,6 +420,7 @@ impl Gen {
             response: Some("response.json".into()),
             nonce: Some(hex::encode(NONCE)),
             manifest: Some(MANIFEST.into()),
+            digest_salt: Some(hex::encode(DIGEST_SALT)),
             allow_mock: true,
             sealed_to: client_sealing(),
             expect: expect.into(),
@@ -422,6 +430,7 @@ impl Gen {
             response: None,
             nonce: None,
             manifest: None,
+            digest_salt: None,
             sealed_to: None,
             ..reuse(
                 "valid_minimal",
@@ -443,6 +452,23 @@ impl Gen {
                 "response_mismatch",
                 "the valid receipt checked against another response's bytes",
                 "response_mismatch",
+            )
+        });
+        cases.push(Case {
+            digest_salt: None,
+            ..reuse(
+                "digest_salt_missing",
+                "the valid receipt checked against its request and response without the \
+                 salt of its digests",
+                "digest_salt_missing",
+            )
+        });
+        cases.push(Case {
+            digest_salt: Some(hex::encode([0xa5; 32])),
+            ..reuse(
+                "digest_salt_wrong",
+                "the valid receipt checked with another salt: the request does not match",
+                "request_mismatch",
             )
         });
         cases.push(Case {
@@ -553,11 +579,16 @@ fn vectors_verify_as_expected() {
         let request = case.request.as_deref().map(read);
         let response = case.response.as_deref().map(read);
         let nonce = case.nonce.as_deref().map(|n| hex::decode(n).unwrap());
+        let salt: Option<DigestSalt> = case
+            .digest_salt
+            .as_deref()
+            .map(|s| hex::decode(s).unwrap().try_into().unwrap());
         let inputs = VerifyInputs {
             receipt: &receipt,
             stages: &stages,
             request: request.as_deref(),
             response: response.as_deref(),
+            digest_salt: salt.as_ref(),
             expected_nonce: nonce.as_deref(),
             expected_manifest: case
                 .manifest
@@ -610,20 +641,27 @@ fn vectors_verify_as_expected() {
     }
 }
 
-/// A v2 receipt (before links said which key the entry stage opened),
-/// kept as the stages of that format made it: it still verifies, and says
-/// that its `sealing` is the host's word.
-#[test]
-fn v2_receipt_still_verifies_as_v2() {
-    let dir = dir().join("v2");
+/// The stage keys, receipt, request and response kept in `dir()/version`
+/// as the stages of that format made them (plain digests, no salt).
+fn read_legacy(version: &str) -> (Vec<StageKeys>, Vec<u8>, Vec<u8>, Vec<u8>) {
+    let dir = dir().join(version);
     let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
     let stages: Vec<StageKeys> = serde_json::from_slice(&read("stage_keys.json")).unwrap();
-    let receipt = read("valid.cbor");
-    let request = read("request.json");
-    let response = read("response.json");
-    let mut inputs = VerifyInputs::new(&receipt, &stages);
-    inputs.request = Some(&request);
-    inputs.response = Some(&response);
+    (
+        stages,
+        read("valid.cbor"),
+        read("request.json"),
+        read("response.json"),
+    )
+}
+
+/// Inputs for a kept legacy receipt: everything given, no salt.
+fn legacy_inputs<'a>(
+    (stages, receipt, request, response): &'a (Vec<StageKeys>, Vec<u8>, Vec<u8>, Vec<u8>),
+) -> VerifyInputs<'a> {
+    let mut inputs = VerifyInputs::new(receipt, stages);
+    inputs.request = Some(request);
+    inputs.response = Some(response);
     inputs.expected_nonce = Some(NONCE);
     inputs.expected_manifest = Some(Sha256Digest::from_hex(MANIFEST).unwrap());
     inputs.allow_mock = true;
@@ -631,6 +669,16 @@ fn v2_receipt_still_verifies_as_v2() {
         key_id: KEY_ID,
         enc: &ENC,
     });
+    inputs
+}
+
+/// A v2 receipt (before links said which key the entry stage opened),
+/// kept as the stages of that format made it: it still verifies, and says
+/// that its `sealing` is the host's word.
+#[test]
+fn v2_receipt_still_verifies_as_v2() {
+    let kept = read_legacy("v2");
+    let mut inputs = legacy_inputs(&kept);
     let report = verify_receipt(&inputs);
     assert!(report.ok(), "{:#?}", report.checks);
     let body = report.receipt.as_ref().unwrap();
@@ -641,11 +689,32 @@ fn v2_receipt_still_verifies_as_v2() {
     assert!(sealing.detail.contains("v2"), "{}", sealing.detail);
     assert_eq!(report.proven_sealing(), None);
     // Its bytes still matter: one flipped response byte fails.
-    let mut other = response.clone();
+    let mut other = kept.3.clone();
     other[10] ^= 1;
     inputs.response = Some(&other);
     assert_eq!(
         verify_receipt(&inputs).failure().map(|e| e.code()),
         Some("response_mismatch")
+    );
+}
+
+/// A v3 receipt (plain SHA-256 digests), kept as the stages of that format
+/// made it: it verifies without a salt, sealing proven, as v3.
+#[test]
+fn v3_receipt_still_verifies_as_v3() {
+    let kept = read_legacy("v3");
+    let mut inputs = legacy_inputs(&kept);
+    let report = verify_receipt(&inputs);
+    assert!(report.ok(), "{:#?}", report.checks);
+    let body = report.receipt.as_ref().unwrap();
+    assert_eq!(body.version, ReceiptVersion::V3);
+    assert_eq!(body.request_digest, Sha256Digest::of(&kept.2));
+    assert_eq!(report.proven_sealing(), Some(Sealing::Enclave));
+    let mut other = kept.2.clone();
+    other[10] ^= 1;
+    inputs.request = Some(&other);
+    assert_eq!(
+        verify_receipt(&inputs).failure().map(|e| e.code()),
+        Some("request_mismatch")
     );
 }

@@ -328,6 +328,11 @@ pub(super) fn envelope(
         receipt_id,
         endpoint: req.endpoint,
         request_digest: Sha256Digest::of(plaintext),
+        digest_salt: {
+            let mut salt = [0u8; 32];
+            rand::rngs::OsRng.fill_bytes(&mut salt);
+            salt
+        },
         client_nonce: req.client_nonce,
         sealing: req.sealing,
         opened: OpenedKey::of(req.headers.key_id, &req.headers.enc),

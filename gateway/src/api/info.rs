@@ -76,7 +76,17 @@ pub(super) async fn get_receipt(State(s): State<AppState>, Path(id): Path<String
         .and_then(|b| <[u8; 16]>::try_from(b).ok())
         .and_then(|id| s.receipts.get(&id));
     match found {
-        Some(r) => ([(header::CONTENT_TYPE, "application/cose")], r).into_response(),
+        Some(kept) => {
+            let mut r =
+                ([(header::CONTENT_TYPE, "application/cose")], kept.receipt).into_response();
+            if let Some(v) = kept
+                .digest_salt
+                .and_then(|salt| HeaderValue::from_str(&hex::encode(salt)).ok())
+            {
+                r.headers_mut().insert(HEADER_RECEIPT_DIGEST_SALT, v);
+            }
+            r
+        }
         None => ApiError {
             code: Some("receipt_not_found"),
             ..ApiError::from_stage(404, format!("No receipt {id} is retained here."))

@@ -15,11 +15,12 @@ use axum::{Json, Router};
 use base64::Engine as _;
 use proto::bundle::{EvidenceBundle, StageEvidence};
 use proto::openai::ApiEndpoint;
-use proto::receipt::Sealing;
+use proto::receipt::{ReceiptTrailer, Sealing};
 use proto::sealing::{
-    open_request, open_response, seal_request, seal_response, seal_response_with_trailer, Aead,
-    ClientResponseKey, KeyConfig, ReplayGuard, ResponseKeyMaterial, ResponseOpener, ResponseSealer,
-    SealLimits, SealedHeaders, ServerKey, HEADER_KEY_ID, KEYS_MEDIA_TYPE,
+    open_request, open_response, open_response_with_trailer, seal_request, seal_response,
+    seal_response_with_trailer, Aead, ClientResponseKey, KeyConfig, ReplayGuard,
+    ResponseKeyMaterial, ResponseOpener, ResponseSealer, SealLimits, SealedHeaders, ServerKey,
+    HEADER_KEY_ID, KEYS_MEDIA_TYPE,
 };
 use serde_json::json;
 use std::collections::HashMap;
@@ -38,6 +39,11 @@ use stream::*;
 pub const HEADER_RECEIPT_ID: &str = "receipt-id";
 /// Response header carrying the receipt itself (base64url), when it fits.
 pub const HEADER_RECEIPT: &str = "receipt";
+/// Response header carrying the salt of the receipt's digests (hex), where
+/// the gateway knows it: requests it saw in plaintext (sent plain, or sealed
+/// to the gateway's key). For requests sealed to the enclave only the
+/// client learns it, inside the sealed response.
+pub const HEADER_RECEIPT_DIGEST_SALT: &str = "receipt-digest-salt";
 /// Request header with the client's receipt nonce (hex, at most 64 bytes).
 pub const HEADER_RECEIPT_NONCE: &str = "receipt-nonce";
 /// Largest receipt sent in a header.

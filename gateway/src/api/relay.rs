@@ -171,7 +171,13 @@ pub(super) async fn relay_inner(
                 receipt_id,
             } => {
                 let mut r = sealed_response(status, body);
-                attach_receipt(s, &mut r, receipt_id, receipt);
+                // Sealed to the enclave: the salt is in the sealed trailer,
+                // for the client only.
+                let kept = ReceiptTrailer {
+                    receipt,
+                    digest_salt: None,
+                };
+                attach_receipt(s, &mut r, receipt_id, kept);
                 r
             }
             Reply::Failed(e) => {
@@ -218,7 +224,8 @@ pub(super) enum Answer {
     Whole {
         status: u16,
         body: Vec<u8>,
-        receipt: Option<([u8; 16], Vec<u8>)>,
+        /// The receipt's id, the receipt and the salt of its digests.
+        receipt: Option<([u8; 16], ReceiptTrailer)>,
         retry_after: Option<u32>,
     },
     /// A stream: its rest comes through `sub`, sealed to `client_key`.
@@ -280,12 +287,27 @@ pub(super) async fn seal_to_entry(
             body,
             receipt,
             receipt_id,
-        } => Answer::Whole {
-            status,
-            body: open(&body)?,
-            receipt: Some((receipt_id, receipt)),
-            retry_after: None,
-        },
+        } => {
+            let (body, trailer) = open_response_with_trailer(&client_key, &body).map_err(|e| {
+                ApiError::internal(format!("the stage's response does not open: {e}"))
+            })?;
+            // The stage's trailer holds the receipt and the salt of its digests.
+            let digest_salt = trailer
+                .and_then(|t| ReceiptTrailer::decode(&t).ok())
+                .and_then(|t| t.digest_salt);
+            Answer::Whole {
+                status,
+                body,
+                receipt: Some((
+                    receipt_id,
+                    ReceiptTrailer {
+                        receipt,
+                        digest_salt,
+                    },
+                )),
+                retry_after: None,
+            }
+        }
         Reply::Failed(e) => {
             let retry_after = e.retry_after_secs;
             let (status, body) = match e.sealed_body {
@@ -343,7 +365,7 @@ pub(super) async fn via_gateway_key(
         } => {
             // A receipt rides along as the sealed body's trailer.
             let sealed_body = match &receipt {
-                Some((_, r)) => seal_response_with_trailer(&material, &body, r),
+                Some((_, t)) => seal_response_with_trailer(&material, &body, &t.encode()),
                 None => seal_response(&material, &body),
             }
             .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
@@ -407,17 +429,26 @@ pub(super) fn sealed_response(status: u16, body: Vec<u8>) -> Response {
         .into_response()
 }
 
-pub(super) fn attach_receipt(s: &AppState, r: &mut Response, id: [u8; 16], receipt: Vec<u8>) {
+/// Puts the receipt's id, the receipt (if it fits) and the salt of its
+/// digests (if the gateway knows it) in the response headers, and keeps the
+/// receipt for `GET /v1/receipts/{id}`.
+pub(super) fn attach_receipt(s: &AppState, r: &mut Response, id: [u8; 16], kept: ReceiptTrailer) {
     let h = r.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&hex::encode(id)) {
         h.insert(HEADER_RECEIPT_ID, v);
     }
-    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&receipt);
+    if let Some(salt) = kept.digest_salt {
+        if let Ok(v) = HeaderValue::from_str(&hex::encode(salt)) {
+            h.insert(HEADER_RECEIPT_DIGEST_SALT, v);
+        }
+    }
+    let receipt = &kept.receipt;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(receipt);
     if b64.len() <= MAX_RECEIPT_HEADER {
         if let Ok(v) = HeaderValue::from_str(&b64) {
             h.insert(HEADER_RECEIPT, v);
         }
     }
-    s.receipts.insert(id, receipt);
+    s.receipts.insert(id, kept);
     s.metrics.receipt_issued();
 }

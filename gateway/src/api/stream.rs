@@ -104,10 +104,6 @@ pub(super) async fn pump_stream(
                 return;
             }
         };
-        if let Some(r) = receipt {
-            receipts.insert(receipt_id, r);
-            metrics.receipt_issued();
-        }
         let out = match (&mut mode, opener.as_mut()) {
             (StreamMode::Relay, _) => Ok(data),
             (StreamMode::Open(_), Some(o)) => o.feed(&data).map(|parts| parts.concat()),
@@ -132,6 +128,23 @@ pub(super) async fn pump_stream(
                 return;
             }
         };
+        if let Some(receipt) = receipt {
+            // A stream the gateway opened ends with the stage's trailer: the
+            // salt of the receipt's digests is kept with the receipt.
+            let digest_salt = opener
+                .as_ref()
+                .and_then(|o| o.trailer())
+                .and_then(|t| ReceiptTrailer::decode(t).ok())
+                .and_then(|t| t.digest_salt);
+            receipts.insert(
+                receipt_id,
+                ReceiptTrailer {
+                    receipt,
+                    digest_salt,
+                },
+            );
+            metrics.receipt_issued();
+        }
         if !out.is_empty() {
             match tokio::time::timeout(idle, tx.send(Bytes::from(out))).await {
                 Ok(Ok(())) => {}

@@ -2,9 +2,11 @@
 //! open` and `gateway verify receipt --client-key` read: what opens the
 //! response, and which HPKE key and encapsulated key the request was sealed
 //! with (checked against what the receipt's entry stage says it opened).
+//! `gateway open` adds the salt of the receipt's digests, which comes only
+//! inside the sealed response.
 
 use anyhow::{anyhow, bail, Context, Result};
-use proto::receipt::{OpenedKey, ReceiptVersion, SealedTo};
+use proto::receipt::{DigestSalt, OpenedKey, ReceiptVersion, SealedTo};
 use proto::sealing::{Aead, ClientResponseKey};
 use serde_json::json;
 use std::path::Path;
@@ -31,13 +33,17 @@ pub struct ClientKeyFile {
     pub receipt_nonce: Option<Vec<u8>>,
     /// SHA-256 of the plaintext request.
     pub request_sha256: String,
+    /// The salt of the receipt's digests, once `gateway open` found it in
+    /// the sealed response.
+    pub digest_salt: Option<DigestSalt>,
 }
 
 impl ClientKeyFile {
     /// The JSON form:
     /// `{"kind", "version": 1, "aead", "key_id", "enc" (hex, the
     /// encapsulated key), "secret" (hex, the exported response secret),
-    /// "receipt_nonce" (hex or null), "request_sha256" (hex)}`.
+    /// "receipt_nonce" (hex or null), "request_sha256" (hex),
+    /// "digest_salt" (hex or null)}`.
     pub fn to_json(&self) -> Result<serde_json::Value> {
         let m = self.key.material();
         let raw = serde_json::to_value(&self.key)?;
@@ -55,6 +61,7 @@ impl ClientKeyFile {
             "secret": bytes("secret")?,
             "receipt_nonce": self.receipt_nonce.as_ref().map(hex::encode),
             "request_sha256": self.request_sha256,
+            "digest_salt": self.digest_salt.map(hex::encode),
         }))
     }
 
@@ -94,6 +101,17 @@ impl ClientKeyFile {
                 _ => None,
             },
             request_sha256: v["request_sha256"].as_str().unwrap_or_default().to_string(),
+            digest_salt: match &v["digest_salt"] {
+                serde_json::Value::String(s) => Some(
+                    hex::decode(s)
+                        .ok()
+                        .and_then(|b| DigestSalt::try_from(b.as_slice()).ok())
+                        .ok_or_else(|| {
+                            anyhow!("client key file: digest_salt is not 32 bytes of hex")
+                        })?,
+                ),
+                _ => None,
+            },
         })
     }
 }
@@ -105,6 +123,16 @@ impl ClientKeyFile {
         let v: serde_json::Value = serde_json::from_slice(&text)
             .with_context(|| format!("{}: not JSON", path.display()))?;
         Self::from_json(&v).with_context(|| format!("client key {}", path.display()))
+    }
+
+    /// Writes the key file (mode 0600), replacing `path` whole: written
+    /// beside it, then renamed over it.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let text = serde_json::to_string_pretty(&self.to_json()?)?;
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let tmp = path.with_file_name(format!(".{name}.tmp"));
+        super::write_private(&tmp, text.as_bytes())?;
+        std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
     }
 
     /// The key the request was sealed to, as a receipt verifier input.

@@ -28,6 +28,7 @@ use super::{read_input, runtime, write_output, EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use proto::policy::Policy;
+use proto::receipt::ReceiptTrailer;
 use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -261,11 +262,9 @@ pub fn run_seal(a: SealArgs) -> Result<()> {
         key_id: key.key_id,
         receipt_nonce: receipt_nonce.clone(),
         request_sha256: proto::digest::Sha256Digest::of(&plaintext).hex(),
+        digest_salt: None,
     };
-    super::write_private(
-        &a.key_out,
-        serde_json::to_string_pretty(&file.to_json()?)?.as_bytes(),
-    )?;
+    file.save(&a.key_out)?;
     std::fs::write(&a.headers, header_text)
         .with_context(|| format!("writing {}", a.headers.display()))?;
     write_output(&a.out, &body)?;
@@ -287,15 +286,22 @@ pub fn run_seal(a: SealArgs) -> Result<()> {
 
 /// Runs `gateway open`; returns the exit code.
 pub fn run_open(a: OpenArgs) -> Result<i32> {
-    let file = ClientKeyFile::load(&a.key)?;
+    let mut file = ClientKeyFile::load(&a.key)?;
     let body = read_input(&a.input)?;
     match open_response_with_trailer(&file.key, &body) {
         Ok((plain, trailer)) => {
+            let trailer = match trailer.as_deref().map(ReceiptTrailer::decode).transpose() {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("error: the sealed receipt trailer is malformed: {e}; the response was not written");
+                    return Ok(EXIT_FAILED);
+                }
+            };
             // The receipt's entry stage must have opened *this* request's
             // encapsulated key; otherwise the host opened it (it handed out
             // a key of its own) and re-sealed everything: nothing is written.
-            if let Some(receipt) = &trailer {
-                match file.check_opened(receipt) {
+            if let Some(t) = &trailer {
+                match file.check_opened(&t.receipt) {
                     Ok(true) => {}
                     Ok(false) => eprintln!(
                         "WARN sealing: a v2 receipt does not say which key the enclave opened; \
@@ -308,8 +314,15 @@ pub fn run_open(a: OpenArgs) -> Result<i32> {
                 }
             }
             write_output(&a.out, &plain)?;
+            // The salt of the receipt's digests goes into the key file, the
+            // client's record of this exchange, for `verify receipt
+            // --client-key`.
+            if let Some(salt) = trailer.as_ref().and_then(|t| t.digest_salt) {
+                file.digest_salt = Some(salt);
+                file.save(&a.key)?;
+            }
             match (&a.receipt_out, trailer) {
-                (Some(path), Some(receipt)) => std::fs::write(path, receipt)
+                (Some(path), Some(t)) => std::fs::write(path, t.receipt)
                     .with_context(|| format!("writing {}", path.display()))?,
                 (Some(_), None) => {
                     eprintln!(
@@ -356,11 +369,13 @@ mod tests {
                 key_id: 3,
                 receipt_nonce: Some(vec![1, 2]),
                 request_sha256: "ab".into(),
+                digest_salt: Some([6; 32]),
             };
             let text = serde_json::to_string(&file.to_json().unwrap()).unwrap();
             let back = ClientKeyFile::from_json(&serde_json::from_str(&text).unwrap()).unwrap();
             assert_eq!(back.key, file.key);
             assert_eq!(back.receipt_nonce, Some(vec![1, 2]));
+            assert_eq!(back.digest_salt, Some([6; 32]));
             let sealed = seal_response(&material, b"response").unwrap();
             assert_eq!(open_response(&back.key, &sealed).unwrap(), b"response");
         }

@@ -137,6 +137,11 @@ pub(super) async fn receipt_checks(c: &Ctx) {
     assert_eq!(r.status(), 200);
     let id = r.headers()["receipt-id"].to_str().unwrap().to_string();
     let header_b64 = r.headers()["receipt"].to_str().unwrap().to_string();
+    // A plain request: the gateway hands out the salt of the receipt's digests.
+    let salt = r.headers()["receipt-digest-salt"]
+        .to_str()
+        .unwrap()
+        .to_string();
     let response = r.bytes().await.unwrap().to_vec();
     let stored = http_get(&format!("{}/v1/receipts/{id}", c.url))
         .await
@@ -171,6 +176,8 @@ pub(super) async fn receipt_checks(c: &Ctx) {
             p(&req_path),
             "--response",
             p(response),
+            "--digest-salt",
+            &salt,
         ];
         args.extend_from_slice(receipt);
         args.extend_from_slice(extra);

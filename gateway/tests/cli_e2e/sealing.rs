@@ -93,7 +93,20 @@ pub(super) async fn seal_open_checks(c: &Ctx) {
         "--receipt-b64",
         &receipt_b64,
     ];
-    let (code, out, err) = cli(&[&base[..], &["--nonce", &receipt_nonce]].concat());
+    // `open` kept the salt of the receipt's digests (only inside the sealed
+    // response) in the key file; without it the bytes cannot be checked.
+    let key_json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&key).unwrap()).unwrap();
+    let salt = key_json["digest_salt"].as_str().unwrap().to_string();
+    assert_eq!(salt.len(), 64, "{key_json}");
+    let (code, out, _) = cli(&[&base[..], &["--nonce", &receipt_nonce]].concat());
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("[digest_salt_missing]"), "{out}");
+    let (code, out, err) = cli(&[
+        &base[..],
+        &["--nonce", &receipt_nonce, "--digest-salt", &salt],
+    ]
+    .concat());
     assert_eq!(code, 0, "{out}\n{err}");
     // Without the client key, `sealing` is the host's word and says so.
     assert!(out.contains("WARN sealing: NOT PROVEN"), "{out}");
@@ -304,11 +317,11 @@ pub(super) async fn resealing_host_checks(c: &Ctx) {
         p(&c.evidence_cbor),
         "--policy",
         p(&c.policy),
-        "--request",
-        p(&req),
         "--receipt-b64",
         &receipt_b64,
-        // No response kept here: the resealing host's answer is not opened.
+        // No response kept here: the resealing host's answer is not opened,
+        // so neither is the salt of the receipt's digests, without which
+        // the request bytes cannot be checked either.
         "--insecure-partial",
     ];
     let (code, out, err) = cli(&args);

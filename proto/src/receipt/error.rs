@@ -125,6 +125,13 @@ pub enum ReceiptError {
     /// The response bytes given do not match the receipt.
     #[error("response bytes do not match the receipt's response digest")]
     ResponseMismatch,
+    /// Request or response bytes were given for a receipt with salted
+    /// digests, but not its salt.
+    #[error(
+        "this receipt's digests are salted: give the digest salt that came \
+         with it in the sealed response to check request or response bytes"
+    )]
+    DigestSaltMissing,
     /// A nonce was expected and the receipt carries none.
     #[error("receipt carries no client nonce, one was expected")]
     NonceMissing,
@@ -175,6 +182,7 @@ impl ReceiptError {
             ChainResponseDigest => "chain_response_digest",
             RequestMismatch => "request_mismatch",
             ResponseMismatch => "response_mismatch",
+            DigestSaltMissing => "digest_salt_missing",
             NonceMissing => "nonce_missing",
             NonceMismatch => "nonce_mismatch",
             LinkOpened { .. } => "link_opened",

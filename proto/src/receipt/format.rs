@@ -12,18 +12,28 @@ pub enum ReceiptVersion {
     V2,
     /// Receipt v3 with link v2: the entry stage's link binds the HPKE key id
     /// and the digest of the encapsulated key it opened ([`OpenedKey`]).
+    /// Its digests are plain SHA-256, so whoever holds the receipt can
+    /// confirm a guess of a short request or response.
     V3,
+    /// Receipt v4 with link v3: the v3 payloads, with every digest of
+    /// request, response and activations **salted** with a per-request
+    /// secret that only the enclave and the client learn ([`salted_digest`]).
+    V4,
 }
 
 impl ReceiptVersion {
     /// The version this code produces.
-    pub const CURRENT: Self = ReceiptVersion::V3;
+    pub const CURRENT: Self = ReceiptVersion::V4;
+
+    /// Every version this code reads, oldest first.
+    pub const ALL: [Self; 3] = [ReceiptVersion::V2, ReceiptVersion::V3, ReceiptVersion::V4];
 
     /// The COSE content type of a receipt in this version.
     pub fn receipt_content_type(self) -> &'static str {
         match self {
             ReceiptVersion::V2 => RECEIPT_CONTENT_TYPE_V2,
-            ReceiptVersion::V3 => RECEIPT_CONTENT_TYPE,
+            ReceiptVersion::V3 => RECEIPT_CONTENT_TYPE_V3,
+            ReceiptVersion::V4 => RECEIPT_CONTENT_TYPE,
         }
     }
 
@@ -31,12 +41,13 @@ impl ReceiptVersion {
     pub fn link_content_type(self) -> &'static str {
         match self {
             ReceiptVersion::V2 => LINK_CONTENT_TYPE_V1,
-            ReceiptVersion::V3 => LINK_CONTENT_TYPE,
+            ReceiptVersion::V3 => LINK_CONTENT_TYPE_V2,
+            ReceiptVersion::V4 => LINK_CONTENT_TYPE,
         }
     }
 
     pub(super) fn from_receipt_content_type(ct: &str) -> Option<Self> {
-        [ReceiptVersion::V2, ReceiptVersion::V3]
+        Self::ALL
             .into_iter()
             .find(|v| v.receipt_content_type() == ct)
     }
@@ -45,8 +56,13 @@ impl ReceiptVersion {
     pub(super) fn link_keys(self) -> u64 {
         match self {
             ReceiptVersion::V2 => 7,
-            ReceiptVersion::V3 => 8,
+            ReceiptVersion::V3 | ReceiptVersion::V4 => 8,
         }
+    }
+
+    /// Whether the receipt's digests are salted ([`salted_digest`]).
+    pub fn salted(self) -> bool {
+        self == ReceiptVersion::V4
     }
 }
 
@@ -218,7 +234,7 @@ impl Link {
         };
         let opened = match version {
             ReceiptVersion::V2 => None,
-            ReceiptVersion::V3 => OpenedKey::from_value(f.take(8))?,
+            ReceiptVersion::V3 | ReceiptVersion::V4 => OpenedKey::from_value(f.take(8))?,
         };
         Ok(Self {
             receipt_id: f.array(1)?,

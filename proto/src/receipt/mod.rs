@@ -42,6 +42,7 @@ use std::fmt;
 mod canonical;
 mod error;
 mod format;
+mod salt;
 mod sign;
 #[cfg(test)]
 mod tests;
@@ -50,13 +51,19 @@ mod verify;
 pub use canonical::*;
 pub use error::*;
 pub use format::*;
+pub use salt::*;
 pub use sign::*;
 pub use verify::*;
 
-/// COSE content type of a receipt (the current format, v3).
-pub const RECEIPT_CONTENT_TYPE: &str = "application/vnd.ci.receipt.v3+cbor";
-/// COSE content type of a stage link (the current format, link v2).
-pub const LINK_CONTENT_TYPE: &str = "application/vnd.ci.receipt-link.v2+cbor";
+/// COSE content type of a receipt (the current format, v4: salted digests).
+pub const RECEIPT_CONTENT_TYPE: &str = "application/vnd.ci.receipt.v4+cbor";
+/// COSE content type of a stage link (the current format, link v3).
+pub const LINK_CONTENT_TYPE: &str = "application/vnd.ci.receipt-link.v3+cbor";
+/// COSE content type of a v3 receipt (unsalted digests); still verified, as
+/// what it is.
+pub const RECEIPT_CONTENT_TYPE_V3: &str = "application/vnd.ci.receipt.v3+cbor";
+/// COSE content type of the links inside a v3 receipt.
+pub const LINK_CONTENT_TYPE_V2: &str = "application/vnd.ci.receipt-link.v2+cbor";
 /// COSE content type of a v2 receipt (before links said which key the entry
 /// stage opened); still verified, as what it is.
 pub const RECEIPT_CONTENT_TYPE_V2: &str = "application/vnd.ci.receipt.v2+cbor";

@@ -119,7 +119,8 @@ pub(super) fn parse_signed_any<'c>(
 
 /// Parses a receipt's COSE_Sign1 in any format version this code reads.
 pub(super) fn parse_receipt(bytes: &[u8]) -> Result<(Signed, ReceiptVersion), ReceiptError> {
-    let (signed, ct) = parse_signed_any(bytes, &[RECEIPT_CONTENT_TYPE, RECEIPT_CONTENT_TYPE_V2])?;
+    let types = ReceiptVersion::ALL.map(ReceiptVersion::receipt_content_type);
+    let (signed, ct) = parse_signed_any(bytes, &types)?;
     let version =
         ReceiptVersion::from_receipt_content_type(ct).expect("one of the listed content types");
     Ok((signed, version))

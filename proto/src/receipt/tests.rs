@@ -10,6 +10,25 @@ struct Fixture {
     nonce: Vec<u8>,
     /// The client's encapsulated key (sealed to key id 7).
     enc: Vec<u8>,
+    /// The salt of the digests (v4).
+    salt: DigestSalt,
+}
+
+impl Fixture {
+    /// The digest a receipt of `version` carries for `bytes`.
+    fn digest_as(&self, version: ReceiptVersion, bytes: &[u8]) -> Sha256Digest {
+        let plain = Sha256Digest::of(bytes);
+        if version.salted() {
+            salted_digest(&self.salt, &plain)
+        } else {
+            plain
+        }
+    }
+
+    /// The digest a current receipt carries for `bytes`.
+    fn digest(&self, bytes: &[u8]) -> Sha256Digest {
+        self.digest_as(ReceiptVersion::CURRENT, bytes)
+    }
 }
 
 fn signing_key(label: &str) -> SigningKey {
@@ -35,10 +54,17 @@ fn fixture() -> Fixture {
         response: br#"{"data":[]}"#.to_vec(),
         nonce: b"nonce-1".to_vec(),
         enc: Sha256Digest::of(b"client enc").0.to_vec(),
+        salt: Sha256Digest::of(b"salt").0,
     }
 }
 
 fn links(f: &Fixture, id: ReceiptId) -> Vec<Link> {
+    links_as(f, id, ReceiptVersion::CURRENT)
+}
+
+/// The links of a receipt of `version` (its digests salted or not).
+fn links_as(f: &Fixture, id: ReceiptId, version: ReceiptVersion) -> Vec<Link> {
+    let d = |b: &[u8]| f.digest_as(version, b);
     let n = f.stages.len();
     (0..n)
         .map(|i| Link {
@@ -47,14 +73,14 @@ fn links(f: &Fixture, id: ReceiptId) -> Vec<Link> {
             layers: f.stages[i].layers,
             evidence_digest: f.stages[i].evidence_digest,
             received_digest: if i == 0 {
-                Sha256Digest::of(&f.request)
+                d(&f.request)
             } else {
-                Sha256Digest::of(format!("act {}", i - 1).as_bytes())
+                d(format!("act {}", i - 1).as_bytes())
             },
             sent_digest: if i + 1 == n {
-                Sha256Digest::of(&f.response)
+                d(&f.response)
             } else {
-                Sha256Digest::of(format!("act {i}").as_bytes())
+                d(format!("act {i}").as_bytes())
             },
             prev_link_digest: None,
             opened: (i == 0).then(|| OpenedKey::of(7, &f.enc)),
@@ -82,16 +108,25 @@ fn chain_as(f: &Fixture, links: &[Link], version: ReceiptVersion) -> (Vec<Vec<u8
     (out, exit)
 }
 
-fn body(f: &Fixture, (chain, exit_link): (Vec<Vec<u8>>, Link)) -> ReceiptBody {
+fn body(f: &Fixture, c: (Vec<Vec<u8>>, Link)) -> ReceiptBody {
+    body_as(f, c, ReceiptVersion::CURRENT)
+}
+
+/// A receipt body of `version` (its digests salted or not).
+fn body_as(
+    f: &Fixture,
+    (chain, exit_link): (Vec<Vec<u8>>, Link),
+    version: ReceiptVersion,
+) -> ReceiptBody {
     ReceiptBody {
-        version: ReceiptVersion::CURRENT,
+        version,
         receipt_id: [7; 16],
         issued_at_ms: 1_700_000_000_000,
         endpoint: "/v1/embeddings".into(),
         model_id: "all-MiniLM-L6-v2".into(),
         manifest_digest: Sha256Digest::of(b"manifest"),
-        request_digest: Sha256Digest::of(&f.request),
-        response_digest: Sha256Digest::of(&f.response),
+        request_digest: f.digest_as(version, &f.request),
+        response_digest: f.digest_as(version, &f.response),
         client_nonce: Some(f.nonce.clone()),
         sequence: 1,
         mock: true,
@@ -112,6 +147,7 @@ fn inputs<'a>(f: &'a Fixture, receipt: &'a [u8]) -> VerifyInputs<'a> {
         stages: &f.stages,
         request: Some(&f.request),
         response: Some(&f.response),
+        digest_salt: Some(&f.salt),
         expected_nonce: Some(&f.nonce),
         expected_manifest: Some(Sha256Digest::of(b"manifest")),
         allow_mock: true,
@@ -427,7 +463,7 @@ fn link_content_checks() {
     // A one-stage pipeline: the exit stage's link is the whole chain.
     let one = &f.stages[..1];
     let mut only = base[0].clone();
-    only.sent_digest = Sha256Digest::of(&f.response);
+    only.sent_digest = f.digest(&f.response);
     let mut b = body(&f, (Vec::new(), only));
     let rc = sign_receipt(&f.keys[0], &b);
     let mut i = inputs(&f, &rc);
@@ -594,10 +630,13 @@ fn opened_key_belongs_to_the_entry_link_only() {
 fn v2_receipts_verify_as_what_they_are() {
     let f = fixture();
     // A v2 receipt: v1 links (no key 8), the v2 content types.
-    let mut ls = links(&f, [7; 16]);
+    let mut ls = links_as(&f, [7; 16], ReceiptVersion::V2);
     ls[0].opened = None;
-    let mut b = body(&f, chain_as(&f, &ls, ReceiptVersion::V2));
-    b.version = ReceiptVersion::V2;
+    let b = body_as(
+        &f,
+        chain_as(&f, &ls, ReceiptVersion::V2),
+        ReceiptVersion::V2,
+    );
     let rc = sign_receipt(&f.keys[2], &b);
     let report = verify_receipt(&inputs(&f, &rc));
     assert!(report.ok(), "{:#?}", report.checks);
@@ -606,13 +645,16 @@ fn v2_receipts_verify_as_what_they_are() {
     assert_eq!(report.receipt.as_ref().unwrap().version, ReceiptVersion::V2);
     // A v3 link inside a v2 receipt (or the reverse) is refused.
     let mut mixed = b.clone();
-    mixed.chain[0] = sign_link(&f.keys[0], &links(&f, [7; 16])[0]);
+    mixed.chain[0] = sign_link_as(
+        &f.keys[0],
+        &links_as(&f, [7; 16], ReceiptVersion::V3)[0],
+        ReceiptVersion::V3,
+    );
     assert_eq!(
         reason(&f, &sign_receipt(&f.keys[2], &mixed)).map(|e| e.code()),
         Some("link_malformed")
     );
-    let mut mixed = body(&f, chain_v3_with_v1_link(&f));
-    mixed.version = ReceiptVersion::V3;
+    let mixed = body(&f, chain_v3_with_v1_link(&f));
     assert_eq!(
         reason(&f, &sign_receipt(&f.keys[2], &mixed)).map(|e| e.code()),
         Some("link_malformed")
@@ -621,7 +663,62 @@ fn v2_receipts_verify_as_what_they_are() {
     assert_eq!(parse_unverified(&rc).unwrap().0.version, ReceiptVersion::V2);
     assert_eq!(
         parse_unverified(&valid(&f)).unwrap().0.version,
-        ReceiptVersion::V3
+        ReceiptVersion::V4
+    );
+}
+
+#[test]
+fn v4_digests_are_salted_and_need_the_salt() {
+    let f = fixture();
+    let rc = valid(&f);
+    let (b, _) = parse_unverified(&rc).unwrap();
+    // Whoever holds the receipt cannot confirm a guess of the request or
+    // the response with a plain SHA-256.
+    assert_ne!(b.request_digest, Sha256Digest::of(&f.request));
+    assert_ne!(b.response_digest, Sha256Digest::of(&f.response));
+    for l in links(&f, [7; 16]) {
+        assert_ne!(l.received_digest, Sha256Digest::of(&f.request));
+    }
+    // Without the salt, request and response bytes cannot be checked: a
+    // failure, not a silent skip.
+    let mut i = inputs(&f, &rc);
+    i.digest_salt = None;
+    assert_eq!(
+        verify_receipt(&i).failure().cloned(),
+        Some(ReceiptError::DigestSaltMissing)
+    );
+    // Without bytes to check, no salt is needed.
+    i.request = None;
+    i.response = None;
+    assert!(verify_receipt(&i).ok());
+    // Another salt: the bytes do not match.
+    let other = [9u8; 32];
+    let mut i = inputs(&f, &rc);
+    i.digest_salt = Some(&other);
+    assert_eq!(
+        verify_receipt(&i).failure().cloned(),
+        Some(ReceiptError::RequestMismatch)
+    );
+}
+
+#[test]
+fn v3_receipts_with_plain_digests_still_verify() {
+    let f = fixture();
+    let v3 = ReceiptVersion::V3;
+    let b = body_as(&f, chain_as(&f, &links_as(&f, [7; 16], v3), v3), v3);
+    let rc = sign_receipt(&f.keys[2], &b);
+    let mut i = inputs(&f, &rc);
+    i.digest_salt = None;
+    let report = verify_receipt(&i);
+    assert!(report.ok(), "{:#?}", report.checks);
+    assert_eq!(report.receipt.as_ref().unwrap().version, v3);
+    assert_eq!(check_status(&report, "request"), Some(CheckStatus::Pass));
+    // A v4 link inside a v3 receipt is refused.
+    let mut mixed = b.clone();
+    mixed.chain[0] = sign_link(&f.keys[0], &links(&f, [7; 16])[0]);
+    assert_eq!(
+        reason(&f, &sign_receipt(&f.keys[2], &mixed)).map(|e| e.code()),
+        Some("link_malformed")
     );
 }
 

@@ -67,6 +67,9 @@ pub struct VerifyInputs<'a> {
     pub request: Option<&'a [u8]>,
     /// The exact response bytes the client received, if kept.
     pub response: Option<&'a [u8]>,
+    /// The salt of the receipt's digests (v4), from the sealed response's
+    /// trailer; needed to check `request` and `response`.
+    pub digest_salt: Option<&'a DigestSalt>,
     /// The nonce the client sent, if any.
     pub expected_nonce: Option<&'a [u8]>,
     /// The manifest digest the evidence names, if it should be checked.
@@ -97,6 +100,7 @@ impl<'a> VerifyInputs<'a> {
             stages,
             request: None,
             response: None,
+            digest_salt: None,
             expected_nonce: None,
             expected_manifest: None,
             allow_mock: false,
@@ -420,31 +424,35 @@ pub(super) fn verify_into(inputs: &VerifyInputs<'_>, r: &mut Report) -> Option<R
 
     let entry_link = check_chain(&body, stages, r);
 
-    match inputs.request {
-        Some(req) => {
-            r.check(
-                "request",
-                if Sha256Digest::of(req) == body.request_digest {
-                    Ok(format!("sha256 {}", body.request_digest.hex()))
-                } else {
-                    Err(ReceiptError::RequestMismatch)
-                },
-            );
-        }
-        None => r.skip("request", "no request bytes given"),
-    }
-    match inputs.response {
-        Some(resp) => {
-            r.check(
-                "response",
-                if Sha256Digest::of(resp) == body.response_digest {
-                    Ok(format!("sha256 {}", body.response_digest.hex()))
-                } else {
-                    Err(ReceiptError::ResponseMismatch)
-                },
-            );
-        }
-        None => r.skip("response", "no response bytes given"),
+    let content = [
+        (
+            "request",
+            inputs.request,
+            body.request_digest,
+            ReceiptError::RequestMismatch,
+        ),
+        (
+            "response",
+            inputs.response,
+            body.response_digest,
+            ReceiptError::ResponseMismatch,
+        ),
+    ];
+    for (name, bytes, carried, mismatch) in content {
+        let Some(bytes) = bytes else {
+            r.skip(name, format!("no {name} bytes given"));
+            continue;
+        };
+        let plain = Sha256Digest::of(bytes);
+        let outcome = match (body.version.salted(), inputs.digest_salt) {
+            (false, _) if plain == carried => Ok(format!("sha256 {}", carried.hex())),
+            (true, Some(salt)) if salted_digest(salt, &plain) == carried => {
+                Ok(format!("salted sha256 {}", carried.hex()))
+            }
+            (true, None) => Err(ReceiptError::DigestSaltMissing),
+            _ => Err(mismatch),
+        };
+        r.check(name, outcome);
     }
     match (inputs.expected_nonce, &body.client_nonce) {
         (None, None) => r.skip("nonce", "no nonce expected or carried"),

@@ -270,7 +270,9 @@ impl Generator {
                 let mut data = st.sealer.seal(&tail, false).map_err(|e| anyhow!("{e}"))?;
                 data.extend(
                     st.sealer
-                        .finish_with_trailer(&receipt)
+                        .finish_with_trailer(&crate::receipt_link::client_trailer(
+                            &r.ctx.env, &receipt,
+                        ))
                         .map_err(|e| anyhow!("{e}"))?,
                 );
                 Output::Result(ResultMessage::StreamEnd {
@@ -283,8 +285,12 @@ impl Generator {
             None => Output::Result(ResultMessage::Response {
                 request_id: r.ctx.env.request_id,
                 status: 200,
-                body: seal_response_with_trailer(&r.ctx.env.response_key, &body, &receipt)
-                    .map_err(|e| anyhow!("{e}"))?,
+                body: seal_response_with_trailer(
+                    &r.ctx.env.response_key,
+                    &body,
+                    &crate::receipt_link::client_trailer(&r.ctx.env, &receipt),
+                )
+                .map_err(|e| anyhow!("{e}"))?,
                 receipt,
                 receipt_id: r.ctx.env.receipt_id,
                 telemetry: Some(telemetry),

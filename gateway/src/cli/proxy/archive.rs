@@ -10,7 +10,7 @@ pub(super) fn archive(
     id: &[u8; 16],
     x: &Exchange,
     trusted: &Trusted,
-    receipt: &[u8],
+    receipt: &ReceiptTrailer,
     response: &[u8],
 ) -> Result<()> {
     let name = hex::encode(id);
@@ -19,10 +19,12 @@ pub(super) fn archive(
     super::super::create_private_dir(&tmp)?;
     let (nonce, evidence) = (hex::encode(&x.nonce), proto::cbor::to_vec(&trusted.bundle));
     let evidence_nonce = hex::encode(&trusted.nonce);
-    let files: [(&str, &[u8]); 6] = [
+    let salt = receipt.digest_salt.map(hex::encode).unwrap_or_default();
+    let files: [(&str, &[u8]); 7] = [
         ("request.json", &x.request),
         ("response", response),
-        ("receipt.cbor", receipt),
+        ("receipt.cbor", &receipt.receipt),
+        ("digest-salt.hex", salt.as_bytes()),
         ("nonce.hex", nonce.as_bytes()),
         ("evidence.cbor", &evidence),
         ("evidence-nonce.hex", evidence_nonce.as_bytes()),

@@ -198,8 +198,20 @@ impl Proxy {
         let (plain, trailer) =
             open_response_with_trailer(&client_key, &body).map_err(unopenable)?;
         let receipt = match trailer {
-            Some(r) => r,
-            None => self.receipt_for(&headers).await?,
+            Some(t) => ReceiptTrailer::decode(&t).map_err(|e| {
+                bad_gateway(
+                    "receipt_verification_failed",
+                    format!(
+                        "the sealed receipt trailer is malformed ({e}); the response was withheld"
+                    ),
+                )
+            })?,
+            // An upstream that seals no trailer: the receipt without the
+            // salt of its digests, which fails to verify if they are salted.
+            None => ReceiptTrailer {
+                receipt: self.receipt_for(&headers).await?,
+                digest_salt: None,
+            },
         };
         let sealed_to = SealedTo {
             key_id,
@@ -214,7 +226,7 @@ impl Proxy {
             HEADER_RECEIPT_ID,
             HeaderValue::from_str(&hex::encode(body_receipt.receipt_id)).expect("hex"),
         );
-        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&receipt);
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&receipt.receipt);
         if b64.len() <= MAX_RECEIPT_HEADER {
             h.insert(
                 HEADER_RECEIPT,
@@ -222,6 +234,12 @@ impl Proxy {
             );
         }
         h.insert(HEADER_RECEIPT_VERIFIED, HeaderValue::from_static("true"));
+        if let Some(salt) = receipt.digest_salt {
+            h.insert(
+                HEADER_RECEIPT_DIGEST_SALT,
+                HeaderValue::from_str(&hex::encode(salt)).expect("hex"),
+            );
+        }
         h.insert(
             HEADER_RECEIPT_SEALING,
             HeaderValue::from_static(body_receipt.sealing.as_str()),
@@ -240,7 +258,7 @@ impl Proxy {
         x: &Exchange,
         mut trusted: Arc<Trusted>,
         sealed_to: SealedTo<'_>,
-        receipt: &[u8],
+        receipt: &ReceiptTrailer,
         response: &[u8],
     ) -> Result<proto::receipt::ReceiptBody, ApiError> {
         let route = &self.routes[x.route];
@@ -268,7 +286,7 @@ impl Proxy {
             ));
         }
         let body = report.receipt.expect("a verified receipt has a body");
-        self.keep(body.receipt_id, receipt);
+        self.keep(body.receipt_id, &receipt.receipt);
         if let Some(dir) = &self.archive {
             if let Err(e) = archive(dir, &body.receipt_id, x, &trusted, receipt, response) {
                 // The answer verified; an archive that cannot be written is
@@ -339,10 +357,11 @@ pub(super) fn check_receipt(
     allow_mock: bool,
     x: &Exchange,
     sealed_to: SealedTo<'_>,
-    receipt: &[u8],
+    receipt: &ReceiptTrailer,
     response: &[u8],
 ) -> VerifyReport {
-    let mut inputs = VerifyInputs::new(receipt, &v.stage_keys);
+    let mut inputs = VerifyInputs::new(&receipt.receipt, &v.stage_keys);
+    inputs.digest_salt = receipt.digest_salt.as_ref();
     inputs.sealed_to = Some(sealed_to);
     inputs.request = Some(&x.request);
     inputs.response = Some(response);

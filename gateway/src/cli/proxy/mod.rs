@@ -66,7 +66,9 @@ use base64::Engine as _;
 use clap::Args;
 use proto::bundle::{EvidenceBundle, VerifiedBundle};
 use proto::policy::Policy;
-use proto::receipt::{verify_receipt, ReceiptError, SealedTo, Sealing, VerifyInputs, VerifyReport};
+use proto::receipt::{
+    verify_receipt, ReceiptError, ReceiptTrailer, SealedTo, Sealing, VerifyInputs, VerifyReport,
+};
 use proto::sealing::{
     open_response_with_trailer, seal_request, Aead, ClientResponseKey, ResponseOpener, SealLimits,
 };
@@ -97,6 +99,9 @@ pub const RECEIPTS_KEPT: usize = 4096;
 const HEADER_RECEIPT: &str = "receipt";
 const HEADER_RECEIPT_ID: &str = "receipt-id";
 const HEADER_RECEIPT_NONCE: &str = "receipt-nonce";
+/// Response header with the salt of the receipt's digests (hex): what the
+/// caller needs, with the request and response, to check the receipt again.
+pub const HEADER_RECEIPT_DIGEST_SALT: &str = "receipt-digest-salt";
 const MAX_RECEIPT_HEADER: usize = 8 * 1024;
 /// The event that ends a successful stream.
 const STREAM_DONE: &[u8] = b"data: [DONE]\n\n";

@@ -100,8 +100,14 @@ pub(super) async fn pump_stream(
             break;
         }
     }
-    let trailer = opener.trailer().map(<[u8]>::to_vec);
+    let trailer = opener.trailer().map(ReceiptTrailer::decode).transpose();
     opener.finish().map_err(unopenable)?;
+    let trailer = trailer.map_err(|e| {
+        bad_gateway(
+            "receipt_verification_failed",
+            format!("The stream's sealed receipt trailer is malformed ({e}); [DONE] was withheld."),
+        )
+    })?;
     match trailer {
         Some(receipt) => {
             let sealed_to = SealedTo {

@@ -30,20 +30,29 @@ fn receipt(
     response: &[u8],
     opened: proto::receipt::OpenedKey,
     version: proto::receipt::ReceiptVersion,
-) -> Vec<u8> {
+) -> proto::receipt::ReceiptTrailer {
     use proto::digest::Sha256Digest;
-    use proto::receipt::{sign_receipt, Link, ReceiptBody, Sealing};
+    use proto::receipt::{salted_digest, sign_receipt, Link, ReceiptBody, ReceiptTrailer, Sealing};
+    let salt = [4; 32];
+    let digest = |b: &[u8]| {
+        let plain = Sha256Digest::of(b);
+        if version.salted() {
+            salted_digest(&salt, &plain)
+        } else {
+            plain
+        }
+    };
     let link = Link {
         receipt_id: [1; 16],
         stage_index: 0,
         layers: stage.layers,
         evidence_digest: stage.evidence_digest,
-        received_digest: Sha256Digest::of(&x.request),
-        sent_digest: Sha256Digest::of(response),
+        received_digest: digest(&x.request),
+        sent_digest: digest(response),
         prev_link_digest: None,
         opened: (version != proto::receipt::ReceiptVersion::V2).then_some(opened),
     };
-    sign_receipt(
+    let receipt = sign_receipt(
         key,
         &ReceiptBody {
             version,
@@ -52,8 +61,8 @@ fn receipt(
             endpoint: x.endpoint.into(),
             model_id: "m".into(),
             manifest_digest: Sha256Digest::of(b"manifest"),
-            request_digest: Sha256Digest::of(&x.request),
-            response_digest: Sha256Digest::of(response),
+            request_digest: digest(&x.request),
+            response_digest: digest(response),
             client_nonce: Some(x.nonce.clone()),
             sequence: 0,
             mock: true,
@@ -61,7 +70,11 @@ fn receipt(
             chain: Vec::new(),
             exit_link: link,
         },
-    )
+    );
+    ReceiptTrailer {
+        receipt,
+        digest_salt: version.salted().then_some(salt),
+    }
 }
 
 /// The proxy accepts a receipt only when its entry stage says it opened
@@ -104,6 +117,22 @@ fn receipts_must_prove_the_enclave_opened_the_proxys_key() {
     };
     let honest = check(OpenedKey::of(5, &enc), ReceiptVersion::CURRENT);
     assert!(honest.ok(), "{:#?}", honest.checks);
+    // The same receipt without the salt of its digests (a trailer that
+    // lost it): the request and response cannot be checked, so it fails.
+    let mut unsalted = receipt(
+        &key,
+        &stage,
+        &x,
+        response,
+        OpenedKey::of(5, &enc),
+        ReceiptVersion::CURRENT,
+    );
+    unsalted.digest_salt = None;
+    let report = super::check_receipt(&verified, true, &x, sealed_to, &unsalted, response);
+    assert_eq!(
+        report.failure().map(|e| e.code()),
+        Some("digest_salt_missing")
+    );
     let resealed = check(OpenedKey::of(5, &[0x22; 32]), ReceiptVersion::CURRENT);
     assert_eq!(
         resealed.failure().map(|e| e.code()),

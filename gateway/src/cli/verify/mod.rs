@@ -16,7 +16,7 @@ use proto::bundle::{EvidenceBundle, VerifiedBundle};
 use proto::nitro::{decode_document, NitroVerifier};
 use proto::policy::Policy;
 use proto::receipt::{
-    verify_receipt, CheckStatus, ReceiptBody, Sealing, VerifyInputs, VerifyReport,
+    verify_receipt, CheckStatus, DigestSalt, ReceiptBody, Sealing, VerifyInputs, VerifyReport,
 };
 use serde_json::json;
 use std::path::{Path, PathBuf};

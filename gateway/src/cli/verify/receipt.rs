@@ -29,6 +29,12 @@ pub struct ReceiptArgs {
     /// the one in --client-key).
     #[arg(long, conflicts_with = "no_nonce")]
     pub nonce: Option<String>,
+    /// The salt of the receipt's digests (hex), needed to check --request
+    /// and --response against a v4 receipt (default: the one `gateway
+    /// open` kept in --client-key; a plain request's is in the
+    /// `receipt-digest-salt` response header).
+    #[arg(long)]
+    pub digest_salt: Option<String>,
     /// The client sent no `receipt-nonce`: the receipt must carry none.
     #[arg(long)]
     pub no_nonce: bool,
@@ -211,6 +217,14 @@ pub(super) fn run_receipt(a: ReceiptArgs) -> Result<i32> {
         (None, Some(k)) => k.receipt_nonce.clone(),
         (None, None) => None,
     };
+    let digest_salt = match (&a.digest_salt, &client_key) {
+        (Some(s), _) => Some(
+            DigestSalt::try_from(parse_hex("--digest-salt", s)?.as_slice())
+                .map_err(|_| anyhow!("--digest-salt: not 32 bytes"))?,
+        ),
+        (None, Some(k)) => k.digest_salt,
+        (None, None) => None,
+    };
 
     let mut evidence = verify_evidence(&bundle, &policy, evidence_nonce.as_deref(), a.at);
     for l in &mut evidence.lines {
@@ -238,6 +252,7 @@ pub(super) fn run_receipt(a: ReceiptArgs) -> Result<i32> {
     let mut inputs = VerifyInputs::new(&receipt, &verified.stage_keys);
     inputs.request = request.as_deref();
     inputs.response = response.as_deref();
+    inputs.digest_salt = digest_salt.as_ref();
     inputs.expected_nonce = nonce.as_deref();
     inputs.expected_manifest = Some(verified.manifest_digest);
     inputs.allow_mock = policy.allow_mock;

@@ -1,0 +1,134 @@
+//! Salted digests (receipt v4) and the trailer that hands the salt to the
+//! client.
+//!
+//! A plain SHA-256 of a short request ("Does the patient have HIV?") lets
+//! anyone who holds the receipt, the host included, confirm a guess of it.
+//! From v4 on, every digest a receipt carries (request, response, and the
+//! activations each stage received and sent) is salted with a fresh 32-byte
+//! secret the entry stage draws for the request. The salt travels with the
+//! request inside the attested channels and reaches the client only inside
+//! the sealed response, next to the receipt ([`ReceiptTrailer`]).
+
+use super::*;
+
+/// Length of a digest salt.
+pub const DIGEST_SALT_LEN: usize = 32;
+
+/// The per-request secret that salts a v4 receipt's digests.
+pub type DigestSalt = [u8; DIGEST_SALT_LEN];
+
+/// The digest a v4 receipt carries for content whose plain SHA-256 is
+/// `inner`: SHA-256 over the length-prefixed label `receipt-digest/v4`,
+/// the salt and `inner` ([`Sha256Digest::of_parts`]).
+pub fn salted_digest(salt: &DigestSalt, inner: &Sha256Digest) -> Sha256Digest {
+    Sha256Digest::of_parts("receipt-digest/v4", &[salt, &inner.0])
+}
+
+/// What the exit stage seals after the response body: the receipt and the
+/// salt of its digests. CBOR: `{1: bstr receipt, 2: bstr .size 32 salt}`.
+/// A v3 exit stage sealed the bare receipt; [`ReceiptTrailer::decode`]
+/// reads that as a trailer without a salt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReceiptTrailer {
+    /// The receipt (COSE_Sign1 bytes).
+    pub receipt: Vec<u8>,
+    /// The salt of its digests (none for a bare v3 receipt).
+    pub digest_salt: Option<DigestSalt>,
+}
+
+impl ReceiptTrailer {
+    /// Deterministic CBOR of the trailer (a bare receipt without a salt).
+    pub fn encode(&self) -> Vec<u8> {
+        let Some(salt) = self.digest_salt else {
+            return self.receipt.clone();
+        };
+        canonical_bytes(&Value::Map(vec![
+            (Value::from(1u64), Value::Bytes(self.receipt.clone())),
+            (Value::from(2u64), Value::Bytes(salt.to_vec())),
+        ]))
+        .expect("integer keys are distinct")
+    }
+
+    /// Decodes a trailer: the map above, or a bare receipt (a CBOR array).
+    pub fn decode(bytes: &[u8]) -> Result<Self, ReceiptError> {
+        let bad = |m: &str| ReceiptError::Malformed(format!("receipt trailer: {m}"));
+        // Major type 5 (map) in the first byte; a COSE_Sign1 is an array.
+        if bytes.first().map(|b| b >> 5) != Some(5) {
+            return Ok(Self {
+                receipt: bytes.to_vec(),
+                digest_salt: None,
+            });
+        }
+        let value: Value = ciborium::from_reader(bytes).map_err(|e| bad(&e.to_string()))?;
+        let Value::Map(entries) = value else {
+            return Err(bad("not a map"));
+        };
+        let (mut receipt, mut salt) = (None, None);
+        for (k, v) in entries {
+            match (k.as_integer().and_then(|i| u64::try_from(i).ok()), v) {
+                (Some(1), Value::Bytes(b)) if receipt.is_none() => receipt = Some(b),
+                (Some(2), Value::Bytes(b)) if salt.is_none() => {
+                    salt = Some(
+                        DigestSalt::try_from(b.as_slice())
+                            .map_err(|_| bad("the salt is not 32 bytes"))?,
+                    )
+                }
+                _ => return Err(bad("unexpected or repeated key")),
+            }
+        }
+        match (receipt, salt) {
+            (Some(receipt), Some(salt)) => Ok(Self {
+                receipt,
+                digest_salt: Some(salt),
+            }),
+            _ => Err(bad("needs keys 1 (receipt) and 2 (salt)")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trailer_round_trips_and_reads_a_bare_receipt() {
+        let t = ReceiptTrailer {
+            receipt: vec![0x84, 1, 2, 3],
+            digest_salt: Some([7; 32]),
+        };
+        assert_eq!(ReceiptTrailer::decode(&t.encode()).unwrap(), t);
+        let bare = ReceiptTrailer::decode(&[0x84, 1, 2, 3]).unwrap();
+        assert_eq!(bare.receipt, vec![0x84, 1, 2, 3]);
+        assert_eq!(bare.digest_salt, None);
+        // A short salt, a missing key and an extra key are refused.
+        let short = canonical_bytes(&Value::Map(vec![
+            (Value::from(1u64), Value::Bytes(vec![0x84])),
+            (Value::from(2u64), Value::Bytes(vec![0; 31])),
+        ]))
+        .unwrap();
+        assert!(ReceiptTrailer::decode(&short).is_err());
+        let missing = canonical_bytes(&Value::Map(vec![(
+            Value::from(1u64),
+            Value::Bytes(vec![0x84]),
+        )]))
+        .unwrap();
+        assert!(ReceiptTrailer::decode(&missing).is_err());
+        let mut extra = t.encode();
+        extra[0] += 1; // map of 3 entries, one missing: malformed CBOR
+        assert!(ReceiptTrailer::decode(&extra).is_err());
+    }
+
+    #[test]
+    fn salted_digest_depends_on_the_salt() {
+        let inner = Sha256Digest::of(b"Does the patient have HIV?");
+        assert_ne!(salted_digest(&[1; 32], &inner), inner);
+        assert_ne!(
+            salted_digest(&[1; 32], &inner),
+            salted_digest(&[2; 32], &inner)
+        );
+        assert_eq!(
+            salted_digest(&[1; 32], &inner),
+            salted_digest(&[1; 32], &inner)
+        );
+    }
+}
