@@ -10,17 +10,19 @@
 #
 # Both binaries are a static musl release build (x86_64-unknown-linux-musl,
 # target dir target/static, without the test-only fault-injection feature).
-# The policy baked into both images pins the mock measurement of exactly the
-# stage binary copied into the stage image, computed here from the files
-# (`gateway measure`), never from what a container reports; it does not trust
-# the local build.
+# The gateway image's policy pins the mock measurement of exactly the stage
+# binary, model manifest and stage policy copied into the stage image,
+# computed here from the files (`gateway measure`), never from what a
+# container reports; it does not trust the local build. The stage image's
+# own policy accepts neighbours of its own measurement.
 #
 # Usage: scripts/build-images.sh [--tag TAG] [--prefix PREFIX]
 #   TAG     image tag (default: latest)
 #   PREFIX  image name prefix (default: confidential-inference)
 # Environment: MODEL_DIR (default models/all-minilm-l6-v2, from scripts/setup.sh).
 #
-# Writes target/images/$TAG/: policy.toml (the baked policy), measurement
+# Writes target/images/$TAG/: policy.toml (the gateway's policy; the stage's
+# is stage/policy.toml), measurement
 # (mock:<hex>), images.env (IMAGE_PREFIX, IMAGE_TAG, STAGE_IMAGE,
 # GATEWAY_IMAGE, MEASUREMENT) and the two build contexts.
 set -euo pipefail
@@ -83,15 +85,39 @@ mkdir -p "$OUT/gateway/models/$model"
 cp "$MODEL_DIR/manifest.json" "$OUT/gateway/models/$model/manifest.json"
 cp docker/gateway.toml "$OUT/gateway/gateway.toml"
 
-# The measurement of the binary and manifest that go into the stage image.
-MEASUREMENT="$("$BIN/gateway" measure --stage-binary "$OUT/stage/enclave-stage" --model-dir "$OUT/stage/models/$model")"
 MANIFEST_SHA256="$(sha256sum "$OUT/stage/models/$model/manifest.json" | cut -d' ' -f1)"
+# The stages' own policy (baked into the stage image): mock evidence, peers
+# must be this same build (the stage's own measurement). It cannot pin that
+# measurement itself: the measurement covers this very file.
+cat >"$OUT/stage/policy.toml" <<EOF
+# Written by scripts/build-images.sh for $PREFIX/enclave-stage:$TAG: the
+# policy each stage judges its neighbours by. MOCK evidence is accepted (no
+# enclave hardware in containers); a neighbour must report this stage's own
+# measurement (binary, model manifest and this file).
+allow_mock = true
+trust_local_build = true
+manifest_sha256 = "$MANIFEST_SHA256"
+
+[[stages]]
+index = 0
+layers = [0, 3]
+measurements = []
+
+[[stages]]
+index = 1
+layers = [3, 6]
+measurements = []
+EOF
+# The measurement of the binary, manifest and stage policy in the stage image.
+MEASUREMENT="$("$BIN/gateway" measure --stage-binary "$OUT/stage/enclave-stage" \
+  --model-dir "$OUT/stage/models/$model" --stage-policy "$OUT/stage/policy.toml")"
 cat >"$OUT/policy.toml" <<EOF
-# Written by scripts/build-images.sh for the images tagged $TAG.
-# MOCK evidence: the containers run without enclave hardware, and their
-# documents are signed by a public mock key. What this policy does pin is the
-# measurement of the exact stage binary and model manifest baked into
-# $PREFIX/enclave-stage:$TAG, computed on the build host from those files.
+# Written by scripts/build-images.sh for the images tagged $TAG: the
+# gateway's policy. MOCK evidence: the containers run without enclave
+# hardware, and their documents are signed by a public mock key. What this
+# policy does pin is the measurement of the exact stage binary, model
+# manifest and stage policy baked into $PREFIX/enclave-stage:$TAG, computed
+# on the build host from those files.
 allow_mock = true
 trust_local_build = false
 manifest_sha256 = "$MANIFEST_SHA256"
@@ -106,7 +132,6 @@ index = 1
 layers = [3, 6]
 measurements = ["$MEASUREMENT"]
 EOF
-cp "$OUT/policy.toml" "$OUT/stage/policy.toml"
 cp "$OUT/policy.toml" "$OUT/gateway/policy.toml"
 echo "$MEASUREMENT" >"$OUT/measurement"
 

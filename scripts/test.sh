@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it:
-#   1. setup (models, Python test deps), idempotent;
+#   1. setup (models, Python test deps), idempotent; docs/layout.md is
+#      current (scripts/layout.py --check);
 #   2. release build with the test-only fault-injection switch compiled into
 #      the stage (tests that start the binaries need it);
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
@@ -16,6 +17,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 FEATURES=(--features enclave-stage/fault-injection)
 
 scripts/setup.sh
+python3 scripts/layout.py --check
 cargo build --release --workspace "${FEATURES[@]}"
 cargo test --release --workspace "${FEATURES[@]}"
 

@@ -123,6 +123,9 @@ fn main() -> Result<()> {
     // Before the model loads: a build without Nitro support says so at once.
     provider::ensure_supported(args.attestation)?;
     let policy = Policy::load(&args.policy).map_err(anyhow::Error::msg)?;
+    // The policy file is part of what this stage is (its mock measurement).
+    let policy_digest = Sha256Digest::of_file(&args.policy)
+        .with_context(|| format!("hashing {}", args.policy.display()))?;
     let architecture = LoadedManifest::load(&args.model_dir)
         .context("stage refuses to start")?
         .manifest
@@ -150,6 +153,7 @@ fn main() -> Result<()> {
         spec.stage_index,
         &binary,
         &manifest_digest,
+        &policy_digest,
     )?;
     let claims = match &mut loaded {
         Loaded::Embedding(e) => &mut e.claims,

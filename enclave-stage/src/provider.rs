@@ -37,21 +37,22 @@ pub const NITRO_BUILT_IN: bool = cfg!(feature = "nitro");
 pub struct Selected {
     /// Makes the stage's documents.
     pub provider: Arc<dyn AttestationProvider>,
-    /// Mock: SHA-256 over binary and manifest; Nitro: this enclave's PCRs.
+    /// Mock: SHA-256 over binary, manifest and policy; Nitro: this enclave's PCRs.
     pub measurement: Measurement,
 }
 
-/// Opens the provider of `kind` for stage `stage_index`; `binary` and
-/// `manifest` are the digests a mock measurement is made of.
+/// Opens the provider of `kind` for stage `stage_index`; `binary`,
+/// `manifest` and `policy` are the digests a mock measurement is made of.
 pub fn select(
     kind: AttestationKind,
     stage_index: u32,
     binary: &Sha256Digest,
     manifest: &Sha256Digest,
+    policy: &Sha256Digest,
 ) -> Result<Selected> {
     match kind {
         AttestationKind::Mock => {
-            let measurement = mock_measurement(binary, manifest);
+            let measurement = mock_measurement(binary, manifest, policy);
             tracing::warn!("{MOCK_WARNING}");
             tracing::warn!(
                 stage = stage_index,
@@ -120,10 +121,14 @@ mod tests {
     }
 
     #[test]
-    fn mock_measures_binary_and_manifest() {
-        let (b, m) = (Sha256Digest::of(b"bin"), Sha256Digest::of(b"manifest"));
-        let s = select(AttestationKind::Mock, 0, &b, &m).unwrap();
-        assert_eq!(s.measurement, mock_measurement(&b, &m));
+    fn mock_measures_binary_manifest_and_policy() {
+        let (b, m, p) = (
+            Sha256Digest::of(b"bin"),
+            Sha256Digest::of(b"manifest"),
+            Sha256Digest::of(b"policy"),
+        );
+        let s = select(AttestationKind::Mock, 0, &b, &m, &p).unwrap();
+        assert_eq!(s.measurement, mock_measurement(&b, &m, &p));
         assert_eq!(
             s.provider.format(),
             proto::attestation::EvidenceFormat::Mock
@@ -138,7 +143,7 @@ mod tests {
             return;
         }
         let d = Sha256Digest::of(b"x");
-        let e = select(AttestationKind::Nitro, 0, &d, &d)
+        let e = select(AttestationKind::Nitro, 0, &d, &d, &d)
             .err()
             .expect("no NSM here")
             .to_string();

@@ -19,44 +19,12 @@ fn model_dir() -> PathBuf {
     d
 }
 
-struct Reference {
-    texts: Vec<String>,
-    tokens: Vec<usize>,
-    vectors: Vec<Vec<f32>>,
-}
+#[path = "../../gateway/tests/support/embeddings_reference.rs"]
+mod embeddings_reference;
+use embeddings_reference::{cosine, load_reference, Reference};
 
 fn reference() -> Reference {
-    let path = root().join("gateway/tests/data/embeddings_reference.json");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
-    let items = v["items"].as_array().unwrap();
-    Reference {
-        texts: items
-            .iter()
-            .map(|i| i["text"].as_str().unwrap().to_string())
-            .collect(),
-        tokens: items
-            .iter()
-            .map(|i| i["tokens"].as_u64().unwrap() as usize)
-            .collect(),
-        vectors: items
-            .iter()
-            .map(|i| {
-                i["embedding"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap() as f32)
-                    .collect()
-            })
-            .collect(),
-    }
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb)
+    load_reference(&root())
 }
 
 fn spec(index: u32, n: u32, layers: std::ops::Range<usize>) -> StageSpec {
@@ -75,7 +43,7 @@ fn whole_model_matches_sentence_transformers() {
     for (i, text) in r.texts.iter().enumerate() {
         assert_eq!(
             engine.tokenize(text).unwrap().len(),
-            r.tokens[i],
+            r.tokens[i] as usize,
             "token count of item {i}"
         );
     }

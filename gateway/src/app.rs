@@ -72,6 +72,10 @@ struct MeasureArgs {
     /// Model folder; its `manifest.json` is measured.
     #[arg(long)]
     model_dir: PathBuf,
+    /// The policy file the stage is started with (`--policy`): it is part
+    /// of the measurement.
+    #[arg(long)]
+    stage_policy: PathBuf,
 }
 
 /// Parses the command line and runs the verb: `serve` (the default), a
@@ -124,13 +128,16 @@ fn hash_key() -> Result<()> {
 }
 
 /// `gateway measure`: the measurement a mock stage running this binary with
-/// this model reports, from the files themselves (nothing is run).
+/// this model and this policy file reports, from the files themselves
+/// (nothing is run).
 fn measure(a: &MeasureArgs) -> Result<()> {
     let manifest = LoadedManifest::load(&a.model_dir)
         .with_context(|| format!("--model-dir {}", a.model_dir.display()))?;
     let binary = proto::digest::Sha256Digest::of_file(&a.stage_binary)
         .with_context(|| format!("--stage-binary {}", a.stage_binary.display()))?;
-    let m = proto::attestation::mock_measurement(&binary, &manifest.digest);
+    let policy = proto::digest::Sha256Digest::of_file(&a.stage_policy)
+        .with_context(|| format!("--stage-policy {}", a.stage_policy.display()))?;
+    let m = proto::attestation::mock_measurement(&binary, &manifest.digest, &policy);
     println!("{}", m.pinned_form());
     Ok(())
 }
@@ -450,7 +457,9 @@ async fn start_pipeline(
         Launch::Local => cfg.stage_binary().ok(),
         Launch::Remote => None,
     };
-    let pipeline = Pipeline::new(targets, policy.clone(), &manifest, stage_binary.as_deref())?;
+    // Local stages are launched with the pipeline's policy file.
+    let local_build = stage_binary.as_deref().map(|b| (b, spec.policy.as_path()));
+    let pipeline = Pipeline::new(targets, policy.clone(), &manifest, local_build)?;
     let connect_timeout = Duration::from_secs(cfg.pipeline.connect_timeout_secs);
     // Wait for the first verified connection before listening.
     let first = tokio::time::timeout(connect_timeout, async {

@@ -181,18 +181,20 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// A pipeline over `targets`. `stage_binary`, when known, gives the
-    /// local-build measurement that `trust_local_build` accepts.
+    /// A pipeline over `targets`. `local_build`, when known (the stage
+    /// binary and the policy file the gateway launches its stages with),
+    /// gives the local-build measurement that `trust_local_build` accepts.
     pub fn new(
         targets: Vec<StageTarget>,
         policy: Policy,
         manifest: &LoadedManifest,
-        stage_binary: Option<&std::path::Path>,
+        local_build: Option<(&std::path::Path, &std::path::Path)>,
     ) -> anyhow::Result<Arc<Self>> {
-        let local_measurement = match stage_binary {
-            Some(p) if p.exists() => Some(mock_measurement(
-                &Sha256Digest::of_file(p)?,
+        let local_measurement = match local_build {
+            Some((binary, stage_policy)) if binary.exists() => Some(mock_measurement(
+                &Sha256Digest::of_file(binary)?,
                 &manifest.digest,
+                &Sha256Digest::of_file(stage_policy)?,
             )),
             _ => None,
         };

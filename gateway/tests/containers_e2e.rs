@@ -14,7 +14,7 @@ mod common;
 use common::*;
 use proto::policy::Policy;
 use serde_json::json;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,12 +31,17 @@ type Reference = (Vec<String>, Vec<u64>, Vec<Vec<f32>>);
 /// policy written from `gateway measure` pins the right thing.
 #[tokio::test]
 async fn measure_verb_matches_what_a_stage_reports() {
+    // The local gateway launches its stages with its own policy file.
+    let gw = Gateway::start(Options::default());
+    let stage_policy = gw.dir.join("policy.toml");
     let out = Command::new(env!("CARGO_BIN_EXE_gateway"))
         .arg("measure")
         .arg("--stage-binary")
         .arg(stage_binary())
         .arg("--model-dir")
         .arg(model_dir())
+        .arg("--stage-policy")
+        .arg(&stage_policy)
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
@@ -46,7 +51,6 @@ async fn measure_verb_matches_what_a_stage_reports() {
         "{measured}"
     );
 
-    let gw = Gateway::start(Options::default());
     let ready: serde_json::Value = get_json(&format!("{}/readyz", gw.url)).await;
     let stages = ready["stages"].as_array().unwrap();
     assert_eq!(stages.len(), 2);
@@ -54,24 +58,35 @@ async fn measure_verb_matches_what_a_stage_reports() {
         assert_eq!(s["measurement"], measured.as_str(), "{ready}");
     }
 
+    let measure = |binary: &Path, policy: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_gateway"))
+            .arg("measure")
+            .arg("--stage-binary")
+            .arg(binary)
+            .arg("--model-dir")
+            .arg(model_dir())
+            .arg("--stage-policy")
+            .arg(policy)
+            .output()
+            .unwrap()
+    };
     // Another binary (here: the gateway's own) measures differently.
-    let other = Command::new(env!("CARGO_BIN_EXE_gateway"))
-        .arg("measure")
-        .arg("--stage-binary")
-        .arg(env!("CARGO_BIN_EXE_gateway"))
-        .arg("--model-dir")
-        .arg(model_dir())
-        .output()
-        .unwrap();
+    let other = measure(Path::new(env!("CARGO_BIN_EXE_gateway")), &stage_policy);
+    assert!(other.status.success());
+    assert_ne!(String::from_utf8(other.stdout).unwrap().trim(), measured);
+    // So does the same binary under another policy file (issue 15: the
+    // policy a stage judges its peers by is part of what it is).
+    let laxer = gw.dir.join("laxer-policy.toml");
+    std::fs::write(
+        &laxer,
+        std::fs::read_to_string(&stage_policy).unwrap() + "# any change counts\n",
+    )
+    .unwrap();
+    let other = measure(&stage_binary(), &laxer);
     assert!(other.status.success());
     assert_ne!(String::from_utf8(other.stdout).unwrap().trim(), measured);
     // A missing binary is an error, not a measurement.
-    let missing = Command::new(env!("CARGO_BIN_EXE_gateway"))
-        .args(["measure", "--stage-binary", "/nonexistent/enclave-stage"])
-        .arg("--model-dir")
-        .arg(model_dir())
-        .output()
-        .unwrap();
+    let missing = measure(Path::new("/nonexistent/enclave-stage"), &stage_policy);
     assert!(!missing.status.success());
     assert!(missing.stdout.is_empty());
 }

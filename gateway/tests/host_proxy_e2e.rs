@@ -9,9 +9,6 @@
 mod common;
 
 use common::*;
-use proto::attestation::mock_measurement;
-use proto::digest::Sha256Digest;
-use proto::manifest::LoadedManifest;
 use serde_json::json;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -74,21 +71,7 @@ async fn pipeline_through_the_host_proxy_survives_a_stage_restart() {
     let layers = [[0, 3], [3, 6]];
     // Remote stages: the gateway cannot vouch for "the local build", so the
     // measurement is pinned.
-    let manifest = LoadedManifest::load(&model_dir()).unwrap();
-    let m = mock_measurement(
-        &Sha256Digest::of_file(&stage_binary()).unwrap(),
-        &manifest.digest,
-    )
-    .pinned_form();
-    let mut policy_text = String::from("allow_mock = true\n");
-    for (i, l) in layers.iter().enumerate() {
-        policy_text += &format!(
-            "[[stages]]\nindex = {i}\nlayers = [{}, {}]\nmeasurements = [\"{m}\"]\n",
-            l[0], l[1]
-        );
-    }
-    let policy = dir.join("stage-policy.toml");
-    std::fs::write(&policy, &policy_text).unwrap();
+    let (policy, policy_text) = remote_stage_policies(&dir, &layers);
     let s0 = StageProc::start(0, 2, layers[0], &policy, &dir);
     let mut s1 = StageProc::start(1, 2, layers[1], &policy, &dir);
     let s1_endpoint = s1.endpoint.clone();

@@ -7,11 +7,8 @@
 mod common;
 
 use common::*;
-use proto::attestation::mock_measurement;
 use proto::channel::{ChannelLimits, LocalIdentity, PeerInfo};
-use proto::digest::Sha256Digest;
 use proto::frames::{HostMessage, StageReply};
-use proto::manifest::LoadedManifest;
 use proto::sealing::{seal_request, Aead, KeyConfig};
 use serde_json::json;
 
@@ -90,24 +87,12 @@ async fn the_host_relays_only_ciphertext() {
     assert!(!log.contains(plain_marker) && !log.contains(sealed_marker));
 }
 
-/// Stages 0 and 1 of the embeddings model started by the test, under a
-/// policy that pins their measurement: the policy text and the stages.
+/// Stages 0 and 1 of the embeddings model started by the test, and a
+/// gateway policy that pins their measurement: the policy text and the stages.
 fn remote_stages(dir: &std::path::Path) -> (String, StageProc, StageProc) {
-    let manifest = LoadedManifest::load(&model_dir()).unwrap();
-    let measurement = mock_measurement(
-        &Sha256Digest::of_file(&stage_binary()).unwrap(),
-        &manifest.digest,
-    );
-    // Remote stages are not launched by the gateway, so it cannot vouch for
-    // "the local build": the measurement is pinned.
-    let policy = format!(
-        "allow_mock = true\ntrust_local_build = true\n[[stages]]\nindex = 0\nlayers = [0, 3]\nmeasurements = [\"{m}\"]\n[[stages]]\nindex = 1\nlayers = [3, 6]\nmeasurements = [\"{m}\"]\n",
-        m = measurement.pinned_form()
-    );
-    let policy_path = dir.join("stage-policy.toml");
-    std::fs::write(&policy_path, &policy).unwrap();
-    let s1 = StageProc::start(1, 2, [3, 6], &policy_path, dir);
-    let s0 = StageProc::start(0, 2, [0, 3], &policy_path, dir);
+    let (stage_policy, policy) = remote_stage_policies(dir, &[[0, 3], [3, 6]]);
+    let s1 = StageProc::start(1, 2, [3, 6], &stage_policy, dir);
+    let s0 = StageProc::start(0, 2, [0, 3], &stage_policy, dir);
     (policy, s0, s1)
 }
 
@@ -175,4 +160,45 @@ async fn another_host_channel_cannot_take_a_stage_over() {
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+}
+
+/// Issue 15: the policy file a stage judges its peers by is part of its
+/// measurement. A stage started with another policy than the one the
+/// gateway's policy was pinned for (here: the same file with a comment
+/// added; a real attacker would allow foreign peers) reports another
+/// measurement, and the gateway refuses it.
+#[tokio::test]
+async fn a_stage_under_another_policy_file_is_refused() {
+    let dir = temp_dir("policy-measured");
+    let (stage_policy, gateway_policy) = remote_stage_policies(&dir, &[[0, 6]]);
+    let laxer = dir.join("laxer-policy.toml");
+    std::fs::write(
+        &laxer,
+        std::fs::read_to_string(&stage_policy).unwrap() + "# changed\n",
+    )
+    .unwrap();
+    let stage = StageProc::start(0, 1, [0, 6], &laxer, &dir);
+    let failed = Gateway::try_start(Options {
+        stages: vec![[0, 6]],
+        policy: Some(gateway_policy.clone()),
+        remote: Some(vec![stage.endpoint.clone()]),
+        env: vec![("GATEWAY_PIPELINE__CONNECT_TIMEOUT_SECS".into(), "5".into())],
+        ..Options::default()
+    });
+    let Err(f) = failed else {
+        panic!("a stage under another policy file was accepted");
+    };
+    assert!(f.stderr.contains("measurement"), "{}", f.stderr);
+    drop(stage);
+    // The same stage binary under the policy file the measurement was
+    // pinned for is accepted.
+    let stage = StageProc::start(0, 1, [0, 6], &stage_policy, &dir);
+    let gw = Gateway::start(Options {
+        stages: vec![[0, 6]],
+        policy: Some(gateway_policy),
+        remote: Some(vec![stage.endpoint.clone()]),
+        ..Options::default()
+    });
+    let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": "measured"})).await;
+    assert_eq!(s, 200, "{b}");
 }

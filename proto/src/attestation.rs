@@ -38,12 +38,19 @@ fn mock_signing_key() -> SigningKey {
     SigningKey::from_bytes(&Sha256Digest::of(MOCK_KEY_SEED_LABEL).0)
 }
 
-/// The measurement a mock provider reports: SHA-256 over the digest of the
-/// stage binary and the digest of the model manifest it serves.
-pub fn mock_measurement(binary: &Sha256Digest, manifest: &Sha256Digest) -> Measurement {
+/// The measurement a mock provider reports: SHA-256 over the digests of
+/// the stage binary, the model manifest it serves and the policy file it
+/// judges its peers by (what it runs, what it computes, whom it trusts: a
+/// stage started with a laxer policy is another stage). A Nitro image
+/// holds all three, so its PCRs cover them alike.
+pub fn mock_measurement(
+    binary: &Sha256Digest,
+    manifest: &Sha256Digest,
+    policy: &Sha256Digest,
+) -> Measurement {
     Measurement::Mock(Sha256Digest::of_parts(
-        "mock-measurement/v1",
-        &[&binary.0, &manifest.0],
+        "mock-measurement/v2",
+        &[&binary.0, &manifest.0, &policy.0],
     ))
 }
 
@@ -233,7 +240,8 @@ mod tests {
     use super::*;
 
     fn provider() -> MockProvider {
-        let m = mock_measurement(&Sha256Digest::of(b"bin"), &Sha256Digest::of(b"manifest"));
+        let d = |s: &[u8]| Sha256Digest::of(s);
+        let m = mock_measurement(&d(b"bin"), &d(b"manifest"), &d(b"policy"));
         MockProvider::new("stage-0", &m)
     }
 
@@ -249,12 +257,15 @@ mod tests {
     }
 
     #[test]
-    fn measurement_depends_on_binary_and_manifest() {
-        let a = mock_measurement(&Sha256Digest::of(b"bin"), &Sha256Digest::of(b"m"));
-        let b = mock_measurement(&Sha256Digest::of(b"bin2"), &Sha256Digest::of(b"m"));
-        let c = mock_measurement(&Sha256Digest::of(b"bin"), &Sha256Digest::of(b"m2"));
+    fn measurement_depends_on_binary_manifest_and_policy() {
+        let d = |s: &[u8]| Sha256Digest::of(s);
+        let a = mock_measurement(&d(b"bin"), &d(b"m"), &d(b"p"));
+        let b = mock_measurement(&d(b"bin2"), &d(b"m"), &d(b"p"));
+        let c = mock_measurement(&d(b"bin"), &d(b"m2"), &d(b"p"));
+        let e = mock_measurement(&d(b"bin"), &d(b"m"), &d(b"p2"));
         assert_ne!(a, b);
         assert_ne!(a, c);
+        assert_ne!(a, e);
     }
 
     #[test]

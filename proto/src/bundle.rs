@@ -311,7 +311,11 @@ mod tests {
         make: impl Fn(&MockProvider, &StageClaims, &[u8]) -> Evidence,
         boot: impl Fn(&MockProvider, &StageClaims) -> Evidence,
     ) -> (EvidenceBundle, Policy) {
-        let m = mock_measurement(&Sha256Digest::of(b"bin"), &Sha256Digest::of(MANIFEST));
+        let m = mock_measurement(
+            &Sha256Digest::of(b"bin"),
+            &Sha256Digest::of(MANIFEST),
+            &Sha256Digest::of(b"policy"),
+        );
         let p = MockProvider::new("stage-0", &m);
         let c = claims();
         let policy = Policy::from_toml(&format!(

@@ -431,7 +431,11 @@ fn binding_of_nonce_public_key_and_user_data() {
 
 #[test]
 fn mock_evidence_is_not_a_nitro_document_and_policy_without_mock_rejects_it() {
-    let m = proto::attestation::mock_measurement(&Sha256Digest::of(b"b"), &Sha256Digest::of(b"m"));
+    let m = proto::attestation::mock_measurement(
+        &Sha256Digest::of(b"b"),
+        &Sha256Digest::of(b"m"),
+        &Sha256Digest::of(b"p"),
+    );
     let ev = proto::attestation::MockProvider::new("s", &m)
         .attest(b"pk", b"ud", b"n")
         .unwrap();

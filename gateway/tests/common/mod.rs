@@ -2,6 +2,12 @@
 //! `enclave-stage` processes) on a temporary config and talks HTTP to it.
 #![allow(dead_code)]
 
+#[path = "../support/embeddings_reference.rs"]
+mod embeddings_reference;
+#[allow(unused_imports)]
+pub use embeddings_reference::cosine;
+use embeddings_reference::load_reference;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -81,6 +87,31 @@ pub fn dev_policy(stages: &[[u32; 2]]) -> String {
         p += &format!("[[stages]]\nindex = {i}\nlayers = [{}, {}]\n", s[0], s[1]);
     }
     p
+}
+
+/// For stages the test starts itself (the gateway cannot vouch for "the
+/// local build"): writes the stages' own policy (mock allowed, peers must
+/// be the same build) to `dir/stage-policy.toml` and returns its path and a
+/// gateway policy that pins the stages' measurement, which covers the
+/// binary, the embeddings manifest and that stage policy file.
+pub fn remote_stage_policies(dir: &Path, stages: &[[u32; 2]]) -> (PathBuf, String) {
+    let stage_policy = dir.join("stage-policy.toml");
+    std::fs::write(&stage_policy, dev_policy(stages)).unwrap();
+    let manifest = proto::manifest::LoadedManifest::load(&model_dir()).unwrap();
+    let m = proto::attestation::mock_measurement(
+        &proto::digest::Sha256Digest::of_file(&stage_binary()).unwrap(),
+        &manifest.digest,
+        &proto::digest::Sha256Digest::of_file(&stage_policy).unwrap(),
+    )
+    .pinned_form();
+    let mut gateway = String::from("allow_mock = true\n");
+    for (i, s) in stages.iter().enumerate() {
+        gateway += &format!(
+            "[[stages]]\nindex = {i}\nlayers = [{}, {}]\nmeasurements = [\"{m}\"]\n",
+            s[0], s[1]
+        );
+    }
+    (stage_policy, gateway)
 }
 
 /// A running gateway process.
@@ -500,14 +531,6 @@ pub fn vectors(body: &serde_json::Value) -> Vec<Vec<f32>> {
         .collect()
 }
 
-/// Cosine similarity.
-pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb)
-}
-
 /// Largest absolute difference.
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
@@ -518,32 +541,8 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// Reference texts, token counts and sentence-transformers vectors.
 pub fn reference() -> (Vec<String>, Vec<u64>, Vec<Vec<f32>>) {
-    let v: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(root().join("gateway/tests/data/embeddings_reference.json")).unwrap(),
-    )
-    .unwrap();
-    let items = v["items"].as_array().unwrap();
-    (
-        items
-            .iter()
-            .map(|i| i["text"].as_str().unwrap().to_string())
-            .collect(),
-        items
-            .iter()
-            .map(|i| i["tokens"].as_u64().unwrap())
-            .collect(),
-        items
-            .iter()
-            .map(|i| {
-                i["embedding"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap() as f32)
-                    .collect()
-            })
-            .collect(),
-    )
+    let r = load_reference(&root());
+    (r.texts, r.tokens, r.vectors)
 }
 
 /// Asserts an OpenAI-shaped error body.

@@ -54,6 +54,7 @@ pub fn stage_identity(index: u32) -> LocalIdentity {
     let measurement = mock_measurement(
         &Sha256Digest::of(b"stage binary"),
         &Sha256Digest::of(b"test manifest"),
+        &Sha256Digest::of(b"test policy"),
     );
     LocalIdentity::stage(
         Arc::new(MockProvider::new(format!("stage-{index}"), &measurement)),
