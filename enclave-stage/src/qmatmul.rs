@@ -307,8 +307,13 @@ impl QMatrix {
 
     /// The whole matrix dequantized (`[rows, cols]`, row-major).
     pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0f32; self.rows * self.cols];
-        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+        self.dequantize_rows(0..self.rows)
+    }
+
+    /// Rows `range` dequantized (`[range.len(), cols]`, row-major).
+    pub fn dequantize_rows(&self, range: std::ops::Range<usize>) -> Vec<f32> {
+        let mut out = vec![0f32; range.len() * self.cols];
+        for (r, row) in range.zip(out.chunks_exact_mut(self.cols)) {
             self.dequantize_row(r, row);
         }
         out

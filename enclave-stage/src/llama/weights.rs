@@ -7,6 +7,12 @@ use super::*;
 /// quarter (Q8_0) or a sixth (Q4_1) of the f32 weight bytes.
 pub(super) const DEQUANTIZE_MIN_ROWS: usize = 48;
 
+/// The most f32 weight bytes one dequantized tile takes: a matrix larger
+/// than this (the 49,152-row output head: 108 MiB in f32) is dequantized and
+/// multiplied a band of rows at a time, so a stage's memory stays within its
+/// quantized weights plus a few MiB.
+const DEQUANTIZE_TILE_BYTES: usize = 4 << 20;
+
 /// A weight matrix `[out, in]` applied as `x · Wᵀ`: f32 (Candle's GEMM), or
 /// quantized blocks ([`crate::qmatmul`]).
 pub(super) enum Weight {
@@ -63,13 +69,30 @@ impl Weight {
                 }
                 if t >= DEQUANTIZE_MIN_ROWS {
                     // A prefill (or a large decode batch): the matrix is
-                    // dequantized for this product only (a transient f32
-                    // buffer of at most a few MiB) and goes through Candle's
-                    // f32 GEMM, which re-uses each weight across many rows.
+                    // dequantized for this product only, a band of rows at a
+                    // time (a transient f32 buffer of at most
+                    // DEQUANTIZE_TILE_BYTES), and goes through Candle's f32
+                    // GEMM, which re-uses each weight across many rows.
                     // The activations are f32 on both paths, so the result is
                     // the same product up to summation order.
-                    let w = Tensor::from_vec(q.dequantize(), (rows, cols), x.device())?;
-                    return x.matmul(&w.t()?);
+                    let band = (DEQUANTIZE_TILE_BYTES / (cols * 4)).max(1);
+                    let tiles = (0..rows)
+                        .step_by(band)
+                        .map(|r0| {
+                            let r1 = rows.min(r0 + band);
+                            let w = Tensor::from_vec(
+                                q.dequantize_rows(r0..r1),
+                                (r1 - r0, cols),
+                                x.device(),
+                            )?;
+                            x.matmul(&w.t()?)
+                        })
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    return if tiles.len() == 1 {
+                        Ok(tiles.into_iter().next().expect("one tile"))
+                    } else {
+                        Tensor::cat(&tiles, 1)
+                    };
                 }
                 let xs = x.flatten_all()?.to_vec1::<f32>()?;
                 let mut out = vec![0f32; t * rows];
@@ -114,4 +137,39 @@ pub(super) fn load_f32(
     device: &Device,
 ) -> candle_core::Result<Tensor> {
     ct.tensor(file, name, device)?.dequantize(device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A matrix larger than one dequantized tile (two bands and a part)
+    /// gives the product with the whole dequantized matrix.
+    #[test]
+    fn banded_product_equals_the_whole_dequantized_product() {
+        let (rows, cols) = (2 * DEQUANTIZE_TILE_BYTES / (64 * 4) + 7, 64);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 700.0)
+            .collect();
+        let q = QMatrix::q8_0(&w, rows, cols);
+        let dense = Tensor::from_vec(q.dequantize(), (rows, cols), &Device::Cpu).unwrap();
+        let weight = Weight::Quant(q, Kernel::detect());
+        let t = DEQUANTIZE_MIN_ROWS;
+        let x: Vec<f32> = (0..t * cols)
+            .map(|i| ((i % 13) as f32 - 6.0) / 5.0)
+            .collect();
+        let x = Tensor::from_vec(x, (t, cols), &Device::Cpu).unwrap();
+        let got = weight.forward(&x).unwrap();
+        let want = x.matmul(&dense.t().unwrap()).unwrap();
+        assert_eq!(got.dims(), &[t, rows]);
+        let diff = (got - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff < 1e-3, "largest difference {diff}");
+    }
 }
