@@ -178,14 +178,20 @@ async def well_formed(kind, host, port, stats, stop):
             await asyncio.sleep(min(float(retry) if retry.isdigit() else 1.0, 5.0))
 
 
+async def start_stream(host, port, prompt):
+    """Opens a connection and sends a streamed 64-token completion request."""
+    body = json.dumps({"model": GEN_MODEL, "prompt": prompt, "max_tokens": 64,
+                       "stream": True}).encode()
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
+    writer.write(request("POST", "/v1/completions", body))
+    await writer.drain()
+    return reader, writer
+
+
 async def disconnect_mid_stream(host, port, stats, stop):
     while time.monotonic() < stop:
-        body = json.dumps({"model": GEN_MODEL, "prompt": "Tell me a long story", "max_tokens": 64,
-                           "stream": True}).encode()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
-            writer.write(request("POST", "/v1/completions", body))
-            await writer.drain()
+            reader, writer = await start_stream(host, port, "Tell me a long story")
             got = b""
             t0 = time.monotonic()
             while b"data:" not in got and time.monotonic() - t0 < 120:
@@ -270,12 +276,8 @@ async def slow_body(host, port, stats, stop):
 
 async def never_read(host, port, stats, stop):
     while time.monotonic() < stop:
-        body = json.dumps({"model": GEN_MODEL, "prompt": "Write a poem", "max_tokens": 64,
-                           "stream": True}).encode()
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
-            writer.write(request("POST", "/v1/completions", body))
-            await writer.drain()
+            _, writer = await start_stream(host, port, "Write a poem")
             await asyncio.sleep(30)
             writer.close()
             stats.add("never_read", "held 30 s unread, then closed")

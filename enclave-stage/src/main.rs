@@ -122,10 +122,13 @@ fn main() -> Result<()> {
     };
     // Before the model loads: a build without Nitro support says so at once.
     provider::ensure_supported(args.attestation)?;
-    let policy = Policy::load(&args.policy).map_err(anyhow::Error::msg)?;
-    // The policy file is part of what this stage is (its mock measurement).
-    let policy_digest = Sha256Digest::of_file(&args.policy)
-        .with_context(|| format!("hashing {}", args.policy.display()))?;
+    // The policy file is part of what this stage is (its mock measurement):
+    // read once, parsed and hashed from the same bytes.
+    let policy_text = std::fs::read_to_string(&args.policy)
+        .with_context(|| format!("reading policy {}", args.policy.display()))?;
+    let policy = Policy::from_toml(&policy_text)
+        .map_err(|e| anyhow::anyhow!("policy {}: {e}", args.policy.display()))?;
+    let policy_digest = Sha256Digest::of(policy_text.as_bytes());
     let architecture = LoadedManifest::load(&args.model_dir)
         .context("stage refuses to start")?
         .manifest

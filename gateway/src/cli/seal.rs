@@ -318,8 +318,13 @@ pub fn run_open(a: OpenArgs) -> Result<i32> {
             // client's record of this exchange, for `verify receipt
             // --client-key`.
             if let Some(salt) = trailer.as_ref().and_then(|t| t.digest_salt) {
-                file.digest_salt = Some(salt);
-                file.save(&a.key)?;
+                if a.key.as_os_str() == "-" {
+                    // The key came on stdin: there is no file to keep it in.
+                    eprintln!("receipt digest salt: {}", hex::encode(salt));
+                } else {
+                    file.digest_salt = Some(salt);
+                    file.save(&a.key)?;
+                }
             }
             match (&a.receipt_out, trailer) {
                 (Some(path), Some(t)) => std::fs::write(path, t.receipt)

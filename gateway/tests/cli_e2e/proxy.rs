@@ -110,25 +110,22 @@ pub(super) async fn proxy_checks(c: &Ctx) {
     // A host that tampers with the sealed answer (here: the last byte, in the
     // receipt trailer): the proxy withholds it. A tampered `receipt` header
     // changes nothing: the proxy checks the receipt sealed inside.
-    let relay = tampering_relay(c.url.clone(), Tamper::ReceiptHeader);
-    let proxy = start_proxy(&relay, &[&c.policy], &[], &c.dir)
-        .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
-    let r = http_post(
-        &format!("{}/v1/embeddings", proxy.url),
-        &json!({"model": MODEL, "input": "x"}),
-    )
-    .await;
+    // One embedding through a proxy in front of a relay applying `tamper`.
+    let through = |tamper: Tamper| async move {
+        let relay = tampering_relay(c.url.clone(), tamper);
+        let proxy = start_proxy(&relay, &[&c.policy], &[], &c.dir)
+            .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
+        let url = format!("{}/v1/embeddings", proxy.url);
+        (
+            proxy,
+            http_post(&url, &json!({"model": MODEL, "input": "x"})).await,
+        )
+    };
+    let (proxy, r) = through(Tamper::ReceiptHeader).await;
     assert_eq!(r.status(), 200, "the sealed-in receipt is the one checked");
     assert_eq!(r.headers()["receipt-verified"], "true");
     drop(proxy);
-    let relay = tampering_relay(c.url.clone(), Tamper::LastBodyByte);
-    let proxy = start_proxy(&relay, &[&c.policy], &[], &c.dir)
-        .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
-    let r = http_post(
-        &format!("{}/v1/embeddings", proxy.url),
-        &json!({"model": MODEL, "input": "x"}),
-    )
-    .await;
+    let (proxy, r) = through(Tamper::LastBodyByte).await;
     assert_eq!(r.status(), 502);
     assert_eq!(r.headers()["receipt-verified"], "false");
     let e: serde_json::Value = r.json().await.unwrap();

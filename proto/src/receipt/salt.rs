@@ -113,9 +113,16 @@ mod tests {
         )]))
         .unwrap();
         assert!(ReceiptTrailer::decode(&missing).is_err());
-        let mut extra = t.encode();
-        extra[0] += 1; // map of 3 entries, one missing: malformed CBOR
+        let extra = canonical_bytes(&Value::Map(vec![
+            (Value::from(1u64), Value::Bytes(vec![0x84])),
+            (Value::from(2u64), Value::Bytes(vec![0; 32])),
+            (Value::from(3u64), Value::Null),
+        ]))
+        .unwrap();
         assert!(ReceiptTrailer::decode(&extra).is_err());
+        let mut truncated = t.encode();
+        truncated.pop();
+        assert!(ReceiptTrailer::decode(&truncated).is_err());
     }
 
     #[test]
