@@ -90,17 +90,31 @@ impl LoadedManifest {
     /// Reads `manifest.json` from a model folder.
     pub fn load(dir: &Path) -> Result<Self, ManifestError> {
         let path = dir.join("manifest.json");
-        let unreadable = |reason: String| ManifestError::Unreadable {
+        let bytes = std::fs::read(&path).map_err(|e| ManifestError::Unreadable {
             path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Self::from_bytes(bytes, dir)
+    }
+
+    /// Parses a manifest's bytes, read from `dir/manifest.json`.
+    pub fn from_bytes(bytes: Vec<u8>, dir: &Path) -> Result<Self, ManifestError> {
+        let unreadable = |reason: String| ManifestError::Unreadable {
+            path: dir.join("manifest.json").display().to_string(),
             reason,
         };
-        let bytes = std::fs::read(&path).map_err(|e| unreadable(e.to_string()))?;
         let manifest: ModelManifest =
             serde_json::from_slice(&bytes).map_err(|e| unreadable(e.to_string()))?;
         if manifest.schema != 1 {
             return Err(unreadable(format!(
                 "unsupported schema {}",
                 manifest.schema
+            )));
+        }
+        if let Some(f) = manifest.files.iter().find(|f| !is_plain_relative(&f.path)) {
+            return Err(unreadable(format!(
+                "file path {:?} leaves the model folder (absolute, `..` or empty)",
+                f.path
             )));
         }
         Ok(Self {
@@ -136,6 +150,15 @@ impl LoadedManifest {
         }
         Ok(full)
     }
+}
+
+/// Whether `path` names something inside its base folder: relative, not
+/// empty, and made of plain names only (no `..`, `.` or root).
+pub fn is_plain_relative(path: &str) -> bool {
+    let p = Path::new(path);
+    !path.is_empty()
+        && p.components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
 }
 
 #[cfg(test)]
@@ -175,5 +198,24 @@ mod tests {
         assert!(err.to_string().contains("w.bin"), "{err}");
         assert!(matches!(err, ManifestError::DigestMismatch { .. }));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn file_paths_outside_the_model_folder_are_refused() {
+        let manifest = |path: &str| {
+            format!(
+                r#"{{"schema":1,"model_id":"m","architecture":"bert","task":"embedding","source":"t","max_seq_len":8,"files":[{{"path":{path:?},"sha256":"00"}}]}}"#
+            )
+            .into_bytes()
+        };
+        let dir = Path::new("/models/m");
+        assert!(LoadedManifest::from_bytes(manifest("tokenizer/vocab.txt"), dir).is_ok());
+        for bad in ["/etc/passwd", "../other/w.bin", "a/../../b", "./w.bin", ""] {
+            let err = LoadedManifest::from_bytes(manifest(bad), dir).unwrap_err();
+            assert!(
+                err.to_string().contains("leaves the model folder"),
+                "{bad}: {err}"
+            );
+        }
     }
 }

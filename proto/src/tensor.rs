@@ -72,7 +72,7 @@ impl TensorFrame {
             return Err(format!(
                 "tensor of shape {:?} needs {} bytes, frame has {}",
                 self.shape,
-                n * self.dtype.size(),
+                n.saturating_mul(self.dtype.size()),
                 self.data.len()
             ));
         }
@@ -121,5 +121,9 @@ mod tests {
         assert!(bad.validate().is_err());
         bad.shape = vec![u32::MAX, u32::MAX, u32::MAX];
         assert!(bad.validate().is_err());
+        // Elements fit a usize, bytes do not: an error, not an overflow
+        // (which panics where overflow checks are on, as in fuzz builds).
+        bad.shape = vec![u32::MAX, u32::MAX];
+        assert!(bad.validate().unwrap_err().contains("needs"));
     }
 }

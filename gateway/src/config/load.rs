@@ -21,7 +21,9 @@ impl GatewayConfig {
         Self::parse(&text, env).with_context(|| format!("config {}", path.display()))
     }
 
-    pub(super) fn parse(
+    /// Parses and validates config text with the environment overrides
+    /// `env` ([`Self::load_with_env`] without the file).
+    pub fn parse(
         text: &str,
         env: impl IntoIterator<Item = (String, std::ffi::OsString)>,
     ) -> Result<Self> {

@@ -49,7 +49,8 @@ impl ReceiptTrailer {
         .expect("integer keys are distinct")
     }
 
-    /// Decodes a trailer: the map above, or a bare receipt (a CBOR array).
+    /// Decodes a trailer: the map above in its deterministic encoding, or a
+    /// bare receipt (a CBOR array).
     pub fn decode(bytes: &[u8]) -> Result<Self, ReceiptError> {
         let bad = |m: &str| ReceiptError::Malformed(format!("receipt trailer: {m}"));
         // Major type 5 (map) in the first byte; a COSE_Sign1 is an array.
@@ -76,13 +77,19 @@ impl ReceiptTrailer {
                 _ => return Err(bad("unexpected or repeated key")),
             }
         }
-        match (receipt, salt) {
-            (Some(receipt), Some(salt)) => Ok(Self {
+        let trailer = match (receipt, salt) {
+            (Some(receipt), Some(salt)) => Self {
                 receipt,
                 digest_salt: Some(salt),
-            }),
-            _ => Err(bad("needs keys 1 (receipt) and 2 (salt)")),
+            },
+            _ => return Err(bad("needs keys 1 (receipt) and 2 (salt)")),
+        };
+        // One encoding only: nothing after the map (the CBOR reader stops
+        // at its end), no other key order or integer width.
+        if trailer.encode() != bytes {
+            return Err(bad("not in its deterministic encoding, or bytes follow it"));
         }
+        Ok(trailer)
     }
 }
 
@@ -123,6 +130,24 @@ mod tests {
         let mut truncated = t.encode();
         truncated.pop();
         assert!(ReceiptTrailer::decode(&truncated).is_err());
+    }
+
+    /// Found by the `receipt` fuzz target: the CBOR reader stops at the
+    /// map's end, so bytes after it were accepted (and another key order).
+    #[test]
+    fn a_trailer_has_one_encoding() {
+        let t = ReceiptTrailer {
+            receipt: vec![0x84, 1, 2, 3],
+            digest_salt: Some([7; 32]),
+        };
+        let mut followed = t.encode();
+        followed.extend_from_slice(&[0x5a; 9]);
+        let err = ReceiptTrailer::decode(&followed).unwrap_err();
+        assert!(err.to_string().contains("deterministic"), "{err}");
+        let mut swapped = vec![0xa2, 0x02, 0x58, 0x20];
+        swapped.extend_from_slice(&[7; 32]);
+        swapped.extend_from_slice(&[0x01, 0x44, 0x84, 1, 2, 3]);
+        assert!(ReceiptTrailer::decode(&swapped).is_err());
     }
 
     #[test]

@@ -444,12 +444,6 @@ impl IntoResponse for ProxyError {
     }
 }
 
-/// Whether `body` is an OpenAI error object (`{"error": {...}}`).
-pub(super) fn is_error_object(body: &[u8]) -> bool {
-    serde_json::from_slice::<serde_json::Value>(body)
-        .is_ok_and(|v| v.get("error").is_some_and(serde_json::Value::is_object))
-}
-
 impl ProxyError {
     fn into_unmarked_response(self) -> Response {
         match self {

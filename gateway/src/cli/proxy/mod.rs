@@ -81,6 +81,7 @@ use std::time::{Duration, Instant};
 mod archive;
 mod exchange;
 mod handlers;
+pub mod sse;
 mod stream;
 #[cfg(test)]
 mod tests;
@@ -88,6 +89,7 @@ mod tests;
 use archive::*;
 use exchange::*;
 use handlers::*;
+use sse::*;
 use stream::*;
 
 /// Response header the proxy adds when the receipt verified.
@@ -103,8 +105,6 @@ const HEADER_RECEIPT_NONCE: &str = "receipt-nonce";
 /// caller needs, with the request and response, to check the receipt again.
 pub const HEADER_RECEIPT_DIGEST_SALT: &str = "receipt-digest-salt";
 const MAX_RECEIPT_HEADER: usize = 8 * 1024;
-/// The event that ends a successful stream.
-const STREAM_DONE: &[u8] = b"data: [DONE]\n\n";
 
 /// `gateway proxy`
 #[derive(Args, Debug)]

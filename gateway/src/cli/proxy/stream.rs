@@ -136,38 +136,6 @@ pub(super) async fn pump_stream(
     Ok(())
 }
 
-/// How far into `all` the stream may go out, starting at `from` (an event
-/// boundary): up to the end of its last complete event, or up to the start
-/// of the `[DONE]` event (then `true`), which waits for the receipt.
-pub(super) fn forwardable(all: &[u8], from: usize) -> (usize, bool) {
-    let mut at = from;
-    while let Some(len) = all[at..].windows(2).position(|w| w == b"\n\n") {
-        if all[at..].starts_with(STREAM_DONE) {
-            return (at, true);
-        }
-        at += len + 2;
-    }
-    (at, false)
-}
-
-/// Whether the last event of an event stream is an error event.
-pub(super) fn ends_with_error_event(all: &[u8]) -> bool {
-    let text = String::from_utf8_lossy(all);
-    text.trim_end()
-        .rsplit("\n\n")
-        .next()
-        .and_then(|e| e.strip_prefix("data: "))
-        .is_some_and(|e| is_error_object(e.as_bytes()))
-}
-
-/// An error as a Server-Sent Event (how OpenAI ends a failed stream).
-pub(super) fn error_event(e: &ApiError) -> Vec<u8> {
-    let mut ev = b"data: ".to_vec();
-    ev.extend(e.body_bytes());
-    ev.extend(b"\n\n");
-    ev
-}
-
 pub(super) fn unopenable(e: proto::sealing::SealError) -> ApiError {
     bad_gateway(
         "response_unopenable",

