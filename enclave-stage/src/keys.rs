@@ -1,6 +1,7 @@
-//! The stage's own keys, generated at start and never leaving the process:
-//! the Ed25519 receipt-signing key, the entry stage's HPKE key, and the
-//! boot evidence that binds them (receipt links name its digest).
+//! The stage's own keys, generated in the process and never leaving it:
+//! the Ed25519 receipt-signing key, the entry stage's HPKE keys (rotated on
+//! a schedule, [`HpkeKeys`]), and the boot evidence that binds the receipt
+//! key and the first HPKE key (receipt links name its digest).
 
 use ed25519_dalek::SigningKey;
 use proto::attestation::{
@@ -8,8 +9,11 @@ use proto::attestation::{
 };
 use proto::digest::Sha256Digest;
 use proto::frames::StageClaims;
+use proto::receipt::KeySet;
 use proto::sealing::{KeyConfig, ServerKey};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Enclave-held HPKE key ids are drawn from this range at every start, so a
 /// client holding a restarted stage's old key is told to refetch (unknown key
@@ -20,8 +24,8 @@ pub const ENCLAVE_HPKE_KEY_IDS: std::ops::RangeInclusive<u8> = 1..=0x7f;
 pub struct StageKeys {
     /// Receipt-signing key.
     pub receipt: SigningKey,
-    /// The entry stage's HPKE key.
-    pub hpke: Option<ServerKey>,
+    /// The entry stage's HPKE keys.
+    pub hpke: Option<Arc<HpkeKeys>>,
     /// Evidence made at start: binds the receipt key (`public_key`) and the
     /// claims (`user_data`, see `proto::attestation::claims_binding`) with
     /// an empty nonce.
@@ -34,10 +38,12 @@ pub struct StageKeys {
 }
 
 impl StageKeys {
-    /// Generates the keys, fills them into `claims` and makes the boot evidence.
+    /// Generates the keys, fills them into `claims` and makes the boot
+    /// evidence; an entry stage's HPKE key rotates on `rotation`.
     pub fn generate(
         claims: &mut StageClaims,
         provider: &dyn AttestationProvider,
+        rotation: Option<Rotation>,
     ) -> Result<Self, AttestError> {
         let receipt = SigningKey::generate(&mut rand::rngs::OsRng);
         let hpke = claims.is_entry().then(|| {
@@ -60,8 +66,8 @@ impl StageKeys {
             evidence_digest: boot_evidence.digest(),
             mock: provider.format() == EvidenceFormat::Mock,
             boot_evidence,
+            hpke: hpke.map(|k| Arc::new(HpkeKeys::new(k, receipt.clone(), rotation))),
             receipt,
-            hpke,
             sequence: AtomicU64::new(0),
         })
     }
@@ -69,5 +75,191 @@ impl StageKeys {
     /// The next receipt sequence number of this key (monotonic from 0).
     pub fn next_sequence(&self) -> u64 {
         self.sequence.fetch_add(1, Ordering::SeqCst)
+    }
+}
+
+/// When the entry stage's HPKE key rotates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rotation {
+    /// A new key every `every`.
+    pub every: Duration,
+    /// The key it replaces is still accepted this long after.
+    pub overlap: Duration,
+}
+
+/// A key the stage accepts, until `retires` when set.
+struct Held {
+    key: ServerKey,
+    retires: Option<(Instant, u64)>,
+}
+
+/// The entry stage's HPKE keys: the current one first, then those being
+/// retired; each change is published as a [`KeySet`] signed with the
+/// receipt key (watch [`HpkeKeys::subscribe`]).
+pub struct HpkeKeys {
+    receipt: SigningKey,
+    rotation: Option<Rotation>,
+    held: Mutex<Vec<Held>>,
+    signed: tokio::sync::watch::Sender<Vec<u8>>,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl HpkeKeys {
+    fn new(first: ServerKey, receipt: SigningKey, rotation: Option<Rotation>) -> Self {
+        let held = vec![Held {
+            key: first,
+            retires: None,
+        }];
+        let signed = Self::sign(&receipt, &held);
+        Self {
+            receipt,
+            rotation,
+            held: Mutex::new(held),
+            signed: tokio::sync::watch::channel(signed).0,
+        }
+    }
+
+    fn sign(receipt: &SigningKey, held: &[Held]) -> Vec<u8> {
+        KeySet {
+            issued_at: unix_now(),
+            keys: held
+                .iter()
+                .map(|h| (h.key.config(), h.retires.map(|(_, unix)| unix)))
+                .collect(),
+        }
+        .sign(receipt)
+    }
+
+    /// The key with `key_id`, if the stage still accepts it.
+    pub fn get(&self, key_id: u8) -> Option<ServerKey> {
+        let now = Instant::now();
+        self.held
+            .lock()
+            .expect("key lock")
+            .iter()
+            .find(|h| h.key.key_id() == key_id && h.retires.is_none_or(|(at, _)| at > now))
+            .map(|h| h.key.clone())
+    }
+
+    /// The current signed key set.
+    pub fn signed(&self) -> Vec<u8> {
+        self.signed.borrow().clone()
+    }
+
+    /// Follows the signed key set as it changes.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Vec<u8>> {
+        self.signed.subscribe()
+    }
+
+    /// Makes a new current key (an id no held key has) and schedules the
+    /// retirement of the one it replaces.
+    pub fn rotate(&self, overlap: Duration) {
+        use rand::Rng;
+        let mut held = self.held.lock().expect("key lock");
+        let id = loop {
+            let id = rand::rngs::OsRng.gen_range(ENCLAVE_HPKE_KEY_IDS);
+            if held.iter().all(|h| h.key.key_id() != id) {
+                break id;
+            }
+        };
+        let retire = (
+            Instant::now() + overlap,
+            unix_now() + overlap.as_secs_f64().ceil() as u64,
+        );
+        for h in held.iter_mut().filter(|h| h.retires.is_none()) {
+            h.retires = Some(retire);
+        }
+        held.insert(
+            0,
+            Held {
+                key: ServerKey::generate(id),
+                retires: None,
+            },
+        );
+        self.signed.send_replace(Self::sign(&self.receipt, &held));
+        tracing::info!(key_id = id, "HPKE key rotated");
+    }
+
+    /// Drops the keys whose retirement has come; re-signs if any went.
+    fn retire_due(&self) {
+        let now = Instant::now();
+        let mut held = self.held.lock().expect("key lock");
+        let before = held.len();
+        held.retain(|h| h.retires.is_none_or(|(at, _)| at > now));
+        if held.len() != before {
+            self.signed.send_replace(Self::sign(&self.receipt, &held));
+            tracing::info!("retired HPKE key(s) no longer accepted");
+        }
+    }
+
+    /// Rotates on the schedule and retires keys when due, forever (returns
+    /// at once without a schedule).
+    pub async fn run(self: Arc<Self>) {
+        let Some(rotation) = self.rotation else {
+            return;
+        };
+        let mut next_rotation = Instant::now() + rotation.every;
+        loop {
+            let next_retirement = self
+                .held
+                .lock()
+                .expect("key lock")
+                .iter()
+                .filter_map(|h| h.retires.map(|(at, _)| at))
+                .min();
+            let wake = next_retirement.map_or(next_rotation, |r| r.min(next_rotation));
+            tokio::time::sleep_until(wake.into()).await;
+            self.retire_due();
+            if Instant::now() >= next_rotation {
+                self.rotate(rotation.overlap);
+                next_rotation += rotation.every;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys() -> HpkeKeys {
+        HpkeKeys::new(
+            ServerKey::derive(5, b"first"),
+            SigningKey::from_bytes(&[3; 32]),
+            None,
+        )
+    }
+
+    #[test]
+    fn a_rotated_key_is_accepted_until_its_retirement_then_refused() {
+        let k = keys();
+        let vk = k.receipt.verifying_key().to_bytes();
+        assert!(k.get(5).is_some());
+        k.rotate(Duration::from_millis(200));
+        let set = KeySet::verify(&k.signed(), &vk).unwrap();
+        assert_eq!(set.keys.len(), 2);
+        let new_id = set.keys[0].0.key_id;
+        assert_ne!(new_id, 5);
+        assert_eq!(set.keys[0].1, None, "the new key has no retirement");
+        assert_eq!(set.keys[1].0.key_id, 5);
+        assert!(
+            set.keys[1].1.is_some(),
+            "the old key's retirement is published"
+        );
+        assert!(k.get(5).is_some() && k.get(new_id).is_some(), "overlap");
+        std::thread::sleep(Duration::from_millis(250));
+        assert!(k.get(5).is_none(), "retired");
+        k.retire_due();
+        let set = KeySet::verify(&k.signed(), &vk).unwrap();
+        assert_eq!(
+            set.configs().iter().map(|c| c.key_id).collect::<Vec<_>>(),
+            [new_id]
+        );
     }
 }

@@ -8,7 +8,7 @@ use enclave_stage::compute::Compute;
 use enclave_stage::engine::{Engine, StageSpec};
 use enclave_stage::generation::compute::{GenLimits, Generator};
 use enclave_stage::generation::model::GenModel;
-use enclave_stage::keys::StageKeys;
+use enclave_stage::keys::{Rotation, StageKeys};
 use enclave_stage::llama::WeightFormat;
 use enclave_stage::provider::{self, AttestationKind};
 use enclave_stage::role;
@@ -19,6 +19,7 @@ use proto::policy::Policy;
 use proto::transport::{Endpoint, Listener};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -89,6 +90,14 @@ struct Args {
     /// stage never outlives it).
     #[arg(long)]
     exit_with_stdin: bool,
+    /// Entry stage: make a new HPKE key every this many seconds (0: never).
+    /// Each new key set is signed with the attested receipt key and sent to
+    /// the gateway, which publishes it.
+    #[arg(long, default_value_t = 0)]
+    hpke_rotate_secs: u64,
+    /// Entry stage: how long a replaced HPKE key is still accepted.
+    #[arg(long, default_value_t = 3600)]
+    hpke_overlap_secs: u64,
 }
 
 /// The model this stage loaded, by the manifest's architecture.
@@ -162,13 +171,20 @@ fn main() -> Result<()> {
         Loaded::Embedding(e) => &mut e.claims,
         Loaded::Generation(g) => &mut g.claims,
     };
-    let keys = Arc::new(StageKeys::generate(claims, provider.as_ref())?);
+    let rotation = (args.hpke_rotate_secs > 0).then(|| Rotation {
+        every: Duration::from_secs(args.hpke_rotate_secs),
+        overlap: Duration::from_secs(args.hpke_overlap_secs),
+    });
+    let keys = Arc::new(StageKeys::generate(claims, provider.as_ref(), rotation)?);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()?;
     let served = rt.block_on(async move {
+        if let Some(hpke) = &keys.hpke {
+            tokio::spawn(hpke.clone().run());
+        }
         let (work_tx, work_rx) = std::sync::mpsc::channel();
         let (out_tx, out_rx) = tokio::sync::mpsc::channel(8);
         let model = match loaded {

@@ -334,6 +334,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let pipeline = pipelines[0].clone();
     let completions = pipelines.get(1).cloned();
     let shutdown = shutdown::Shutdown::new(Duration::from_secs(cfg.server.shutdown_grace_secs));
+    let gateway_key = std::sync::Arc::new(api::GatewayKey::rotating(cfg.keys.rotation()));
+    tokio::spawn(gateway_key.clone().run());
     let state = api::AppState {
         pipeline: pipeline.clone(),
         completions,
@@ -343,7 +345,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             routes: std::sync::Arc::new(routes),
         },
         receipts: std::sync::Arc::new(receipts::ReceiptStore::new(cfg.server.receipt_retention)),
-        gateway_key: std::sync::Arc::new(api::GatewayKey::generate()),
+        gateway_key,
         auth: std::sync::Arc::new(api_keys),
         metrics,
         shutdown: shutdown.clone(),

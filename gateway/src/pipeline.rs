@@ -22,7 +22,7 @@ use proto::frames::{
 use proto::manifest::LoadedManifest;
 use proto::openai::ApiEndpoint;
 use proto::policy::Policy;
-use proto::receipt::{ReceiptId, Sealing};
+use proto::receipt::{KeySet, ReceiptId, Sealing};
 use proto::sealing::{KeyConfig, SealedHeaders};
 use proto::transport::{self, Endpoint};
 use std::collections::HashMap;
@@ -139,7 +139,17 @@ struct Connected {
     readers: Vec<tokio::task::AbortHandle>,
     stages: Vec<StageStatus>,
     entry_keys: Vec<KeyConfig>,
+    /// The entry stage's signed HPKE key set, if it sent one.
+    key_set: Option<Vec<u8>>,
     epoch: u64,
+}
+
+/// The keys of a signed key set, checked against the entry stage's
+/// attested receipt key.
+fn entry_keys_of(set: &[u8], claims: &StageClaims) -> Result<Vec<KeyConfig>, String> {
+    KeySet::verify(set, &claims.receipt_key)
+        .map(|s| s.configs())
+        .map_err(|e| format!("its signed HPKE key set: {e}"))
 }
 
 type AttestWaiters = HashMap<(usize, Vec<u8>), Vec<oneshot::Sender<Evidence>>>;
@@ -320,6 +330,7 @@ impl Pipeline {
         let mut channels: Vec<Option<(ChannelSender, ChannelReceiver)>> =
             (0..n).map(|_| None).collect();
         let mut stages = Vec::new();
+        let mut entry_key_set = None;
         // Exit stage first, so that each stage's next hop is already configured.
         for i in (0..n).rev() {
             let t = &targets[i];
@@ -342,7 +353,15 @@ impl Pipeline {
                 .await
                 .map_err(|e| ConnectError::unreachable(format!("stage {i}: {e}")))?;
             let boot = match rx.recv_msg::<StageReply>().await {
-                Ok(Some(StageReply::Configured { boot_evidence })) => boot_evidence,
+                Ok(Some(StageReply::Configured {
+                    boot_evidence,
+                    key_set,
+                })) => {
+                    if i == 0 {
+                        entry_key_set = key_set.map(serde_bytes::ByteBuf::into_vec);
+                    }
+                    boot_evidence
+                }
                 Ok(Some(StageReply::ConfigureFailed(why))) => {
                     return Err(ConnectError {
                         rejected: why.contains("not accepted"),
@@ -382,11 +401,14 @@ impl Pipeline {
             channels[i] = Some((tx, rx));
         }
         stages.reverse();
-        let entry_keys =
-            KeyConfig::decode_list(&stages[0].claims.hpke_keys).map_err(|e| ConnectError {
-                rejected: true,
-                reason: format!("stage 0: its HPKE key configuration is unusable: {e}"),
-            })?;
+        let entry_keys = match &entry_key_set {
+            Some(set) => entry_keys_of(set, &stages[0].claims),
+            None => KeyConfig::decode_list(&stages[0].claims.hpke_keys).map_err(|e| e.to_string()),
+        }
+        .map_err(|e| ConnectError {
+            rejected: true,
+            reason: format!("stage 0: its HPKE key configuration is unusable: {e}"),
+        })?;
         if entry_keys.is_empty() {
             return Err(ConnectError {
                 rejected: true,
@@ -408,9 +430,34 @@ impl Pipeline {
             readers,
             stages,
             entry_keys,
+            key_set: entry_key_set,
             epoch,
         });
         Ok(())
+    }
+
+    /// The entry stage rotated its HPKE key: publish its new signed set.
+    /// A set its attested receipt key did not sign breaks the pipeline.
+    fn on_key_set(&self, epoch: u64, set: Vec<u8>) -> Result<(), String> {
+        let mut connected = self.connected.lock().unwrap();
+        let Some(c) = connected.as_mut().filter(|c| c.epoch == epoch) else {
+            return Ok(());
+        };
+        c.entry_keys = entry_keys_of(&set, &c.stages[0].claims)?;
+        c.key_set = Some(set);
+        tracing::info!(
+            model = %self.model_id,
+            keys = ?c.entry_keys.iter().map(|k| k.key_id).collect::<Vec<_>>(),
+            "entry stage rotated its HPKE key"
+        );
+        Ok(())
+    }
+
+    /// The entry stage's HPKE keys as it last signed them, once it rotated
+    /// (served in the evidence bundle).
+    pub fn key_set(&self) -> Option<Vec<u8>> {
+        let connected = self.connected.lock().unwrap();
+        connected.as_ref().and_then(|c| c.key_set.clone())
     }
 
     fn check_stage(
@@ -461,6 +508,11 @@ impl Pipeline {
                     let waiters = self.stats_waiters.lock().unwrap().remove(&index);
                     for w in waiters.into_iter().flatten() {
                         let _ = w.send(stats.clone());
+                    }
+                }
+                Ok(Some(StageReply::KeySet(set))) if index == 0 => {
+                    if let Err(why) = self.on_key_set(epoch, set.into_vec()) {
+                        break format!("stage 0: {why}");
                     }
                 }
                 Ok(Some(StageReply::DownstreamLost(why))) => {

@@ -10,7 +10,7 @@ use crate::attestation::{
 use crate::digest::Sha256Digest;
 use crate::frames::StageClaims;
 use crate::policy::Policy;
-use crate::receipt::StageKeys;
+use crate::receipt::{KeySet, StageKeys};
 use crate::sealing::KeyConfig;
 use serde::{Deserialize, Serialize};
 
@@ -25,6 +25,10 @@ pub struct StageEvidence {
     pub boot_evidence: Evidence,
     /// Fresh evidence bound to the bundle's nonce.
     pub evidence: Evidence,
+    /// The entry stage's HPKE keys, signed with its receipt key
+    /// ([`KeySet`]), once it has rotated the key its claims carry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_set: Option<serde_bytes::ByteBuf>,
 }
 
 /// What `GET /v1/attestation` returns (CBOR; JSON for people).
@@ -171,27 +175,48 @@ impl EvidenceBundle {
                 }
             }
         }
-        let entry_keys = self
-            .stages
-            .first()
-            .map(|s| KeyConfig::decode_list(&s.claims.hpke_keys))
-            .transpose()
-            .map_err(|e| e.to_string())
-            .and_then(|k| {
-                k.filter(|k| !k.is_empty())
-                    .ok_or_else(|| "the entry stage publishes no HPKE key".to_string())
-            });
+        // The entry stage's keys: its signed key set when it rotated since
+        // its evidence (signed with the receipt key that evidence binds),
+        // else the key its claims carry.
+        let entry_keys = match self.stages.first() {
+            None => Err("the bundle has no stages".to_string()),
+            Some(s) => match &s.key_set {
+                Some(signed) => KeySet::verify(signed, &s.claims.receipt_key)
+                    .map(|set| {
+                        let detail = format!(
+                            "{} key(s), signed at {} by stage 0's attested receipt key",
+                            set.keys.len(),
+                            set.issued_at
+                        );
+                        (set.configs(), detail)
+                    })
+                    .map_err(|e| format!("stage 0's signed HPKE key set: {e}")),
+                None => KeyConfig::decode_list(&s.claims.hpke_keys)
+                    .map(|k| {
+                        let detail = format!("{} key(s), bound in stage 0's evidence", k.len());
+                        (k, detail)
+                    })
+                    .map_err(|e| e.to_string()),
+            }
+            .and_then(|(k, detail)| {
+                if k.is_empty() {
+                    Err("the entry stage publishes no HPKE key".to_string())
+                } else {
+                    Ok((k, detail))
+                }
+            }),
+        };
         all &= check(
             &mut lines,
             "entry HPKE key".into(),
             entry_keys
                 .as_ref()
-                .map(|k| format!("{} key(s), bound in stage 0's evidence", k.len()))
+                .map(|(_, detail)| detail.clone())
                 .map_err(|e| e.clone()),
         );
         let verified = (all).then(|| VerifiedBundle {
             stage_keys: keys,
-            entry_keys: entry_keys.unwrap_or_default(),
+            entry_keys: entry_keys.map(|(k, _)| k).unwrap_or_default(),
             manifest_digest,
             mock,
             measurements,
@@ -296,7 +321,7 @@ mod tests {
             layer_end: 6,
             model_id: "m".into(),
             manifest_sha256: Sha256Digest::of(MANIFEST),
-            receipt_key: [7; 32],
+            receipt_key: receipt_signer().verifying_key().to_bytes(),
             hpke_keys: KeyConfig::encode_list(&[
                 crate::sealing::ServerKey::derive(1, b"k").config()
             ]),
@@ -331,6 +356,7 @@ mod tests {
                 evidence: make(&p, &c, b"nonce"),
                 boot_evidence: boot(&p, &c),
                 claims: c,
+                key_set: None,
             }],
         };
         (b, policy)
@@ -386,6 +412,39 @@ mod tests {
         assert!(ok.is_some(), "{lines:?}");
         assert!(
             lines.iter().any(|l| l.ok && l.detail.contains("LEGACY")),
+            "{lines:?}"
+        );
+    }
+
+    fn receipt_signer() -> ed25519_dalek::SigningKey {
+        ed25519_dalek::SigningKey::from_bytes(&[7; 32])
+    }
+
+    /// After a rotation the entry keys come from the set the entry stage
+    /// signed with its attested receipt key; a set signed by any other key
+    /// fails the bundle.
+    #[test]
+    fn a_rotated_key_set_signed_by_the_entry_stage_replaces_its_claimed_key() {
+        let (mut b, policy) = bundle(purposed(EvidencePurpose::Attestation), boot);
+        let rotated = crate::sealing::ServerKey::derive(42, b"rotated").config();
+        let set = KeySet {
+            issued_at: 1_700_000_000,
+            keys: vec![(rotated.clone(), None)],
+        };
+        b.stages[0].key_set = Some(serde_bytes::ByteBuf::from(set.sign(&receipt_signer())));
+        let (lines, ok) = b.verify(&policy, b"nonce");
+        assert_eq!(ok.expect("verifies").entry_keys, vec![rotated], "{lines:?}");
+        assert!(lines
+            .iter()
+            .any(|l| l.detail.contains("signed at 1700000000")));
+        let forged = set.sign(&ed25519_dalek::SigningKey::from_bytes(&[8; 32]));
+        b.stages[0].key_set = Some(serde_bytes::ByteBuf::from(forged));
+        let (lines, ok) = b.verify(&policy, b"nonce");
+        assert!(ok.is_none());
+        assert!(
+            lines
+                .iter()
+                .any(|l| !l.ok && l.detail.contains("signed HPKE key set")),
             "{lines:?}"
         );
     }

@@ -197,7 +197,14 @@ pub enum StageReply {
     Configured {
         /// The boot evidence.
         boot_evidence: Evidence,
+        /// The entry stage's current HPKE keys signed with its receipt key
+        /// ([`crate::receipt::KeySet`]); `None` elsewhere.
+        #[serde(default)]
+        key_set: Option<serde_bytes::ByteBuf>,
     },
+    /// The entry stage rotated its HPKE key: its new signed key set, sent
+    /// on the host channel unasked.
+    KeySet(serde_bytes::ByteBuf),
     /// Configuration failed; the reason names the peer and check.
     ConfigureFailed(String),
     /// The stage's load counters.

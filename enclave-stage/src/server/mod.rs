@@ -359,6 +359,9 @@ impl StageServer {
         // Set once this channel configured the stage: only then may it
         // send requests and cancellations.
         let mut my_epoch: Option<u64> = None;
+        // The entry stage's rotated key sets, sent to the host that
+        // configured it as they change.
+        let mut key_pusher: Option<tokio::task::JoinHandle<()>> = None;
         loop {
             let msg = match rx.recv_msg::<HostMessage>().await {
                 Ok(Some(m)) => m,
@@ -377,8 +380,18 @@ impl StageServer {
                     match configured {
                         Ok(()) => {
                             my_epoch = Some(self.current_epoch());
+                            if let Some(hpke) = &self.keys.hpke {
+                                if key_pusher.is_none() {
+                                    key_pusher = Some(push_key_sets(hpke.subscribe(), tx.clone()));
+                                }
+                            }
                             Some(StageReply::Configured {
                                 boot_evidence: self.keys.boot_evidence.clone(),
+                                key_set: self
+                                    .keys
+                                    .hpke
+                                    .as_ref()
+                                    .map(|k| serde_bytes::ByteBuf::from(k.signed())),
                             })
                         }
                         Err(e) => {
@@ -435,6 +448,9 @@ impl StageServer {
                     break;
                 }
             }
+        }
+        if let Some(p) = key_pusher {
+            p.abort();
         }
         let owned = {
             let mut owner = self.owner.lock().unwrap();
@@ -670,4 +686,27 @@ async fn off_runtime_if_large<T: Send + 'static>(
             .await
             .map_err(|e| format!("tokenizer task failed: {e}"))?
     }
+}
+
+/// Sends every new signed HPKE key set to the host on `tx`, until the host
+/// channel fails or the task is aborted.
+fn push_key_sets(
+    mut sets: tokio::sync::watch::Receiver<Vec<u8>>,
+    tx: SharedSender,
+) -> tokio::task::JoinHandle<()> {
+    sets.mark_unchanged();
+    tokio::spawn(async move {
+        while sets.changed().await.is_ok() {
+            let set = serde_bytes::ByteBuf::from(sets.borrow_and_update().clone());
+            if tx
+                .lock()
+                .await
+                .send_msg(&StageReply::KeySet(set))
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+    })
 }

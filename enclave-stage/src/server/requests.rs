@@ -232,7 +232,7 @@ impl StageServer {
             .keys
             .hpke
             .as_ref()
-            .filter(|k| k.key_id() == req.headers.key_id)
+            .and_then(|k| k.get(req.headers.key_id))
             .ok_or_else(|| {
                 sealing_error(
                     400,
@@ -242,7 +242,7 @@ impl StageServer {
                     ),
                 )
             })?;
-        let (plaintext, material) = open_request(key, &req.headers, &req.body)
+        let (plaintext, material) = open_request(&key, &req.headers, &req.body)
             .map_err(|e| sealing_error(400, format!("the sealed request cannot be opened: {e}")))?;
         // Only an authenticated body counts against the replay window.
         let mut guards = self.replay.lock().expect("replay guard lock");

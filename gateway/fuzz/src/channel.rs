@@ -34,10 +34,15 @@ pub fn claims() -> StageClaims {
         layer_end: 3,
         model_id: "all-MiniLM-L6-v2".into(),
         manifest_sha256: Sha256Digest::of(b"manifest"),
-        receipt_key: [7; 32],
+        receipt_key: receipt_signer().verifying_key().to_bytes(),
         hpke_keys: proto::sealing::KeyConfig::encode_list(&[crate::sealing::server_key().config()]),
         weights: None,
     }
+}
+
+/// The stage's receipt-signing key (it signs the seed bundle's key set).
+pub fn receipt_signer() -> ed25519_dalek::SigningKey {
+    ed25519_dalek::SigningKey::from_bytes(&[7; 32])
 }
 
 /// The stage's (mock) measurement.

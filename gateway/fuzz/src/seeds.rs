@@ -13,8 +13,8 @@ use proto::frames::{
     ActivationBatch, ActivationMessage, BatchItem, FeedbackMessage, HostMessage, NextToken,
     SealedRequest, StageReply,
 };
-use proto::receipt::ReceiptTrailer;
-use proto::sealing::{Aead, ResponseSealer, SealLimits};
+use proto::receipt::{KeySet, ReceiptTrailer};
+use proto::sealing::{Aead, ResponseSealer, SealLimits, ServerKey};
 use proto::tensor::TensorFrame;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -269,6 +269,19 @@ fn evidence_seeds() -> Vec<(u8, Vec<u8>)> {
             claims: claims.clone(),
             boot_evidence: boot.clone(),
             evidence: attest(EvidencePurpose::Attestation, evidence::NONCE),
+            key_set: Some(serde_bytes::ByteBuf::from(
+                KeySet {
+                    issued_at: 1_700_000_000,
+                    keys: vec![
+                        (sealing::server_key().config(), None),
+                        (
+                            ServerKey::derive(2, b"retiring").config(),
+                            Some(1_700_000_060),
+                        ),
+                    ],
+                }
+                .sign(&channel::receipt_signer()),
+            )),
         }],
     };
     let mut out = vec![

@@ -119,12 +119,12 @@ pub(super) async fn hpke_keys(
             Err(reason) => return ApiError::not_ready(&reason).into_response(),
         }
     }
-    keys.push(s.gateway_key.config());
+    keys.extend(s.gateway_key.configs());
     if q.get("format").map(String::as_str) == Some("json") {
         let list: Vec<_> = keys
             .iter()
             .map(|k| {
-                let gateway = k.key_id == s.gateway_key.key_id();
+                let gateway = super::GatewayKey::owns(k.key_id);
                 json!({
                     "key_id": k.key_id,
                     "public_key": hex::encode(k.public_key),
@@ -191,12 +191,14 @@ pub(super) async fn attestation(
     let made = slot
         .get_or_try_init(|| async {
             let stages = pipeline.attest(&nonce, wait).await?;
+            let key_set = pipeline.key_set().map(serde_bytes::ByteBuf::from);
             Ok::<_, Failure>(Arc::new(EvidenceBundle {
                 nonce: nonce.clone(),
                 manifest: pipeline.manifest_bytes.clone(),
                 stages: stages
                     .into_iter()
                     .map(|(st, evidence)| StageEvidence {
+                        key_set: (st.index == 0).then(|| key_set.clone()).flatten(),
                         index: st.index,
                         claims: st.claims,
                         boot_evidence: st.boot_evidence,

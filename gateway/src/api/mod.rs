@@ -97,33 +97,94 @@ impl AppState {
     }
 }
 
-/// Key id of the gateway-held HPKE key.
-pub const GATEWAY_HPKE_KEY_ID: u8 = 0x80;
+/// Key ids of the gateway-held HPKE keys (enclave-held keys use the lower half).
+pub const GATEWAY_HPKE_KEY_IDS: std::ops::RangeInclusive<u8> = 0x80..=0xff;
 
-/// The gateway's own HPKE key: clients that seal to it trust the host with
-/// their plaintext (the receipt records `sealing = gateway`).
+/// The gateway's own HPKE keys: clients that seal to one trust the host with
+/// their plaintext (the receipt records `sealing = gateway`). With `[keys]
+/// rotate_secs` a new key replaces the current one on schedule, and the
+/// replaced one is accepted `overlap_secs` longer.
 pub struct GatewayKey {
-    key: ServerKey,
+    /// The keys accepted, current first, each with when it retires.
+    keys: std::sync::RwLock<Vec<(ServerKey, Option<Instant>)>>,
+    rotation: Option<(Duration, Duration)>,
     replay: std::sync::Mutex<ReplayGuard>,
 }
 
 impl GatewayKey {
-    /// A fresh key.
+    /// A fresh key that never rotates.
     pub fn generate() -> Self {
+        Self::rotating(None)
+    }
+
+    /// A fresh key, replaced every `rotation.0` and overlapping its
+    /// successor by `rotation.1` (see [`GatewayKey::run`]).
+    pub fn rotating(rotation: Option<(Duration, Duration)>) -> Self {
         Self {
-            key: ServerKey::generate(GATEWAY_HPKE_KEY_ID),
+            keys: std::sync::RwLock::new(vec![(
+                ServerKey::generate(*GATEWAY_HPKE_KEY_IDS.start()),
+                None,
+            )]),
+            rotation,
             replay: std::sync::Mutex::new(ReplayGuard::new(Duration::from_secs(600), 1 << 20)),
         }
     }
 
-    /// Its key id.
+    /// The current key's id.
     pub fn key_id(&self) -> u8 {
-        self.key.key_id()
+        self.keys.read().unwrap()[0].0.key_id()
     }
 
-    /// Its configuration.
-    pub fn config(&self) -> KeyConfig {
-        self.key.config()
+    /// Whether `key_id` is one of the gateway's key ids (current, retiring
+    /// or retired: all are answered by the gateway, never relayed).
+    pub fn owns(key_id: u8) -> bool {
+        GATEWAY_HPKE_KEY_IDS.contains(&key_id)
+    }
+
+    /// The configurations of the keys accepted now, current first.
+    pub fn configs(&self) -> Vec<KeyConfig> {
+        let now = Instant::now();
+        let keys = self.keys.read().unwrap();
+        keys.iter()
+            .filter(|(_, retires)| retires.is_none_or(|at| at > now))
+            .map(|(k, _)| k.config())
+            .collect()
+    }
+
+    /// Makes a new current key (the next id in the gateway's range) and
+    /// retires the one it replaces after `overlap`.
+    pub fn rotate(&self, overlap: Duration) {
+        let now = Instant::now();
+        let mut keys = self.keys.write().unwrap();
+        keys.retain(|(_, retires)| retires.is_none_or(|at| at > now));
+        let mut id = keys[0].0.key_id();
+        loop {
+            id = if id == *GATEWAY_HPKE_KEY_IDS.end() {
+                *GATEWAY_HPKE_KEY_IDS.start()
+            } else {
+                id + 1
+            };
+            if keys.iter().all(|(k, _)| k.key_id() != id) {
+                break;
+            }
+        }
+        for (_, retires) in keys.iter_mut().filter(|(_, r)| r.is_none()) {
+            *retires = Some(now + overlap);
+        }
+        keys.insert(0, (ServerKey::generate(id), None));
+        tracing::info!(key_id = id, "gateway HPKE key rotated");
+    }
+
+    /// Rotates on the schedule, forever (returns at once without one).
+    pub async fn run(self: Arc<Self>) {
+        let Some((every, overlap)) = self.rotation else {
+            return;
+        };
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            tick.tick().await;
+            self.rotate(overlap);
+        }
     }
 
     fn open(
@@ -131,14 +192,22 @@ impl GatewayKey {
         sealed: &SealedHeaders,
         body: &[u8],
     ) -> Result<(Vec<u8>, proto::sealing::ResponseKeyMaterial), ApiError> {
-        let (plaintext, material) = open_request(&self.key, sealed, body).map_err(|e| {
+        let now = Instant::now();
+        let key = self
+            .keys
+            .read()
+            .unwrap()
+            .iter()
+            .find(|(k, retires)| k.key_id() == sealed.key_id && retires.is_none_or(|at| at > now))
+            .map(|(k, _)| k.clone())
+            .ok_or_else(|| ApiError::unknown_key(sealed.key_id))?;
+        let (plaintext, material) = open_request(&key, sealed, body).map_err(|e| {
             ApiError::invalid(
                 Some(HEADER_KEY_ID),
                 format!("the sealed request cannot be opened: {e}"),
             )
         })?;
         let mut guard = self.replay.lock().unwrap();
-        let now = Instant::now();
         guard
             .check_and_insert(&sealed.enc, now)
             .map_err(|e| match e {

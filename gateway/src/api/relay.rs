@@ -138,7 +138,7 @@ pub(super) async fn relay_inner(
             headers.get(name).and_then(|v| v.to_str().ok())
         })
         .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("Bad sealing headers: {e}")))?;
-        if sealed.key_id == s.gateway_key.key_id() {
+        if GatewayKey::owns(sealed.key_id) {
             s.metrics.sealing(Sealing::Gateway);
             return via_gateway_key(s, pipeline, endpoint, &keys, &sealed, &bytes, nonce).await;
         }

@@ -100,6 +100,12 @@ impl GatewayConfig {
         }
         self.check_listen()?;
         self.telemetry.validate(&k)?;
+        if self.keys.rotate_secs > 0 && self.keys.overlap_secs == 0 {
+            bail!(
+                "{}: must be at least 1 when keys rotate (requests sealed to the old key need time to arrive)",
+                k("keys.overlap_secs")
+            );
+        }
         if self.server.max_inputs == 0 {
             bail!("{}: must be at least 1", k("server.max_inputs"));
         }
@@ -212,7 +218,10 @@ impl GatewayConfig {
                 p.token_budget.to_string(),
                 "--max-inputs".into(),
                 self.server.max_inputs.to_string(),
-            ],
+            ]
+            .into_iter()
+            .chain(self.keys.stage_args())
+            .collect(),
             threads: p.threads_per_stage,
         }];
         if let Some(c) = &self.completions {
@@ -232,7 +241,10 @@ impl GatewayConfig {
                     c.step_tokens.to_string(),
                     "--weights".into(),
                     c.weights.to_string(),
-                ],
+                ]
+                .into_iter()
+                .chain(self.keys.stage_args())
+                .collect(),
                 threads: c.threads_per_stage.unwrap_or(p.threads_per_stage),
             });
         }

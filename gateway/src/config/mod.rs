@@ -16,6 +16,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 mod env;
 mod load;
@@ -50,6 +51,65 @@ pub struct GatewayConfig {
     /// OpenTelemetry traces (off unless `otlp_endpoint` is set).
     #[serde(default)]
     pub telemetry: crate::telemetry::TelemetryConfig,
+    /// HPKE key rotation (off by default).
+    #[serde(default)]
+    pub keys: KeysConfig,
+}
+
+/// `[keys]`: rotation of the HPKE keys clients seal to: the gateway-held
+/// key, and the entry stages' enclave-held keys of locally launched stages
+/// (remote stages take `--hpke-rotate-secs` themselves). A new key is
+/// published (the entry stage's signed with its attested receipt key)
+/// when it is made; the key it replaces is accepted `overlap_secs` longer,
+/// then requests sealed to it get `hpke_key_unknown`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeysConfig {
+    /// Seconds between new keys; 0 (the default): keys last as long as
+    /// their process.
+    #[serde(default)]
+    pub rotate_secs: u64,
+    /// Seconds a replaced key is still accepted.
+    #[serde(default = "default_overlap_secs")]
+    pub overlap_secs: u64,
+}
+
+fn default_overlap_secs() -> u64 {
+    3600
+}
+
+impl Default for KeysConfig {
+    fn default() -> Self {
+        Self {
+            rotate_secs: 0,
+            overlap_secs: default_overlap_secs(),
+        }
+    }
+}
+
+impl KeysConfig {
+    /// The schedule, if keys rotate: (every, overlap).
+    pub fn rotation(&self) -> Option<(Duration, Duration)> {
+        (self.rotate_secs > 0).then(|| {
+            (
+                Duration::from_secs(self.rotate_secs),
+                Duration::from_secs(self.overlap_secs),
+            )
+        })
+    }
+
+    /// The stage arguments that carry the schedule to locally launched stages.
+    pub fn stage_args(&self) -> Vec<String> {
+        if self.rotate_secs == 0 {
+            return Vec::new();
+        }
+        vec![
+            "--hpke-rotate-secs".into(),
+            self.rotate_secs.to_string(),
+            "--hpke-overlap-secs".into(),
+            self.overlap_secs.to_string(),
+        ]
+    }
 }
 
 /// `[completions]`: a second pipeline of stages serving a Llama model for

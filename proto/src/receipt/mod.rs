@@ -42,6 +42,7 @@ use std::fmt;
 mod canonical;
 mod error;
 mod format;
+mod key_set;
 mod salt;
 mod sign;
 #[cfg(test)]
@@ -51,6 +52,7 @@ mod verify;
 pub use canonical::*;
 pub use error::*;
 pub use format::*;
+pub use key_set::*;
 pub use salt::*;
 pub use sign::*;
 pub use verify::*;
