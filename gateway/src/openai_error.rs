@@ -175,6 +175,18 @@ impl ApiError {
         Self::new(status, kind, message)
     }
 
+    /// A stage's refusal of a request, in OpenAI's shape (an unknown key
+    /// keeps its `hpke_key_unknown` code, which clients act on).
+    pub fn from_pipeline(e: proto::frames::PipelineError) -> Self {
+        let unknown_key = e.kind == proto::frames::ErrorKind::UnknownKey;
+        let mut api = Self::from_stage(e.status, e.message);
+        if unknown_key {
+            api.param = Some("hpke-key-id");
+            api.code = Some("hpke_key_unknown");
+        }
+        api
+    }
+
     /// 500 for a failure inside the pipeline.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)

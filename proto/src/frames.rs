@@ -45,8 +45,11 @@ pub struct PipelineError {
 pub enum ErrorKind {
     /// The request's input is unusable (4xx).
     BadInput,
-    /// The sealed body could not be opened or its key is unknown (4xx).
+    /// The sealed body could not be opened (4xx).
     Sealing,
+    /// The body is sealed to a key id the entry stage does not accept (any
+    /// more): the client should fetch the current keys and seal again.
+    UnknownKey,
     /// The stage failed on this request (500).
     Internal,
 }

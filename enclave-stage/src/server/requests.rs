@@ -233,8 +233,9 @@ impl StageServer {
             .hpke
             .as_ref()
             .and_then(|k| k.get(req.headers.key_id))
-            .ok_or_else(|| {
-                sealing_error(
+            .ok_or_else(|| PipelineError {
+                kind: ErrorKind::UnknownKey,
+                ..sealing_error(
                     400,
                     format!(
                         "{}; fetch the current keys from /.well-known/hpke-keys",

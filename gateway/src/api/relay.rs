@@ -180,11 +180,11 @@ pub(super) async fn relay_inner(
                 attach_receipt(s, &mut r, receipt_id, kept);
                 r
             }
-            Reply::Failed(e) => {
+            Reply::Failed(mut e) => {
                 let retry = e.retry_after_secs;
-                let mut r = match e.sealed_body {
+                let mut r = match e.sealed_body.take() {
                     Some(body) => sealed_response(e.status, body),
-                    None => ApiError::from_stage(e.status, e.message).into_response(),
+                    None => ApiError::from_pipeline(e).into_response(),
                 };
                 set_retry_after(&mut r, retry);
                 r
@@ -308,12 +308,12 @@ pub(super) async fn seal_to_entry(
                 retry_after: None,
             }
         }
-        Reply::Failed(e) => {
+        Reply::Failed(mut e) => {
             let retry_after = e.retry_after_secs;
-            let (status, body) = match e.sealed_body {
+            let (status, body) = match e.sealed_body.take() {
                 Some(body) => (e.status, open(&body)?),
                 None => {
-                    let api = ApiError::from_stage(e.status, e.message);
+                    let api = ApiError::from_pipeline(e);
                     (api.status.as_u16(), api.body_bytes())
                 }
             };

@@ -296,3 +296,37 @@ fn env_override_turns_tracing_on_and_errors_name_it() {
     let cfg = GatewayConfig::load_with_env(&shipped, []).unwrap();
     assert!(cfg.telemetry.otlp_endpoint.is_none());
 }
+
+#[test]
+fn key_rotation_reaches_local_stages_and_needs_an_overlap() {
+    let cfg = GatewayConfig::parse(&shipped(), env(&[])).unwrap();
+    assert_eq!(cfg.keys.rotation(), None, "off by default");
+    assert!(cfg
+        .pipelines()
+        .iter()
+        .all(|p| !p.stage_args.contains(&"--hpke-rotate-secs".to_string())));
+    let text = format!(
+        "{}\n[keys]\nrotate_secs = 86400\noverlap_secs = 600\n",
+        shipped()
+    );
+    let cfg = GatewayConfig::parse(&text, env(&[])).unwrap();
+    assert_eq!(
+        cfg.keys.rotation(),
+        Some((Duration::from_secs(86400), Duration::from_secs(600)))
+    );
+    for p in cfg.pipelines() {
+        let at = p
+            .stage_args
+            .iter()
+            .position(|a| a == "--hpke-rotate-secs")
+            .unwrap();
+        assert_eq!(p.stage_args[at + 1], "86400");
+        assert_eq!(p.stage_args[at + 3], "600");
+    }
+    let text = format!(
+        "{}\n[keys]\nrotate_secs = 60\noverlap_secs = 0\n",
+        shipped()
+    );
+    let e = format!("{:#}", GatewayConfig::parse(&text, env(&[])).unwrap_err());
+    assert!(e.contains("keys.overlap_secs"), "{e}");
+}
