@@ -11,7 +11,8 @@
 # logs to target/fuzz/logs/. Environment:
 #   FUZZ_JOBS=N    targets run N at a time (default 1; this machine has 2 cores)
 #   FUZZ_MERGE=1   afterwards, add the inputs that reach new coverage to the
-#                  committed corpus (libFuzzer -merge=1)
+#                  committed corpus (libFuzzer -set_cover_merge=1: the fewest
+#                  inputs that keep the coverage)
 #   FUZZ_REPORT=1  afterwards, write benchmark_results/fuzz.{json,md}
 # Exits 1 if any target crashed, hung or ran out of memory.
 # `cargo test -p fuzz` replays the seeds and the committed corpus without a
@@ -37,6 +38,9 @@ fi
 
 echo "fuzz: building ${#TARGETS[@]} targets (instrumented, release with debug assertions)"
 cargo fuzz build "${FUZZ_ARGS[@]}"
+# The targets run from these binaries, not through `cargo fuzz run`, which
+# would rebuild from whatever the working tree holds by then.
+BIN="target/$(rustc -vV | sed -n 's/^host: //p')/release"
 rm -rf "$WORK/seeds" "$WORK/logs"
 mkdir -p "$WORK/logs"
 cargo run --quiet --release -p fuzz --example fuzz_seeds -- "$WORK/seeds"
@@ -45,7 +49,7 @@ run_one() {
   local t="$1"
   mkdir -p "$WORK/corpus/$t" "$WORK/artifacts/$t" "$FUZZ_DIR/corpus/$t"
   local rc=0
-  cargo fuzz run "${FUZZ_ARGS[@]}" "$t" "$WORK/corpus/$t" "$FUZZ_DIR/corpus/$t" "$WORK/seeds/$t" -- \
+  "$BIN/$t" "$WORK/corpus/$t" "$FUZZ_DIR/corpus/$t" "$WORK/seeds/$t" \
     -max_total_time="$SECONDS_PER_TARGET" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1024 \
     -max_len=65536 -print_final_stats=1 -artifact_prefix="$WORK/artifacts/$t/" \
     >"$WORK/logs/$t.log" 2>&1 || rc=$?
@@ -64,8 +68,8 @@ wait
 if [[ "${FUZZ_MERGE:-}" == 1 ]]; then
   for t in "${TARGETS[@]}"; do
     echo "fuzz: merging new coverage of $t into $FUZZ_DIR/corpus/$t"
-    cargo fuzz run "${FUZZ_ARGS[@]}" "$t" "$FUZZ_DIR/corpus/$t" "$WORK/corpus/$t" "$WORK/seeds/$t" -- \
-      -merge=1 -timeout=10 -rss_limit_mb=2048 -max_len=65536 >"$WORK/logs/$t.merge.log" 2>&1
+    "$BIN/$t" "$FUZZ_DIR/corpus/$t" "$WORK/corpus/$t" "$WORK/seeds/$t" \
+      -set_cover_merge=1 -timeout=10 -rss_limit_mb=2048 -max_len=65536 >"$WORK/logs/$t.merge.log" 2>&1
   done
 fi
 

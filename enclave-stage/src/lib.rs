@@ -11,6 +11,7 @@ pub mod fault;
 pub mod generation;
 pub mod keys;
 pub mod llama;
+pub mod memory;
 pub mod provider;
 pub mod qmatmul;
 pub mod receipt_link;

@@ -181,6 +181,7 @@ fn main() -> Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
+    enclave_stage::memory::trim_periodically(Duration::from_secs(5));
     let served = rt.block_on(async move {
         if let Some(hpke) = &keys.hpke {
             tokio::spawn(hpke.clone().run());
