@@ -136,7 +136,7 @@ pub(super) async fn hpke_keys(
                     "note": if gateway {
                         "held by the untrusted host: it opens your request and re-seals it to the entry stage"
                     } else {
-                        "held by the attested entry stage (stage 0); bound in its evidence at /v1/attestation"
+                        "held by the attested entry stage (stage 0); bound in its evidence at /v1/attestation (a rotated key: signed with the receipt key that evidence binds)"
                     },
                 })
             })
@@ -242,6 +242,7 @@ pub(super) fn bundle_json(b: &EvidenceBundle) -> serde_json::Value {
                 "measurement": doc.as_ref().map(|d| d.measurement.pinned_form()),
                 "receipt_key": hex::encode(s.claims.receipt_key),
                 "hpke_keys": b64(&s.claims.hpke_keys),
+                "key_set": s.key_set.as_ref().map(|k| b64(k)),
                 "boot_evidence_sha256": s.boot_evidence.digest().hex(),
                 "evidence": b64(&s.evidence.document),
                 "boot_evidence": b64(&s.boot_evidence.document),
