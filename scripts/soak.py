@@ -526,15 +526,23 @@ def write_report(a, counts, stats, kills, samples, metrics):
            "the answer or the close.", "", "## Memory and file descriptors", "",
            "RSS (MiB) and open file descriptors per process, every 5 s; stages are named "
            "model:index (a killed stage's replacement continues its row).", "",
-           "| process | RSS at 1 min | RSS max | RSS at end | RSS after clients closed | fds at 1 min | fds max | fds after clients closed |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| process | RSS at 1 min | RSS max | RSS at end | growth over the second half | RSS after clients closed | fds at 1 min | fds max | fds after clients closed |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    half = a.minutes * 30
     for r, pts in series.items():
         if not pts:
             continue
         after = [s[r] for s in samples if s.get("after_clients_closed") and s.get(r)]
         at1 = next((p for p in pts if p[0] >= 60), pts[0])
         end = pts[-2] if len(pts) > 1 and after else pts[-1]
-        md.append(f"| {r} | {at1[1]} | {max(p[1] for p in pts)} | {end[1]} | "
+        # Growth from the middle of the run (or a minute after the process
+        # was last restarted, if later) to its end: flat memory is ~0.
+        restarted = max((k["t_s"] for k in kills if k["stage"] == r), default=0)
+        since = max(half, restarted + 60)
+        base = next((p for p in pts if p[0] >= since), None)
+        growth = (f"{end[1] - base[1]:+.1f} MiB from {base[0]:.0f} s"
+                  if base and base[0] < end[0] else "–")
+        md.append(f"| {r} | {at1[1]} | {max(p[1] for p in pts)} | {end[1]} | {growth} | "
                   f"{after[0]['rss_mib'] if after else '–'} | {at1[2]} | {max(p[2] for p in pts)} | "
                   f"{after[0]['fds'] if after else '–'} |")
     md += ["", "The full series is in `soak.json` (`samples`).", ""]
