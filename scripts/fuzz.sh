@@ -11,8 +11,8 @@
 # logs to target/fuzz/logs/. Environment:
 #   FUZZ_JOBS=N    targets run N at a time (default 1; this machine has 2 cores)
 #   FUZZ_MERGE=1   afterwards, add the inputs that reach new coverage to the
-#                  committed corpus (libFuzzer -set_cover_merge=1: the fewest
-#                  inputs that keep the coverage)
+#                  committed corpus (libFuzzer -set_cover_merge=1 over edges
+#                  only: the fewest inputs that reach every edge reached)
 #   FUZZ_REPORT=1  afterwards, write benchmark_results/fuzz.{json,md}
 # Exits 1 if any target crashed, hung or ran out of memory.
 # `cargo test -p fuzz` replays the seeds and the committed corpus without a
@@ -69,7 +69,7 @@ if [[ "${FUZZ_MERGE:-}" == 1 ]]; then
   for t in "${TARGETS[@]}"; do
     echo "fuzz: merging new coverage of $t into $FUZZ_DIR/corpus/$t"
     "$BIN/$t" "$FUZZ_DIR/corpus/$t" "$WORK/corpus/$t" "$WORK/seeds/$t" \
-      -set_cover_merge=1 -timeout=10 -rss_limit_mb=2048 -max_len=65536 >"$WORK/logs/$t.merge.log" 2>&1
+      -set_cover_merge=1 -use_counters=0 -use_value_profile=0 -timeout=10 -rss_limit_mb=2048 -max_len=65536 >"$WORK/logs/$t.merge.log" 2>&1
   done
 fi
 
