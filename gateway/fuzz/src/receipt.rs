@@ -1,15 +1,15 @@
 //! Target `receipt`: signed receipts and receipt links (COSE_Sign1 over
-//! deterministic CBOR), the sealed response's receipt trailer, and the full
-//! verification a client runs.
+//! deterministic CBOR), the sealed response's receipt trailer, the entry
+//! stage's signed HPKE key sets, and the full verification a client runs.
 //!
 //! Properties: only the genuine receipts of the test vectors verify against
 //! their stage keys (no other bytes, however close, are accepted); a trailer
-//! is accepted only in its one (deterministic) encoding.
+//! and a key set are accepted only in their one (deterministic) encoding.
 
 use proto::digest::Sha256Digest;
 use proto::receipt::{
-    decode_canonical, parse_unverified, verify_receipt, DigestSalt, Link, ReceiptTrailer, SealedTo,
-    StageKeys, VerifyInputs,
+    decode_canonical, parse_unverified, verify_receipt, DigestSalt, KeySet, Link, ReceiptTrailer,
+    SealedTo, StageKeys, VerifyInputs,
 };
 use std::sync::OnceLock;
 
@@ -52,7 +52,7 @@ pub fn run(data: &[u8]) {
     let Some((which, bytes)) = crate::selector(data) else {
         return;
     };
-    match which % 4 {
+    match which % 5 {
         0 => {
             verifies(bytes);
         }
@@ -63,10 +63,16 @@ pub fn run(data: &[u8]) {
         2 => {
             let _ = Link::from_cbor(bytes);
         }
-        _ => {
+        3 => {
             if let Ok(t) = ReceiptTrailer::decode(bytes) {
                 assert_eq!(t.encode(), bytes, "a trailer has one encoding");
             }
+        }
+        _ => {
+            if let Ok(set) = KeySet::from_cbor(bytes) {
+                assert_eq!(set.to_cbor(), bytes, "a key set has one encoding");
+            }
+            let _ = KeySet::verify(bytes, &stage_keys()[0].receipt_key);
         }
     }
 }

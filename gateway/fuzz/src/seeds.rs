@@ -251,6 +251,18 @@ fn receipts() -> Vec<(u8, Vec<u8>)> {
         digest_salt: Some([0x5a; 32]),
     };
     out.push((3, trailer.encode()));
+    let set = KeySet {
+        issued_at: 1_700_000_000,
+        keys: vec![
+            (sealing::server_key().config(), None),
+            (
+                ServerKey::derive(2, b"retiring").config(),
+                Some(1_700_000_060),
+            ),
+        ],
+    };
+    out.push((4, set.to_cbor()));
+    out.push((4, set.sign(&channel::receipt_signer())));
     out
 }
 

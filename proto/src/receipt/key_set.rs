@@ -70,8 +70,17 @@ impl KeySet {
         let mut keys = Vec::with_capacity(items.len());
         for item in items {
             let mut k = Fields::new(item, 2).map_err(bad)?;
-            let config = KeyConfig::decode(&k.bytes(1).map_err(bad)?)
-                .map_err(|e| bad(format!("key configuration: {e}")))?;
+            let raw = k.bytes(1).map_err(bad)?;
+            let config =
+                KeyConfig::decode(&raw).map_err(|e| bad(format!("key configuration: {e}")))?;
+            // Decoding skips suites it does not know; a stage lists only
+            // ones it accepts, so what it signed re-encodes to itself.
+            if config.encode() != raw {
+                return Err(bad(format!(
+                    "key {} lists suites this verifier does not know",
+                    config.key_id
+                )));
+            }
             let retires = k.uint(2).map_err(bad)?;
             if keys
                 .iter()
@@ -152,5 +161,29 @@ mod tests {
         let mut trailing = set().to_cbor();
         trailing.push(0);
         assert!(KeySet::from_cbor(&trailing).is_err());
+    }
+
+    /// Found by the `receipt` fuzz target: a listed key configuration with
+    /// an unknown (KDF, AEAD) pair decoded without it, so the signed bytes
+    /// and what the verifier used differed.
+    #[test]
+    fn a_key_with_unknown_suites_is_refused() {
+        let mut config = ServerKey::derive(9, b"new").config().encode();
+        config[36] += 4; // the pairs' length (u16 after id, KEM, key): one more pair
+        config.extend_from_slice(&[0, 1, 0x2f, 1]); // HKDF-SHA256, an unknown AEAD
+        assert!(
+            KeyConfig::decode(&config).is_ok(),
+            "RFC 9458 decoding skips it"
+        );
+        let payload = int_map(vec![
+            (1, uint(1)),
+            (
+                2,
+                Value::Array(vec![int_map(vec![(1, Value::Bytes(config)), (2, uint(0))])]),
+            ),
+        ]);
+        let bytes = canonical_bytes(&payload).unwrap();
+        let err = KeySet::from_cbor(&bytes).unwrap_err();
+        assert!(err.to_string().contains("suites"), "{err}");
     }
 }
