@@ -22,7 +22,7 @@ use proto::frames::{
 use proto::manifest::LoadedManifest;
 use proto::openai::ApiEndpoint;
 use proto::policy::Policy;
-use proto::receipt::{KeySet, ReceiptId, Sealing};
+use proto::receipt::{ReceiptId, Sealing};
 use proto::sealing::{KeyConfig, SealedHeaders};
 use proto::transport::{self, Endpoint};
 use std::collections::HashMap;
@@ -142,14 +142,6 @@ struct Connected {
     /// The entry stage's signed HPKE key set, if it sent one.
     key_set: Option<Vec<u8>>,
     epoch: u64,
-}
-
-/// The keys of a signed key set, checked against the entry stage's
-/// attested receipt key.
-fn entry_keys_of(set: &[u8], claims: &StageClaims) -> Result<Vec<KeyConfig>, String> {
-    KeySet::verify(set, &claims.receipt_key)
-        .map(|s| s.configs())
-        .map_err(|e| format!("its signed HPKE key set: {e}"))
 }
 
 type AttestWaiters = HashMap<(usize, Vec<u8>), Vec<oneshot::Sender<Evidence>>>;
@@ -401,20 +393,13 @@ impl Pipeline {
             channels[i] = Some((tx, rx));
         }
         stages.reverse();
-        let entry_keys = match &entry_key_set {
-            Some(set) => entry_keys_of(set, &stages[0].claims),
-            None => KeyConfig::decode_list(&stages[0].claims.hpke_keys).map_err(|e| e.to_string()),
-        }
-        .map_err(|e| ConnectError {
-            rejected: true,
-            reason: format!("stage 0: its HPKE key configuration is unusable: {e}"),
-        })?;
-        if entry_keys.is_empty() {
-            return Err(ConnectError {
-                rejected: true,
-                reason: "stage 0 publishes no HPKE key".into(),
-            });
-        }
+        let (entry_keys, _) =
+            proto::bundle::entry_keys(&stages[0].claims, entry_key_set.as_deref()).map_err(
+                |e| ConnectError {
+                    rejected: true,
+                    reason: format!("stage 0: its HPKE keys are unusable: {e}"),
+                },
+            )?;
         let mut senders = Vec::new();
         let mut readers = Vec::new();
         for (i, ch) in channels.into_iter().enumerate() {
@@ -443,7 +428,7 @@ impl Pipeline {
         let Some(c) = connected.as_mut().filter(|c| c.epoch == epoch) else {
             return Ok(());
         };
-        c.entry_keys = entry_keys_of(&set, &c.stages[0].claims)?;
+        (c.entry_keys, _) = proto::bundle::entry_keys(&c.stages[0].claims, Some(&set))?;
         c.key_set = Some(set);
         tracing::info!(
             model = %self.model_id,
@@ -453,8 +438,8 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The entry stage's HPKE keys as it last signed them, once it rotated
-    /// (served in the evidence bundle).
+    /// The entry stage's HPKE keys as it last signed them (served in the
+    /// evidence bundle).
     pub fn key_set(&self) -> Option<Vec<u8>> {
         let connected = self.connected.lock().unwrap();
         connected.as_ref().and_then(|c| c.key_set.clone())

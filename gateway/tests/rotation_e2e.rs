@@ -142,7 +142,22 @@ async fn keys_rotate_overlap_then_retire_and_the_proxy_follows() {
     // The bundle carries the signed set, and a verifier takes the new key
     // from it: the entry stage's attested receipt key signed it.
     let bundle = evidence_bundle(&gw.url, b"after the first rotation").await;
-    assert!(bundle.stages[0].key_set.is_some());
+    let set = bundle.stages[0]
+        .key_set
+        .as_ref()
+        .expect("stage 0's signed key set");
+    let receipt_key = bundle.stages[0].claims.receipt_key;
+    let listed: Vec<u8> = proto::receipt::KeySet::verify(set, &receipt_key)
+        .unwrap()
+        .configs()
+        .iter()
+        .map(|k| k.key_id)
+        .collect();
+    assert_eq!(
+        listed,
+        [second, first],
+        "newest first, the replaced key still listed"
+    );
     let (lines, verified) = bundle.verify(&policy, b"after the first rotation");
     let verified = verified.unwrap_or_else(|| panic!("{lines:#?}"));
     assert_eq!(verified.entry_keys[0].key_id, second, "{lines:#?}");

@@ -26,7 +26,8 @@ pub struct StageEvidence {
     /// Fresh evidence bound to the bundle's nonce.
     pub evidence: Evidence,
     /// The entry stage's HPKE keys, signed with its receipt key
-    /// ([`KeySet`]), once it has rotated the key its claims carry.
+    /// ([`KeySet`]); absent elsewhere (and from entry stages that predate
+    /// key sets, whose claims carry their one key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_set: Option<serde_bytes::ByteBuf>,
 }
@@ -175,36 +176,9 @@ impl EvidenceBundle {
                 }
             }
         }
-        // The entry stage's keys: its signed key set when it rotated since
-        // its evidence (signed with the receipt key that evidence binds),
-        // else the key its claims carry.
         let entry_keys = match self.stages.first() {
             None => Err("the bundle has no stages".to_string()),
-            Some(s) => match &s.key_set {
-                Some(signed) => KeySet::verify(signed, &s.claims.receipt_key)
-                    .map(|set| {
-                        let detail = format!(
-                            "{} key(s), signed at {} by stage 0's attested receipt key",
-                            set.keys.len(),
-                            set.issued_at
-                        );
-                        (set.configs(), detail)
-                    })
-                    .map_err(|e| format!("stage 0's signed HPKE key set: {e}")),
-                None => KeyConfig::decode_list(&s.claims.hpke_keys)
-                    .map(|k| {
-                        let detail = format!("{} key(s), bound in stage 0's evidence", k.len());
-                        (k, detail)
-                    })
-                    .map_err(|e| e.to_string()),
-            }
-            .and_then(|(k, detail)| {
-                if k.is_empty() {
-                    Err("the entry stage publishes no HPKE key".to_string())
-                } else {
-                    Ok((k, detail))
-                }
-            }),
+            Some(s) => entry_keys(&s.claims, s.key_set.as_deref().map(|k| &k[..])),
         };
         all &= check(
             &mut lines,
@@ -304,6 +278,38 @@ impl EvidenceBundle {
             legacy,
         ))
     }
+}
+
+/// The entry stage's HPKE keys, newest first, with a line saying where they
+/// come from: its signed key set (checked against the receipt key its
+/// claims carry, so only after its evidence verified is the answer
+/// trusted), else the keys in its claims. Used by bundle verification and
+/// by the gateway, which gets the set over the host channel.
+pub fn entry_keys(
+    claims: &StageClaims,
+    key_set: Option<&[u8]>,
+) -> Result<(Vec<KeyConfig>, String), String> {
+    let (keys, detail) = match key_set {
+        Some(signed) => {
+            let set = KeySet::verify(signed, &claims.receipt_key)
+                .map_err(|e| format!("stage 0's signed HPKE key set: {e}"))?;
+            let detail = format!(
+                "{} key(s), signed at {} by stage 0's attested receipt key",
+                set.keys.len(),
+                set.issued_at
+            );
+            (set.configs(), detail)
+        }
+        None => {
+            let keys = KeyConfig::decode_list(&claims.hpke_keys).map_err(|e| e.to_string())?;
+            let detail = format!("{} key(s), bound in stage 0's evidence", keys.len());
+            (keys, detail)
+        }
+    };
+    if keys.is_empty() {
+        return Err("the entry stage publishes no HPKE key".into());
+    }
+    Ok((keys, detail))
 }
 
 #[cfg(test)]

@@ -35,7 +35,7 @@ pub fn run(data: &[u8]) {
         }
         forwarded = upto;
     }
-    let ends_with_error = ends_with_error_event(all);
+    let _ = ends_with_error_event(all);
     let mut with_error = all.to_vec();
     if !with_error.is_empty() && !with_error.ends_with(b"\n\n") {
         with_error.extend_from_slice(b"\n\n");
@@ -46,5 +46,4 @@ pub fn run(data: &[u8]) {
         ends_with_error_event(&with_error),
         "an appended error event is last"
     );
-    let _ = ends_with_error;
 }
