@@ -33,7 +33,7 @@ about two thirds of the stages' cycles are in Candle's GEMM microkernel
 (`gemm_f32::microkernel::fma::f32::x2x6`; another ~5 % in its edge tiles),
 which reaches about 100 GFLOPS on one idle core but less here, with two
 stage processes sharing the cores and the last-level cache; the fused BERT
-ops (`enclave-stage/src/bert_ops.rs`: GELU, attention, layer norm) take
+ops (`enclave-stage/src/embedding/bert_ops.rs`: GELU, attention, layer norm) take
 about 10 %; the work outside the model (HTTP, HPKE opening of each request
 with X25519, Ed25519 receipt signatures, and the benchmark's own client on
 the same cores) 10-15 %. Bare Candle in one process, computing

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it:
 #   1. setup (models, Python test deps), idempotent; docs/layout.md is
-#      current (scripts/layout.py --check);
+#      current (scripts/layout.py --check); no crate's modules import each
+#      other in a circle (scripts/module_cycles.py);
 #   2. release build with the test-only fault-injection switch compiled into
 #      the stage (tests that start the binaries need it);
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
@@ -18,6 +19,7 @@ FEATURES=(--features enclave-stage/fault-injection)
 
 scripts/setup.sh
 python3 scripts/layout.py --check
+python3 scripts/module_cycles.py
 cargo build --release --workspace "${FEATURES[@]}"
 cargo test --release --workspace "${FEATURES[@]}"
 

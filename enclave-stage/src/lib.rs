@@ -2,16 +2,13 @@
 //! stage channel. The binary (`main.rs`) wires these modules together; the
 //! engine is also used in-process by tests and the benchmark baseline.
 
-pub mod batcher;
-pub mod bert;
-pub mod bert_ops;
-pub mod compute;
-pub mod engine;
+pub mod embedding;
 pub mod fault;
 pub mod generation;
 pub mod keys;
 pub mod llama;
 pub mod memory;
+pub mod model;
 pub mod provider;
 pub mod qmatmul;
 pub mod receipt_link;
@@ -20,4 +17,4 @@ pub mod sampling;
 pub mod server;
 pub mod stats;
 pub mod tokens;
-pub mod tracker;
+pub mod work;

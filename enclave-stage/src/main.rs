@@ -3,18 +3,13 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use enclave_stage::batcher::BatchLimits;
-use enclave_stage::compute::Compute;
-use enclave_stage::engine::{Engine, StageSpec};
-use enclave_stage::generation::compute::{GenLimits, Generator};
-use enclave_stage::generation::model::GenModel;
 use enclave_stage::keys::{Rotation, StageKeys};
 use enclave_stage::llama::WeightFormat;
+use enclave_stage::model::{ComputeLimits, ComputeSetup};
 use enclave_stage::provider::{self, AttestationKind};
-use enclave_stage::role;
-use enclave_stage::server::{StageModel, StageServer, StageSetup};
+use enclave_stage::role::{self, StageSpec};
+use enclave_stage::server::{StageServer, StageSetup};
 use proto::digest::Sha256Digest;
-use proto::manifest::LoadedManifest;
 use proto::policy::Policy;
 use proto::transport::{Endpoint, Listener};
 use std::path::PathBuf;
@@ -100,12 +95,6 @@ struct Args {
     hpke_overlap_secs: u64,
 }
 
-/// The model this stage loaded, by the manifest's architecture.
-enum Loaded {
-    Embedding(Engine),
-    Generation(GenModel),
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     // Before any thread exists: Candle reads these once.
@@ -115,13 +104,13 @@ fn main() -> Result<()> {
     let spec = match args.stage_from_cid {
         Some(base) => {
             let cid = proto::transport::local_cid()?;
-            let r = role::from_cid(cid, base, &args.layers)?;
-            tracing::info!(cid, stage = r.stage_index, "stage index from the vsock CID");
-            StageSpec {
-                stage_index: r.stage_index,
-                num_stages: r.num_stages,
-                layers: r.layers,
-            }
+            let spec = role::from_cid(cid, base, &args.layers)?;
+            tracing::info!(
+                cid,
+                stage = spec.stage_index,
+                "stage index from the vsock CID"
+            );
+            spec
         }
         None => StageSpec {
             stage_index: args.stage_index,
@@ -138,25 +127,13 @@ fn main() -> Result<()> {
     let policy = Policy::from_toml(&policy_text)
         .map_err(|e| anyhow::anyhow!("policy {}: {e}", args.policy.display()))?;
     let policy_digest = Sha256Digest::of(policy_text.as_bytes());
-    let architecture = LoadedManifest::load(&args.model_dir)
-        .context("stage refuses to start")?
-        .manifest
-        .architecture;
-    let mut loaded = if architecture == "llama" {
-        Loaded::Generation(
-            GenModel::load(&args.model_dir, &spec, args.weights)
-                .context("stage refuses to start")?,
-        )
-    } else {
-        Loaded::Embedding(Engine::load(&args.model_dir, &spec).context("stage refuses to start")?)
-    };
+    let mut loaded = enclave_stage::model::load(&args.model_dir, &spec, args.weights)
+        .context("stage refuses to start")?;
     let exe = std::env::current_exe()?;
     let binary =
         Sha256Digest::of_file(&exe).with_context(|| format!("hashing {}", exe.display()))?;
-    let (manifest_digest, model_id) = match &loaded {
-        Loaded::Embedding(e) => (e.manifest.digest, e.manifest.manifest.model_id.clone()),
-        Loaded::Generation(g) => (g.manifest.digest, g.manifest.manifest.model_id.clone()),
-    };
+    let manifest_digest = loaded.manifest().digest;
+    let model_id = loaded.manifest().manifest.model_id.clone();
     let provider::Selected {
         provider,
         measurement,
@@ -167,10 +144,7 @@ fn main() -> Result<()> {
         &manifest_digest,
         &policy_digest,
     )?;
-    let claims = match &mut loaded {
-        Loaded::Embedding(e) => &mut e.claims,
-        Loaded::Generation(g) => &mut g.claims,
-    };
+    let claims = loaded.claims_mut();
     let rotation = (args.hpke_rotate_secs > 0).then(|| Rotation {
         every: Duration::from_secs(args.hpke_rotate_secs),
         overlap: Duration::from_secs(args.hpke_overlap_secs),
@@ -188,49 +162,22 @@ fn main() -> Result<()> {
         }
         let (work_tx, work_rx) = std::sync::mpsc::channel();
         let (out_tx, out_rx) = tokio::sync::mpsc::channel(8);
-        let model = match loaded {
-            Loaded::Embedding(engine) => {
-                let engine = Arc::new(engine);
-                let limits = BatchLimits {
-                    token_budget: args.token_budget,
-                    max_rows: args.max_batch,
-                    memory_budget: args.memory_budget_mib << 20,
-                };
-                let shape = engine.shape();
-                let compute =
-                    Compute::new(engine.clone(), keys.clone(), out_tx.clone(), limits, shape);
-                std::thread::Builder::new()
-                    .name("compute".into())
-                    .spawn(move || compute.run(work_rx))?;
-                StageModel::Embedding(engine)
-            }
-            Loaded::Generation(model) => {
-                let part = model.load_part().context("stage refuses to start")?;
-                tracing::info!(
-                    weights = %part.format(),
-                    weight_mib = part.weight_bytes() >> 20,
-                    "weights loaded"
-                );
-                let kv_mib = (args.kv_cache_tokens * part.bytes_per_token()) >> 20;
-                tracing::info!(
-                    kv_cache_tokens = args.kv_cache_tokens,
-                    kv_cache_mib = kv_mib,
-                    "KV-cache budget"
-                );
-                let model = Arc::new(model);
-                let limits = GenLimits {
-                    kv_tokens: args.kv_cache_tokens,
-                    step_tokens: args.token_budget,
-                    max_step_seqs: args.max_step_seqs,
-                    max_waiting: args.max_waiting,
-                };
-                let gen = Generator::new(model.clone(), part, keys.clone(), out_tx.clone(), limits);
-                std::thread::Builder::new()
-                    .name("compute".into())
-                    .spawn(move || gen.run(work_rx))?;
-                StageModel::Generation(model)
-            }
+        let limits = ComputeLimits {
+            token_budget: args.token_budget,
+            max_rows: args.max_batch,
+            memory_budget: args.memory_budget_mib << 20,
+            kv_cache_tokens: args.kv_cache_tokens,
+            max_step_seqs: args.max_step_seqs,
+            max_waiting: args.max_waiting,
         };
+        let model = loaded
+            .start(ComputeSetup {
+                keys: keys.clone(),
+                out: out_tx.clone(),
+                work: work_rx,
+                limits,
+            })
+            .context("stage refuses to start")?;
         let setup = StageSetup {
             model,
             keys,

@@ -1,4 +1,4 @@
-//! A stage's place in the pipeline (index, stage count, layer range): from
+//! A stage's place in the pipeline ([`StageSpec`]: index, stage count, layer range): from
 //! the command line, or, when one enclave image serves every stage, from the
 //! enclave's vsock CID (`--stage-from-cid BASE`: stage `CID - BASE`).
 //!
@@ -8,17 +8,62 @@
 //! stages, clients) checks index and layers against its policy.
 
 use anyhow::{bail, Context, Result};
+use proto::frames::StageClaims;
+use proto::manifest::LoadedManifest;
 use std::ops::Range;
+use std::path::Path;
 
-/// Index, count and layers of this stage.
+/// Which part of the model a stage runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Role {
+pub struct StageSpec {
     /// Position (0 = entry stage).
     pub stage_index: u32,
     /// Number of stages.
     pub num_stages: u32,
     /// Layers `[start, end)`.
     pub layers: Range<usize>,
+}
+
+impl StageSpec {
+    /// Loads the manifest in `model_dir`, checks that it is an
+    /// `architecture` model for `task` and that this stage's position is
+    /// valid, and returns it with the stage's claims (keys not yet filled in).
+    pub fn open_manifest(
+        &self,
+        model_dir: &Path,
+        architecture: &str,
+        task: &str,
+    ) -> Result<(LoadedManifest, StageClaims)> {
+        let manifest = LoadedManifest::load(model_dir)?;
+        let m = &manifest.manifest;
+        if m.architecture != architecture || m.task != task {
+            bail!(
+                "model {} is a {} {} model; this stage expects a {architecture} {task} model",
+                m.model_id,
+                m.architecture,
+                m.task
+            );
+        }
+        if self.num_stages == 0 || self.stage_index >= self.num_stages {
+            bail!(
+                "stage index {} out of {} stages",
+                self.stage_index,
+                self.num_stages
+            );
+        }
+        let claims = StageClaims {
+            stage_index: self.stage_index,
+            num_stages: self.num_stages,
+            layer_start: self.layers.start as u32,
+            layer_end: self.layers.end as u32,
+            model_id: m.model_id.clone(),
+            manifest_sha256: manifest.digest,
+            receipt_key: [0; 32],
+            hpke_keys: Vec::new(),
+            weights: None,
+        };
+        Ok((manifest, claims))
+    }
 }
 
 /// Parses `START..END` (end exclusive, non-empty).
@@ -36,7 +81,7 @@ pub fn parse_layers(s: &str) -> Result<Range<usize>> {
 
 /// The role for the enclave with vsock CID `cid`: stage `cid - base` of
 /// `layers` (one `START..END` per stage, comma-separated, contiguous from 0).
-pub fn from_cid(cid: u32, base: u32, layers: &str) -> Result<Role> {
+pub fn from_cid(cid: u32, base: u32, layers: &str) -> Result<StageSpec> {
     let ranges = layers
         .split(',')
         .map(parse_layers)
@@ -58,7 +103,7 @@ pub fn from_cid(cid: u32, base: u32, layers: &str) -> Result<Role> {
                 base as usize + ranges.len() - 1
             )
         })?;
-    Ok(Role {
+    Ok(StageSpec {
         stage_index: index,
         num_stages: ranges.len() as u32,
         layers: ranges[index as usize].clone(),
@@ -82,7 +127,7 @@ mod tests {
         let r = from_cid(17, 16, "0..3,3..6").unwrap();
         assert_eq!(
             r,
-            Role {
+            StageSpec {
                 stage_index: 1,
                 num_stages: 2,
                 layers: 3..6

@@ -3,7 +3,8 @@
 //! `scripts/make_reference.py`), in one process: whole model and the same
 //! model split in two stages whose activations cross the wire format.
 
-use enclave_stage::engine::{Engine, Padded, StageSpec};
+use enclave_stage::embedding::engine::{Engine, Padded};
+use enclave_stage::role::StageSpec;
 use std::path::PathBuf;
 
 fn root() -> PathBuf {

@@ -7,7 +7,7 @@
 //! ./target/release/examples/bench_embeddings [--threads-per-stage 1,2]
 //! ```
 //!
-//! * Baseline: `enclave_stage::engine::Engine` with all 6 layers in one
+//! * Baseline: `enclave_stage::embedding::engine::Engine` with all 6 layers in one
 //!   process, `embed_texts` on batches of C sentences (what an ideal server
 //!   would do with C concurrent single-sentence requests). Candle reads its
 //!   thread count once, so each thread count runs in a child process (this
@@ -30,7 +30,8 @@ mod stage_procs;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use enclave_stage::engine::{Engine, StageSpec};
+use enclave_stage::embedding::engine::Engine;
+use enclave_stage::role::StageSpec;
 use gateway_run::*;
 use measure::*;
 use report::*;

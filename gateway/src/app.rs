@@ -1,12 +1,12 @@
 //! The `gateway` command: `gateway serve` reads `config/gateway.toml`,
 //! starts (or connects to) the attested stages, verifies them against the
-//! policy and serves the OpenAI-compatible API; the client verbs are in
-//! [`crate::cli`].
+//! policy and serves the OpenAI-compatible API; the client verbs are the
+//! `client` crate's ([`client::run`]).
 
 use crate::config::{GatewayConfig, Launch};
 use crate::pipeline::{Pipeline, StageTarget};
 use crate::{
-    api, auth, cli, config, host_proxy, launcher, metrics, receipts, serve, shutdown, telemetry,
+    api, auth, config, host_proxy, launcher, metrics, receipts, serve, shutdown, telemetry,
     timeouts, tls,
 };
 use anyhow::{Context, Result};
@@ -44,7 +44,7 @@ enum Command {
     /// instance; one `--route LISTEN=TARGET` per relay. Sees ciphertext only.
     HostProxy(host_proxy::HostProxyArgs),
     #[command(flatten)]
-    Client(cli::ClientCommand),
+    Client(client::ClientCommand),
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -96,7 +96,7 @@ pub fn run() -> Result<()> {
     );
     let args = match cli.command {
         Some(Command::Serve(a)) => a,
-        Some(Command::Client(c)) => std::process::exit(cli::run(c)),
+        Some(Command::Client(c)) => std::process::exit(client::run(c)),
         Some(Command::HashKey) => return hash_key(),
         Some(Command::CheckConfig(a)) => std::process::exit(check_config(&a.config)),
         Some(Command::Measure(a)) => return measure(&a),

@@ -7,13 +7,13 @@
 //!   [`host_proxy`] (Nitro), [`receipts`];
 //! - operations: [`config`], [`metrics`], [`stage_metrics`], [`telemetry`];
 //! - the client verbs, which run in the client's trust domain (`verify`,
-//!   `seal`, `open`, `proxy`): [`cli`].
+//!   `seal`, `open`, `proxy`), are the `client` crate (`gateway/client/`);
+//!   the binary only dispatches to them.
 
 pub mod api;
 pub mod app;
 pub mod attestation_limits;
 pub mod auth;
-pub mod cli;
 pub mod config;
 pub mod host_proxy;
 pub mod launcher;

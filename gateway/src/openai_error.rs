@@ -48,7 +48,7 @@ impl ApiError {
             ..Self::new(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
-                format!("The model `{model}` does not exist or you do not have access to it."),
+                proto::openai::ApiError::model_not_found(model).message,
             )
         }
     }
@@ -60,7 +60,7 @@ impl ApiError {
             ..Self::new(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
-                format!("Unrecognized request URL ({method} {path})."),
+                proto::openai::ApiError::unknown_route(method, path).message,
             )
         }
     }
@@ -70,7 +70,7 @@ impl ApiError {
         Self::new(
             StatusCode::METHOD_NOT_ALLOWED,
             "invalid_request_error",
-            format!("Method {method} is not allowed for {path}."),
+            proto::openai::ApiError::method_not_allowed(method, path).message,
         )
     }
 

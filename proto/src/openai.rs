@@ -85,6 +85,28 @@ impl ApiError {
         }
     }
 
+    /// 404 for an unknown route.
+    pub fn unknown_route(method: &str, path: &str) -> Self {
+        Self {
+            status: 404,
+            message: format!("Unrecognized request URL ({method} {path})."),
+            kind: "invalid_request_error".into(),
+            param: None,
+            code: Some("unknown_url".into()),
+        }
+    }
+
+    /// 405 for a known route with the wrong method.
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self {
+            status: 405,
+            message: format!("Method {method} is not allowed for {path}."),
+            kind: "invalid_request_error".into(),
+            param: None,
+            code: None,
+        }
+    }
+
     /// 500 for a failure inside the pipeline.
     pub fn internal(message: impl Into<String>) -> Self {
         Self {

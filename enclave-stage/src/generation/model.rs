@@ -3,8 +3,8 @@
 //! output text), the chat template (entry stage), and, for the compute thread, its [`LlamaPart`].
 
 use super::chat_template::ChatTemplate;
-use crate::engine::StageSpec;
 use crate::llama::{LlamaConfig, LlamaPart, WeightFormat};
+use crate::role::StageSpec;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use proto::frames::StageClaims;

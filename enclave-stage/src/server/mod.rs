@@ -2,11 +2,11 @@
 //! (host) and from the previous stage, dials and attests the next stage when
 //! configured, and moves messages between the channels and the compute thread.
 
-use crate::batcher::Seq;
-use crate::compute::{failure, Output, Work};
-use crate::engine::Engine;
+use crate::embedding::batcher::Seq;
 use crate::generation::model::GenModel;
 use crate::keys::StageKeys;
+use crate::model::StageModel;
+use crate::work::{failure, Output, Work};
 use proto::attestation::{attest_claims, AttestationProvider, EvidencePurpose, Measurement};
 use proto::channel::{
     self, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
@@ -52,34 +52,6 @@ const HOST_SEALED_REPLAY_CAPACITY: usize = 1 << 19;
 pub const DEFAULT_CHAT_MAX_TOKENS: u32 = 1024;
 /// Longest nonce accepted in an attestation request.
 const MAX_NONCE: usize = 64;
-
-/// The model a stage serves.
-#[derive(Clone)]
-pub enum StageModel {
-    /// An embedding model (`/v1/embeddings`).
-    Embedding(Arc<Engine>),
-    /// A generation model (`/v1/completions` and `/v1/chat/completions`).
-    Generation(Arc<GenModel>),
-}
-
-impl StageModel {
-    /// What the stage claims in its evidence.
-    pub fn claims(&self) -> &StageClaims {
-        match self {
-            StageModel::Embedding(e) => &e.claims,
-            StageModel::Generation(g) => &g.claims,
-        }
-    }
-
-    /// Whether the model serves API path `endpoint`.
-    pub fn serves(&self, endpoint: &str) -> bool {
-        match (self, ApiEndpoint::from_path(endpoint)) {
-            (StageModel::Embedding(_), Some(e)) => !e.is_generation(),
-            (StageModel::Generation(_), Some(e)) => e.is_generation(),
-            (_, None) => false,
-        }
-    }
-}
 
 /// What a stage serves with, besides its queues.
 pub struct StageSetup {

@@ -5,6 +5,7 @@
 //! client.
 
 use super::*;
+use crate::embedding::engine::Engine;
 
 impl StageServer {
     /// Opens, validates and tokenizes a sealed request, then hands its

@@ -314,12 +314,7 @@ fn validate_stages(
 }
 
 /// Whether a `listen` address is on loopback (`127.0.0.0/8`, `::1`, `localhost`).
-pub fn is_loopback(listen: &str) -> bool {
-    if let Ok(a) = listen.parse::<std::net::SocketAddr>() {
-        return a.ip().is_loopback();
-    }
-    matches!(listen.rsplit_once(':'), Some((host, _)) if host.eq_ignore_ascii_case("localhost"))
-}
+pub use client::transport::is_loopback;
 
 /// How the gateway reaches the stages.
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]

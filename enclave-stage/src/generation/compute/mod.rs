@@ -17,12 +17,12 @@
 use super::model::GenModel;
 use super::output::{ChoiceOut, ChoiceRules};
 use super::scheduler::{Admission, Planned, Scheduler, SchedulerLimits};
-use crate::compute::{failure, Output, Work};
 use crate::fault::Fault;
 use crate::keys::StageKeys;
 use crate::llama::{LlamaPart, SeqSlice};
 use crate::sampling::SamplingParams;
 use crate::stats::{unix_ns, RequestTimer, STATS};
+use crate::work::{failure, Output, Work};
 use anyhow::{anyhow, bail, Result};
 use candle_core::Tensor;
 use proto::chat::{chat_chunk_event, chat_completion_id, chat_response, Delta};

@@ -4,7 +4,7 @@
 //!
 //! Public so that the fuzz target `sse` (`gateway/fuzz`) drives the same code.
 
-use crate::openai_error::ApiError;
+use super::api_error::ApiError;
 use proto::completions::STREAM_DONE;
 
 /// How far into `all` the stream may go out, starting at `from` (an event

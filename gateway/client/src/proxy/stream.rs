@@ -22,7 +22,7 @@ pub(super) async fn finish_streaming(
     tokio::spawn(async move {
         let events = pump_stream(&proxy, &x, response, (key_id, client_key), trusted, &tx).await;
         if let Err(e) = events {
-            tracing::warn!(error = %e.message, "stream from the upstream ended without a verified receipt");
+            tracing::warn!(error = %e.0.message, "stream from the upstream ended without a verified receipt");
             let _ = tx.send(Bytes::from(error_event(&e))).await;
         }
     });

@@ -21,10 +21,12 @@
 //!   context). Anyone holding it can read the response; delete it after
 //!   `gateway open`.
 
-use super::client_key::{aead_name, ClientKeyFile};
-use super::verify::{verify_evidence, Status};
-use super::{base_url, fetch_bundle, http_client, load_bundle, parse_hex, random_nonce};
-use super::{read_input, runtime, write_output, EXIT_FAILED, EXIT_OK};
+use crate::bundle::{fetch_bundle, load_bundle};
+use crate::client_key::{aead_name, ClientKeyFile};
+use crate::io::{parse_hex, read_input, write_output};
+use crate::transport::{base_url, http_client, random_nonce, runtime};
+use crate::verify::{verify_evidence, Status};
+use crate::{EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use proto::policy::Policy;
@@ -113,7 +115,7 @@ pub struct SealArgs {
     pub insecure_unverified_keys: bool,
     /// How to reach the gateway (with --gateway).
     #[command(flatten)]
-    pub transport: super::Transport,
+    pub transport: crate::Transport,
 }
 
 /// `gateway open`
@@ -184,7 +186,7 @@ fn keys_for(a: &SealArgs) -> Result<(Vec<KeyConfig>, bool)> {
         }
         let mut url = format!("{base}/.well-known/hpke-keys");
         if let Some(m) = &a.model {
-            url += &format!("?model={}", super::percent_encode(m));
+            url += &format!("?model={}", crate::transport::percent_encode(m));
         }
         let r = client
             .get(&url)

@@ -3,69 +3,16 @@
 //! (exit stage). Pure compute, no networking; also used in-process by the
 //! benchmark's bare-Candle baseline.
 
-use crate::bert::{mean_pool_normalize, BertConfig, BertPart};
+use crate::embedding::bert::{mean_pool_normalize, BertConfig, BertPart};
+use crate::role::StageSpec;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use proto::frames::StageClaims;
 use proto::manifest::LoadedManifest;
 use proto::tensor::TensorFrame;
-use std::ops::Range;
 use std::path::Path;
 use tokenizers::{Tokenizer, TruncationParams};
-
-/// Which part of the model a stage runs.
-#[derive(Clone, Debug)]
-pub struct StageSpec {
-    /// Position in the pipeline.
-    pub stage_index: u32,
-    /// Number of stages.
-    pub num_stages: u32,
-    /// Layers `[start, end)`.
-    pub layers: Range<usize>,
-}
-
-impl StageSpec {
-    /// Loads the manifest in `model_dir`, checks that it is an
-    /// `architecture` model for `task` and that this stage's position is
-    /// valid, and returns it with the stage's claims (keys not yet filled in).
-    pub fn open_manifest(
-        &self,
-        model_dir: &Path,
-        architecture: &str,
-        task: &str,
-    ) -> Result<(LoadedManifest, StageClaims)> {
-        let manifest = LoadedManifest::load(model_dir)?;
-        let m = &manifest.manifest;
-        if m.architecture != architecture || m.task != task {
-            bail!(
-                "model {} is a {} {} model; this stage expects a {architecture} {task} model",
-                m.model_id,
-                m.architecture,
-                m.task
-            );
-        }
-        if self.num_stages == 0 || self.stage_index >= self.num_stages {
-            bail!(
-                "stage index {} out of {} stages",
-                self.stage_index,
-                self.num_stages
-            );
-        }
-        let claims = StageClaims {
-            stage_index: self.stage_index,
-            num_stages: self.num_stages,
-            layer_start: self.layers.start as u32,
-            layer_end: self.layers.end as u32,
-            model_id: m.model_id.clone(),
-            manifest_sha256: manifest.digest,
-            receipt_key: [0; 32],
-            hpke_keys: Vec::new(),
-            weights: None,
-        };
-        Ok((manifest, claims))
-    }
-}
 
 /// A loaded stage model.
 pub struct Engine {
@@ -133,9 +80,9 @@ impl Engine {
     }
 
     /// Shape numbers for the activation-memory estimate.
-    pub fn shape(&self) -> crate::batcher::ShapeInfo {
+    pub fn shape(&self) -> crate::embedding::batcher::ShapeInfo {
         let c = self.part.config();
-        crate::batcher::ShapeInfo {
+        crate::embedding::batcher::ShapeInfo {
             hidden: c.hidden_size,
             intermediate: c.intermediate_size,
             heads: c.num_attention_heads,

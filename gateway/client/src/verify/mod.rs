@@ -6,8 +6,10 @@
 //! e.g. `[response_mismatch]`), then a `RESULT` line. `--json` prints one
 //! JSON document instead. Exit code 0 only when every check holds.
 
-use super::client_key::ClientKeyFile;
-use super::{load_bundle, parse_hex, read_input, EXIT_FAILED, EXIT_OK};
+use crate::bundle::load_bundle;
+use crate::client_key::ClientKeyFile;
+use crate::io::{parse_hex, read_input};
+use crate::{EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Context, Result};
 use base64::Engine as _;
 use clap::{Args, Subcommand};

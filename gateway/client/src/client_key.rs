@@ -119,7 +119,7 @@ impl ClientKeyFile {
 impl ClientKeyFile {
     /// Reads and parses a key file.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = super::read_input(path)?;
+        let text = crate::io::read_input(path)?;
         let v: serde_json::Value = serde_json::from_slice(&text)
             .with_context(|| format!("{}: not JSON", path.display()))?;
         Self::from_json(&v).with_context(|| format!("client key {}", path.display()))
@@ -131,7 +131,7 @@ impl ClientKeyFile {
         let text = serde_json::to_string_pretty(&self.to_json()?)?;
         let name = path.file_name().unwrap_or_default().to_string_lossy();
         let tmp = path.with_file_name(format!(".{name}.tmp"));
-        super::write_private(&tmp, text.as_bytes())?;
+        crate::io::write_private(&tmp, text.as_bytes())?;
         std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
     }
 

@@ -16,7 +16,7 @@ pub(super) fn archive(
     let name = hex::encode(id);
     let tmp = dir.join(format!(".{name}.tmp"));
     // The exchange is plaintext: owner-only folders and files.
-    super::super::create_private_dir(&tmp)?;
+    crate::io::create_private_dir(&tmp)?;
     let (nonce, evidence) = (hex::encode(&x.nonce), proto::cbor::to_vec(&trusted.bundle));
     let evidence_nonce = hex::encode(&trusted.nonce);
     let salt = receipt.digest_salt.map(hex::encode).unwrap_or_default();
@@ -30,7 +30,7 @@ pub(super) fn archive(
         ("evidence-nonce.hex", evidence_nonce.as_bytes()),
     ];
     for (f, bytes) in files {
-        super::super::write_private(&tmp.join(f), bytes)?;
+        crate::io::write_private(&tmp.join(f), bytes)?;
     }
     std::fs::rename(&tmp, dir.join(&name)).with_context(|| format!("renaming {}", tmp.display()))
 }

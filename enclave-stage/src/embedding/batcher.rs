@@ -2,16 +2,7 @@
 //! are sorted by length and cut into micro-batches that respect a padded
 //! token budget, a row limit and an activation-memory budget.
 
-use proto::frames::BatchItem;
-
-/// One tokenized input waiting for compute.
-#[derive(Clone, Debug)]
-pub struct Seq {
-    /// Where the result belongs.
-    pub item: BatchItem,
-    /// Token ids.
-    pub ids: Vec<u32>,
-}
+pub use crate::work::Seq;
 
 /// Limits of one micro-batch.
 #[derive(Clone, Copy, Debug)]
@@ -100,6 +91,7 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proto::frames::BatchItem;
 
     fn seq(id: u64, len: usize) -> Seq {
         Seq {

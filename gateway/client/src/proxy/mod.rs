@@ -50,12 +50,15 @@
 //! rejected. New evidence must verify against the same policy; if it does
 //! not, the request fails with 502 `evidence_not_verified`.
 
-use super::client_key::aead_name;
-use super::seal::{pick_key, AeadArg};
-use super::verify::verify_evidence;
-use super::{base_url, fetch_bundle, http_client, parse_hex, random_nonce, EXIT_FAILED, EXIT_OK};
-use crate::openai_error::ApiError;
+use crate::bundle::fetch_bundle;
+use crate::client_key::aead_name;
+use crate::io::parse_hex;
+use crate::seal::{pick_key, AeadArg};
+use crate::transport::{base_url, http_client, random_nonce};
+use crate::verify::verify_evidence;
+use crate::{EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, Context, Result};
+use api_error::ApiError;
 use axum::body::{to_bytes, Body, Bytes};
 use axum::extract::{Path as UrlPath, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -78,6 +81,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+mod api_error;
 mod archive;
 mod exchange;
 mod handlers;
@@ -137,7 +141,7 @@ pub struct ProxyArgs {
     pub archive: Option<PathBuf>,
     /// How to reach the upstream gateway.
     #[command(flatten)]
-    pub transport: super::Transport,
+    pub transport: crate::Transport,
 }
 
 /// What the proxy trusts for one model: the last verified evidence.
@@ -219,14 +223,7 @@ struct Exchange {
 }
 
 fn error(status: StatusCode, kind: &'static str, code: &'static str, msg: String) -> ApiError {
-    ApiError {
-        status,
-        message: msg,
-        kind,
-        param: None,
-        code: Some(code),
-        retry_after: None,
-    }
+    ApiError::coded(status, kind, code, msg)
 }
 
 fn bad_gateway(code: &'static str, msg: impl Into<String>) -> ApiError {
@@ -377,7 +374,7 @@ pub fn run(a: ProxyArgs) -> Result<i32> {
     let upstream = base_url(&a.upstream, &a.transport)?;
     let client = http_client(Duration::from_secs(a.timeout_secs), &a.transport)?;
     if let Some(dir) = &a.archive {
-        super::create_private_dir(dir)?;
+        crate::io::create_private_dir(dir)?;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

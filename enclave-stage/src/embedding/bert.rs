@@ -3,7 +3,7 @@
 //! layer range. A stage loads only the tensors of its own layers (plus the
 //! embeddings for the entry stage).
 
-use crate::bert_ops::{Attention, BiasGelu, BiasResidualNorm};
+use crate::embedding::bert_ops::{Attention, BiasGelu, BiasResidualNorm};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, VarBuilder};
 use serde::Deserialize;
@@ -40,7 +40,7 @@ struct Embeddings {
 }
 
 /// One encoder layer: weights as `[out, in]` tensors for Candle's GEMM,
-/// biases and norms folded into the fused ops of [`crate::bert_ops`].
+/// biases and norms folded into the fused ops of [`crate::embedding::bert_ops`].
 struct Layer {
     /// Query, key and value projections stacked: `[3h, h]`.
     qkv: Tensor,

@@ -1,0 +1,12 @@
+//! Sentence embeddings (`/v1/embeddings`) pipelined across stages: the BERT
+//! encoder split by layers ([`bert`], its fused CPU operations in
+//! [`bert_ops`]), the model a stage loads ([`engine`]), the entry stage's
+//! micro-batch planning ([`batcher`]), the compute thread ([`compute`]) and
+//! its per-request receipt bookkeeping ([`tracker`]).
+
+pub mod batcher;
+pub mod bert;
+pub mod bert_ops;
+pub mod compute;
+pub mod engine;
+pub mod tracker;

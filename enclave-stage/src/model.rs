@@ -1,0 +1,171 @@
+//! The model kinds a stage serves, behind one trait: what the binary needs
+//! from a loaded model ([`LoadedModel`]: its manifest and claims, and the
+//! start of its compute thread) and what the connection handlers dispatch on
+//! ([`StageModel`]). [`load`] is the one place that picks the kind, from the
+//! manifest's architecture; each kind lives in a folder of its own
+//! ([`crate::embedding`], [`crate::generation`]).
+
+use crate::embedding::batcher::BatchLimits;
+use crate::embedding::compute::Compute;
+use crate::embedding::engine::Engine;
+use crate::generation::compute::{GenLimits, Generator};
+use crate::generation::model::GenModel;
+use crate::keys::StageKeys;
+use crate::llama::WeightFormat;
+use crate::role::StageSpec;
+use crate::work::{Output, Work};
+use anyhow::{Context, Result};
+use proto::frames::StageClaims;
+use proto::manifest::LoadedManifest;
+use proto::openai::ApiEndpoint;
+use std::path::Path;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+
+/// The limits a compute thread runs under (from the command line).
+#[derive(Clone, Debug)]
+pub struct ComputeLimits {
+    /// Most tokens in one micro-batch (embeddings, padded) or one step
+    /// (generation).
+    pub token_budget: usize,
+    /// Embeddings: most rows in one micro-batch.
+    pub max_rows: usize,
+    /// Embeddings: activation memory budget of one micro-batch, in bytes.
+    pub memory_budget: usize,
+    /// Generation: tokens of KV cache this stage may hold.
+    pub kv_cache_tokens: usize,
+    /// Generation: most sequences in one step.
+    pub max_step_seqs: usize,
+    /// Generation: most requests waiting for admission (entry stage).
+    pub max_waiting: usize,
+}
+
+/// What a compute thread is started with.
+pub struct ComputeSetup {
+    /// The stage's keys (receipt signing, HPKE).
+    pub keys: Arc<StageKeys>,
+    /// Where its outputs go.
+    pub out: tokio::sync::mpsc::Sender<Output>,
+    /// Its work, in arrival order.
+    pub work: Receiver<Work>,
+    /// Its limits.
+    pub limits: ComputeLimits,
+}
+
+/// A model loaded by a stage, before it serves.
+pub trait LoadedModel: Send {
+    /// The manifest its files were checked against.
+    fn manifest(&self) -> &LoadedManifest;
+    /// What the stage claims in its evidence (the binary fills in the keys).
+    fn claims_mut(&mut self) -> &mut StageClaims;
+    /// Starts the compute thread; returns the model as the connection
+    /// handlers see it.
+    fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel>;
+}
+
+/// Loads the model in `model_dir` for this stage: a `llama` manifest is a
+/// generation model (held as `weights`), anything else an embedding model.
+pub fn load(
+    model_dir: &Path,
+    spec: &StageSpec,
+    weights: WeightFormat,
+) -> Result<Box<dyn LoadedModel>> {
+    let architecture = LoadedManifest::load(model_dir)?.manifest.architecture;
+    Ok(if architecture == "llama" {
+        Box::new(GenModel::load(model_dir, spec, weights)?)
+    } else {
+        Box::new(Engine::load(model_dir, spec)?)
+    })
+}
+
+impl LoadedModel for Engine {
+    fn manifest(&self) -> &LoadedManifest {
+        &self.manifest
+    }
+
+    fn claims_mut(&mut self) -> &mut StageClaims {
+        &mut self.claims
+    }
+
+    fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel> {
+        let engine = Arc::new(*self);
+        let limits = BatchLimits {
+            token_budget: setup.limits.token_budget,
+            max_rows: setup.limits.max_rows,
+            memory_budget: setup.limits.memory_budget,
+        };
+        let shape = engine.shape();
+        let compute = Compute::new(engine.clone(), setup.keys, setup.out, limits, shape);
+        let work = setup.work;
+        std::thread::Builder::new()
+            .name("compute".into())
+            .spawn(move || compute.run(work))?;
+        Ok(StageModel::Embedding(engine))
+    }
+}
+
+impl LoadedModel for GenModel {
+    fn manifest(&self) -> &LoadedManifest {
+        &self.manifest
+    }
+
+    fn claims_mut(&mut self) -> &mut StageClaims {
+        &mut self.claims
+    }
+
+    fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel> {
+        let part = self.load_part().context("loading the weights")?;
+        tracing::info!(
+            weights = %part.format(),
+            weight_mib = part.weight_bytes() >> 20,
+            "weights loaded"
+        );
+        let l = setup.limits;
+        tracing::info!(
+            kv_cache_tokens = l.kv_cache_tokens,
+            kv_cache_mib = (l.kv_cache_tokens * part.bytes_per_token()) >> 20,
+            "KV-cache budget"
+        );
+        let model = Arc::new(*self);
+        let limits = GenLimits {
+            kv_tokens: l.kv_cache_tokens,
+            step_tokens: l.token_budget,
+            max_step_seqs: l.max_step_seqs,
+            max_waiting: l.max_waiting,
+        };
+        let gen = Generator::new(model.clone(), part, setup.keys, setup.out, limits);
+        let work = setup.work;
+        std::thread::Builder::new()
+            .name("compute".into())
+            .spawn(move || gen.run(work))?;
+        Ok(StageModel::Generation(model))
+    }
+}
+
+/// The model a stage serves, as the connection handlers dispatch on it.
+#[derive(Clone)]
+pub enum StageModel {
+    /// An embedding model (`/v1/embeddings`).
+    Embedding(Arc<Engine>),
+    /// A generation model (`/v1/completions` and `/v1/chat/completions`).
+    Generation(Arc<GenModel>),
+}
+
+impl StageModel {
+    /// What the stage claims in its evidence.
+    pub fn claims(&self) -> &StageClaims {
+        match self {
+            StageModel::Embedding(e) => &e.claims,
+            StageModel::Generation(g) => &g.claims,
+        }
+    }
+
+    /// Whether the model serves API path `endpoint`.
+    pub fn serves(&self, endpoint: &str) -> bool {
+        match (self, ApiEndpoint::from_path(endpoint)) {
+            (StageModel::Embedding(_), Some(e)) => !e.is_generation(),
+            (StageModel::Generation(_), Some(e)) => e.is_generation(),
+            (_, None) => false,
+        }
+    }
+}

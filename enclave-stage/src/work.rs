@@ -1,0 +1,81 @@
+//! What the connection handlers and a compute thread exchange, for every
+//! model kind: work in arrival order ([`Work`]) and what goes downstream
+//! ([`Output`]).
+
+use proto::frames::{
+    ActivationBatch, ActivationMessage, BatchItem, FeedbackMessage, GenerationContext,
+    PipelineError, RequestContext, ResultMessage, StageTiming,
+};
+
+/// Work for the compute thread, in arrival order.
+pub enum Work {
+    /// A request begins (its context precedes its rows).
+    Begin(Box<RequestContext>),
+    /// Tokenized inputs (entry stage).
+    Seqs(Vec<Seq>),
+    /// A micro-batch from the previous stage.
+    Batch(ActivationBatch),
+    /// The previous stages' receipt links for a request.
+    Links {
+        /// The request.
+        request_id: u64,
+        /// Links in stage order.
+        links: Vec<Vec<u8>>,
+        /// The same stages' timings of the request.
+        timings: Vec<StageTiming>,
+    },
+    /// A request failed upstream.
+    Failed {
+        /// The request.
+        request_id: u64,
+        /// Why.
+        error: PipelineError,
+    },
+    /// A completions request opened by the entry stage, with its prompts'
+    /// token ids (generation stages).
+    BeginGeneration {
+        /// What later stages learn about it.
+        ctx: Box<GenerationContext>,
+        /// Token ids of each prompt.
+        prompts: Vec<Vec<u32>>,
+    },
+    /// A generation message from the previous stage (`BeginGeneration`, `Step`).
+    Activation(ActivationMessage),
+    /// Sampled tokens from the exit stage (entry stage of a generation pipeline).
+    Feedback(FeedbackMessage),
+    /// The client went away: drop the request.
+    Cancel {
+        /// The request.
+        request_id: u64,
+    },
+    /// The pipeline this stage served was torn down: drop every request.
+    Reset,
+}
+
+/// What the compute thread (or a session) sends downstream.
+pub enum Output {
+    /// To the next stage.
+    Activation(ActivationMessage),
+    /// To the gateway (exit stage).
+    Result(ResultMessage),
+    /// To the entry stage, on the feedback channel (generation exit stage).
+    Feedback(FeedbackMessage),
+}
+
+/// Builds the failure message for the right direction.
+pub fn failure(exit: bool, request_id: u64, error: PipelineError) -> Output {
+    if exit {
+        Output::Result(ResultMessage::Failed { request_id, error })
+    } else {
+        Output::Activation(ActivationMessage::Failed { request_id, error })
+    }
+}
+
+/// One tokenized input waiting for compute.
+#[derive(Clone, Debug)]
+pub struct Seq {
+    /// Where the result belongs.
+    pub item: BatchItem,
+    /// Token ids.
+    pub ids: Vec<u32>,
+}

@@ -1,0 +1,68 @@
+//! The client side: everything a client that does not trust the host needs,
+//! in its own trust domain, as a library (the `gateway` binary's client verbs
+//! use it, and so can a client library in another language) and as the verbs themselves.
+//!
+//! - `gateway verify evidence` / `gateway verify receipt`: offline checks of
+//!   an evidence bundle against a measurement policy, and of a receipt
+//!   against verified evidence and the request/response bytes the client
+//!   kept ([`verify`]);
+//! - `gateway seal` / `gateway open`: HPKE-seal a request body for `curl`
+//!   and open the sealed response ([`seal`]);
+//! - `gateway proxy`: a local OpenAI-compatible endpoint that verifies the
+//!   upstream's evidence, seals every request to the attested entry stage
+//!   and verifies every receipt ([`proxy`]).
+//!
+//! Exit codes: 0 when everything holds, 1 when a verification fails (or the
+//! proxy refuses to start), 2 for usage and I/O errors.
+//! The walkthrough is `docs/curl.md`.
+
+pub mod bundle;
+pub mod client_key;
+pub mod io;
+pub mod proxy;
+pub mod seal;
+pub mod transport;
+pub mod verify;
+
+pub use transport::Transport;
+
+use clap::Subcommand;
+
+/// Exit code: everything verified / the command succeeded.
+pub const EXIT_OK: i32 = 0;
+/// Exit code: a verification failed.
+pub const EXIT_FAILED: i32 = 1;
+/// Exit code: bad usage, unreadable input, network error.
+pub const EXIT_ERROR: i32 = 2;
+
+/// The client verbs (flattened into the binary's subcommands).
+#[derive(Subcommand, Debug)]
+pub enum ClientCommand {
+    /// Verify evidence or a receipt offline (exit code 0 only when everything holds).
+    #[command(subcommand)]
+    Verify(verify::VerifyCommand),
+    /// Seal a request body to the entry stage's HPKE key (for curl users).
+    Seal(seal::SealArgs),
+    /// Open a sealed response with the key `gateway seal` wrote.
+    Open(seal::OpenArgs),
+    /// A local OpenAI-compatible endpoint that verifies the upstream gateway's
+    /// evidence, seals every request end to end and verifies every receipt.
+    Proxy(proxy::ProxyArgs),
+}
+
+/// Runs a client verb; returns the process exit code.
+pub fn run(cmd: ClientCommand) -> i32 {
+    let result = match cmd {
+        ClientCommand::Verify(c) => verify::run(c),
+        ClientCommand::Seal(a) => seal::run_seal(a).map(|()| EXIT_OK),
+        ClientCommand::Open(a) => seal::run_open(a),
+        ClientCommand::Proxy(a) => proxy::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            EXIT_ERROR
+        }
+    }
+}
