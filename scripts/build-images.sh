@@ -84,6 +84,8 @@ cp "$BIN/gateway" "$OUT/gateway/gateway"
 mkdir -p "$OUT/gateway/models/$model"
 cp "$MODEL_DIR/manifest.json" "$OUT/gateway/models/$model/manifest.json"
 cp docker/gateway.toml "$OUT/gateway/gateway.toml"
+# An empty folder the image gives the gateway user for its receipt store.
+mkdir -p "$OUT/gateway/data"
 
 MANIFEST_SHA256="$(sha256sum "$OUT/stage/models/$model/manifest.json" | cut -d' ' -f1)"
 # The stages' own policy (baked into the stage image): mock evidence, peers

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it:
-#   1. setup (models, Python test deps), idempotent; docs/layout.md is
+#   1. setup (models, Python test deps; Debian's postgresql for the
+#      receipt store's test), idempotent; docs/layout.md is
 #      current (scripts/layout.py --check); no crate's modules import each
 #      other in a circle (scripts/module_cycles.py);
 #   2. release build with the test-only fault-injection switch compiled into
@@ -18,6 +19,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 FEATURES=(--features enclave-stage/fault-injection)
 
 scripts/setup.sh
+# gateway/tests/receipt_store_e2e.rs starts a real PostgreSQL server.
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  echo "== installing Debian's postgresql (the receipt store's test starts a server)"
+  SUDO=""; [[ "$(id -u)" == 0 ]] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq postgresql >/dev/null
+fi
 python3 scripts/layout.py --check
 python3 scripts/module_cycles.py
 cargo build --release --workspace "${FEATURES[@]}"

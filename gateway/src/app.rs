@@ -291,6 +291,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
             cfg.pipeline.policy.display()
         );
     }
+    // The receipt store first: a database that cannot be reached stops the
+    // start before any stage is launched.
+    let receipt_store =
+        receipts::ReceiptStore::open(&cfg.receipts, cfg.server.receipt_retention).await?;
+    tracing::info!(store = receipt_store.kind(), "receipt store open");
     let specs = cfg.pipelines();
     let mut policies = Vec::new();
     for s in &specs {
@@ -344,7 +349,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             timeout: routes.for_route(timeouts::EMBEDDINGS),
             routes: std::sync::Arc::new(routes),
         },
-        receipts: std::sync::Arc::new(receipts::ReceiptStore::new(cfg.server.receipt_retention)),
+        receipts: std::sync::Arc::new(receipt_store),
         gateway_key,
         auth: std::sync::Arc::new(api_keys),
         metrics,

@@ -118,6 +118,7 @@ pub struct Metrics {
     latency: Mutex<BTreeMap<String, Histogram>>,
     in_flight: AtomicI64,
     receipts: AtomicU64,
+    receipts_not_stored: AtomicU64,
     sealing: [AtomicU64; 3],
     auth_rejections: [AtomicU64; 4],
     streams_cut: [AtomicU64; 3],
@@ -138,6 +139,17 @@ fn sealing_index(s: Sealing) -> usize {
         Sealing::Enclave => 1,
         Sealing::Gateway => 2,
     }
+}
+
+/// A family's `# HELP` and `# TYPE` lines.
+pub(crate) fn family(o: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// A family with one unlabelled sample: `(name, kind)`, help, value.
+fn scalar(o: &mut String, (name, kind): (&str, &str), help: &str, value: impl std::fmt::Display) {
+    family(o, name, kind, help);
+    let _ = writeln!(o, "{name} {value}");
 }
 
 const SEALING_LABELS: [&str; 3] = ["plain", "enclave", "gateway"];
@@ -164,6 +176,11 @@ impl Metrics {
         self.receipts.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A receipt could not be written to the receipt store.
+    pub fn receipt_not_stored(&self) {
+        self.receipts_not_stored.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// An embeddings request arrived with this sealing.
     pub fn sealing(&self, s: Sealing) {
         self.sealing[sealing_index(s)].fetch_add(1, Ordering::Relaxed);
@@ -184,9 +201,6 @@ impl Metrics {
     /// its readiness and connection counters.
     pub fn render(&self, pipeline: Option<&PipelineHealth>) -> String {
         let mut o = String::new();
-        let family = |o: &mut String, name: &str, kind: &str, help: &str| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        };
         family(
             &mut o,
             "gateway_http_requests_total",
@@ -222,16 +236,11 @@ impl Metrics {
                 h.count, h.sum, h.count
             );
         }
-        family(
+        scalar(
             &mut o,
-            "gateway_http_requests_in_flight",
-            "gauge",
+            ("gateway_http_requests_in_flight", "gauge"),
             "HTTP requests being handled now (including those waiting for the pipeline).",
-        );
-        let _ = writeln!(
-            o,
-            "gateway_http_requests_in_flight {}",
-            self.in_flight.load(Ordering::Relaxed)
+            self.in_flight.load(Ordering::Relaxed),
         );
         family(
             &mut o,
@@ -246,16 +255,17 @@ impl Metrics {
                 self.sealing[i].load(Ordering::Relaxed)
             );
         }
-        family(
+        scalar(
             &mut o,
-            "gateway_receipts_issued_total",
-            "counter",
+            ("gateway_receipts_issued_total", "counter"),
             "Signed receipts returned to clients.",
+            self.receipts.load(Ordering::Relaxed),
         );
-        let _ = writeln!(
-            o,
-            "gateway_receipts_issued_total {}",
-            self.receipts.load(Ordering::Relaxed)
+        scalar(
+            &mut o,
+            ("gateway_receipts_not_stored_total", "counter"),
+            "Receipts the receipt store failed to keep (the client still got them; GET /v1/receipts/{id} will not find them).",
+            self.receipts_not_stored.load(Ordering::Relaxed),
         );
         let by_reason = |o: &mut String,
                          name: &str,

@@ -99,6 +99,19 @@ impl ApiError {
         }
     }
 
+    /// 503 when the receipt store cannot be read.
+    pub fn receipt_store_unavailable() -> Self {
+        Self {
+            code: Some("receipt_store_unavailable"),
+            retry_after: Some(1),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "The receipt store cannot be read now; try again.",
+            )
+        }
+    }
+
     /// 503 + `Retry-After` when the replay guard of the gateway-held key is
     /// full of keys still inside their window.
     pub fn replay_guard_full(retry_after_secs: u64) -> Self {

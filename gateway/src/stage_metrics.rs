@@ -10,7 +10,7 @@
 //! stage index, the operation and the finish reason (`stop`, `length`,
 //! anything else as `other`). No request content can become a label.
 
-use crate::metrics::{Histogram, PipelineHealth, BUCKETS};
+use crate::metrics::{family, Histogram, PipelineHealth, BUCKETS};
 use proto::frames::{RequestTelemetry, StageStats, BATCH_SIZE_BOUNDS};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -102,10 +102,6 @@ fn operation(p: &PipelineView) -> &'static str {
     } else {
         "embeddings"
     }
-}
-
-fn family(o: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
 /// The pipeline families of every pipeline.

@@ -71,10 +71,19 @@ pub(super) async fn readyz(State(s): State<AppState>) -> Response {
 }
 
 pub(super) async fn get_receipt(State(s): State<AppState>, Path(id): Path<String>) -> Response {
-    let found = hex::decode(&id)
+    let wanted = hex::decode(&id)
         .ok()
-        .and_then(|b| <[u8; 16]>::try_from(b).ok())
-        .and_then(|id| s.receipts.get(&id));
+        .and_then(|b| <[u8; 16]>::try_from(b).ok());
+    let found = match wanted {
+        None => None,
+        Some(wanted) => match s.receipts.get(&wanted).await {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "the receipt store cannot be read");
+                return crate::openai_error::ApiError::receipt_store_unavailable().into_response();
+            }
+        },
+    };
     match found {
         Some(kept) => {
             let mut r =

@@ -177,7 +177,7 @@ pub(super) async fn relay_inner(
                     receipt,
                     digest_salt: None,
                 };
-                attach_receipt(s, &mut r, receipt_id, kept);
+                attach_receipt(s, &mut r, receipt_id, kept).await;
                 r
             }
             Reply::Failed(mut e) => {
@@ -204,7 +204,7 @@ pub(super) async fn relay_inner(
             } => {
                 let mut r = json_response(status, body);
                 if let Some((id, receipt)) = receipt {
-                    attach_receipt(s, &mut r, id, receipt);
+                    attach_receipt(s, &mut r, id, receipt).await;
                 }
                 set_retry_after(&mut r, retry_after);
                 r
@@ -371,7 +371,7 @@ pub(super) async fn via_gateway_key(
             .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
             let mut r = sealed_response(status, sealed_body);
             if let Some((id, receipt)) = receipt {
-                attach_receipt(s, &mut r, id, receipt);
+                attach_receipt(s, &mut r, id, receipt).await;
             }
             set_retry_after(&mut r, retry_after);
             Ok(r)
@@ -432,7 +432,12 @@ pub(super) fn sealed_response(status: u16, body: Vec<u8>) -> Response {
 /// Puts the receipt's id, the receipt (if it fits) and the salt of its
 /// digests (if the gateway knows it) in the response headers, and keeps the
 /// receipt for `GET /v1/receipts/{id}`.
-pub(super) fn attach_receipt(s: &AppState, r: &mut Response, id: [u8; 16], kept: ReceiptTrailer) {
+pub(super) async fn attach_receipt(
+    s: &AppState,
+    r: &mut Response,
+    id: [u8; 16],
+    kept: ReceiptTrailer,
+) {
     let h = r.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&hex::encode(id)) {
         h.insert(HEADER_RECEIPT_ID, v);
@@ -449,6 +454,12 @@ pub(super) fn attach_receipt(s: &AppState, r: &mut Response, id: [u8; 16], kept:
             h.insert(HEADER_RECEIPT, v);
         }
     }
-    s.receipts.insert(id, kept);
+    // Stored before the response leaves, so that any gateway sharing the
+    // store answers for it at once. A store that fails does not fail the
+    // request: the client has the receipt in the response.
+    if let Err(e) = s.receipts.insert(id, kept).await {
+        tracing::warn!(error = %format!("{e:#}"), "a receipt was not stored");
+        s.metrics.receipt_not_stored();
+    }
     s.metrics.receipt_issued();
 }

@@ -136,13 +136,14 @@ pub(super) async fn pump_stream(
                 .and_then(|o| o.trailer())
                 .and_then(|t| ReceiptTrailer::decode(t).ok())
                 .and_then(|t| t.digest_salt);
-            receipts.insert(
-                receipt_id,
-                ReceiptTrailer {
-                    receipt,
-                    digest_salt,
-                },
-            );
+            let kept = ReceiptTrailer {
+                receipt,
+                digest_salt,
+            };
+            if let Err(e) = receipts.insert(receipt_id, kept).await {
+                tracing::warn!(error = %format!("{e:#}"), "a receipt was not stored");
+                metrics.receipt_not_stored();
+            }
             metrics.receipt_issued();
         }
         if !out.is_empty() {

@@ -54,6 +54,9 @@ pub struct GatewayConfig {
     /// HPKE key rotation (off by default).
     #[serde(default)]
     pub keys: KeysConfig,
+    /// Where receipts are kept (an SQLite file by default).
+    #[serde(default)]
+    pub receipts: crate::receipts::ReceiptsConfig,
 }
 
 /// `[keys]`: rotation of the HPKE keys clients seal to: the gateway-held

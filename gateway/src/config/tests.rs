@@ -330,3 +330,37 @@ fn key_rotation_reaches_local_stages_and_needs_an_overlap() {
     let e = format!("{:#}", GatewayConfig::parse(&text, env(&[])).unwrap_err());
     assert!(e.contains("keys.overlap_secs"), "{e}");
 }
+
+#[test]
+fn receipt_store_is_sqlite_by_default_and_postgres_needs_a_url_without_a_password() {
+    let cfg = GatewayConfig::parse(&shipped(), env(&[])).unwrap();
+    assert_eq!(cfg.receipts.store, crate::receipts::StoreKind::Sqlite);
+    assert_eq!(cfg.receipts.path, Path::new("data/receipts.sqlite3"));
+    let e = format!(
+        "{:#}",
+        GatewayConfig::parse(&shipped(), env(&[("GATEWAY_RECEIPTS__STORE", "postgres")]))
+            .unwrap_err()
+    );
+    assert!(e.contains("needs a connection URL"), "{e}");
+    let e = format!(
+        "{:#}",
+        GatewayConfig::parse(
+            &shipped(),
+            env(&[
+                ("GATEWAY_RECEIPTS__STORE", "postgres"),
+                ("GATEWAY_RECEIPTS__URL", "postgres://gw:hunter2@db/receipts"),
+            ])
+        )
+        .unwrap_err()
+    );
+    assert!(
+        e.contains("GATEWAY_RECEIPTS__URL") && e.contains("PGPASSWORD"),
+        "{e}"
+    );
+    assert!(!e.contains("hunter2"), "{e}");
+    let e = format!(
+        "{:#}",
+        GatewayConfig::parse(&shipped(), env(&[("GATEWAY_RECEIPTS__STORE", "redis")])).unwrap_err()
+    );
+    assert!(e.contains("receipts.store"), "{e}");
+}

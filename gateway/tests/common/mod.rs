@@ -156,6 +156,10 @@ pub fn write_config(opts: &Options, dir: &Path) -> PathBuf {
         }
     }
     cfg += &opts.extra;
+    if !opts.extra.contains("[receipts]") {
+        // Each test gateway its own receipt store (the default file is shared).
+        cfg += &format!("\n[receipts]\npath = {:?}\n", dir.join("receipts.sqlite3"));
+    }
     let path = dir.join("gateway.toml");
     std::fs::write(&path, cfg).unwrap();
     path

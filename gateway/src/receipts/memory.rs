@@ -1,8 +1,5 @@
-//! Bounded retention of receipts for `GET /v1/receipts/{id}`: the newest
-//! `capacity` receipts are kept; older ones are dropped first. A receipt is
-//! kept with the salt of its digests where the gateway knows it (requests
-//! it saw in plaintext); for requests sealed to the enclave only the client
-//! has the salt.
+//! Receipts in this process's memory (`[receipts] store = "memory"`): the
+//! newest `capacity` receipts are kept; older ones are dropped first.
 
 use proto::receipt::ReceiptTrailer;
 use std::collections::{HashMap, VecDeque};
@@ -11,13 +8,13 @@ use std::sync::Mutex;
 /// Receipts by id, and their ids oldest first.
 type Kept = (HashMap<[u8; 16], ReceiptTrailer>, VecDeque<[u8; 16]>);
 
-/// The receipt store.
-pub struct ReceiptStore {
+/// The in-memory store.
+pub struct MemoryStore {
     capacity: usize,
     inner: Mutex<Kept>,
 }
 
-impl ReceiptStore {
+impl MemoryStore {
     /// A store keeping at most `capacity` receipts (0 keeps none).
     pub fn new(capacity: usize) -> Self {
         Self {
@@ -59,12 +56,12 @@ mod tests {
             receipt: vec![b],
             digest_salt: None,
         };
-        let s = ReceiptStore::new(2);
+        let s = MemoryStore::new(2);
         s.insert([1; 16], kept(1));
         s.insert([2; 16], kept(2));
         s.insert([3; 16], kept(3));
         assert_eq!(s.get(&[1; 16]), None);
         assert_eq!(s.get(&[3; 16]), Some(kept(3)));
-        assert_eq!(ReceiptStore::new(0).get(&[1; 16]), None);
+        assert_eq!(MemoryStore::new(0).get(&[1; 16]), None);
     }
 }

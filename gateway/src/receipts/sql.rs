@@ -1,0 +1,269 @@
+//! Receipts in a SQL database: an embedded SQLite file, or PostgreSQL
+//! shared by several gateways. One table, `receipts`:
+//!
+//! | column | what |
+//! | --- | --- |
+//! | `seq` | insertion order (retention drops the lowest) |
+//! | `id` | the receipt id (16 bytes, unique) |
+//! | `receipt` | the COSE_Sign1 receipt |
+//! | `digest_salt` | the salt of its digests, where the gateway knows it |
+//! | `created_at` | Unix seconds |
+//!
+//! Retention: after each insert, rows more than `retention` below the
+//! newest `seq` are deleted (PostgreSQL sequences may skip values, so a
+//! fleet keeps at most `retention`, sometimes a few less).
+
+use anyhow::{Context, Result};
+use proto::receipt::ReceiptTrailer;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::SqliteSynchronous;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use sqlx::Row;
+use std::path::Path;
+use std::str::FromStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// How long a query waits for a connection (or SQLite for its lock).
+const WAIT: Duration = Duration::from_secs(5);
+
+/// A connection pool to one of the two databases.
+enum Pool {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+}
+
+/// A SQL receipt store.
+pub struct SqlStore {
+    pool: Pool,
+    retention: i64,
+}
+
+const SQLITE_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS receipts (
+    seq INTEGER PRIMARY KEY,
+    id BLOB NOT NULL UNIQUE,
+    receipt BLOB NOT NULL,
+    digest_salt BLOB,
+    created_at INTEGER NOT NULL)";
+
+const POSTGRES_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS receipts (
+    seq BIGSERIAL PRIMARY KEY,
+    id BYTEA NOT NULL UNIQUE,
+    receipt BYTEA NOT NULL,
+    digest_salt BYTEA,
+    created_at BIGINT NOT NULL)";
+
+/// The statements, in each database's placeholder syntax.
+struct Statements {
+    schema: &'static str,
+    insert: &'static str,
+    prune: &'static str,
+    get: &'static str,
+}
+
+const SQLITE: Statements = Statements {
+    schema: SQLITE_SCHEMA,
+    insert: "INSERT INTO receipts (id, receipt, digest_salt, created_at) \
+             VALUES (?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+    prune: "DELETE FROM receipts WHERE seq <= (SELECT MAX(seq) FROM receipts) - ?",
+    get: "SELECT receipt, digest_salt FROM receipts WHERE id = ?",
+};
+
+const POSTGRES: Statements = Statements {
+    schema: POSTGRES_SCHEMA,
+    insert: "INSERT INTO receipts (id, receipt, digest_salt, created_at) \
+             VALUES ($1, $2, $3, $4) ON CONFLICT (id) DO NOTHING",
+    prune: "DELETE FROM receipts WHERE seq <= (SELECT MAX(seq) FROM receipts) - $1",
+    get: "SELECT receipt, digest_salt FROM receipts WHERE id = $1",
+};
+
+/// Runs `body` with `p` bound to the pool and `sql` to its statements:
+/// the same code for both databases (their pools are different types).
+macro_rules! on_pool {
+    ($pool:expr, |$p:ident, $sql:ident| $body:expr) => {
+        match $pool {
+            Pool::Sqlite($p) => {
+                let $sql = &SQLITE;
+                $body
+            }
+            Pool::Postgres($p) => {
+                let $sql = &POSTGRES;
+                $body
+            }
+        }
+    };
+}
+
+fn now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+impl SqlStore {
+    /// Opens (creating if missing) the SQLite file at `path`, readable by
+    /// its owner only: WAL journal, so that readers never wait for the
+    /// writer and several gateway processes can share the file.
+    pub async fn sqlite(path: &Path, retention: usize) -> Result<Self> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("receipts.path: creating {}", dir.display()))?;
+        }
+        owner_only(path).with_context(|| format!("receipts.path: {}", path.display()))?;
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(WAIT);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(WAIT)
+            .connect_with(options)
+            .await
+            .with_context(|| format!("receipts.path: opening {}", path.display()))?;
+        sqlx::query(SQLITE.schema)
+            .execute(&pool)
+            .await
+            .with_context(|| format!("receipts.path: creating the table in {}", path.display()))?;
+        Ok(Self {
+            pool: Pool::Sqlite(pool),
+            retention: retention as i64,
+        })
+    }
+
+    /// Connects to PostgreSQL at `url` (password from `PGPASSWORD`) and
+    /// creates the table if it is missing.
+    pub async fn postgres(url: &str, retention: usize) -> Result<Self> {
+        // Only the host part of the URL goes into messages.
+        let shown = url.rsplit_once('@').map_or(url, |(_, h)| h);
+        let options = PgConnectOptions::from_str(url)
+            .with_context(|| format!("receipts.url: not a PostgreSQL URL ({shown})"))?;
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(WAIT)
+            .connect_with(options)
+            .await
+            .with_context(|| format!("receipts.url: connecting to {shown}"))?;
+        sqlx::query(POSTGRES.schema)
+            .execute(&pool)
+            .await
+            .with_context(|| format!("receipts.url: creating the table at {shown}"))?;
+        Ok(Self {
+            pool: Pool::Postgres(pool),
+            retention: retention as i64,
+        })
+    }
+
+    /// `sqlite` or `postgres`.
+    pub fn kind(&self) -> &'static str {
+        match self.pool {
+            Pool::Sqlite(_) => "sqlite",
+            Pool::Postgres(_) => "postgres",
+        }
+    }
+
+    /// Keeps a receipt (a second insert of the same id changes nothing),
+    /// then drops what falls out of retention.
+    pub async fn insert(&self, id: [u8; 16], r: ReceiptTrailer) -> Result<()> {
+        if self.retention == 0 {
+            return Ok(());
+        }
+        let salt = r.digest_salt.map(|s| s.to_vec());
+        on_pool!(&self.pool, |p, sql| {
+            sqlx::query(sql.insert)
+                .bind(&id[..])
+                .bind(&r.receipt)
+                .bind(salt)
+                .bind(now())
+                .execute(p)
+                .await
+                .context("storing a receipt")?;
+            sqlx::query(sql.prune)
+                .bind(self.retention)
+                .execute(p)
+                .await
+                .context("dropping old receipts")?;
+        });
+        Ok(())
+    }
+
+    /// A kept receipt.
+    pub async fn get(&self, id: &[u8; 16]) -> Result<Option<ReceiptTrailer>> {
+        let row: Option<(Vec<u8>, Option<Vec<u8>>)> = on_pool!(&self.pool, |p, sql| {
+            sqlx::query(sql.get)
+                .bind(&id[..])
+                .fetch_optional(p)
+                .await
+                .context("reading a receipt")?
+                .map(|r| (r.get(0), r.get(1)))
+        });
+        let Some((receipt, salt)) = row else {
+            return Ok(None);
+        };
+        let digest_salt = match salt {
+            None => None,
+            Some(s) => Some(
+                s.try_into()
+                    .map_err(|_| anyhow::anyhow!("a stored digest salt has the wrong length"))?,
+            ),
+        };
+        Ok(Some(ReceiptTrailer {
+            receipt,
+            digest_salt,
+        }))
+    }
+}
+
+/// Makes `path` (if missing) readable and writable by its owner only;
+/// SQLite gives its `-wal` and `-shm` files the same mode.
+fn owner_only(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+        .map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kept(b: u8, salt: bool) -> ReceiptTrailer {
+        ReceiptTrailer {
+            receipt: vec![b; 40],
+            digest_salt: salt.then_some([b; 32]),
+        }
+    }
+
+    #[tokio::test]
+    async fn sqlite_keeps_the_newest_and_survives_reopening() {
+        let dir = std::env::temp_dir().join(format!("receipts-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("sub/receipts.sqlite3");
+        let s = SqlStore::sqlite(&path, 2).await.unwrap();
+        s.insert([1; 16], kept(1, true)).await.unwrap();
+        s.insert([2; 16], kept(2, false)).await.unwrap();
+        // The same id again changes nothing.
+        s.insert([2; 16], kept(9, true)).await.unwrap();
+        assert_eq!(s.get(&[1; 16]).await.unwrap(), Some(kept(1, true)));
+        assert_eq!(s.get(&[2; 16]).await.unwrap(), Some(kept(2, false)));
+        s.insert([3; 16], kept(3, true)).await.unwrap();
+        assert_eq!(
+            s.get(&[1; 16]).await.unwrap(),
+            None,
+            "the oldest is dropped"
+        );
+        drop(s);
+        // Another process (or a restarted gateway) sees what was kept.
+        let again = SqlStore::sqlite(&path, 2).await.unwrap();
+        assert_eq!(again.get(&[3; 16]).await.unwrap(), Some(kept(3, true)));
+        assert_eq!(again.get(&[2; 16]).await.unwrap(), Some(kept(2, false)));
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "owner only");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
