@@ -20,6 +20,33 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 /// id) rather than failing to open; ids from 0x80 are the gateway's.
 pub const ENCLAVE_HPKE_KEY_IDS: std::ops::RangeInclusive<u8> = 1..=0x7f;
 
+/// Parses `--hpke-key-ids LO-HI`: a range inside [`ENCLAVE_HPKE_KEY_IDS`]
+/// of at least 4 ids (a current key, keys still overlapping, and room for a
+/// new one). A gateway running several replicas of a pipeline gives each
+/// entry stage its own range, so that a key id names one replica.
+pub fn parse_key_ids(s: &str) -> Result<std::ops::RangeInclusive<u8>, String> {
+    let (lo, hi) = s
+        .split_once('-')
+        .ok_or_else(|| format!("{s:?}: expected LO-HI, e.g. 1-42"))?;
+    let parse = |v: &str| v.trim().parse::<u8>().map_err(|e| format!("{v:?}: {e}"));
+    let (lo, hi) = (parse(lo)?, parse(hi)?);
+    if !ENCLAVE_HPKE_KEY_IDS.contains(&lo) || !ENCLAVE_HPKE_KEY_IDS.contains(&hi) {
+        return Err(format!("{s:?}: enclave key ids are 1 to 127"));
+    }
+    if hi < lo || hi - lo < 3 {
+        return Err(format!("{s:?}: at least 4 ids are needed"));
+    }
+    Ok(lo..=hi)
+}
+
+/// An id in `ids` that no key in `held` has (`None`: all are taken).
+fn free_id(ids: &std::ops::RangeInclusive<u8>, held: &[Held]) -> Option<u8> {
+    use rand::seq::IteratorRandom;
+    ids.clone()
+        .filter(|id| held.iter().all(|h| h.key.key_id() != *id))
+        .choose(&mut rand::rngs::OsRng)
+}
+
 /// Keys and boot evidence of one stage.
 pub struct StageKeys {
     /// Receipt-signing key.
@@ -39,17 +66,18 @@ pub struct StageKeys {
 
 impl StageKeys {
     /// Generates the keys, fills them into `claims` and makes the boot
-    /// evidence; an entry stage's HPKE key rotates on `rotation`.
+    /// evidence; an entry stage's HPKE key ids are drawn from `key_ids`,
+    /// and its key rotates on `rotation`.
     pub fn generate(
         claims: &mut StageClaims,
         provider: &dyn AttestationProvider,
         rotation: Option<Rotation>,
+        key_ids: std::ops::RangeInclusive<u8>,
     ) -> Result<Self, AttestError> {
         let receipt = SigningKey::generate(&mut rand::rngs::OsRng);
-        let hpke = claims.is_entry().then(|| {
-            use rand::Rng;
-            ServerKey::generate(rand::rngs::OsRng.gen_range(ENCLAVE_HPKE_KEY_IDS))
-        });
+        let hpke = claims
+            .is_entry()
+            .then(|| ServerKey::generate(free_id(&key_ids, &[]).unwrap_or(*key_ids.start())));
         claims.receipt_key = receipt.verifying_key().to_bytes();
         claims.hpke_keys = hpke
             .as_ref()
@@ -66,7 +94,7 @@ impl StageKeys {
             evidence_digest: boot_evidence.digest(),
             mock: provider.format() == EvidenceFormat::Mock,
             boot_evidence,
-            hpke: hpke.map(|k| Arc::new(HpkeKeys::new(k, receipt.clone(), rotation))),
+            hpke: hpke.map(|k| Arc::new(HpkeKeys::new(k, receipt.clone(), rotation, key_ids))),
             receipt,
             sequence: AtomicU64::new(0),
         })
@@ -99,6 +127,8 @@ struct Held {
 pub struct HpkeKeys {
     receipt: SigningKey,
     rotation: Option<Rotation>,
+    /// The ids this stage's keys are drawn from.
+    ids: std::ops::RangeInclusive<u8>,
     held: Mutex<Vec<Held>>,
     signed: tokio::sync::watch::Sender<Vec<u8>>,
 }
@@ -111,7 +141,12 @@ fn unix_now() -> u64 {
 }
 
 impl HpkeKeys {
-    fn new(first: ServerKey, receipt: SigningKey, rotation: Option<Rotation>) -> Self {
+    fn new(
+        first: ServerKey,
+        receipt: SigningKey,
+        rotation: Option<Rotation>,
+        ids: std::ops::RangeInclusive<u8>,
+    ) -> Self {
         let held = vec![Held {
             key: first,
             retires: None,
@@ -120,6 +155,7 @@ impl HpkeKeys {
         Self {
             receipt,
             rotation,
+            ids,
             held: Mutex::new(held),
             signed: tokio::sync::watch::channel(signed).0,
         }
@@ -157,16 +193,15 @@ impl HpkeKeys {
         self.signed.subscribe()
     }
 
-    /// Makes a new current key (an id no held key has) and schedules the
-    /// retirement of the one it replaces.
+    /// Makes a new current key (an id of its range no held key has) and
+    /// schedules the retirement of the one it replaces. With every id of
+    /// the range held (overlaps longer than the rotation period), the
+    /// rotation waits for a key to retire.
     pub fn rotate(&self, overlap: Duration) {
-        use rand::Rng;
         let mut held = self.held.lock().expect("key lock");
-        let id = loop {
-            let id = rand::rngs::OsRng.gen_range(ENCLAVE_HPKE_KEY_IDS);
-            if held.iter().all(|h| h.key.key_id() != id) {
-                break id;
-            }
+        let Some(id) = free_id(&self.ids, &held) else {
+            tracing::warn!("no free HPKE key id in this stage's range: rotation skipped");
+            return;
         };
         let retire = (
             Instant::now() + overlap,
@@ -233,6 +268,7 @@ mod tests {
             ServerKey::derive(5, b"first"),
             SigningKey::from_bytes(&[3; 32]),
             None,
+            ENCLAVE_HPKE_KEY_IDS,
         )
     }
 
@@ -261,5 +297,38 @@ mod tests {
             set.configs().iter().map(|c| c.key_id).collect::<Vec<_>>(),
             [new_id]
         );
+    }
+
+    #[test]
+    fn key_ids_stay_in_the_stage_range_through_rotations() {
+        assert_eq!(parse_key_ids("43-84").unwrap(), 43..=84);
+        for bad in ["0-10", "120-130", "10-12", "9-3", "7", "a-b"] {
+            assert!(parse_key_ids(bad).is_err(), "{bad}");
+        }
+        let ids = parse_key_ids("43-46").unwrap();
+        let k = HpkeKeys::new(
+            ServerKey::derive(43, b"first"),
+            SigningKey::from_bytes(&[3; 32]),
+            None,
+            ids.clone(),
+        );
+        // Overlaps longer than the rotations: four keys fill the range,
+        // a fifth rotation waits for one to retire.
+        for _ in 0..4 {
+            k.rotate(Duration::from_secs(3600));
+        }
+        let held: Vec<u8> = k
+            .held
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|h| h.key.key_id())
+            .collect();
+        assert_eq!(held.len(), 4, "{held:?}");
+        assert!(held.iter().all(|id| ids.contains(id)), "{held:?}");
+        let mut distinct = held.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 4, "ids are never shared: {held:?}");
     }
 }

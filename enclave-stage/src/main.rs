@@ -93,6 +93,11 @@ struct Args {
     /// Entry stage: how long a replaced HPKE key is still accepted.
     #[arg(long, default_value_t = 3600)]
     hpke_overlap_secs: u64,
+    /// Entry stage: the HPKE key ids to draw from, `LO-HI` within 1-127
+    /// (a gateway gives each replica of a pipeline its own range, so that a
+    /// key id names one replica).
+    #[arg(long, default_value = "1-127", value_parser = enclave_stage::keys::parse_key_ids)]
+    hpke_key_ids: std::ops::RangeInclusive<u8>,
 }
 
 fn main() -> Result<()> {
@@ -149,7 +154,12 @@ fn main() -> Result<()> {
         every: Duration::from_secs(args.hpke_rotate_secs),
         overlap: Duration::from_secs(args.hpke_overlap_secs),
     });
-    let keys = Arc::new(StageKeys::generate(claims, provider.as_ref(), rotation)?);
+    let keys = Arc::new(StageKeys::generate(
+        claims,
+        provider.as_ref(),
+        rotation,
+        args.hpke_key_ids.clone(),
+    )?);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

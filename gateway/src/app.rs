@@ -4,7 +4,7 @@
 //! `client` crate's ([`client::run`]).
 
 use crate::config::{GatewayConfig, Launch};
-use crate::pipeline::{Pipeline, StageTarget};
+use crate::pipeline::{Pipeline, Replicas, StageTarget};
 use crate::{
     api, auth, config, host_proxy, launcher, metrics, receipts, serve, shutdown, telemetry,
     timeouts, tls,
@@ -304,12 +304,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 .map_err(|e| anyhow::anyhow!("{} policy {}: {e}", s.name, s.policy.display()))?,
         );
     }
-    // The pipelines load their models at the same time.
+    // The pipelines (every replica of each) load their models at the same time.
     let started = futures_util::future::join_all(
         specs
             .iter()
             .zip(&policies)
-            .map(|(s, policy)| start_pipeline(&cfg, s, policy)),
+            .flat_map(|(s, policy)| (0..s.replicas).map(|r| start_pipeline(&cfg, s, policy, r))),
     )
     .await;
     let mut ok = Vec::new();
@@ -336,8 +336,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
         stages.extend(s.stages);
         pipelines.push(s.pipeline);
     }
-    let pipeline = pipelines[0].clone();
-    let completions = pipelines.get(1).cloned();
+    // Each model's replicas, in the order started (specs in order, replica 0 first).
+    let mut models = Vec::new();
+    let mut members = pipelines.iter().cloned();
+    for s in &specs {
+        models.push(Replicas::new(members.by_ref().take(s.replicas).collect()));
+    }
+    let pipeline = models[0].clone();
+    let completions = models.get(1).cloned();
     let shutdown = shutdown::Shutdown::new(Duration::from_secs(cfg.server.shutdown_grace_secs));
     let gateway_key = std::sync::Arc::new(api::GatewayKey::rotating(cfg.keys.rotation()));
     tokio::spawn(gateway_key.clone().run());
@@ -376,12 +382,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
             Some(cert) => {
                 let config = std::sync::Arc::new(tls::server_config(cert)?);
                 let listener = tls::TlsListener::new(listener, config)?;
-                tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening (TLS; HTTP/1.1 and HTTP/2)");
+                tracing::info!(address = %addr, model = %pipeline.model_id(), "gateway listening (TLS; HTTP/1.1 and HTTP/2)");
                 println!("GATEWAY LISTENING https://{addr}");
                 serve::serve(listener, router, limits, on_signal).await;
             }
             None => {
-                tracing::info!(address = %addr, model = %pipeline.model_id, "gateway listening");
+                tracing::info!(address = %addr, model = %pipeline.model_id(), "gateway listening");
                 println!("GATEWAY LISTENING http://{addr}");
                 serve::serve(listener, router, limits, on_signal).await;
             }
@@ -423,6 +429,7 @@ async fn start_pipeline(
     cfg: &GatewayConfig,
     spec: &config::PipelineSpec,
     policy: &Policy,
+    replica: usize,
 ) -> Result<StartedPipeline> {
     let manifest = LoadedManifest::load(&spec.model_dir).with_context(|| {
         format!(
@@ -433,7 +440,7 @@ async fn start_pipeline(
     })?;
     let (stages, endpoints, restarts) = match cfg.pipeline.launch {
         Launch::Local => {
-            let (s, restarts) = launcher::LocalStages::start(cfg, spec).await?;
+            let (s, restarts) = launcher::LocalStages::start(cfg, spec, replica).await?;
             let eps = s.endpoints.clone();
             (Some(s), eps, Some(restarts))
         }
@@ -466,7 +473,7 @@ async fn start_pipeline(
     };
     // Local stages are launched with the pipeline's policy file.
     let local_build = stage_binary.as_deref().map(|b| (b, spec.policy.as_path()));
-    let pipeline = Pipeline::new(targets, policy.clone(), &manifest, local_build)?;
+    let pipeline = Pipeline::new(targets, policy.clone(), &manifest, local_build, replica)?;
     let connect_timeout = Duration::from_secs(cfg.pipeline.connect_timeout_secs);
     // Wait for the first verified connection before listening.
     let first = tokio::time::timeout(connect_timeout, async {

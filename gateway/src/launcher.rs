@@ -30,6 +30,7 @@ pub type Restarted = (usize, Endpoint);
 
 struct Spawner {
     name: &'static str,
+    replica: usize,
     bin: PathBuf,
     args: Vec<Vec<String>>,
     ready_timeout: Duration,
@@ -71,19 +72,20 @@ impl Spawner {
             .strip_prefix("LISTENING ")
             .with_context(|| format!("stage {i} printed {line:?} instead of LISTENING"))?;
         let ep: Endpoint = ep.parse().map_err(anyhow::Error::msg)?;
-        tracing::info!(pipeline = self.name, stage = i, pid = child.id(), endpoint = %ep, "local stage started");
+        tracing::info!(pipeline = self.name, replica = self.replica, stage = i, pid = child.id(), endpoint = %ep, "local stage started");
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         Ok(ep)
     }
 }
 
 impl LocalStages {
-    /// Starts every configured stage (their model loads overlap) and waits
-    /// until each has loaded its model and bound its listener. Restarts are
-    /// reported on the returned receiver.
+    /// Starts every stage of replica `replica` of the pipeline (their model
+    /// loads overlap) and waits until each has loaded its model and bound
+    /// its listener. Restarts are reported on the returned receiver.
     pub async fn start(
         cfg: &GatewayConfig,
         spec: &PipelineSpec,
+        replica: usize,
     ) -> Result<(Self, mpsc::Receiver<Restarted>)> {
         let bin = cfg.stage_binary()?;
         if !bin.exists() {
@@ -117,11 +119,19 @@ impl LocalStages {
                     "--exit-with-stdin".into(),
                 ];
                 a.extend(spec.stage_args.iter().cloned());
+                if i == 0 {
+                    // Each replica's entry stage its own key ids: a key id
+                    // names the replica that can open a request sealed to it.
+                    let ids = crate::pipeline::key_ids(replica, spec.replicas);
+                    a.push("--hpke-key-ids".into());
+                    a.push(format!("{}-{}", ids.start(), ids.end()));
+                }
                 a
             })
             .collect();
         let spawner = std::sync::Arc::new(Spawner {
             name: spec.name,
+            replica,
             bin,
             args,
             ready_timeout: Duration::from_secs(p.connect_timeout_secs),
@@ -185,7 +195,7 @@ async fn keep_running(
     loop {
         tokio::select! {
             status = child.wait() => {
-                tracing::error!(pipeline = spawner.name, stage = i, ?status, "stage exited unexpectedly; restarting it");
+                tracing::error!(pipeline = spawner.name, replica = spawner.replica, stage = i, ?status, "stage exited unexpectedly; restarting it");
             }
             _ = shutdown.changed() => {
                 drop(stdin.take());

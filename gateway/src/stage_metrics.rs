@@ -86,13 +86,22 @@ pub struct PipelineView<'a> {
     pub usage: &'a UsageCounters,
     /// Each stage's counters, `None` where the stage did not answer in time.
     pub stats: Vec<Option<StageStats>>,
+    /// Which replica of its model it is, when the model has several (then
+    /// every sample carries a `replica` label).
+    pub replica: Option<usize>,
 }
 
-fn pipeline_label(p: &PipelineView) -> &'static str {
-    if p.generation {
+/// The labels naming a pipeline: `pipeline="embeddings"` or
+/// `pipeline="completions"`, plus `replica="N"` where there are replicas.
+fn labels(p: &PipelineView) -> String {
+    let name = if p.generation {
         "completions"
     } else {
         "embeddings"
+    };
+    match p.replica {
+        Some(r) => format!("pipeline=\"{name}\",replica=\"{r}\""),
+        None => format!("pipeline=\"{name}\""),
     }
 }
 
@@ -118,8 +127,8 @@ pub fn render(pipelines: &[PipelineView]) -> String {
         for i in 0..p.health.stage_count {
             let _ = writeln!(
                 o,
-                "gateway_pipeline_stage_up{{pipeline=\"{}\",stage=\"{i}\"}} {up}",
-                pipeline_label(p)
+                "gateway_pipeline_stage_up{{{},stage=\"{i}\"}} {up}",
+                labels(p)
             );
         }
     }
@@ -132,8 +141,8 @@ pub fn render(pipelines: &[PipelineView]) -> String {
     for p in pipelines {
         let _ = writeln!(
             o,
-            "gateway_pipeline_attestation_failures_total{{pipeline=\"{}\"}} {}",
-            pipeline_label(p),
+            "gateway_pipeline_attestation_failures_total{{{}}} {}",
+            labels(p),
             p.health.attestation_failures
         );
     }
@@ -165,8 +174,8 @@ fn render_usage(o: &mut String, pipelines: &[PipelineView]) {
         for p in pipelines {
             let _ = writeln!(
                 o,
-                "{name}{{pipeline=\"{}\",operation=\"{}\"}} {}",
-                pipeline_label(p),
+                "{name}{{{},operation=\"{}\"}} {}",
+                labels(p),
                 operation(p),
                 get(p.usage)
             );
@@ -184,7 +193,8 @@ fn render_usage(o: &mut String, pipelines: &[PipelineView]) {
         for reason in ["stop", "length", "other"] {
             let _ = writeln!(
                 o,
-                "gateway_completions_finish_reasons_total{{pipeline=\"completions\",reason=\"{reason}\"}} {}",
+                "gateway_completions_finish_reasons_total{{{},reason=\"{reason}\"}} {}",
+                labels(p),
                 f.get(reason).copied().unwrap_or(0)
             );
         }
@@ -198,7 +208,7 @@ fn render_usage(o: &mut String, pipelines: &[PipelineView]) {
     );
     for p in &gen {
         let h = p.usage.first_token.lock().unwrap();
-        let labels = "pipeline=\"completions\"";
+        let labels = labels(p);
         for (b, c) in BUCKETS.iter().zip(h.counts) {
             let _ = writeln!(o, "{name}_bucket{{{labels},le=\"{b}\"}} {c}");
         }
@@ -216,7 +226,7 @@ fn render_stages(o: &mut String, pipelines: &[PipelineView]) {
             let st = &p.stats;
             for (i, s) in st.iter().enumerate() {
                 if let Some(s) = s {
-                    let labels = format!("pipeline=\"{}\",stage=\"{i}\"", pipeline_label(p));
+                    let labels = format!("{},stage=\"{i}\"", labels(p));
                     f(o, &labels, s);
                 }
             }
@@ -233,8 +243,8 @@ fn render_stages(o: &mut String, pipelines: &[PipelineView]) {
         for (i, s) in st.iter().enumerate() {
             let _ = writeln!(
                 o,
-                "gateway_stage_stats_up{{pipeline=\"{}\",stage=\"{i}\"}} {}",
-                pipeline_label(p),
+                "gateway_stage_stats_up{{{},stage=\"{i}\"}} {}",
+                labels(p),
                 u8::from(s.is_some())
             );
         }

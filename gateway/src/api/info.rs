@@ -6,7 +6,11 @@ use super::*;
 
 pub(super) async fn metrics_handler(State(s): State<AppState>) -> Response {
     let mut text = s.metrics.render(Some(&s.pipeline.health()));
-    let views = futures_util::future::join_all(s.pipelines().into_iter().map(|p| p.view())).await;
+    let views = futures_util::future::join_all(s.pipelines().into_iter().flat_map(|r| {
+        let n = r.members().len();
+        r.members().iter().map(move |p| p.view(n))
+    }))
+    .await;
     text += &crate::stage_metrics::render(&views);
     (
         [(
@@ -26,7 +30,7 @@ pub(super) async fn list_models(State(s): State<AppState>) -> Response {
     let data: Vec<_> = s
         .pipelines()
         .iter()
-        .map(|p| model_json(&p.model_id))
+        .map(|p| model_json(p.model_id()))
         .collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }
@@ -42,25 +46,39 @@ pub(super) async fn get_model(State(s): State<AppState>, Path(id): Path<String>)
 pub(super) async fn readyz(State(s): State<AppState>) -> Response {
     let mut pipelines = Vec::new();
     let mut mock = false;
-    for p in s.pipelines() {
-        match p.status() {
-            Ok(stages) => {
-                mock |= stages.iter().any(|st| st.evidence == "mock");
-                pipelines.push(json!({
-                    "endpoint": p.endpoint.path(),
-                    "endpoints": p.endpoints().iter().map(|e| e.path()).collect::<Vec<_>>(),
-                    "model": p.model_id,
-                    "stages": stages,
-                }));
-            }
-            Err(reason) => {
-                return ApiError::not_ready(&format!("{}: {reason}", p.model_id)).into_response()
+    for r in s.pipelines() {
+        // Ready while at least one replica is; every replica is listed,
+        // an unready one with its reason.
+        let mut first_ready = None;
+        let mut replicas = Vec::new();
+        for p in r.members() {
+            match p.status() {
+                Ok(stages) => {
+                    mock |= stages.iter().any(|st| st.evidence == "mock");
+                    first_ready.get_or_insert_with(|| stages.clone());
+                    replicas.push(json!({"replica": p.replica, "ready": true, "stages": stages}));
+                }
+                Err(reason) => {
+                    replicas.push(json!({"replica": p.replica, "ready": false, "reason": reason}));
+                }
             }
         }
+        let Some(stages) = first_ready else {
+            return ApiError::not_ready(&format!("{}: {}", r.model_id(), r.not_ready_reason()))
+                .into_response();
+        };
+        let p = r.primary();
+        pipelines.push(json!({
+            "endpoint": p.endpoint.path(),
+            "endpoints": p.endpoints().iter().map(|e| e.path()).collect::<Vec<_>>(),
+            "model": p.model_id,
+            "stages": stages,
+            "replicas": replicas,
+        }));
     }
     let mut body = json!({
         "status": "ready",
-        "model": s.pipeline.model_id,
+        "model": s.pipeline.model_id(),
         "stages": pipelines[0]["stages"],
         "pipelines": pipelines,
     });
@@ -108,7 +126,7 @@ pub(super) async fn hpke_keys(
     State(s): State<AppState>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let chosen: Vec<&Arc<Pipeline>> = match q.get("model") {
+    let chosen: Vec<&Arc<Replicas>> = match q.get("model") {
         Some(m) => match s.by_model(m) {
             Some(p) => vec![p],
             None => return ApiError::model_not_found(m).into_response(),
@@ -117,15 +135,18 @@ pub(super) async fn hpke_keys(
     };
     let mut keys = Vec::new();
     let mut serves = HashMap::new();
-    for p in chosen {
-        match p.entry_keys() {
-            Ok(k) => {
+    for r in chosen {
+        if let Err(reason) = r.entry_keys() {
+            return ApiError::not_ready(&reason).into_response();
+        }
+        // Every ready replica's entry keys (each replica its own ids).
+        for p in r.members() {
+            if let Ok(k) = p.entry_keys() {
                 for c in &k {
-                    serves.insert(c.key_id, (p.model_id.clone(), p.endpoint.path()));
+                    serves.insert(c.key_id, (p.model_id.clone(), p.endpoint.path(), p.replica));
                 }
                 keys.extend(k);
             }
-            Err(reason) => return ApiError::not_ready(&reason).into_response(),
         }
     }
     keys.extend(s.gateway_key.configs());
@@ -142,6 +163,7 @@ pub(super) async fn hpke_keys(
                     "held_by": if gateway { "gateway" } else { "enclave" },
                     "model": serves.get(&k.key_id).map(|m| m.0.clone()),
                     "endpoint": serves.get(&k.key_id).map(|m| m.1),
+                    "replica": serves.get(&k.key_id).map(|m| m.2),
                     "note": if gateway {
                         "held by the untrusted host: it opens your request and re-seals it to the entry stage"
                     } else {
@@ -173,17 +195,31 @@ pub(super) async fn attestation(
                 .into_response()
         }
     };
-    let pipeline = match q.get("model") {
+    let replicas = match q.get("model") {
         Some(m) => match s.by_model(m) {
             Some(p) => p.clone(),
             None => return ApiError::model_not_found(m).into_response(),
         },
         None => s.pipeline.clone(),
     };
+    // One replica's evidence: the one asked for, else the least loaded
+    // (its entry keys are the ones a client then seals to).
+    let asked = match q.get("replica").map(|v| v.parse::<usize>()) {
+        None => None,
+        Some(Ok(i)) => Some(i),
+        Some(Err(_)) => {
+            return ApiError::invalid(Some("replica"), "`replica` must be a replica number.")
+                .into_response()
+        }
+    };
+    let pipeline = match replicas.ready_member(asked) {
+        Ok(p) => p.clone(),
+        Err(reason) => return ApiError::not_ready(&reason).into_response(),
+    };
     // Evidence for this nonce made moments ago is served again; only a
     // call that needs fresh evidence counts against the client's rate.
     let slot = s.attestation.slot(
-        &pipeline.model_id,
+        &format!("{}#{}", pipeline.model_id, pipeline.replica),
         pipeline.epoch().unwrap_or(u64::MAX),
         &nonce,
     );
@@ -225,14 +261,26 @@ pub(super) async fn attestation(
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("application/cbor"));
+    let replica = (
+        header::HeaderName::from_static(HEADER_REPLICA),
+        HeaderValue::from(pipeline.replica),
+    );
     if wants_cbor {
         return (
-            [(header::CONTENT_TYPE, "application/cbor")],
+            [
+                (
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/cbor"),
+                ),
+                replica,
+            ],
             proto::cbor::to_vec(bundle.as_ref()),
         )
             .into_response();
     }
-    Json(bundle_json(&bundle)).into_response()
+    let mut body = bundle_json(&bundle);
+    body["replica"] = json!(pipeline.replica);
+    ([replica], Json(body)).into_response()
 }
 
 /// The bundle for people: the same content, bytes as hex/base64, plus the

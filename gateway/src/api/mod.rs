@@ -4,7 +4,7 @@
 use crate::auth::ApiKeys;
 use crate::metrics::Metrics;
 use crate::openai_error::ApiError;
-use crate::pipeline::{Failure, Pipeline, Reply, Submission};
+use crate::pipeline::{Failure, Replicas, Reply, Submission};
 use crate::receipts::ReceiptStore;
 use axum::body::{to_bytes, Body, Bytes};
 use axum::extract::{Path, Query, State};
@@ -46,6 +46,9 @@ pub const HEADER_RECEIPT: &str = "receipt";
 pub const HEADER_RECEIPT_DIGEST_SALT: &str = "receipt-digest-salt";
 /// Request header with the client's receipt nonce (hex, at most 64 bytes).
 pub const HEADER_RECEIPT_NONCE: &str = "receipt-nonce";
+/// Response header of `/v1/attestation`: which replica of the model's
+/// pipeline the evidence is from (its entry keys route to it).
+pub const HEADER_REPLICA: &str = "pipeline-replica";
 /// Largest receipt sent in a header.
 const MAX_RECEIPT_HEADER: usize = 8 * 1024;
 
@@ -63,10 +66,10 @@ pub struct ApiLimits {
 /// Shared handler state.
 #[derive(Clone)]
 pub struct AppState {
-    /// The embeddings pipeline.
-    pub pipeline: Arc<Pipeline>,
-    /// The completions pipeline, when configured.
-    pub completions: Option<Arc<Pipeline>>,
+    /// The embeddings pipeline's replicas.
+    pub pipeline: Arc<Replicas>,
+    /// The completions pipeline's replicas, when configured.
+    pub completions: Option<Arc<Replicas>>,
     /// Limits.
     pub limits: ApiLimits,
     /// Recent receipts.
@@ -84,16 +87,16 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// Every pipeline, embeddings first.
-    pub fn pipelines(&self) -> Vec<&Arc<Pipeline>> {
+    /// Every model's replicas, embeddings first.
+    pub fn pipelines(&self) -> Vec<&Arc<Replicas>> {
         std::iter::once(&self.pipeline)
             .chain(self.completions.as_ref())
             .collect()
     }
 
-    /// The pipeline serving a model id.
-    fn by_model(&self, model: &str) -> Option<&Arc<Pipeline>> {
-        self.pipelines().into_iter().find(|p| p.model_id == model)
+    /// The replicas serving a model id.
+    fn by_model(&self, model: &str) -> Option<&Arc<Replicas>> {
+        self.pipelines().into_iter().find(|p| p.model_id() == model)
     }
 }
 
@@ -277,12 +280,12 @@ pub fn router(state: AppState) -> Router {
 /// The API routes that get a trace span, with the model each serves.
 fn traced_routes(s: &AppState) -> crate::telemetry::TracedRoutes {
     use crate::telemetry::TracedRoute;
-    let generation = s.completions.as_ref().map(|p| p.model_id.clone());
+    let generation = s.completions.as_ref().map(|p| p.model_id().to_string());
     crate::telemetry::TracedRoutes(vec![
         TracedRoute {
             route: crate::timeouts::EMBEDDINGS,
             operation: "embeddings",
-            model: Some(s.pipeline.model_id.clone()),
+            model: Some(s.pipeline.model_id().to_string()),
         },
         TracedRoute {
             route: crate::timeouts::COMPLETIONS,

@@ -6,7 +6,7 @@ use super::*;
 
 pub(super) fn failure_response(s: &AppState, f: Failure) -> Response {
     match f {
-        Failure::NotReady(r) => ApiError::not_ready(&r).into_response(),
+        Failure::NotReady(r) | Failure::NotSent(r) => ApiError::not_ready(&r).into_response(),
         Failure::Timeout => ApiError::timeout(s.limits.timeout.as_secs()).into_response(),
     }
 }
@@ -17,9 +17,10 @@ pub(super) async fn embeddings_handler(
     body: Body,
 ) -> Response {
     let started = Instant::now();
-    let pipeline = s.pipeline.clone();
-    let resp = relay(&s, &pipeline, pipeline.endpoint, &headers, body).await;
-    log_request(pipeline.endpoint, started, &resp);
+    let replicas = s.pipeline.clone();
+    let endpoint = replicas.primary().endpoint;
+    let resp = relay(&s, &replicas, endpoint, &headers, body).await;
+    log_request(endpoint, started, &resp);
     resp
 }
 
@@ -99,12 +100,12 @@ pub(super) async fn generation_handler(
 /// Seals (plain clients) or relays (sealed clients) one API request.
 pub(super) async fn relay(
     s: &AppState,
-    pipeline: &Arc<Pipeline>,
+    replicas: &Arc<Replicas>,
     endpoint: ApiEndpoint,
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
-    match relay_inner(s, pipeline, endpoint, headers, body).await {
+    match relay_inner(s, replicas, endpoint, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -112,7 +113,7 @@ pub(super) async fn relay(
 
 pub(super) async fn relay_inner(
     s: &AppState,
-    pipeline: &Arc<Pipeline>,
+    replicas: &Arc<Replicas>,
     endpoint: ApiEndpoint,
     headers: &HeaderMap,
     body: Body,
@@ -131,7 +132,8 @@ pub(super) async fn relay_inner(
             ))
         }
     };
-    let keys = pipeline.entry_keys().map_err(|r| ApiError::not_ready(&r))?;
+    // Some replica must be serving, whatever the request.
+    replicas.entry_keys().map_err(|r| ApiError::not_ready(&r))?;
     if headers.contains_key(HEADER_KEY_ID) {
         // Sealed by the client to the enclave key: relay ciphertext only.
         let sealed = SealedHeaders::from_header_values(|name| {
@@ -140,14 +142,13 @@ pub(super) async fn relay_inner(
         .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("Bad sealing headers: {e}")))?;
         if GatewayKey::owns(sealed.key_id) {
             s.metrics.sealing(Sealing::Gateway);
-            return via_gateway_key(s, pipeline, endpoint, &keys, &sealed, &bytes, nonce).await;
+            return via_gateway_key(s, replicas, endpoint, &sealed, &bytes, nonce).await;
         }
-        if !keys
-            .iter()
-            .any(|k| k.key_id == sealed.key_id && k.supports(sealed.aead))
-        {
+        // The key names the replica whose entry stage holds it: only that
+        // one can open the request.
+        let Some(pipeline) = replicas.holding(sealed.key_id, sealed.aead) else {
             return Err(ApiError::unknown_key(sealed.key_id));
-        }
+        };
         s.metrics.sealing(Sealing::Enclave);
         let (reply, sub) = pipeline
             .submit(
@@ -195,7 +196,7 @@ pub(super) async fn relay_inner(
     // A plain OpenAI client: the gateway seals to the entry stage itself.
     s.metrics.sealing(Sealing::Plain);
     Ok(
-        match seal_to_entry(s, pipeline, endpoint, &keys, &bytes, nonce, Sealing::Plain).await? {
+        match seal_to_entry(s, replicas, endpoint, &bytes, nonce, Sealing::Plain).await? {
             Answer::Whole {
                 status,
                 body,
@@ -247,36 +248,59 @@ pub(super) fn set_retry_after(r: &mut Response, secs: Option<u32>) {
     }
 }
 
-/// Seals `plaintext` to the entry stage, waits, and opens the answer (or
-/// hands back the stream to open as it comes).
+/// Seals `plaintext` to the entry stage of the least-loaded ready replica,
+/// waits, and opens the answer (or hands back the stream to open as it
+/// comes). A replica the request could not be sent to (its pipeline broke
+/// a moment ago) is passed over for the next; once a replica has the
+/// request, its failure is the answer.
 pub(super) async fn seal_to_entry(
     s: &AppState,
-    pipeline: &Arc<Pipeline>,
+    replicas: &Arc<Replicas>,
     endpoint: ApiEndpoint,
-    keys: &[KeyConfig],
     plaintext: &[u8],
     nonce: Option<Vec<u8>>,
     sealing: Sealing,
 ) -> Result<Answer, ApiError> {
-    let key = &keys[0];
-    let aead = if key.supports(Aead::Aes128Gcm) {
-        Aead::Aes128Gcm
-    } else {
-        key.aeads[0]
+    let mut not_sent = None;
+    let mut sent = None;
+    for pipeline in replicas.by_load() {
+        let Ok(keys) = pipeline.entry_keys() else {
+            continue;
+        };
+        let key = &keys[0];
+        let aead = if key.supports(Aead::Aes128Gcm) {
+            Aead::Aes128Gcm
+        } else {
+            key.aeads[0]
+        };
+        let (sealed, body, client_key) = seal_request(key, aead, plaintext)
+            .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
+        match pipeline
+            .submit(
+                endpoint.path(),
+                sealed,
+                body,
+                nonce.clone(),
+                sealing,
+                s.limits.routes.for_route(endpoint.path()),
+            )
+            .await
+        {
+            Ok((reply, sub)) => {
+                sent = Some((reply, sub, client_key));
+                break;
+            }
+            Err(Failure::NotSent(reason)) => {
+                tracing::warn!(replica = pipeline.replica, reason = %reason, "replica unavailable; trying another");
+                not_sent = Some(Failure::NotSent(reason));
+            }
+            Err(f) => return Err(failure_error(s, f)),
+        }
+    }
+    let Some((reply, sub, client_key)) = sent else {
+        let f = not_sent.unwrap_or_else(|| Failure::NotReady(replicas.not_ready_reason()));
+        return Err(failure_error(s, f));
     };
-    let (sealed, body, client_key) = seal_request(key, aead, plaintext)
-        .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
-    let (reply, sub) = pipeline
-        .submit(
-            endpoint.path(),
-            sealed,
-            body,
-            nonce,
-            sealing,
-            s.limits.routes.for_route(endpoint.path()),
-        )
-        .await
-        .map_err(|f| failure_error(s, f))?;
     let open = |body: &[u8]| {
         open_response(&client_key, body)
             .map_err(|e| ApiError::internal(format!("the stage's response does not open: {e}")))
@@ -338,25 +362,14 @@ pub(super) async fn seal_to_entry(
 /// client. The gateway sees this request's plaintext; the receipt says so.
 pub(super) async fn via_gateway_key(
     s: &AppState,
-    pipeline: &Arc<Pipeline>,
+    replicas: &Arc<Replicas>,
     endpoint: ApiEndpoint,
-    keys: &[KeyConfig],
     sealed: &SealedHeaders,
     bytes: &[u8],
     nonce: Option<Vec<u8>>,
 ) -> Result<Response, ApiError> {
     let (plaintext, material) = s.gateway_key.open(sealed, bytes)?;
-    match seal_to_entry(
-        s,
-        pipeline,
-        endpoint,
-        keys,
-        &plaintext,
-        nonce,
-        Sealing::Gateway,
-    )
-    .await?
-    {
+    match seal_to_entry(s, replicas, endpoint, &plaintext, nonce, Sealing::Gateway).await? {
         Answer::Whole {
             status,
             body,
@@ -399,7 +412,7 @@ pub(super) fn reseal(material: &ResponseKeyMaterial) -> Result<ResponseSealer, A
 
 pub(super) fn failure_error(s: &AppState, f: Failure) -> ApiError {
     match f {
-        Failure::NotReady(r) => ApiError::not_ready(&r),
+        Failure::NotReady(r) | Failure::NotSent(r) => ApiError::not_ready(&r),
         Failure::Timeout => ApiError::timeout(s.limits.timeout.as_secs()),
     }
 }

@@ -96,7 +96,9 @@ pub(super) async fn pump_stream(
                 // The pipeline broke or went silent: say so to a plain client.
                 let why = match other {
                     Err(Failure::Timeout) => "The stream stalled and was closed.".to_string(),
-                    Err(Failure::NotReady(r)) => format!("The pipeline failed mid-stream: {r}"),
+                    Err(Failure::NotReady(r) | Failure::NotSent(r)) => {
+                        format!("The pipeline failed mid-stream: {r}")
+                    }
                     _ => "The exit stage answered out of order.".to_string(),
                 };
                 tracing::warn!(error = %why, "stream ended early");

@@ -98,6 +98,28 @@ impl GatewayConfig {
                 }
             }
         }
+        for (key, n) in [
+            ("pipeline.replicas", Some(p.replicas)),
+            (
+                "completions.replicas",
+                self.completions.as_ref().map(|c| c.replicas),
+            ),
+        ] {
+            let Some(n) = n else { continue };
+            if n == 0 || n > crate::pipeline::MAX_REPLICAS {
+                bail!(
+                    "{}: must be from 1 to {}",
+                    k(key),
+                    crate::pipeline::MAX_REPLICAS
+                );
+            }
+            if n > 1 && p.launch == Launch::Remote {
+                bail!(
+                    "{}: replicas of remote stages are not supported yet; run one gateway per chain of remote stages, sharing the receipt store",
+                    k(key)
+                );
+            }
+        }
         self.check_listen()?;
         self.telemetry.validate(&k)?;
         self.receipts.check(&k)?;
@@ -224,6 +246,7 @@ impl GatewayConfig {
             .chain(self.keys.stage_args())
             .collect(),
             threads: p.threads_per_stage,
+            replicas: p.replicas,
         }];
         if let Some(c) = &self.completions {
             out.push(PipelineSpec {
@@ -247,6 +270,7 @@ impl GatewayConfig {
                 .chain(self.keys.stage_args())
                 .collect(),
                 threads: c.threads_per_stage.unwrap_or(p.threads_per_stage),
+                replicas: c.replicas,
             });
         }
         out

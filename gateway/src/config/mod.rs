@@ -152,6 +152,9 @@ pub struct CompletionsConfig {
     /// these threads.
     #[serde(default)]
     pub threads_per_stage: Option<usize>,
+    /// Replicas of the completions pipeline (`local` only; default 1).
+    #[serde(default = "default_replicas")]
+    pub replicas: usize,
     /// The stages, entry stage first.
     pub stages: Vec<StageConfig>,
 }
@@ -351,8 +354,16 @@ pub struct PipelineConfig {
     /// How long to wait for the stages to come up.
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout_secs: u64,
+    /// Replicas of the pipeline (`local` only): each a whole chain of
+    /// stages, attested on its own; requests go to the least loaded.
+    #[serde(default = "default_replicas")]
+    pub replicas: usize,
     /// The stages, entry stage first.
     pub stages: Vec<StageConfig>,
+}
+
+fn default_replicas() -> usize {
+    1
 }
 
 /// One pipeline to start: its model, stages and model-specific stage flags.
@@ -370,6 +381,8 @@ pub struct PipelineSpec {
     pub stage_args: Vec<String>,
     /// Compute threads per local stage.
     pub threads: usize,
+    /// How many replicas of the pipeline to run.
+    pub replicas: usize,
 }
 
 /// `[[pipeline.stages]]`.

@@ -36,9 +36,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, Mutex, Notify};
 
 mod connect;
+mod replicas;
 mod requests;
 
 pub use connect::check_boot_evidence;
+pub use replicas::{key_ids, Replicas, MAX_REPLICAS};
 pub use requests::Submission;
 
 /// What the pipeline needs to know about its stages.
@@ -83,6 +85,9 @@ impl ConnectError {
 pub enum Failure {
     /// The pipeline is not ready (503).
     NotReady(String),
+    /// The request never reached the entry stage (503): another replica
+    /// may take it.
+    NotSent(String),
     /// The request took too long (504).
     Timeout,
 }
@@ -190,6 +195,8 @@ pub struct Pipeline {
     pub attestation_failures: AtomicU64,
     /// Set by [`Pipeline::close`]: no reconnecting, no "broken" alarms.
     closing: std::sync::atomic::AtomicBool,
+    /// Which replica of its model this pipeline is (0 when there is one).
+    pub replica: usize,
 }
 
 impl Pipeline {
@@ -201,6 +208,7 @@ impl Pipeline {
         policy: Policy,
         manifest: &LoadedManifest,
         local_build: Option<(&std::path::Path, &std::path::Path)>,
+        replica: usize,
     ) -> anyhow::Result<Arc<Self>> {
         let local_measurement = match local_build {
             Some((binary, stage_policy)) if binary.exists() => Some(mock_measurement(
@@ -235,6 +243,7 @@ impl Pipeline {
             reconnects: AtomicU64::new(0),
             attestation_failures: AtomicU64::new(0),
             closing: Default::default(),
+            replica,
         }))
     }
 
@@ -286,6 +295,12 @@ impl Pipeline {
         }
     }
 
+    /// Requests this gateway has sent to the pipeline and not yet seen
+    /// finish (streams until their end): its load, for routing.
+    pub fn in_flight(&self) -> usize {
+        self.pending.lock().unwrap().len()
+    }
+
     /// How many stages the pipeline has.
     pub fn stage_count(&self) -> usize {
         self.targets.lock().unwrap().len()
@@ -302,15 +317,17 @@ impl Pipeline {
     }
 
     /// This pipeline for `/metrics`: its health, usage counters and every
-    /// stage's counters (asked now, each within [`STATS_TIMEOUT`]).
+    /// stage's counters (asked now, each within [`STATS_TIMEOUT`]);
+    /// `replicas`: how many its model has (more than one: labelled).
     ///
     /// [`STATS_TIMEOUT`]: crate::stage_metrics::STATS_TIMEOUT
-    pub async fn view(&self) -> crate::stage_metrics::PipelineView<'_> {
+    pub async fn view(&self, replicas: usize) -> crate::stage_metrics::PipelineView<'_> {
         crate::stage_metrics::PipelineView {
             generation: self.is_generation(),
             health: self.health(),
             usage: &self.usage,
             stats: self.stats(crate::stage_metrics::STATS_TIMEOUT).await,
+            replica: (replicas > 1).then_some(self.replica),
         }
     }
 }

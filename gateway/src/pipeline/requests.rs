@@ -73,7 +73,10 @@ impl Pipeline {
         sealing: Sealing,
         timeout: Duration,
     ) -> Result<(Reply, Submission), Failure> {
-        let entry = self.sender(0)?;
+        let entry = self.sender(0).map_err(|f| match f {
+            Failure::NotReady(r) => Failure::NotSent(r),
+            other => other,
+        })?;
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (done, rx) = mpsc::unbounded_channel();
         self.pending.lock().unwrap().insert(request_id, done);
@@ -100,7 +103,7 @@ impl Pipeline {
         });
         if let Err(e) = entry.lock().await.send_msg(&msg).await {
             sub.finished = true;
-            return Err(Failure::NotReady(format!("entry stage channel: {e}")));
+            return Err(Failure::NotSent(format!("entry stage channel: {e}")));
         }
         let first = sub.next(timeout).await?;
         Ok((first, sub))

@@ -55,6 +55,8 @@ pub struct Options {
     pub model_dir: PathBuf,
     /// Extra `[server]` lines.
     pub server_extra: String,
+    /// Extra `[pipeline]` lines (e.g. `replicas = 3`).
+    pub pipeline_extra: String,
     /// Environment for the gateway (inherited by its stages).
     pub env: Vec<(String, String)>,
     /// Stage addresses for `launch = "remote"` (`None`: local launch).
@@ -72,6 +74,7 @@ impl Default for Options {
             policy: None,
             model_dir: model_dir(),
             server_extra: String::new(),
+            pipeline_extra: String::new(),
             env: Vec::new(),
             remote: None,
             extra: String::new(),
@@ -141,9 +144,10 @@ pub fn write_config(opts: &Options, dir: &Path) -> PathBuf {
         stage_bin.display()
     );
     let mut cfg = format!(
-        "[server]\nlisten = {:?}\n{}\n[pipeline]\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"{}\"\nstage_binary = {:?}\nconnect_timeout_secs = 60\n",
+        "[server]\nlisten = {:?}\n{}\n[pipeline]\n{}\npolicy = {:?}\nmodel_dir = {:?}\nlaunch = \"{}\"\nstage_binary = {:?}\nconnect_timeout_secs = 60\n",
         opts.listen.as_deref().unwrap_or("127.0.0.1:0"),
         opts.server_extra,
+        opts.pipeline_extra,
         dir.join("policy.toml"),
         opts.model_dir,
         if opts.remote.is_some() { "remote" } else { "local" },
@@ -803,8 +807,13 @@ pub fn completions_options(stages: &[[u32; 2]], extra: &str) -> Options {
 
 /// `GET /v1/attestation?nonce=…` as CBOR: status, `Retry-After`, body.
 pub async fn attestation_cbor(url: &str, nonce: &[u8]) -> (u16, Option<String>, Vec<u8>) {
+    attestation_cbor_query(url, &format!("nonce={}", hex::encode(nonce))).await
+}
+
+/// `GET /v1/attestation?QUERY` as CBOR: status, `Retry-After`, body.
+pub async fn attestation_cbor_query(url: &str, query: &str) -> (u16, Option<String>, Vec<u8>) {
     let r = client()
-        .get(format!("{url}/v1/attestation?nonce={}", hex::encode(nonce)))
+        .get(format!("{url}/v1/attestation?{query}"))
         .header("accept", "application/cbor")
         .send()
         .await
