@@ -128,7 +128,7 @@ pub struct HpkeKeys {
     receipt: SigningKey,
     rotation: Option<Rotation>,
     /// The ids this stage's keys are drawn from.
-    ids: std::ops::RangeInclusive<u8>,
+    ids: Mutex<std::ops::RangeInclusive<u8>>,
     held: Mutex<Vec<Held>>,
     signed: tokio::sync::watch::Sender<Vec<u8>>,
 }
@@ -155,7 +155,7 @@ impl HpkeKeys {
         Self {
             receipt,
             rotation,
-            ids,
+            ids: Mutex::new(ids),
             held: Mutex::new(held),
             signed: tokio::sync::watch::channel(signed).0,
         }
@@ -199,7 +199,8 @@ impl HpkeKeys {
     /// rotation waits for a key to retire.
     pub fn rotate(&self, overlap: Duration) {
         let mut held = self.held.lock().expect("key lock");
-        let Some(id) = free_id(&self.ids, &held) else {
+        let ids = self.ids.lock().expect("ids lock").clone();
+        let Some(id) = free_id(&ids, &held) else {
             tracing::warn!("no free HPKE key id in this stage's range: rotation skipped");
             return;
         };
@@ -219,6 +220,36 @@ impl HpkeKeys {
         );
         self.signed.send_replace(Self::sign(&self.receipt, &held));
         tracing::info!(key_id = id, "HPKE key rotated");
+    }
+
+    /// From now on draws key ids from `ids` only: keys outside it are
+    /// dropped (they named this stage under an earlier assignment), and if
+    /// the current key was one of them a new one is made at once.
+    pub fn confine(&self, ids: std::ops::RangeInclusive<u8>) {
+        let mut held = self.held.lock().expect("key lock");
+        *self.ids.lock().expect("ids lock") = ids.clone();
+        let before = held.len();
+        held.retain(|h| ids.contains(&h.key.key_id()));
+        let mut changed = held.len() != before;
+        if held.iter().all(|h| h.retires.is_some()) {
+            changed = true;
+            let id = free_id(&ids, &held).unwrap_or(*ids.start());
+            held.retain(|h| h.key.key_id() != id);
+            held.insert(
+                0,
+                Held {
+                    key: ServerKey::generate(id),
+                    retires: None,
+                },
+            );
+            tracing::info!(
+                key_id = id,
+                "HPKE key replaced: the gateway assigned other key ids"
+            );
+        }
+        if changed {
+            self.signed.send_replace(Self::sign(&self.receipt, &held));
+        }
     }
 
     /// Drops the keys whose retirement has come; re-signs if any went.
@@ -330,5 +361,25 @@ mod tests {
         distinct.sort();
         distinct.dedup();
         assert_eq!(distinct.len(), 4, "ids are never shared: {held:?}");
+    }
+
+    #[test]
+    fn confining_replaces_a_key_outside_the_new_range_and_signs_the_change() {
+        let k = keys(); // key 5, range 1-127
+        let vk = k.receipt.verifying_key().to_bytes();
+        let first = k.signed();
+        k.confine(parse_key_ids("5-20").unwrap());
+        assert_eq!(k.signed(), first, "key 5 is in range: nothing changes");
+        k.confine(parse_key_ids("40-43").unwrap());
+        assert!(k.get(5).is_none(), "the old key is gone");
+        let set = KeySet::verify(&k.signed(), &vk).unwrap();
+        assert_eq!(set.keys.len(), 1);
+        let id = set.keys[0].0.key_id;
+        assert!((40..=43).contains(&id), "{id}");
+        assert!(k.get(id).is_some());
+        // Later rotations stay in the new range.
+        k.rotate(Duration::from_secs(60));
+        let set = KeySet::verify(&k.signed(), &vk).unwrap();
+        assert!(set.keys.iter().all(|(c, _)| (40..=43).contains(&c.key_id)));
     }
 }

@@ -4,7 +4,7 @@
 //! `client` crate's ([`client::run`]).
 
 use crate::config::{GatewayConfig, Launch};
-use crate::pipeline::{Pipeline, Replicas, StageTarget};
+use crate::pipeline::{discovery, Pipeline, Replicas, StageTarget};
 use crate::{
     api, auth, config, host_proxy, launcher, metrics, receipts, serve, shutdown, telemetry,
     timeouts, tls,
@@ -304,13 +304,20 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 .map_err(|e| anyhow::anyhow!("{} policy {}: {e}", s.name, s.policy.display()))?,
         );
     }
+    // Stages found through DNS: the first pairing into replica slots.
+    let mut slots = Vec::new();
+    for s in &specs {
+        slots.push(match &s.discovery {
+            Some(names) => Some(first_slots(&cfg, s, names).await?),
+            None => None,
+        });
+    }
     // The pipelines (every replica of each) load their models at the same time.
-    let started = futures_util::future::join_all(
-        specs
-            .iter()
-            .zip(&policies)
-            .flat_map(|(s, policy)| (0..s.replicas).map(|r| start_pipeline(&cfg, s, policy, r))),
-    )
+    let started = futures_util::future::join_all(specs.iter().zip(&policies).zip(&slots).flat_map(
+        |((s, policy), slots)| {
+            (0..s.replicas).map(|r| start_pipeline(&cfg, s, policy, r, slots.as_ref()))
+        },
+    ))
     .await;
     let mut ok = Vec::new();
     let mut first_error = None;
@@ -341,6 +348,17 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let mut members = pipelines.iter().cloned();
     for s in &specs {
         models.push(Replicas::new(members.by_ref().take(s.replicas).collect()));
+    }
+    for ((s, model), slots) in specs.iter().zip(&models).zip(slots) {
+        if let (Some(names), Some(slots)) = (&s.discovery, slots) {
+            wait_for_a_replica(&cfg, s, model).await?;
+            tokio::spawn(discovery::run(
+                model.members().to_vec(),
+                names.clone(),
+                slots,
+                Duration::from_secs(cfg.pipeline.discovery_secs.max(1)),
+            ));
+        }
     }
     let pipeline = models[0].clone();
     let completions = models.get(1).cloned();
@@ -430,6 +448,7 @@ async fn start_pipeline(
     spec: &config::PipelineSpec,
     policy: &Policy,
     replica: usize,
+    slots: Option<&discovery::Slots>,
 ) -> Result<StartedPipeline> {
     let manifest = LoadedManifest::load(&spec.model_dir).with_context(|| {
         format!(
@@ -444,15 +463,28 @@ async fn start_pipeline(
             let eps = s.endpoints.clone();
             (Some(s), eps, Some(restarts))
         }
-        Launch::Remote => {
-            let eps = spec
-                .stages
-                .iter()
-                .map(|s| s.address.as_deref().unwrap_or_default().parse())
-                .collect::<Result<Vec<_>, String>>()
-                .map_err(anyhow::Error::msg)?;
-            (None, eps, None)
-        }
+        Launch::Remote => match slots {
+            // Found through DNS: this slot's chain, or placeholders until
+            // one resolves.
+            Some(slots) => {
+                let eps = match &slots[replica] {
+                    Some(chain) => discovery::endpoints(chain),
+                    None => {
+                        vec![proto::transport::Endpoint::Tcp("0.0.0.0:0".into()); spec.stages.len()]
+                    }
+                };
+                (None, eps, None)
+            }
+            None => {
+                let eps = spec
+                    .stages
+                    .iter()
+                    .map(|s| s.address.as_deref().unwrap_or_default().parse())
+                    .collect::<Result<Vec<_>, String>>()
+                    .map_err(anyhow::Error::msg)?;
+                (None, eps, None)
+            }
+        },
     };
     let targets: Vec<StageTarget> = endpoints
         .into_iter()
@@ -473,7 +505,28 @@ async fn start_pipeline(
     };
     // Local stages are launched with the pipeline's policy file.
     let local_build = stage_binary.as_deref().map(|b| (b, spec.policy.as_path()));
-    let pipeline = Pipeline::new(targets, policy.clone(), &manifest, local_build, replica)?;
+    let key_ids = crate::pipeline::key_ids(replica, spec.replicas);
+    let pipeline = Pipeline::new(
+        targets,
+        policy.clone(),
+        &manifest,
+        local_build,
+        replica,
+        key_ids,
+    )?;
+    if let Some(slots) = slots {
+        // A slot of a discovered pipeline does not hold up the start: the
+        // caller waits for any replica of the model.
+        if slots[replica].is_none() {
+            pipeline.set_targets(None);
+        }
+        pipeline.retry_soon();
+        tokio::spawn(pipeline.clone().supervise_after_first());
+        return Ok(StartedPipeline {
+            pipeline,
+            stages: None,
+        });
+    }
     let connect_timeout = Duration::from_secs(cfg.pipeline.connect_timeout_secs);
     // Wait for the first verified connection before listening.
     let first = tokio::time::timeout(connect_timeout, async {
@@ -515,4 +568,66 @@ async fn start_pipeline(
     }
     tokio::spawn(pipeline.clone().supervise_after_first());
     Ok(StartedPipeline { pipeline, stages })
+}
+
+/// Resolves a discovered pipeline's stage names until a whole chain of
+/// stages appears (or the connect timeout passes) and pairs the addresses
+/// into the first replica slots.
+async fn first_slots(
+    cfg: &GatewayConfig,
+    spec: &config::PipelineSpec,
+    names: &[String],
+) -> Result<discovery::Slots> {
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_secs(cfg.pipeline.connect_timeout_secs);
+    loop {
+        let mut slots = vec![None; spec.replicas];
+        match discovery::resolve_all(names).await {
+            Ok(resolved) => {
+                discovery::assign(&mut slots, &resolved);
+                if slots.iter().any(Option::is_some) {
+                    return Ok(slots);
+                }
+                if tokio::time::Instant::now() > deadline {
+                    anyhow::bail!(
+                        "{}: DNS names no whole chain of stages ({})",
+                        spec.name,
+                        names.join(", ")
+                    );
+                }
+            }
+            Err(e) if tokio::time::Instant::now() > deadline => {
+                anyhow::bail!("{}: {e}", spec.name)
+            }
+            Err(_) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Waits until some replica of a discovered pipeline is verified and
+/// connected (the others keep trying in the background).
+async fn wait_for_a_replica(
+    cfg: &GatewayConfig,
+    spec: &config::PipelineSpec,
+    model: &Replicas,
+) -> Result<()> {
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_secs(cfg.pipeline.connect_timeout_secs);
+    while model.entry_keys().is_err() {
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!(
+                "{} stages did not become ready in time: {}",
+                spec.name,
+                model.not_ready_reason()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for p in model.members() {
+        if p.status().is_ok() {
+            p.log_verified();
+        }
+    }
+    Ok(())
 }

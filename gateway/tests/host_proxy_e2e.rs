@@ -132,7 +132,7 @@ async fn pipeline_through_the_host_proxy_survives_a_stage_restart() {
 
     // Stage 1 comes back at the same address: the gateway rebuilds the
     // pipeline through the same proxy routes by itself.
-    let s1b = StageProc::start_on(1, 2, layers[1], &policy, &dir, &s1_endpoint);
+    let s1b = StageProc::start_with(1, 2, layers[1], &policy, &dir, &s1_endpoint, &[]);
     assert_eq!(s1b.endpoint, s1_endpoint);
     let mut ready = false;
     for _ in 0..240 {

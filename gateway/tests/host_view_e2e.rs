@@ -110,6 +110,7 @@ async fn configure_as_intruder(endpoint: &str, next: Option<String>) -> StageRep
     .await
     .unwrap();
     tx.send_msg(&HostMessage::Configure {
+        key_ids: None,
         next,
         feedback: None,
     })

@@ -6,7 +6,12 @@
 //! no request hangs, the requests that arrive once the failure is known all
 //! succeed on the other replicas, and the replica rejoins (restarted by the
 //! launcher, re-attested) and takes requests again, without a gateway
-//! restart.
+//! restart. And replicas of remote stages found through `dns://` stage
+//! addresses: the first chain found is used, its entry stage is told its
+//! key ids, an empty slot says why, and a stage that comes back at its
+//! address is re-attested and used again (the pairing of several addresses
+//! per name, and re-resolution, are unit-tested in
+//! `gateway/src/pipeline/discovery.rs`: here one name has one address).
 
 mod common;
 
@@ -268,4 +273,97 @@ async fn three_replicas_route_fail_over_and_rejoin() {
         "every request after the failure was known succeeded: {after_known:?}"
     );
     sealed_to_replica(&gw.url, &policy, 1).await;
+}
+
+#[tokio::test]
+async fn replicas_found_through_dns_are_told_their_key_ids_and_reconnect() {
+    let dir = temp_dir("replicas-dns");
+    let (stage_policy, policy) = remote_stage_policies(&dir, &[[0, 3], [3, 6]]);
+    let s1 = StageProc::start(1, 2, [3, 6], &stage_policy, &dir);
+    // Its first key from ids the gateway will not give replica 0.
+    let s0 = StageProc::start_with(
+        0,
+        2,
+        [0, 3],
+        &stage_policy,
+        &dir,
+        "tcp://127.0.0.1:0",
+        &["--hpke-key-ids", "100-127"],
+    );
+    let dns = |ep: &str| ep.replace("tcp://", "dns://");
+    let s1_endpoint = s1.endpoint.clone();
+    let gw = Gateway::start(Options {
+        policy: Some(policy),
+        remote: Some(vec![dns(&s0.endpoint), dns(&s1.endpoint)]),
+        pipeline_extra: "replicas = 2\ndiscovery_secs = 1\n".into(),
+        ..Options::default()
+    });
+    assert_eq!(ready_replicas(&gw.url).await, [true, false]);
+    let body = readyz(&gw.url).await;
+    let why = body["pipelines"][0]["replicas"][1]["reason"]
+        .as_str()
+        .unwrap();
+    assert!(why.contains("DNS"), "{why}");
+    let (status, _) = embed(&gw.url, json!({"model": MODEL, "input": "found"})).await;
+    assert_eq!(status, 200);
+    // Replica 0 of 2 uses key ids 1-63: the stage replaced its first key.
+    let keys: Value = http_get(&format!("{}/.well-known/hpke-keys?format=json", gw.url))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let enclave: Vec<u64> = keys["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|k| k["held_by"] == "enclave")
+        .map(|k| k["key_id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(enclave.len(), 1, "{keys}");
+    assert!((1..=63).contains(&enclave[0]), "{enclave:?}");
+    // The replacement key is the one the evidence vouches for.
+    let nonce = b"dns replica";
+    let verified = evidence_bundle(&gw.url, nonce)
+        .await
+        .verify(
+            &Policy::from_toml(&client_policy_text(&gw.url).await).unwrap(),
+            nonce,
+        )
+        .1
+        .expect("bundle verifies");
+    assert_eq!(u64::from(verified.entry_keys[0].key_id), enclave[0]);
+    sealed_to_replica_alone(&gw.url, &verified).await;
+
+    // Stage 1 dies: no replica is left, and the gateway says so.
+    drop(s1);
+    let t = Instant::now();
+    while http_get(&format!("{}/readyz", gw.url)).await.status() != 503 {
+        assert!(t.elapsed() < Duration::from_secs(10), "the loss is noticed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, body) = embed(&gw.url, json!({"model": MODEL, "input": "nobody"})).await;
+    assert_eq!(status, 503, "{body}");
+    // It comes back at its address: re-attested and used again.
+    let _s1 = StageProc::start_with(1, 2, [3, 6], &stage_policy, &dir, &s1_endpoint, &[]);
+    let t = Instant::now();
+    while ready_replicas(&gw.url).await != [true, false] {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the replica comes back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, _) = embed(&gw.url, json!({"model": MODEL, "input": "back"})).await;
+    assert_eq!(status, 200);
+    drop(s0);
+}
+
+/// A request sealed to the verified entry key is answered.
+async fn sealed_to_replica_alone(url: &str, verified: &proto::bundle::VerifiedBundle) {
+    let request = serde_json::to_vec(&json!({"model": MODEL, "input": "sealed"})).unwrap();
+    let (headers, body, client_key) =
+        seal_request(&verified.entry_keys[0], Aead::Aes128Gcm, &request).unwrap();
+    let r = post_sealed(url, &headers, body).await;
+    assert_eq!(r.status(), 200);
+    assert!(open_response_with_trailer(&client_key, &r.bytes().await.unwrap()).is_ok());
 }

@@ -70,6 +70,13 @@ pub enum HostMessage {
         /// sampled token ids back. `None` everywhere else.
         #[serde(default)]
         feedback: Option<String>,
+        /// Entry stage: the HPKE key ids `[first, last]` it must use from
+        /// now on (the gateway gives each replica of a pipeline its own, so
+        /// that a key id names one replica). A current key outside the
+        /// range is replaced at once (the new one signed into its key set)
+        /// and keys outside it are dropped. `None`: keep the keys as they are.
+        #[serde(default)]
+        key_ids: Option<[u8; 2]>,
     },
     /// A sealed API request for the entry stage.
     Request(SealedRequest),

@@ -344,11 +344,23 @@ impl StageServer {
                 }
             };
             let reply = match msg {
-                HostMessage::Configure { next, feedback } => {
+                HostMessage::Configure {
+                    next,
+                    feedback,
+                    key_ids,
+                } => {
                     let configured = match self.claim_ownership(session) {
                         Ok(()) => self.configure(next, feedback, &tx).await,
                         Err(e) => Err(e),
                     };
+                    let configured = configured.and_then(|()| match (key_ids, &self.keys.hpke) {
+                        (Some([lo, hi]), Some(hpke)) => {
+                            let ids = crate::keys::parse_key_ids(&format!("{lo}-{hi}"))?;
+                            hpke.confine(ids);
+                            Ok(())
+                        }
+                        _ => Ok(()),
+                    });
                     match configured {
                         Ok(()) => {
                             my_epoch = Some(self.current_epoch());

@@ -151,6 +151,7 @@ fn frames() -> Vec<(u8, Vec<u8>)> {
         (
             0,
             cbor(&HostMessage::Configure {
+                key_ids: Some([1, 42]),
                 next: Some("tcp://127.0.0.1:7001".into()),
                 feedback: None,
             }),

@@ -113,9 +113,17 @@ impl GatewayConfig {
                     crate::pipeline::MAX_REPLICAS
                 );
             }
-            if n > 1 && p.launch == Launch::Remote {
+            let stages = if key.starts_with("pipeline") {
+                &p.stages
+            } else {
+                &self.completions.as_ref().expect("checked above").stages
+            };
+            let dns = stages
+                .iter()
+                .any(|s| s.address.as_deref().and_then(dns_name).is_some());
+            if n > 1 && p.launch == Launch::Remote && !dns {
                 bail!(
-                    "{}: replicas of remote stages are not supported yet; run one gateway per chain of remote stages, sharing the receipt store",
+                    "{}: replicas of remote stages are found through dns:// stage addresses (or run one gateway per chain, sharing the receipt store)",
                     k(key)
                 );
             }
@@ -247,6 +255,7 @@ impl GatewayConfig {
             .collect(),
             threads: p.threads_per_stage,
             replicas: p.replicas,
+            discovery: discovery(p.launch, &p.stages),
         }];
         if let Some(c) = &self.completions {
             out.push(PipelineSpec {
@@ -271,6 +280,7 @@ impl GatewayConfig {
                 .collect(),
                 threads: c.threads_per_stage.unwrap_or(p.threads_per_stage),
                 replicas: c.replicas,
+                discovery: discovery(p.launch, &c.stages),
             });
         }
         out
@@ -286,4 +296,15 @@ impl GatewayConfig {
             }
         }
     }
+}
+
+/// Each stage's `host:port` when the stages are found through DNS.
+fn discovery(launch: Launch, stages: &[StageConfig]) -> Option<Vec<String>> {
+    if launch != Launch::Remote {
+        return None;
+    }
+    stages
+        .iter()
+        .map(|s| s.address.as_deref().and_then(dns_name).map(str::to_string))
+        .collect()
 }

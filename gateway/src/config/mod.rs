@@ -315,6 +315,28 @@ fn validate_stages(
                 k(&format!("{section}.stages[{i}].address"))
             );
         }
+        if let Some(name) = s.address.as_deref().and_then(dns_name) {
+            let key = k(&format!("{section}.stages[{i}].address"));
+            if name
+                .rsplit_once(':')
+                .is_none_or(|(_, p)| p.parse::<u16>().is_err())
+            {
+                bail!("{key}: expected dns://host:port");
+            }
+            if s.peer_address.is_some() {
+                bail!("{key}: a dns:// stage takes no peer_address");
+            }
+        }
+    }
+    let dns = stages
+        .iter()
+        .filter(|s| s.address.as_deref().and_then(dns_name).is_some())
+        .count();
+    if dns != 0 && dns != stages.len() {
+        bail!(
+            "{}: either every stage address is dns://host:port or none is",
+            k(&format!("{section}.stages"))
+        );
     }
     Ok(())
 }
@@ -354,16 +376,24 @@ pub struct PipelineConfig {
     /// How long to wait for the stages to come up.
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout_secs: u64,
-    /// Replicas of the pipeline (`local` only): each a whole chain of
-    /// stages, attested on its own; requests go to the least loaded.
+    /// Replicas of the pipeline: each a whole chain of stages, attested on
+    /// its own; requests go to the least loaded. `local`: how many to
+    /// start; `remote` with `dns://` stage addresses: the most to use.
     #[serde(default = "default_replicas")]
     pub replicas: usize,
+    /// `dns://` stage addresses: seconds between resolutions.
+    #[serde(default = "default_discovery_secs")]
+    pub discovery_secs: u64,
     /// The stages, entry stage first.
     pub stages: Vec<StageConfig>,
 }
 
 fn default_replicas() -> usize {
     1
+}
+
+fn default_discovery_secs() -> u64 {
+    10
 }
 
 /// One pipeline to start: its model, stages and model-specific stage flags.
@@ -381,8 +411,16 @@ pub struct PipelineSpec {
     pub stage_args: Vec<String>,
     /// Compute threads per local stage.
     pub threads: usize,
-    /// How many replicas of the pipeline to run.
+    /// How many replicas of the pipeline to run (with `discovery`: the most).
     pub replicas: usize,
+    /// `dns://` stage addresses: each stage's `host:port` to resolve; every
+    /// address a name resolves to is one instance of that stage.
+    pub discovery: Option<Vec<String>>,
+}
+
+/// The `host:port` of a `dns://host:port` stage address.
+pub fn dns_name(address: &str) -> Option<&str> {
+    address.strip_prefix("dns://")
 }
 
 /// `[[pipeline.stages]]`.

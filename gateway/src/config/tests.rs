@@ -364,3 +364,50 @@ fn receipt_store_is_sqlite_by_default_and_postgres_needs_a_url_without_a_passwor
     );
     assert!(e.contains("receipts.store"), "{e}");
 }
+
+#[test]
+fn replicas_need_local_stages_or_dns_addresses() {
+    let remote = |a0: &str, a1: &str, replicas: u32| {
+        let text = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../docker/gateway.toml"),
+        )
+        .unwrap()
+        .replace("tcp://stage0:9000", a0)
+        .replace("tcp://stage1:9000", a1);
+        GatewayConfig::parse(
+            &text,
+            env(&[("GATEWAY_PIPELINE__REPLICAS", &replicas.to_string())]),
+        )
+    };
+    let cfg = remote("dns://stage0.ns.svc:9000", "dns://stage1.ns.svc:9000", 4).unwrap();
+    assert_eq!(
+        cfg.pipelines()[0].discovery,
+        Some(vec![
+            "stage0.ns.svc:9000".into(),
+            "stage1.ns.svc:9000".into()
+        ])
+    );
+    assert_eq!(cfg.pipelines()[0].replicas, 4);
+    let e = format!(
+        "{:#}",
+        remote("tcp://a:9000", "tcp://b:9000", 2).unwrap_err()
+    );
+    assert!(
+        e.contains("GATEWAY_PIPELINE__REPLICAS") && e.contains("dns://"),
+        "{e}"
+    );
+    let e = format!(
+        "{:#}",
+        remote("dns://a:9000", "tcp://b:9000", 1).unwrap_err()
+    );
+    assert!(e.contains("every stage address is dns://"), "{e}");
+    let e = format!("{:#}", remote("dns://a", "dns://b:9000", 1).unwrap_err());
+    assert!(e.contains("expected dns://host:port"), "{e}");
+    let e = format!("{:#}", remote("dns://a:1", "dns://b:9000", 32).unwrap_err());
+    assert!(e.contains("from 1 to 31"), "{e}");
+    assert!(remote("tcp://a:9000", "tcp://b:9000", 1)
+        .unwrap()
+        .pipelines()[0]
+        .discovery
+        .is_none());
+}

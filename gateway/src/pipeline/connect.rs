@@ -17,6 +17,9 @@ impl Pipeline {
     }
 
     async fn connect_once(self: &Arc<Self>) -> Result<(), ConnectError> {
+        if !self.is_assigned() {
+            return Err(ConnectError::unreachable(UNASSIGNED.into()));
+        }
         let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
         let targets = self.targets.lock().unwrap().clone();
         let n = targets.len();
@@ -42,9 +45,14 @@ impl Pipeline {
             // A generation exit stage sends sampled tokens back to the entry stage.
             let feedback = (self.is_generation() && n > 1 && i + 1 == n)
                 .then(|| targets[0].peer_endpoint().to_string());
-            tx.send_msg(&HostMessage::Configure { next, feedback })
-                .await
-                .map_err(|e| ConnectError::unreachable(format!("stage {i}: {e}")))?;
+            let key_ids = (i == 0).then(|| [*self.key_ids.start(), *self.key_ids.end()]);
+            tx.send_msg(&HostMessage::Configure {
+                next,
+                feedback,
+                key_ids,
+            })
+            .await
+            .map_err(|e| ConnectError::unreachable(format!("stage {i}: {e}")))?;
             let boot = match rx.recv_msg::<StageReply>().await {
                 Ok(Some(StageReply::Configured {
                     boot_evidence,
@@ -250,6 +258,11 @@ impl Pipeline {
     pub async fn supervise_after_first(self: Arc<Self>) {
         loop {
             self.broken.notified().await;
+            if self.epoch().is_some() {
+                // A stale wake-up (new addresses arrived while it was
+                // reconnecting anyway): it is connected.
+                continue;
+            }
             let mut last = String::new();
             loop {
                 tokio::time::sleep(Duration::from_millis(500)).await;

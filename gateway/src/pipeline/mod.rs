@@ -36,12 +36,17 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, Mutex, Notify};
 
 mod connect;
+pub mod discovery;
 mod replicas;
 mod requests;
 
 pub use connect::check_boot_evidence;
 pub use replicas::{key_ids, Replicas, MAX_REPLICAS};
 pub use requests::Submission;
+
+/// Why a replica found through DNS is not ready while it has no addresses.
+const UNASSIGNED: &str =
+    "no stage addresses for this replica: DNS does not name a whole chain of stages for it";
 
 /// What the pipeline needs to know about its stages.
 #[derive(Clone, Debug)]
@@ -197,6 +202,11 @@ pub struct Pipeline {
     closing: std::sync::atomic::AtomicBool,
     /// Which replica of its model this pipeline is (0 when there is one).
     pub replica: usize,
+    /// The HPKE key ids its entry stage is told to use.
+    key_ids: std::ops::RangeInclusive<u8>,
+    /// Whether `targets` hold stage addresses (a replica found through DNS
+    /// has none until a whole chain of stages resolves).
+    assigned: std::sync::atomic::AtomicBool,
 }
 
 impl Pipeline {
@@ -209,6 +219,7 @@ impl Pipeline {
         manifest: &LoadedManifest,
         local_build: Option<(&std::path::Path, &std::path::Path)>,
         replica: usize,
+        key_ids: std::ops::RangeInclusive<u8>,
     ) -> anyhow::Result<Arc<Self>> {
         let local_measurement = match local_build {
             Some((binary, stage_policy)) if binary.exists() => Some(mock_measurement(
@@ -244,6 +255,8 @@ impl Pipeline {
             attestation_failures: AtomicU64::new(0),
             closing: Default::default(),
             replica,
+            key_ids,
+            assigned: std::sync::atomic::AtomicBool::new(true),
         }))
     }
 
@@ -266,6 +279,40 @@ impl Pipeline {
             tracing::info!(stage = index, endpoint = %endpoint, "stage endpoint changed");
             t.endpoint = endpoint;
         }
+    }
+
+    /// Every stage's address at once (a replica found through DNS), or
+    /// none: the replica has no complete chain of stages and is not used.
+    /// A pipeline not connected now tries the new addresses at once; a
+    /// connected one keeps its channels until they break.
+    pub fn set_targets(&self, endpoints: Option<Vec<Endpoint>>) {
+        match endpoints {
+            Some(eps) => {
+                let mut t = self.targets.lock().unwrap();
+                for (target, ep) in t.iter_mut().zip(eps) {
+                    target.endpoint = ep;
+                }
+                drop(t);
+                self.assigned.store(true, Ordering::SeqCst);
+                if self.epoch().is_none() {
+                    self.broken.notify_one();
+                }
+            }
+            None => {
+                self.assigned.store(false, Ordering::SeqCst);
+                self.set_not_ready(UNASSIGNED);
+            }
+        }
+    }
+
+    /// Whether the replica has stage addresses.
+    pub fn is_assigned(&self) -> bool {
+        self.assigned.load(Ordering::SeqCst)
+    }
+
+    /// Starts the reconnect loop of a pipeline that has not connected yet.
+    pub fn retry_soon(&self) {
+        self.broken.notify_one();
     }
 
     /// Records why the pipeline is not serving.

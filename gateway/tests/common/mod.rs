@@ -370,18 +370,19 @@ pub struct StageProc {
 impl StageProc {
     /// Starts stage `index` of `n` on `layers` with `policy`; waits for LISTENING.
     pub fn start(index: u32, n: u32, layers: [u32; 2], policy: &Path, dir: &Path) -> StageProc {
-        Self::start_on(index, n, layers, policy, dir, "tcp://127.0.0.1:0")
+        Self::start_with(index, n, layers, policy, dir, "tcp://127.0.0.1:0", &[])
     }
 
     /// [`Self::start`] listening on `listen` (e.g. the endpoint of a stage
-    /// it replaces).
-    pub fn start_on(
+    /// it replaces), with `extra` stage arguments.
+    pub fn start_with(
         index: u32,
         n: u32,
         layers: [u32; 2],
         policy: &Path,
         dir: &Path,
         listen: &str,
+        extra: &[&str],
     ) -> StageProc {
         let mut child = Command::new(stage_binary())
             .arg("--model-dir")
@@ -396,6 +397,7 @@ impl StageProc {
             .arg("--policy")
             .arg(policy)
             .args(["--listen", listen])
+            .args(extra)
             .arg("--exit-with-stdin")
             .env("NO_COLOR", "1")
             .stdin(Stdio::piped())
