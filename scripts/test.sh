@@ -8,7 +8,8 @@
 #      the stage (tests that start the binaries need it);
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
 #   4. the `nitro` feature's unit tests and the Nitro scripts' checks
-#      (scripts/test-nitro-scripts.sh, no hardware needed);
+#      (scripts/test-nitro-scripts.sh, no hardware needed); the Kubernetes
+#      overlays rendered and schema-validated (scripts/test-k8s-manifests.sh);
 #   5. the stock `openai` Python SDK and LangChain's ChatOpenAI against a live
 #      gateway, directly and through `gateway proxy`.
 # CONTAINERS_E2E=1 adds the multi-container test (gateway/tests/containers_e2e.rs:
@@ -36,6 +37,8 @@ cargo test --release -p proto --features nitro --lib
 cargo test --release -p enclave-stage --features nitro --lib -- provider role
 echo "== Nitro deployment scripts (docs/deploy-nitro.md; no hardware needed)"
 scripts/test-nitro-scripts.sh
+echo "== Kubernetes manifests (docs/deploy-kubernetes.md; rendered and validated offline)"
+scripts/test-k8s-manifests.sh
 
 echo "== openai SDK against a live gateway"
 log="$(mktemp)"

@@ -323,9 +323,6 @@ fn validate_stages(
             {
                 bail!("{key}: expected dns://host:port");
             }
-            if s.peer_address.is_some() {
-                bail!("{key}: a dns:// stage takes no peer_address");
-            }
         }
     }
     let dns = stages

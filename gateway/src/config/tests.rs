@@ -411,3 +411,32 @@ fn replicas_need_local_stages_or_dns_addresses() {
         .discovery
         .is_none());
 }
+
+#[test]
+fn kubernetes_configs_load_with_dns_stages() {
+    for (file, peer) in [
+        ("../docker/k8s/base/gateway.toml", None),
+        (
+            "../docker/k8s/overlays/nitro/gateway.toml",
+            Some("vsock://3:8001"),
+        ),
+    ] {
+        let cfg = GatewayConfig::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join(file)).unwrap();
+        let spec = &cfg.pipelines()[0];
+        assert_eq!(
+            spec.discovery,
+            Some(vec![
+                "embeddings-stages:9000".into(),
+                "embeddings-stages:9001".into()
+            ]),
+            "{file}"
+        );
+        assert!(spec.replicas > 1, "{file}");
+        assert_eq!(cfg.receipts.store, crate::receipts::StoreKind::Postgres);
+        assert_eq!(
+            cfg.pipeline.stages[1].peer_address.as_deref(),
+            peer,
+            "{file}"
+        );
+    }
+}

@@ -17,9 +17,11 @@ pub type Slots = Vec<Option<Vec<SocketAddr>>>;
 
 /// Updates `slots` for what each stage's name resolves to now
 /// (`resolved[stage]`); returns the slots that changed. Kept chains are
-/// never re-paired; new chains take the lowest free address of each stage,
-/// in slot order, so the pairing is the same on every gateway that sees the
-/// same addresses.
+/// never re-paired; a new chain takes stage 0's lowest free address and,
+/// for every other stage, a free address on the same host if there is one
+/// (one pod holding a whole replica), else that stage's lowest free
+/// address; slots fill in order, so the pairing is the same on every
+/// gateway that sees the same addresses.
 pub fn assign(slots: &mut Slots, resolved: &[Vec<SocketAddr>]) -> Vec<usize> {
     let mut changed = Vec::new();
     for (k, slot) in slots.iter_mut().enumerate() {
@@ -48,7 +50,16 @@ pub fn assign(slots: &mut Slots, resolved: &[Vec<SocketAddr>]) -> Vec<usize> {
         .collect();
     for (k, slot) in slots.iter_mut().enumerate() {
         if slot.is_none() && free.iter().all(|f| !f.is_empty()) {
-            *slot = Some(free.iter_mut().map(|f| f.pop().expect("checked")).collect());
+            let first = free[0].pop().expect("checked");
+            let mut chain = vec![first];
+            for f in free.iter_mut().skip(1) {
+                let at = f
+                    .iter()
+                    .rposition(|a| a.ip() == first.ip())
+                    .unwrap_or(f.len() - 1);
+                chain.push(f.remove(at));
+            }
+            *slot = Some(chain);
             if !changed.contains(&k) {
                 changed.push(k);
             }
@@ -160,5 +171,23 @@ mod tests {
         let mut one: Slots = vec![None];
         assign(&mut one, &[vec![a(1), a(2)], vec![a(11), a(12)]]);
         assert_eq!(one, vec![Some(vec![a(1), a(11)])]);
+    }
+
+    #[test]
+    fn a_new_chain_stays_on_one_host_where_it_can() {
+        let at = |host: u8, port: u16| SocketAddr::from(([10, 0, 1, host], port));
+        // One pod per replica (stage 0 on :9000, stage 1 on :9001); pod 5
+        // has lost its place in the middle of the order.
+        let mut slots: Slots = vec![Some(vec![at(5, 9000), at(5, 9001)]), None, None];
+        let changed = assign(
+            &mut slots,
+            &[
+                vec![at(3, 9000), at(5, 9000), at(7, 9000)],
+                vec![at(7, 9001), at(5, 9001), at(3, 9001)],
+            ],
+        );
+        assert_eq!(changed, [1, 2]);
+        assert_eq!(slots[1], Some(vec![at(3, 9000), at(3, 9001)]));
+        assert_eq!(slots[2], Some(vec![at(7, 9000), at(7, 9001)]));
     }
 }
