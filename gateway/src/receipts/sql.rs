@@ -9,9 +9,17 @@
 //! | `digest_salt` | the salt of its digests, where the gateway knows it |
 //! | `created_at` | Unix seconds |
 //!
-//! Retention: after each insert, rows more than `retention` below the
-//! newest `seq` are deleted (PostgreSQL sequences may skip values, so a
-//! fleet keeps at most `retention`, sometimes a few less).
+//! Writes are group-committed: receipts that arrive while a write is in
+//! progress go to the database together, one multi-row `INSERT` and one
+//! retention `DELETE` per group, and each request waits until its own
+//! receipt is written (so another gateway finds it at once). Under load this
+//! keeps the store's cost per request small; alone, a request pays for one
+//! group of one.
+//!
+//! Retention: every `min(retention, 64)` receipts written, rows more than
+//! `retention` below the newest `seq` are deleted (so up to 63 more may be
+//! kept for a moment; PostgreSQL sequences may skip values, so a fleet
+//! keeps about `retention`, sometimes a few less).
 
 use anyhow::{Context, Result};
 use proto::receipt::ReceiptTrailer;
@@ -21,7 +29,9 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use sqlx::Row;
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, oneshot};
 
 /// How long a query waits for a connection (or SQLite for its lock).
 const WAIT: Duration = Duration::from_secs(5);
@@ -34,9 +44,21 @@ enum Pool {
 
 /// A SQL receipt store.
 pub struct SqlStore {
-    pool: Pool,
+    pool: Arc<Pool>,
     retention: i64,
+    /// Receipts waiting for the writer task, each with who waits for it.
+    writes: mpsc::Sender<Pending>,
 }
+
+/// A receipt to write, and where to report the outcome.
+type Pending = (
+    [u8; 16],
+    ReceiptTrailer,
+    oneshot::Sender<Result<(), String>>,
+);
+
+/// Most receipts in one group write.
+const MAX_GROUP: usize = 256;
 
 const SQLITE_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS receipts (
     seq INTEGER PRIMARY KEY,
@@ -55,23 +77,18 @@ const POSTGRES_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS receipts (
 /// The statements, in each database's placeholder syntax.
 struct Statements {
     schema: &'static str,
-    insert: &'static str,
     prune: &'static str,
     get: &'static str,
 }
 
 const SQLITE: Statements = Statements {
     schema: SQLITE_SCHEMA,
-    insert: "INSERT INTO receipts (id, receipt, digest_salt, created_at) \
-             VALUES (?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
     prune: "DELETE FROM receipts WHERE seq <= (SELECT MAX(seq) FROM receipts) - ?",
     get: "SELECT receipt, digest_salt FROM receipts WHERE id = ?",
 };
 
 const POSTGRES: Statements = Statements {
     schema: POSTGRES_SCHEMA,
-    insert: "INSERT INTO receipts (id, receipt, digest_salt, created_at) \
-             VALUES ($1, $2, $3, $4) ON CONFLICT (id) DO NOTHING",
     prune: "DELETE FROM receipts WHERE seq <= (SELECT MAX(seq) FROM receipts) - $1",
     get: "SELECT receipt, digest_salt FROM receipts WHERE id = $1",
 };
@@ -125,10 +142,7 @@ impl SqlStore {
             .execute(&pool)
             .await
             .with_context(|| format!("receipts.path: creating the table in {}", path.display()))?;
-        Ok(Self {
-            pool: Pool::Sqlite(pool),
-            retention: retention as i64,
-        })
+        Ok(Self::start(Pool::Sqlite(pool), retention))
     }
 
     /// Connects to PostgreSQL at `url` (password from `PGPASSWORD`) and
@@ -148,48 +162,50 @@ impl SqlStore {
             .execute(&pool)
             .await
             .with_context(|| format!("receipts.url: creating the table at {shown}"))?;
-        Ok(Self {
-            pool: Pool::Postgres(pool),
-            retention: retention as i64,
-        })
+        Ok(Self::start(Pool::Postgres(pool), retention))
+    }
+
+    /// The store over `pool`, with its writer task.
+    fn start(pool: Pool, retention: usize) -> Self {
+        let pool = Arc::new(pool);
+        let retention = retention as i64;
+        let (writes, rx) = mpsc::channel(4 * MAX_GROUP);
+        tokio::spawn(write_groups(pool.clone(), retention, rx));
+        Self {
+            pool,
+            retention,
+            writes,
+        }
     }
 
     /// `sqlite` or `postgres`.
     pub fn kind(&self) -> &'static str {
-        match self.pool {
+        match *self.pool {
             Pool::Sqlite(_) => "sqlite",
             Pool::Postgres(_) => "postgres",
         }
     }
 
-    /// Keeps a receipt (a second insert of the same id changes nothing),
-    /// then drops what falls out of retention.
+    /// Keeps a receipt (a second insert of the same id changes nothing):
+    /// returns once it is written, in a group with whatever else arrived.
     pub async fn insert(&self, id: [u8; 16], r: ReceiptTrailer) -> Result<()> {
         if self.retention == 0 {
             return Ok(());
         }
-        let salt = r.digest_salt.map(|s| s.to_vec());
-        on_pool!(&self.pool, |p, sql| {
-            sqlx::query(sql.insert)
-                .bind(&id[..])
-                .bind(&r.receipt)
-                .bind(salt)
-                .bind(now())
-                .execute(p)
-                .await
-                .context("storing a receipt")?;
-            sqlx::query(sql.prune)
-                .bind(self.retention)
-                .execute(p)
-                .await
-                .context("dropping old receipts")?;
-        });
-        Ok(())
+        let (done, written) = oneshot::channel();
+        self.writes
+            .send((id, r, done))
+            .await
+            .map_err(|_| anyhow::anyhow!("the receipt writer has stopped"))?;
+        written
+            .await
+            .map_err(|_| anyhow::anyhow!("the receipt writer has stopped"))?
+            .map_err(anyhow::Error::msg)
     }
 
     /// A kept receipt.
     pub async fn get(&self, id: &[u8; 16]) -> Result<Option<ReceiptTrailer>> {
-        let row: Option<(Vec<u8>, Option<Vec<u8>>)> = on_pool!(&self.pool, |p, sql| {
+        let row: Option<(Vec<u8>, Option<Vec<u8>>)> = on_pool!(&*self.pool, |p, sql| {
             sqlx::query(sql.get)
                 .bind(&id[..])
                 .fetch_optional(p)
@@ -212,6 +228,65 @@ impl SqlStore {
             digest_salt,
         }))
     }
+}
+
+/// The writer task: takes the receipts that are waiting (up to
+/// [`MAX_GROUP`]), writes them in one statement, now and then drops what
+/// falls out of retention, and tells each waiting request the outcome.
+/// Ends when the store is dropped.
+async fn write_groups(pool: Arc<Pool>, retention: i64, mut rx: mpsc::Receiver<Pending>) {
+    // The retention delete runs once per this many receipts written, not
+    // per group: a lone request then pays for one commit, not two.
+    let prune_every = retention.clamp(1, 64) as usize;
+    let mut since_prune = 0;
+    while let Some(first) = rx.recv().await {
+        let mut group = vec![first];
+        while group.len() < MAX_GROUP {
+            match rx.try_recv() {
+                Ok(p) => group.push(p),
+                Err(_) => break,
+            }
+        }
+        since_prune += group.len();
+        let prune = since_prune >= prune_every;
+        if prune {
+            since_prune = 0;
+        }
+        let outcome = write_group(&pool, retention, &group, prune)
+            .await
+            .map_err(|e| format!("{e:#}"));
+        for (_, _, done) in group {
+            let _ = done.send(outcome.clone());
+        }
+    }
+}
+
+async fn write_group(pool: &Pool, retention: i64, group: &[Pending], prune: bool) -> Result<()> {
+    let created = now();
+    on_pool!(pool, |p, sql| {
+        let mut insert =
+            sqlx::QueryBuilder::new("INSERT INTO receipts (id, receipt, digest_salt, created_at) ");
+        insert.push_values(group, |mut row, (id, r, _)| {
+            row.push_bind(id.to_vec())
+                .push_bind(r.receipt.clone())
+                .push_bind(r.digest_salt.map(|s| s.to_vec()))
+                .push_bind(created);
+        });
+        insert.push(" ON CONFLICT (id) DO NOTHING");
+        insert
+            .build()
+            .execute(p)
+            .await
+            .context("storing receipts")?;
+        if prune {
+            sqlx::query(sql.prune)
+                .bind(retention)
+                .execute(p)
+                .await
+                .context("dropping old receipts")?;
+        }
+    });
+    Ok(())
 }
 
 /// Makes `path` (if missing) readable and writable by its owner only;
@@ -264,6 +339,37 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600, "owner only");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_receipts_are_written_in_groups_and_all_found() {
+        let dir = std::env::temp_dir().join(format!("receipts-group-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let s = std::sync::Arc::new(
+            SqlStore::sqlite(&dir.join("r.sqlite3"), 1000)
+                .await
+                .unwrap(),
+        );
+        let mut tasks = Vec::new();
+        for b in 0..200u8 {
+            let s = s.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut id = [0u8; 16];
+                id[0] = b;
+                // The same id twice in one burst: kept once, both succeed.
+                s.insert(id, kept(b, b % 2 == 0)).await.unwrap();
+                s.insert(id, kept(b, b % 2 == 0)).await.unwrap();
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        for b in 0..200u8 {
+            let mut id = [0u8; 16];
+            id[0] = b;
+            assert_eq!(s.get(&id).await.unwrap(), Some(kept(b, b % 2 == 0)));
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
