@@ -1,7 +1,10 @@
 //! The pipeline as containers (`docker/compose.yaml`): the gateway image and
 //! two stage images built by `scripts/build-images.sh` (static musl binaries,
 //! `FROM scratch`), on a private network, with MOCK attestation pinned to the
-//! measurement computed on the build host.
+//! measurement computed on the build host. Then replicas through Docker's
+//! DNS: the stage services scaled to three containers each, found by a
+//! second gateway through `dns://` names, one stage container killed and
+//! started again.
 //!
 //! Opt-in (the static build is an extra release build): `CONTAINERS_E2E=1`,
 //! e.g. `scripts/test-containers.sh`. Without it, or without a Docker engine
@@ -545,4 +548,166 @@ async fn compose_pipeline_serves_and_survives_a_stage_restart() {
     let (s, b) = embed(&url, json!({"model": MODEL, "input": texts[0]})).await;
     assert_eq!(s, 200, "{b}");
     assert!(cosine(&vectors(&b)[0], &refs[0]) >= 0.9999);
+
+    // Replicas through Docker's DNS: the stage services scaled to three
+    // containers each, and a second gateway that finds them through
+    // dns:// names (Docker's embedded DNS answers a service name with every
+    // container's address), pairs them into three replicas, loses one stage
+    // container, keeps serving, and takes it back.
+    p.compose(&["stop", "gateway"]).await; // frees the stages it configured
+    p.compose(&[
+        "up",
+        "-d",
+        "--no-recreate",
+        "--scale",
+        "stage0=3",
+        "--scale",
+        "stage1=3",
+        "stage0",
+        "stage1",
+    ])
+    .await;
+    let replicas = ReplicaGateway::start(&p);
+    let url = replicas.url();
+    wait_for("three replicas found through DNS", 480, || async {
+        ready_replicas(&url).await == [true, true, true]
+    })
+    .await;
+    for i in 0..6 {
+        let (s, b) = embed(
+            &url,
+            json!({"model": MODEL, "input": format!("replica {i}")}),
+        )
+        .await;
+        assert_eq!(s, 200, "{b}");
+    }
+    let stage1 = p.compose(&["ps", "-q", "stage1"]).await;
+    let victim = stage1.lines().last().unwrap().trim().to_string();
+    docker(&["kill", &victim]).await;
+    wait_for("one replica to drop out", 240, || async {
+        let r = ready_replicas(&url).await;
+        r.len() == 3 && r.iter().filter(|x| **x).count() == 2
+    })
+    .await;
+    for i in 0..6 {
+        let (s, b) = embed(
+            &url,
+            json!({"model": MODEL, "input": format!("two left {i}")}),
+        )
+        .await;
+        assert_eq!(s, 200, "{b}");
+    }
+    docker(&["start", &victim]).await;
+    wait_for("the replica to come back", 480, || async {
+        ready_replicas(&url).await == [true, true, true]
+    })
+    .await;
+    let (s, b) = embed(&url, json!({"model": MODEL, "input": texts[0]})).await;
+    assert_eq!(s, 200, "{b}");
+    assert!(cosine(&vectors(&b)[0], &refs[0]) >= 0.9999);
+}
+
+/// Which replicas `/readyz` lists as ready (empty while it cannot answer).
+async fn ready_replicas(url: &str) -> Vec<bool> {
+    let (_, v) = readyz(url).await;
+    v["pipelines"][0]["replicas"]
+        .as_array()
+        .map(|a| a.iter().map(|r| r["ready"] == true).collect())
+        .unwrap_or_default()
+}
+
+/// `docker ARGS` off the async runtime; panics with its output if it fails.
+async fn docker(args: &[&str]) -> String {
+    let mut c = Command::new("docker");
+    c.args(args).stdin(Stdio::null());
+    let out = tokio::task::spawn_blocking(move || c.output().unwrap())
+        .await
+        .unwrap();
+    ok_stdout("docker", out)
+}
+
+/// A gateway container on the project's stage network whose stages are
+/// `dns://stage0:9000` and `dns://stage1:9000` (up to three replicas);
+/// removed on drop, before the project's network is.
+struct ReplicaGateway {
+    name: String,
+    port: String,
+}
+
+impl ReplicaGateway {
+    fn start(p: &Project) -> ReplicaGateway {
+        let name = format!("{}-replicas-gateway", p.name);
+        // The stage network is internal (no published ports): start on the
+        // edge network, as compose's gateway is, then join the stages'.
+        let out = Command::new("docker")
+            .args(["run", "-d", "--name", &name])
+            .args(["--network", &format!("{}_edge", p.name)])
+            .args(["-p", "127.0.0.1::8080"])
+            .args(["-e", "GATEWAY_PIPELINE__REPLICAS=3"])
+            .args(["-e", "GATEWAY_PIPELINE__DISCOVERY_SECS=1"])
+            .args([
+                "-e",
+                "GATEWAY_PIPELINE__STAGES__0__ADDRESS=dns://stage0:9000",
+            ])
+            .args([
+                "-e",
+                "GATEWAY_PIPELINE__STAGES__1__ADDRESS=dns://stage1:9000",
+            ])
+            .args(["-e", "GATEWAY_RECEIPTS__STORE=memory"])
+            .arg(p.image("gateway"))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        // Removed on drop from here on, whatever fails next.
+        let mut g = ReplicaGateway {
+            name,
+            port: String::new(),
+        };
+        ok_stdout("docker run (replicas gateway)", out);
+        let out = Command::new("docker")
+            .args([
+                "network",
+                "connect",
+                &format!("{}_pipeline", p.name),
+                &g.name,
+            ])
+            .output()
+            .unwrap();
+        ok_stdout("docker network connect", out);
+        let out = Command::new("docker")
+            .args(["port", &g.name, "8080"])
+            .output()
+            .unwrap();
+        g.port = ok_stdout("docker port", out)
+            .lines()
+            .next()
+            .unwrap()
+            .trim()
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .to_string();
+        g
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for ReplicaGateway {
+    fn drop(&mut self) {
+        if let Ok(out) = Command::new("docker")
+            .args(["logs", "--tail", "40", &self.name])
+            .output()
+        {
+            eprintln!(
+                "replicas gateway log (tail):\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let _ = Command::new("docker")
+            .args(["rm", "-f", &self.name])
+            .output();
+    }
 }
