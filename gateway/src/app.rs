@@ -308,7 +308,15 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let mut slots = Vec::new();
     for s in &specs {
         slots.push(match &s.discovery {
-            Some(names) => Some(first_slots(&cfg, s, names).await?),
+            Some(names) => Some(
+                discovery::first_slots(
+                    names,
+                    s.replicas,
+                    Duration::from_secs(cfg.pipeline.connect_timeout_secs),
+                )
+                .await
+                .with_context(|| s.name)?,
+            ),
             None => None,
         });
     }
@@ -570,41 +578,6 @@ async fn start_pipeline(
     Ok(StartedPipeline { pipeline, stages })
 }
 
-/// Resolves a discovered pipeline's stage names until a whole chain of
-/// stages appears (or the connect timeout passes) and pairs the addresses
-/// into the first replica slots.
-async fn first_slots(
-    cfg: &GatewayConfig,
-    spec: &config::PipelineSpec,
-    names: &[String],
-) -> Result<discovery::Slots> {
-    let deadline =
-        tokio::time::Instant::now() + Duration::from_secs(cfg.pipeline.connect_timeout_secs);
-    loop {
-        let mut slots = vec![None; spec.replicas];
-        match discovery::resolve_all(names).await {
-            Ok(resolved) => {
-                discovery::assign(&mut slots, &resolved);
-                if slots.iter().any(Option::is_some) {
-                    return Ok(slots);
-                }
-                if tokio::time::Instant::now() > deadline {
-                    anyhow::bail!(
-                        "{}: DNS names no whole chain of stages ({})",
-                        spec.name,
-                        names.join(", ")
-                    );
-                }
-            }
-            Err(e) if tokio::time::Instant::now() > deadline => {
-                anyhow::bail!("{}: {e}", spec.name)
-            }
-            Err(_) => {}
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-}
-
 /// Waits until some replica of a discovered pipeline is verified and
 /// connected (the others keep trying in the background).
 async fn wait_for_a_replica(
@@ -614,7 +587,7 @@ async fn wait_for_a_replica(
 ) -> Result<()> {
     let deadline =
         tokio::time::Instant::now() + Duration::from_secs(cfg.pipeline.connect_timeout_secs);
-    while model.entry_keys().is_err() {
+    while model.ready().is_err() {
         if tokio::time::Instant::now() > deadline {
             anyhow::bail!(
                 "{} stages did not become ready in time: {}",

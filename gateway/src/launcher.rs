@@ -119,13 +119,6 @@ impl LocalStages {
                     "--exit-with-stdin".into(),
                 ];
                 a.extend(spec.stage_args.iter().cloned());
-                if i == 0 {
-                    // Each replica's entry stage its own key ids: a key id
-                    // names the replica that can open a request sealed to it.
-                    let ids = crate::pipeline::key_ids(replica, spec.replicas);
-                    a.push("--hpke-key-ids".into());
-                    a.push(format!("{}-{}", ids.start(), ids.end()));
-                }
                 a
             })
             .collect();

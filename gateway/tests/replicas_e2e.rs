@@ -143,6 +143,17 @@ async fn three_replicas_route_fail_over_and_rejoin() {
         .collect();
     replicas.sort();
     assert_eq!(replicas, [0, 1, 2]);
+    // Each replica's key from the share of ids the gateway gave it
+    // (1-42, 43-84, 85-126 for three).
+    for k in keys["keys"].as_array().unwrap() {
+        if k["held_by"] == "enclave" {
+            let (id, r) = (
+                k["key_id"].as_u64().unwrap(),
+                k["replica"].as_u64().unwrap(),
+            );
+            assert!((1 + 42 * r..=42 + 42 * r).contains(&id), "{k}");
+        }
+    }
     for r in 0..REPLICAS {
         sealed_to_replica(&gw.url, &policy, r).await;
     }

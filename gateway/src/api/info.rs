@@ -136,7 +136,7 @@ pub(super) async fn hpke_keys(
     let mut keys = Vec::new();
     let mut serves = HashMap::new();
     for r in chosen {
-        if let Err(reason) = r.entry_keys() {
+        if let Err(reason) = r.ready() {
             return ApiError::not_ready(&reason).into_response();
         }
         // Every ready replica's entry keys (each replica its own ids).

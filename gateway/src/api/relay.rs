@@ -133,7 +133,7 @@ pub(super) async fn relay_inner(
         }
     };
     // Some replica must be serving, whatever the request.
-    replicas.entry_keys().map_err(|r| ApiError::not_ready(&r))?;
+    replicas.ready().map_err(|r| ApiError::not_ready(&r))?;
     if headers.contains_key(HEADER_KEY_ID) {
         // Sealed by the client to the enclave key: relay ciphertext only.
         let sealed = SealedHeaders::from_header_values(|name| {

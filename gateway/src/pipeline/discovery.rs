@@ -107,6 +107,33 @@ pub fn apply(members: &[Arc<Pipeline>], slots: &Slots, changed: &[usize]) {
     }
 }
 
+/// Resolves the stage names until a whole chain of stages appears (or
+/// `within` passes) and pairs the addresses into the first `count` slots.
+pub async fn first_slots(
+    names: &[String],
+    count: usize,
+    within: Duration,
+) -> anyhow::Result<Slots> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let mut slots = vec![None; count];
+        let failed = match resolve_all(names).await {
+            Ok(resolved) => {
+                assign(&mut slots, &resolved);
+                if slots.iter().any(Option::is_some) {
+                    return Ok(slots);
+                }
+                format!("DNS names no whole chain of stages ({})", names.join(", "))
+            }
+            Err(e) => e,
+        };
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!(failed);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// Resolves the names every `every` and re-pairs the slots, for as long
 /// as the gateway runs. A failed resolution changes nothing.
 pub async fn run(

@@ -342,6 +342,16 @@ impl Pipeline {
         }
     }
 
+    /// Whether the entry stage accepts requests sealed to `key_id` with
+    /// `aead` now (no copy of the key list: asked on every sealed request).
+    pub fn accepts(&self, key_id: u8, aead: proto::sealing::Aead) -> bool {
+        self.connected.lock().unwrap().as_ref().is_some_and(|c| {
+            c.entry_keys
+                .iter()
+                .any(|k| k.key_id == key_id && k.supports(aead))
+        })
+    }
+
     /// Requests this gateway has sent to the pipeline and not yet seen
     /// finish (streams until their end): its load, for routing.
     pub fn in_flight(&self) -> usize {

@@ -75,24 +75,13 @@ impl Replicas {
 
     /// The ready replica whose entry stage accepts `key_id` with `aead`.
     pub fn holding(&self, key_id: u8, aead: proto::sealing::Aead) -> Option<&Arc<Pipeline>> {
-        self.members.iter().find(|p| {
-            p.entry_keys()
-                .is_ok_and(|keys| keys.iter().any(|k| k.key_id == key_id && k.supports(aead)))
-        })
+        self.members.iter().find(|p| p.accepts(key_id, aead))
     }
 
-    /// The entry keys of every ready replica; `Err` (why not) when none is.
-    pub fn entry_keys(&self) -> Result<Vec<KeyConfig>, String> {
-        let mut keys = Vec::new();
-        let mut any = false;
-        for p in &self.members {
-            if let Ok(k) = p.entry_keys() {
-                any = true;
-                keys.extend(k);
-            }
-        }
-        if any {
-            Ok(keys)
+    /// `Ok` while some replica is connected and verified, else why none is.
+    pub fn ready(&self) -> Result<(), String> {
+        if self.members.iter().any(|p| p.epoch().is_some()) {
+            Ok(())
         } else {
             Err(self.not_ready_reason())
         }
