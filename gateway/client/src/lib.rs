@@ -21,6 +21,7 @@ pub mod client_key;
 pub mod io;
 pub mod proxy;
 pub mod seal;
+pub mod sealed;
 pub mod transport;
 pub mod verify;
 

@@ -1,11 +1,11 @@
 //! Target `sse`: the proxy's reading of the event stream it opened
-//! ([`client::proxy::sse`]), fed in pieces as the pump feeds it.
+//! ([`client::sealed::sse`]), fed in pieces as the pump feeds it.
 //!
 //! Properties: what goes out is whole events, never any byte of a `[DONE]`
 //! event, and never more than arrived; a stream that ends with an error
 //! event is recognised as such.
 
-use client::proxy::sse::{ends_with_error_event, forwardable};
+use client::sealed::sse::{ends_with_error_event, forwardable};
 use proto::completions::STREAM_DONE;
 
 /// Runs one input: the first byte sets the piece size, the rest is the

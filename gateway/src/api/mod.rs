@@ -232,10 +232,16 @@ impl GatewayKey {
 /// published HPKE keys) and what operators probe (health, readiness,
 /// metrics) stay open.
 pub fn router(state: AppState) -> Router {
-    let keyed = Router::new()
-        .route(ApiEndpoint::Embeddings.path(), post(embeddings_handler))
-        .route(ApiEndpoint::ChatCompletions.path(), post(chat_handler))
-        .route(ApiEndpoint::Completions.path(), post(completions_handler))
+    let mut keyed = Router::new().route(ApiEndpoint::Embeddings.path(), post(embeddings_handler));
+    for e in [ApiEndpoint::ChatCompletions, ApiEndpoint::Completions] {
+        keyed = keyed.route(
+            e.path(),
+            post(move |State(s): State<AppState>, h: HeaderMap, b: Body| {
+                generation_handler(s, e, h, b)
+            }),
+        );
+    }
+    let keyed = keyed
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/receipts/{id}", get(get_receipt))

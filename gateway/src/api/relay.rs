@@ -53,22 +53,6 @@ pub(super) async fn read_body(
         .map_err(|_| ApiError::too_large(limit))
 }
 
-pub(super) async fn chat_handler(
-    State(s): State<AppState>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    generation_handler(s, ApiEndpoint::ChatCompletions, headers, body).await
-}
-
-pub(super) async fn completions_handler(
-    State(s): State<AppState>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    generation_handler(s, ApiEndpoint::Completions, headers, body).await
-}
-
 /// `/v1/completions` and `/v1/chat/completions`: both go to the completions
 /// pipeline, whose entry stage reads (and, for chat, templates) the request.
 pub(super) async fn generation_handler(

@@ -58,3 +58,10 @@ impl IntoResponse for ApiError {
         (status, axum::Json(self.0.body())).into_response()
     }
 }
+
+impl From<crate::sealed::Refused> for ApiError {
+    /// A refused answer or evidence: 502, the refusal's code.
+    fn from(r: crate::sealed::Refused) -> Self {
+        Self::coded(StatusCode::BAD_GATEWAY, "server_error", r.code, r.message)
+    }
+}

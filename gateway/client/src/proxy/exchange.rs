@@ -22,12 +22,10 @@ impl Proxy {
             return Ok(cur);
         }
         match attest(&self.client, &self.upstream, &route.model, &route.policy).await {
-            Ok((verified, bundle, nonce)) => {
-                log_verified(&route.model, &verified, "re-attested upstream");
+            Ok(att) => {
+                log_verified(&route.model, &att.verified, "re-attested upstream");
                 let t = Arc::new(Trusted {
-                    verified,
-                    bundle,
-                    nonce,
+                    att,
                     epoch: cur.epoch + 1,
                     at: Instant::now(),
                 });
@@ -53,19 +51,26 @@ impl Proxy {
         let mut trusted = route.current();
         let mut refreshed = false;
         loop {
-            let key = pick_key(&trusted.verified.entry_keys, None, self.aead).map_err(|e| {
-                bad_gateway("hpke_key_unavailable", format!("attested entry key: {e}"))
+            let sealed = Sealed::new(
+                &trusted.att.verified,
+                self.aead,
+                x.endpoint,
+                &x.request,
+                &x.nonce,
+            )
+            .map_err(|r| match r.code {
+                // Sealing itself failed here, not upstream: an internal error.
+                "sealing_failed" => ApiError::internal(r.message),
+                _ => ApiError::from(r),
             })?;
-            let (headers, body, client_key) = seal_request(&key, self.aead, &x.request)
-                .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
             let mut rb = self
                 .client
                 .post(format!("{}{}", self.upstream, x.endpoint))
                 .header(header::CONTENT_TYPE, "application/octet-stream")
                 .header(HEADER_RECEIPT_NONCE, hex::encode(&x.nonce))
-                .body(body);
-            for (k, v) in headers.to_header_values() {
-                rb = rb.header(k, v);
+                .body(sealed.body.clone());
+            for (k, v) in &sealed.headers {
+                rb = rb.header(*k, v);
             }
             if let Some(a) = auth {
                 rb = rb.header(header::AUTHORIZATION, a.clone());
@@ -86,12 +91,14 @@ impl Proxy {
                 let key_unknown = code.as_deref() == Some("hpke_key_unknown");
                 if key_unknown || trusted.at.elapsed() >= SUSPECT_REATTEST_INTERVAL {
                     tracing::info!(
-                        key_id = key.key_id,
+                        key_id = sealed.key_id,
                         code = code.as_deref().unwrap_or("none"),
                         "upstream refused a sealed request: re-attesting to check its keys"
                     );
                     let fresh = self.refresh(route, trusted.epoch).await?;
-                    if key_unknown || fresh.verified.entry_keys != trusted.verified.entry_keys {
+                    if key_unknown
+                        || fresh.att.verified.entry_keys != trusted.att.verified.entry_keys
+                    {
                         trusted = fresh;
                         refreshed = true;
                         continue;
@@ -104,12 +111,11 @@ impl Proxy {
                 }));
             }
             if !response.status().is_success() || !is_sealed(&response) {
-                return Err(self.not_success(response, &client_key).await);
+                return Err(self.not_success(response, &sealed).await);
             }
             return Ok(Sent {
                 response,
-                client_key,
-                key_id: key.key_id,
+                sealed,
                 trusted,
             });
         }
@@ -120,10 +126,10 @@ impl Proxy {
     pub(super) async fn not_success(
         &self,
         response: reqwest::Response,
-        client_key: &ClientResponseKey,
+        sealed: &Sealed,
     ) -> ProxyError {
         let status = response.status();
-        let sealed = is_sealed(&response);
+        let is_sealed = is_sealed(&response);
         let headers = response.headers().clone();
         let body = match response.bytes().await {
             Ok(b) => b,
@@ -135,13 +141,9 @@ impl Proxy {
                 .into()
             }
         };
-        if !sealed {
+        if !is_sealed {
             if status.is_success() {
-                return bad_gateway(
-                    "response_not_sealed",
-                    "the upstream answered a sealed request with an unsealed response",
-                )
-                .into();
+                return ApiError::from(not_sealed()).into();
             }
             // An error the host answered itself (OpenAI-shaped): pass it on.
             return ProxyError::Upstream(PassThrough {
@@ -150,28 +152,9 @@ impl Proxy {
                 body,
             });
         }
-        // Only the stages hold the response key, so a body that opens is
-        // theirs; the HTTP status around it is the host's word. A stage error
-        // is an OpenAI error object without a receipt: anything else under
-        // an error status was relabelled on the way (fail closed).
-        match open_response_with_trailer(client_key, &body) {
-            Ok((_, Some(_))) => bad_gateway(
-                "upstream_status_mismatch",
-                format!(
-                    "The upstream answered HTTP {status}, but the sealed body is a complete \
-                     answer with its receipt: the status was altered on the way."
-                ),
-            )
-            .into(),
-            Ok((plain, None)) if is_error_object(&plain) => ProxyError::Sealed(status, plain),
-            Ok(_) => bad_gateway(
-                "upstream_status_mismatch",
-                format!(
-                    "The upstream answered HTTP {status}, but the sealed body is not an error."
-                ),
-            )
-            .into(),
-            Err(e) => unopenable(e).into(),
+        match sealed.open_error(status.as_u16(), &body) {
+            Ok(plain) => ProxyError::Sealed(status, plain),
+            Err(r) => ApiError::from(r).into(),
         }
     }
 
@@ -183,8 +166,7 @@ impl Proxy {
     ) -> Result<Response, ProxyError> {
         let Sent {
             response,
-            client_key,
-            key_id,
+            sealed,
             trusted,
         } = sent;
         let status = response.status();
@@ -195,17 +177,9 @@ impl Proxy {
                 format!("reading the upstream response: {e}"),
             )
         })?;
-        let (plain, trailer) =
-            open_response_with_trailer(&client_key, &body).map_err(unopenable)?;
+        let (plain, trailer) = sealed.open(&body).map_err(ApiError::from)?;
         let receipt = match trailer {
-            Some(t) => ReceiptTrailer::decode(&t).map_err(|e| {
-                bad_gateway(
-                    "receipt_verification_failed",
-                    format!(
-                        "the sealed receipt trailer is malformed ({e}); the response was withheld"
-                    ),
-                )
-            })?,
+            Some(t) => t,
             // An upstream that seals no trailer: the receipt without the
             // salt of its digests, which fails to verify if they are salted.
             None => ReceiptTrailer {
@@ -213,13 +187,7 @@ impl Proxy {
                 digest_salt: None,
             },
         };
-        let sealed_to = SealedTo {
-            key_id,
-            enc: client_key.material().enc(),
-        };
-        let body_receipt = self
-            .verified(x, trusted, sealed_to, &receipt, &plain)
-            .await?;
+        let body_receipt = self.verified(x, trusted, &sealed, &receipt, &plain).await?;
         let mut r = json_response(status, plain);
         let h = r.headers_mut();
         h.insert(
@@ -257,38 +225,37 @@ impl Proxy {
         &self,
         x: &Exchange,
         mut trusted: Arc<Trusted>,
-        sealed_to: SealedTo<'_>,
+        sealed: &Sealed,
         receipt: &ReceiptTrailer,
         response: &[u8],
     ) -> Result<proto::receipt::ReceiptBody, ApiError> {
         let route = &self.routes[x.route];
-        let allow_mock = route.policy.allow_mock;
-        let check =
-            |t: &Trusted| check_receipt(&t.verified, allow_mock, x, sealed_to, receipt, response);
-        let mut report = check(&trusted);
-        if matches!(
-            report.failure(),
-            Some(ReceiptError::UnknownSigner | ReceiptError::LinkUnknownSigner { .. })
-        ) {
+        let mut report = sealed.check(&trusted.att, receipt, response);
+        if unknown_signer(&report) {
             tracing::info!("receipt signed by a key not in the evidence: re-attesting once");
             trusted = self.refresh(route, trusted.epoch).await?;
-            report = check(&trusted);
+            report = sealed.check(&trusted.att, receipt, response);
         }
-        if let Some(fail) = report.checks.iter().find(|c| c.error.is_some()) {
-            let code = fail.error.as_ref().map(|e| e.code()).unwrap_or("failed");
-            tracing::error!(check = %fail.name, reason = code, "receipt does not verify: answer withheld");
-            return Err(bad_gateway(
-                "receipt_verification_failed",
-                format!(
-                    "The upstream's receipt does not verify ({code}: {}: {}); the response was withheld.",
-                    fail.name, fail.detail
-                ),
-            ));
+        if let Some(refused) = crate::sealed::refusal(&report) {
+            let fail = report.checks.iter().find(|c| c.error.is_some());
+            let code = fail
+                .and_then(|c| c.error.as_ref())
+                .map_or("failed", |e| e.code());
+            tracing::error!(check = %fail.map_or("", |c| c.name.as_str()), reason = code, "receipt does not verify: answer withheld");
+            return Err(refused.into());
         }
         let body = report.receipt.expect("a verified receipt has a body");
         self.keep(body.receipt_id, &receipt.receipt);
         if let Some(dir) = &self.archive {
-            if let Err(e) = archive(dir, &body.receipt_id, x, &trusted, receipt, response) {
+            let written = archive(
+                dir,
+                &body.receipt_id,
+                &sealed.record(),
+                &trusted.att,
+                receipt,
+                response,
+            );
+            if let Err(e) = written {
                 // The answer verified; an archive that cannot be written is
                 // the operator's problem, not a reason to withhold it.
                 tracing::error!(error = %format!("{e:#}"), "writing the archive failed");
@@ -349,68 +316,6 @@ impl Proxy {
             .map_err(|e| bad_gateway("upstream_unreachable", format!("GET {url}: {e}")))?
             .to_vec())
     }
-}
-
-/// Verifies a receipt for a request this proxy sealed to the entry stage.
-pub(super) fn check_receipt(
-    v: &VerifiedBundle,
-    allow_mock: bool,
-    x: &Exchange,
-    sealed_to: SealedTo<'_>,
-    receipt: &ReceiptTrailer,
-    response: &[u8],
-) -> VerifyReport {
-    let mut inputs = VerifyInputs::new(&receipt.receipt, &v.stage_keys);
-    inputs.digest_salt = receipt.digest_salt.as_ref();
-    inputs.sealed_to = Some(sealed_to);
-    inputs.request = Some(&x.request);
-    inputs.response = Some(response);
-    inputs.expected_nonce = Some(&x.nonce);
-    inputs.expected_manifest = Some(v.manifest_digest);
-    inputs.allow_mock = allow_mock;
-    let mut report = verify_receipt(&inputs);
-    // What verify_receipt cannot know: how this request was sent.
-    // `sealing` must be proven against this proxy's own encapsulated key (a
-    // v3 receipt's entry link), not taken on the host's word.
-    let proven = report.proven_sealing();
-    if let Some(r) = report.receipt.clone() {
-        let mut extra = |name: &str, ok: bool, detail: String| {
-            report.checks.push(proto::receipt::Check {
-                name: name.into(),
-                status: if ok {
-                    proto::receipt::CheckStatus::Pass
-                } else {
-                    proto::receipt::CheckStatus::Fail
-                },
-                detail: detail.clone(),
-                error: (!ok).then_some(ReceiptError::Malformed(detail)),
-            })
-        };
-        extra(
-            "proxy.sealing",
-            proven == Some(Sealing::Enclave),
-            match proven {
-                Some(s) => format!(
-                    "the entry stage opened {:?}-sealed bytes; the proxy sealed to the enclave key",
-                    s.as_str()
-                ),
-                None => format!(
-                    "receipt records sealing {:?}, but does not prove that the entry stage \
-                     opened the proxy's own encapsulated key",
-                    r.sealing.as_str()
-                ),
-            },
-        );
-        extra(
-            "proxy.endpoint",
-            r.endpoint == x.endpoint,
-            format!(
-                "receipt names endpoint {}, the request went to {}",
-                r.endpoint, x.endpoint
-            ),
-        );
-    }
-    report
 }
 
 /// An upstream answer passed on unchanged (an error the host made itself).

@@ -191,8 +191,8 @@ pub(super) fn router(state: AppState) -> Router {
                     let t = r.current();
                     json!({
                         "model": r.model,
-                        "mock": t.verified.mock,
-                        "measurements": t.verified.measurements,
+                        "mock": t.att.verified.mock,
+                        "measurements": t.att.verified.measurements,
                     })
                 })
                 .collect();

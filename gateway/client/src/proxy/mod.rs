@@ -53,9 +53,9 @@
 use crate::bundle::fetch_bundle;
 use crate::client_key::aead_name;
 use crate::io::parse_hex;
-use crate::seal::{pick_key, AeadArg};
+use crate::seal::AeadArg;
+use crate::sealed::{archive, not_sealed, unknown_signer, Attested, Sealed};
 use crate::transport::{base_url, http_client, random_nonce};
-use crate::verify::verify_evidence;
 use crate::{EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, Context, Result};
 use api_error::ApiError;
@@ -67,33 +67,23 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
 use clap::Args;
-use proto::bundle::{EvidenceBundle, VerifiedBundle};
+use proto::bundle::VerifiedBundle;
 use proto::policy::Policy;
-use proto::receipt::{
-    verify_receipt, ReceiptError, ReceiptTrailer, SealedTo, Sealing, VerifyInputs, VerifyReport,
-};
-use proto::sealing::{
-    open_response_with_trailer, seal_request, Aead, ClientResponseKey, ResponseOpener, SealLimits,
-};
+use proto::receipt::ReceiptTrailer;
+use proto::sealing::Aead;
 use serde_json::json;
 use std::collections::VecDeque;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 mod api_error;
-mod archive;
 mod exchange;
 mod handlers;
-pub mod sse;
 mod stream;
-#[cfg(test)]
-mod tests;
 
-use archive::*;
 use exchange::*;
 use handlers::*;
-use sse::*;
 use stream::*;
 
 /// Response header the proxy adds when the receipt verified.
@@ -146,10 +136,7 @@ pub struct ProxyArgs {
 
 /// What the proxy trusts for one model: the last verified evidence.
 struct Trusted {
-    verified: VerifiedBundle,
-    /// The bundle and the nonce it was fetched with (for the archive).
-    bundle: EvidenceBundle,
-    nonce: Vec<u8>,
+    att: Attested,
     /// Bumped by every re-attestation.
     epoch: u64,
     /// When it was verified.
@@ -206,10 +193,8 @@ impl AttestError {
 /// not read yet.
 struct Sent {
     response: reqwest::Response,
-    client_key: ClientResponseKey,
-    /// The key id the request was sealed to (with `client_key`'s `enc`:
-    /// what the receipt's entry link must say was opened).
-    key_id: u8,
+    /// What opens the answer and what its receipt must name.
+    sealed: Sealed,
     trusted: Arc<Trusted>,
 }
 
@@ -236,23 +221,12 @@ async fn attest(
     upstream: &str,
     model: &str,
     policy: &Policy,
-) -> Result<(VerifiedBundle, EvidenceBundle, Vec<u8>), AttestError> {
+) -> Result<Attested, AttestError> {
     let nonce = random_nonce(32);
     let bundle = fetch_bundle(client, upstream, &nonce, Some(model))
         .await
         .map_err(|e| AttestError::Unreachable(format!("{e:#}")))?;
-    let out = verify_evidence(&bundle, policy, Some(&nonce), None);
-    let ok = out.ok();
-    match out.verified.filter(|_| ok) {
-        Some(v) => Ok((v, bundle, nonce)),
-        None => Err(AttestError::Rejected(
-            out.lines
-                .iter()
-                .filter(|l| l.status == super::verify::Status::Fail)
-                .map(|l| l.text())
-                .collect(),
-        )),
-    }
+    Attested::verify(bundle, policy, &nonce).map_err(AttestError::Rejected)
 }
 
 impl Route {
@@ -333,15 +307,13 @@ async fn attest_all(
             .collect();
         for model in &free {
             match attest(client, upstream, model, &policy).await {
-                Ok((verified, bundle, nonce)) => {
-                    log_verified(model, &verified, "attested upstream");
+                Ok(att) => {
+                    log_verified(model, &att.verified, "attested upstream");
                     routes.push(Route {
                         model: model.clone(),
                         policy: policy.clone(),
                         trusted: RwLock::new(Arc::new(Trusted {
-                            verified,
-                            bundle,
-                            nonce,
+                            att,
                             epoch: 1,
                             at: Instant::now(),
                         })),

@@ -10,17 +10,11 @@ pub(super) async fn finish_streaming(
     x: Exchange,
     sent: Sent,
 ) -> Result<Response, ProxyError> {
-    let Sent {
-        response,
-        client_key,
-        key_id,
-        trusted,
-    } = sent;
-    let receipt_id = response.headers().get(HEADER_RECEIPT_ID).cloned();
+    let receipt_id = sent.response.headers().get(HEADER_RECEIPT_ID).cloned();
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     let nonce = x.nonce.clone();
     tokio::spawn(async move {
-        let events = pump_stream(&proxy, &x, response, (key_id, client_key), trusted, &tx).await;
+        let events = pump_stream(&proxy, &x, sent, &tx).await;
         if let Err(e) = events {
             tracing::warn!(error = %e.0.message, "stream from the upstream ended without a verified receipt");
             let _ = tx.send(Bytes::from(error_event(&e))).await;
@@ -58,17 +52,11 @@ pub(super) async fn finish_streaming(
 pub(super) async fn pump_stream(
     proxy: &Proxy,
     x: &Exchange,
-    mut response: reqwest::Response,
-    (key_id, client_key): (u8, ClientResponseKey),
-    trusted: Arc<Trusted>,
+    sent: Sent,
     tx: &tokio::sync::mpsc::Sender<Bytes>,
 ) -> Result<(), ApiError> {
-    let mut opener = ResponseOpener::new(&client_key, SealLimits::default());
-    // Every plaintext byte the client gets: the receipt binds all of it.
-    let mut all = Vec::new();
-    // How much of `all` went out; whether it stopped at `[DONE]`.
-    let mut forwarded = 0;
-    let mut at_done = false;
+    let (mut response, sealed, trusted) = (sent.response, sent.sealed, sent.trusted);
+    let mut opener = sealed.stream();
     loop {
         let piece = tokio::time::timeout(proxy.idle, response.chunk())
             .await
@@ -80,65 +68,30 @@ pub(super) async fn pump_stream(
                 )
             })?;
         let Some(piece) = piece else { break };
-        for part in opener.feed(&piece).map_err(unopenable)? {
-            all.extend_from_slice(&part);
-        }
-        if !at_done {
-            // Whole events only, so a `[DONE]` split across sealed chunks
-            // is still seen before any of it goes out.
-            let (upto, done) = forwardable(&all, forwarded);
-            at_done = done;
-            if upto > forwarded {
-                let out = Bytes::copy_from_slice(&all[forwarded..upto]);
-                forwarded = upto;
-                if tx.send(out).await.is_err() {
-                    return Ok(());
-                }
-            }
+        let out = opener.feed(&piece)?;
+        if !out.is_empty() && tx.send(Bytes::from(out)).await.is_err() {
+            return Ok(());
         }
         if opener.is_complete() {
             break;
         }
     }
-    let trailer = opener.trailer().map(ReceiptTrailer::decode).transpose();
-    opener.finish().map_err(unopenable)?;
-    let trailer = trailer.map_err(|e| {
-        bad_gateway(
-            "receipt_verification_failed",
-            format!("The stream's sealed receipt trailer is malformed ({e}); [DONE] was withheld."),
-        )
-    })?;
-    match trailer {
-        Some(receipt) => {
-            let sealed_to = SealedTo {
-                key_id,
-                enc: client_key.material().enc(),
-            };
-            proxy
-                .verified(x, trusted, sealed_to, &receipt, &all)
-                .await?;
-        }
-        // No receipt: only a stage that ended the stream with an error
-        // event may do that (never after a [DONE]); anything else is not a
-        // complete answer, and the client must not take it for one.
-        None if at_done || !ends_with_error_event(&all) => {
-            return Err(bad_gateway(
-                "receipt_verification_failed",
-                "The upstream stream ended without its receipt or an error event; \
-                 [DONE] was withheld.",
-            ))
-        }
-        None => {}
+    let end = opener.finish()?;
+    if let Some(receipt) = &end.receipt {
+        proxy
+            .verified(x, trusted, &sealed, receipt, &end.all)
+            .await?;
     }
-    if forwarded < all.len() {
-        let _ = tx.send(Bytes::copy_from_slice(&all[forwarded..])).await;
+    if !end.rest.is_empty() {
+        let _ = tx.send(Bytes::from(end.rest)).await;
     }
     Ok(())
 }
 
-pub(super) fn unopenable(e: proto::sealing::SealError) -> ApiError {
-    bad_gateway(
-        "response_unopenable",
-        format!("the upstream's sealed response does not open: {e}"),
-    )
+/// An error as a Server-Sent Event (how OpenAI ends a failed stream).
+pub(super) fn error_event(e: &ApiError) -> Vec<u8> {
+    let mut ev = b"data: ".to_vec();
+    ev.extend(e.body_bytes());
+    ev.extend(b"\n\n");
+    ev
 }

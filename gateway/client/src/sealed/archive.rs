@@ -1,15 +1,21 @@
-//! `--archive DIR`: every verified exchange written out for offline audit,
-//! readable by its owner only (folders 0700, files 0600).
+//! An archive of verified exchanges for offline audit (`gateway proxy
+//! --archive`, the Python package's `archive=`), readable by its owner only
+//! (folders 0700, files 0600).
 
-use super::*;
+use super::{Attested, RequestRecord};
+use anyhow::{Context, Result};
+use proto::receipt::ReceiptTrailer;
+use std::path::Path;
 
 /// Writes one verified exchange to `dir/<receipt id>/` (via a temporary
-/// folder renamed into place, so that a folder is never half-written).
-pub(super) fn archive(
+/// folder renamed into place, so that a folder is never half-written):
+/// request, response, receipt, digest salt, nonce, and the evidence with its
+/// nonce — what `gateway verify receipt` needs to check it again.
+pub fn archive(
     dir: &Path,
     id: &[u8; 16],
-    x: &Exchange,
-    trusted: &Trusted,
+    req: &RequestRecord<'_>,
+    attested: &Attested,
     receipt: &ReceiptTrailer,
     response: &[u8],
 ) -> Result<()> {
@@ -17,11 +23,14 @@ pub(super) fn archive(
     let tmp = dir.join(format!(".{name}.tmp"));
     // The exchange is plaintext: owner-only folders and files.
     crate::io::create_private_dir(&tmp)?;
-    let (nonce, evidence) = (hex::encode(&x.nonce), proto::cbor::to_vec(&trusted.bundle));
-    let evidence_nonce = hex::encode(&trusted.nonce);
+    let (nonce, evidence) = (
+        hex::encode(req.nonce),
+        proto::cbor::to_vec(&attested.bundle),
+    );
+    let evidence_nonce = hex::encode(&attested.nonce);
     let salt = receipt.digest_salt.map(hex::encode).unwrap_or_default();
     let files: [(&str, &[u8]); 7] = [
-        ("request.json", &x.request),
+        ("request.json", req.body),
         ("response", response),
         ("receipt.cbor", &receipt.receipt),
         ("digest-salt.hex", salt.as_bytes()),

@@ -1,6 +1,7 @@
-//! Proxy unit tests.
+//! Unit tests of the sealed exchange: stream events, receipt checks.
 
-use super::forwardable;
+use super::sse::{ends_with_error_event, forwardable, is_error_object};
+use super::{check_receipt, RequestRecord};
 use proto::completions::STREAM_DONE;
 
 #[test]
@@ -27,7 +28,7 @@ fn whole_events_go_out_and_done_waits() {
 fn receipt(
     key: &ed25519_dalek::SigningKey,
     stage: &proto::receipt::StageKeys,
-    x: &super::Exchange,
+    x: &RequestRecord<'_>,
     response: &[u8],
     opened: proto::receipt::OpenedKey,
     version: proto::receipt::ReceiptVersion,
@@ -48,7 +49,7 @@ fn receipt(
         stage_index: 0,
         layers: stage.layers,
         evidence_digest: stage.evidence_digest,
-        received_digest: digest(&x.request),
+        received_digest: digest(x.body),
         sent_digest: digest(response),
         prev_link_digest: None,
         opened: (version != proto::receipt::ReceiptVersion::V2).then_some(opened),
@@ -62,9 +63,9 @@ fn receipt(
             endpoint: x.endpoint.into(),
             model_id: "m".into(),
             manifest_digest: Sha256Digest::of(b"manifest"),
-            request_digest: digest(&x.request),
+            request_digest: digest(x.body),
             response_digest: digest(response),
-            client_nonce: Some(x.nonce.clone()),
+            client_nonce: Some(x.nonce.to_vec()),
             sequence: 0,
             mock: true,
             sealing: Sealing::Enclave,
@@ -100,21 +101,21 @@ fn receipts_must_prove_the_enclave_opened_the_proxys_key() {
         mock: true,
         measurements: Vec::new(),
     };
-    let x = super::Exchange {
+    let enc = [0x11; 32];
+    let nonce = [9; 16];
+    let x = RequestRecord {
         endpoint: "/v1/completions",
-        route: 0,
-        request: super::Bytes::from_static(b"{\"prompt\":\"hi\"}"),
-        nonce: vec![9; 16],
+        body: b"{\"prompt\":\"hi\"}",
+        nonce: &nonce,
+        sealed_to: SealedTo {
+            key_id: 5,
+            enc: &enc,
+        },
     };
     let response = b"{\"choices\":[]}";
-    let enc = [0x11; 32];
-    let sealed_to = SealedTo {
-        key_id: 5,
-        enc: &enc,
-    };
     let check = |opened: OpenedKey, version: ReceiptVersion| {
         let rc = receipt(&key, &stage, &x, response, opened, version);
-        super::check_receipt(&verified, true, &x, sealed_to, &rc, response)
+        check_receipt(&verified, true, &x, &rc, response)
     };
     let honest = check(OpenedKey::of(5, &enc), ReceiptVersion::CURRENT);
     assert!(honest.ok(), "{:#?}", honest.checks);
@@ -129,7 +130,7 @@ fn receipts_must_prove_the_enclave_opened_the_proxys_key() {
         ReceiptVersion::CURRENT,
     );
     unsalted.digest_salt = None;
-    let report = super::check_receipt(&verified, true, &x, sealed_to, &unsalted, response);
+    let report = check_receipt(&verified, true, &x, &unsalted, response);
     assert_eq!(
         report.failure().map(|e| e.code()),
         Some("digest_salt_missing")
@@ -154,7 +155,6 @@ fn receipts_must_prove_the_enclave_opened_the_proxys_key() {
 
 #[test]
 fn only_an_error_event_may_end_a_stream_without_receipt() {
-    use super::{ends_with_error_event, is_error_object};
     assert!(is_error_object(br#"{"error":{"message":"x"}}"#));
     assert!(!is_error_object(br#"{"choices":[]}"#));
     assert!(!is_error_object(br#"{"error":"x"}"#));

@@ -1,10 +1,9 @@
-//! The proxy's reading of a Server-Sent-Event stream it opened: where the
+//! The reading of a Server-Sent-Event stream the client opened: where the
 //! whole events end, the `[DONE]` event that waits for the receipt, and
 //! error events (the only way a stream may end without a receipt).
 //!
 //! Public so that the fuzz target `sse` (`gateway/fuzz`) drives the same code.
 
-use super::api_error::ApiError;
 use proto::completions::STREAM_DONE;
 
 /// How far into `all` the stream may go out, starting at `from` (an event
@@ -29,14 +28,6 @@ pub fn ends_with_error_event(all: &[u8]) -> bool {
         .next()
         .and_then(|e| e.strip_prefix("data: "))
         .is_some_and(|e| is_error_object(e.as_bytes()))
-}
-
-/// An error as a Server-Sent Event (how OpenAI ends a failed stream).
-pub fn error_event(e: &ApiError) -> Vec<u8> {
-    let mut ev = b"data: ".to_vec();
-    ev.extend(e.body_bytes());
-    ev.extend(b"\n\n");
-    ev
 }
 
 /// Whether `body` is an OpenAI error object (`{"error": {...}}`).

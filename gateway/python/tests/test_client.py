@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""The Python package against a live gateway, with the stock openai SDK.
+
+    python test_client.py --base-url http://127.0.0.1:PORT --policy p0.toml --policy p1.toml
+
+Run in a clean virtualenv holding only the built wheel and `openai`
+(scripts/test.sh does this). Checks: embeddings (float and base64),
+completions, chat, streams (sync and async), each receipt verified; the
+archive re-verifies with `python -m confidential_gateway verify-receipt`; a
+policy that does not match, a POST to another path; and a tampering relay
+between client and gateway (a flipped byte in a sealed answer, a streamed
+chunk or the receipt trailer, an unsealed answer, an altered status, a cut
+stream): every one raises and no altered text comes out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import http.client
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import openai
+
+import confidential_gateway as cg
+
+EMBED = "all-MiniLM-L6-v2"
+LM = "SmolLM2-135M-Instruct"
+TESTS = []
+
+
+def test(fn):
+    TESTS.append(fn)
+    return fn
+
+
+class Env:
+    def __init__(self, base: str, policies: list, relay: str, archive: Path) -> None:
+        self.base, self.policies, self.relay, self.archive = base, policies, relay, archive
+        self.http = cg.http_client(policies, archive=archive)
+        self.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                                    http_client=self.http)
+
+    def tampered(self, mode: str) -> openai.OpenAI:
+        """A client whose requests go through the relay in `mode`."""
+        return openai.OpenAI(base_url=f"{self.relay}/{mode}/v1", api_key="unused", max_retries=0,
+                             http_client=cg.http_client(self.policies))
+
+
+def plain(base: str, path: str, body: dict) -> dict:
+    """The same request sent to the gateway unsealed (for comparison)."""
+    u = urllib.parse.urlsplit(base)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    c.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    return json.loads(c.getresponse().read())
+
+
+def check_receipt(r, endpoint: str, model: str):
+    assert r is not None, "no receipt"
+    assert r.endpoint == endpoint and r.model == model, (r.endpoint, r.model)
+    assert r.sealing == "enclave", r.sealing
+    assert len(r.cose) > 64 and len(r.id) == 32
+    return r
+
+
+def cosine(a, b) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+@test
+def embeddings_float_and_base64(env: Env):
+    texts = ["The weather is lovely today.", "def add(a, b): return a + b"]
+    raw = env.client.embeddings.with_raw_response.create(model=EMBED, input=texts)
+    assert raw.headers["receipt-verified"] == "true"
+    r = check_receipt(cg.receipt_of(raw), "/v1/embeddings", EMBED)
+    assert raw.headers["receipt-id"] == r.id
+    got = raw.parse()
+    want = plain(env.base, "/v1/embeddings", {"model": EMBED, "input": texts})
+    for g, w in zip(got.data, want["data"]):
+        assert len(g.embedding) == 384 and cosine(g.embedding, w["embedding"]) > 0.9999
+    b64 = env.client.embeddings.create(model=EMBED, input=texts, encoding_format="base64")
+    for x, y in zip(b64.data, got.data):
+        raw_f32 = base64.b64decode(x.embedding)
+        floats = struct.unpack(f"<{len(raw_f32) // 4}f", raw_f32)
+        assert cosine(floats, y.embedding) > 0.9999
+    check_receipt(env.http._transport.last_receipt, "/v1/embeddings", EMBED)
+    return f"receipt {r.id[:8]}"
+
+
+@test
+def completions_match_the_plain_answer(env: Env):
+    req = {"model": LM, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    raw = env.client.completions.with_raw_response.create(**req)
+    check_receipt(cg.receipt_of(raw), "/v1/completions", LM)
+    text = raw.parse().choices[0].text
+    assert text == plain(env.base, "/v1/completions", req)["choices"][0]["text"], text
+    return repr(text)
+
+
+@test
+def chat_and_streams(env: Env):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    raw = env.client.chat.completions.with_raw_response.create(
+        model=LM, messages=msgs, temperature=0, max_tokens=12)
+    check_receipt(cg.receipt_of(raw), "/v1/chat/completions", LM)
+    whole = raw.parse().choices[0].message.content
+    stream = env.client.chat.completions.create(
+        model=LM, messages=msgs, temperature=0, max_tokens=12, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == whole, (text, whole)
+    check_receipt(cg.receipt_of(stream), "/v1/chat/completions", LM)
+    s2 = env.client.completions.create(model=LM, prompt="Once upon a time", max_tokens=10,
+                                       seed=7, stream=True)
+    parts = [c.choices[0].text for c in s2]
+    assert parts and cg.receipt_of(s2).endpoint == "/v1/completions"
+    return repr(text)
+
+
+@test
+def async_client(env: Env):
+    async def go():
+        client = openai.AsyncOpenAI(base_url=env.base + "/v1", api_key="unused",
+                                    http_client=cg.async_http_client(env.policies))
+        e = await client.embeddings.with_raw_response.create(model=EMBED, input="hello")
+        check_receipt(cg.receipt_of(e), "/v1/embeddings", EMBED)
+        stream = await client.chat.completions.create(
+            model=LM, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, stream=True)
+        out = [c async for c in stream]
+        check_receipt(cg.receipt_of(stream), "/v1/chat/completions", LM)
+        await client.close()
+        return len(out)
+    return f"{asyncio.run(go())} chunks"
+
+
+@test
+def archive_reverifies_offline(env: Env):
+    folders = [d for d in env.archive.iterdir() if not d.name.startswith(".")]
+    assert folders, "nothing archived"
+    d = sorted(folders, key=lambda p: p.stat().st_mtime)[-1]
+    assert (d.stat().st_mode & 0o777) == 0o700
+    r = cg.receipt_of(env.client.embeddings.with_raw_response.create(model=EMBED, input="x"))
+    d = env.archive / r.id
+    text = lambda f: (d / f).read_text().strip()  # noqa: E731
+    args = ["--receipt", str(d / "receipt.cbor"), "--evidence", str(d / "evidence.cbor"),
+            "--policy", env.policies[0], "--evidence-nonce", text("evidence-nonce.hex"),
+            "--request", str(d / "request.json"), "--response", str(d / "response"),
+            "--nonce", text("nonce.hex"), "--digest-salt", text("digest-salt.hex"),
+            "--endpoint", "/v1/embeddings"]
+    run = lambda: subprocess.run([sys.executable, "-m", "confidential_gateway",  # noqa: E731
+                                  "verify-receipt", *args], capture_output=True, text=True)
+    ok = run()
+    assert ok.returncode == 0 and "RESULT: OK" in ok.stdout, ok.stdout + ok.stderr
+    body = bytearray((d / "response").read_bytes())
+    body[len(body) // 2] ^= 1
+    (d / "response").write_bytes(bytes(body))
+    bad = run()
+    assert bad.returncode == 1 and "RESULT: FAILED" in bad.stdout, bad.stdout
+    return "exit 0, then 1 after a flipped byte"
+
+
+@test
+def receipts_verify_only_against_their_own_evidence(env: Env):
+    """The native layer by hand: seal to one pipeline's attested key, then
+    check the answer's receipt against the other pipeline's evidence."""
+    import httpx
+
+    def attest(model, policy):
+        nonce = os.urandom(32)
+        r = httpx.get(f"{env.base}/v1/attestation", params={"nonce": nonce.hex(), "model": model},
+                      headers={"accept": "application/cbor"})
+        return cg.Evidence.verify(r.content, Path(policy).read_text(), nonce)
+    emb, lm = attest(EMBED, env.policies[0]), attest(LM, env.policies[1])
+    sealed = emb.seal("/v1/embeddings", json.dumps({"model": EMBED, "input": "hi"}).encode(),
+                      os.urandom(16))
+    r = httpx.post(env.base + "/v1/embeddings", content=sealed.body, headers=sealed.headers)
+    assert r.status_code == 200, r.text
+    raises(lambda: sealed.open(r.content, lm), cg.ReceiptError, "receipt_verification_failed")
+    plain, receipt = sealed.open(r.content)
+    assert json.loads(plain)["data"][0]["embedding"] and receipt.sealing == "enclave"
+    # A receipt checked against another request (same key, other nonce) fails.
+    other = emb.seal("/v1/embeddings", json.dumps({"model": EMBED, "input": "hi"}).encode(),
+                     os.urandom(16))
+    raises(lambda: other.open(r.content), cg.ResponseError, "response_unopenable")
+    return "wrong evidence: ReceiptError; another request's key: ResponseError"
+
+
+def raises(call, error, code):
+    """Runs `call`; it must raise `error` with `code` (directly or as the
+    cause of the SDK's connection error) and return nothing."""
+    got = []
+    try:
+        got.append(call())
+    except BaseException as e:  # noqa: BLE001
+        cause = e.__cause__ if isinstance(e, openai.APIConnectionError) else e
+        assert isinstance(cause, error), f"raised {type(e).__name__} from {cause!r}"
+        assert cause.code == code, (cause.code, cause.message)
+        return got
+    raise AssertionError(f"no exception; returned {got[0]!r}"[:300])
+
+
+@test
+def wrong_policy_and_unsealed_paths_raise(env: Env):
+    bad = Path(env.archive.parent / "wrong-policy.toml")
+    bad.write_text(Path(env.policies[0]).read_text().replace('measurements = ["', 'measurements = ["00'))
+    c = openai.OpenAI(base_url=env.base + "/v1", api_key="unused", max_retries=0,
+                      http_client=cg.http_client([str(bad)]))
+    raises(lambda: c.embeddings.create(model=EMBED, input="secret"), cg.EvidenceError,
+           "evidence_not_verified")
+    raises(lambda: env.http.post(env.base + "/v1/responses", json={"model": LM, "input": "secret"}),
+           cg.ConfidentialError, "endpoint_not_sealed")
+    return "EvidenceError, endpoint_not_sealed"
+
+
+@test
+def tampered_whole_answers_raise(env: Env):
+    emb = lambda c: c.embeddings.create(model=EMBED, input="secret text")  # noqa: E731
+    raises(lambda: emb(env.tampered("flip-middle")), cg.ResponseError, "response_unopenable")
+    # The last sealed chunk is the receipt trailer.
+    raises(lambda: emb(env.tampered("flip-last")), cg.ResponseError, "response_unopenable")
+    raises(lambda: emb(env.tampered("unsealed")), cg.ResponseError, "response_not_sealed")
+    raises(lambda: emb(env.tampered("status-500")), cg.ResponseError, "upstream_status_mismatch")
+    ok = emb(env.tampered("key-unknown-once"))
+    assert len(ok.data[0].embedding) == 384
+    return "4 tamperings raised; hpke_key_unknown re-attested and retried"
+
+
+@test
+def tampered_streams_raise_without_done(env: Env):
+    def stream(mode):
+        out = []
+        s = env.tampered(mode).completions.create(model=LM, prompt="Once upon a time",
+                                                  max_tokens=16, seed=1, stream=True)
+        return lambda: [out.append(c.choices[0].text) for c in s]
+    for mode, error, code in [("flip-middle", cg.ResponseError, "response_unopenable"),
+                              ("flip-last", cg.ResponseError, "response_unopenable"),
+                              ("cut", cg.ResponseError, "response_unopenable")]:
+        raises(stream(mode), error, code)
+    return "flipped chunk, flipped receipt, cut stream"
+
+
+class Relay(BaseHTTPRequestHandler):
+    """Between client and gateway: `/<mode>/...` forwards `...` and alters
+    the answer to a sealed POST as `mode` says."""
+
+    upstream = ""
+    seen: set = set()
+
+    def log_message(self, *_):
+        pass
+
+    def _forward(self, method):
+        mode, _, rest = self.path.lstrip("/").partition("/")
+        u = urllib.parse.urlsplit(self.upstream)
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        if method == "POST" and mode == "key-unknown-once" and mode not in Relay.seen:
+            Relay.seen.add(mode)
+            return self._send(400, {"content-type": "application/json"},
+                              b'{"error":{"message":"unknown key","type":"invalid_request_error",'
+                              b'"code":"hpke_key_unknown"}}')
+        c = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+        c.request(method, "/" + rest, body if method == "POST" else None, headers)
+        r = c.getresponse()
+        status, out = r.status, bytearray(r.read())
+        hdrs = {k: v for k, v in r.getheaders()
+                if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+        if method == "POST" and out:
+            if mode == "flip-middle":
+                out[len(out) // 2] ^= 0x01
+            elif mode == "flip-last":
+                out[-1] ^= 0x01
+            elif mode == "cut":
+                out = out[: len(out) * 2 // 3]
+            elif mode == "unsealed":
+                hdrs = {"content-type": "application/json"}
+                out = bytearray(json.dumps({"object": "list", "model": EMBED, "data": [
+                    {"object": "embedding", "index": 0, "embedding": [0.5] * 384}],
+                    "usage": {"prompt_tokens": 1, "total_tokens": 1}}).encode())
+            elif mode == "status-500":
+                status = 500
+        self._send(status, hdrs, bytes(out))
+
+    def _send(self, status, headers, body):
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._forward("GET")
+
+    def do_POST(self):
+        self._forward("POST")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", required=True, help="the gateway, e.g. http://127.0.0.1:8080")
+    ap.add_argument("--policy", action="append", required=True)
+    a = ap.parse_args()
+    Relay.upstream = a.base_url
+    relay = ThreadingHTTPServer(("127.0.0.1", 0), Relay)
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        env = Env(a.base_url.rstrip("/"), a.policy, f"http://127.0.0.1:{relay.server_port}",
+                  Path(tmp) / "archive")
+        for t in TESTS:
+            try:
+                detail = t(env)
+                print(f"PASS {t.__name__}" + (f" ({detail})" if detail else ""))
+            except Exception as e:  # noqa: BLE001 - report each, go on
+                failed += 1
+                print(f"FAIL {t.__name__}: {type(e).__name__}: {e}")
+                traceback.print_exc()
+    print(f"{len(TESTS) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
