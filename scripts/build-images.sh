@@ -87,6 +87,13 @@ cp docker/gateway.toml "$OUT/gateway/gateway.toml"
 # An empty folder the image gives the gateway user for its receipt store.
 mkdir -p "$OUT/gateway/data"
 
+# The policy tables of the two stages (MiniLM's layers 0-3 and 3-6), each
+# accepting the measurements listed in $1 (TOML strings, comma-separated).
+stage_tables() {
+  printf '[[stages]]\nindex = %d\nlayers = %s\nmeasurements = [%s]\n\n' \
+    0 "[0, 3]" "$1" 1 "[3, 6]" "$1"
+}
+
 MANIFEST_SHA256="$(sha256sum "$OUT/stage/models/$model/manifest.json" | cut -d' ' -f1)"
 # The stages' own policy (baked into the stage image): mock evidence, peers
 # must be this same build (the stage's own measurement). It cannot pin that
@@ -100,15 +107,7 @@ allow_mock = true
 trust_local_build = true
 manifest_sha256 = "$MANIFEST_SHA256"
 
-[[stages]]
-index = 0
-layers = [0, 3]
-measurements = []
-
-[[stages]]
-index = 1
-layers = [3, 6]
-measurements = []
+$(stage_tables "")
 EOF
 # The measurement of the binary, manifest and stage policy in the stage image.
 MEASUREMENT="$("$BIN/gateway" measure --stage-binary "$OUT/stage/enclave-stage" \
@@ -124,15 +123,7 @@ allow_mock = true
 trust_local_build = false
 manifest_sha256 = "$MANIFEST_SHA256"
 
-[[stages]]
-index = 0
-layers = [0, 3]
-measurements = ["$MEASUREMENT"]
-
-[[stages]]
-index = 1
-layers = [3, 6]
-measurements = ["$MEASUREMENT"]
+$(stage_tables "\"$MEASUREMENT\"")
 EOF
 cp "$OUT/policy.toml" "$OUT/gateway/policy.toml"
 echo "$MEASUREMENT" >"$OUT/measurement"

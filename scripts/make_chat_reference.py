@@ -29,16 +29,12 @@ import importlib.metadata
 import json
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The model's place, and the offline environment (set on import).
+from make_completion_reference import GGUF, MODEL_DIR, ROOT  # noqa: E402
 
 from gguf import GGUFReader  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m-instruct")
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OUT = os.path.join(ROOT, "gateway", "tests", "data", "chat_reference.json")
 
 CONVERSATIONS = [

@@ -88,3 +88,21 @@ async fn cli_verbs_against_a_real_gateway() {
     eprintln!("proxy: ok ({:?})", t.elapsed());
     drop(gw);
 }
+
+/// `gateway verify receipt --evidence EVIDENCE --policy POLICY EXTRA...`.
+fn verify_receipt(evidence: &Path, policy: &Path, extra: &[&str]) -> (i32, String, String) {
+    let head = [
+        "verify",
+        "receipt",
+        "--evidence",
+        p(evidence),
+        "--policy",
+        p(policy),
+    ];
+    cli(&[&head[..], extra].concat())
+}
+
+/// `gateway open --key KEY --in RESPONSE EXTRA...`.
+fn open_cli(key: &Path, response: &Path, extra: &[&str]) -> (i32, String, String) {
+    cli(&[&["open", "--key", p(key), "--in", p(response)][..], extra].concat())
+}

@@ -21,7 +21,7 @@ mod common;
 
 use common::{
     assert_error_shape, client, completions_options, get_json, http_get, http_post, p,
-    pinned_policy, post_json, root, smollm_dir, sse_events, Gateway,
+    pinned_policy, post_exact, post_json, root, smollm_dir, sse_events, Gateway,
 };
 use futures_util::StreamExt;
 use serde_json::{json, Value};
@@ -189,13 +189,7 @@ async fn streamed_text_equals_non_streamed_and_its_receipt_verifies() {
     req["stream"] = json!(true);
     req["stream_options"] = json!({"include_usage": true});
     let request = serde_json::to_vec(&req).unwrap();
-    let r = client()
-        .post(format!("{}/v1/completions", gw.url))
-        .header("content-type", "application/json")
-        .body(request.clone())
-        .send()
-        .await
-        .unwrap();
+    let r = post_exact(&format!("{}/v1/completions", gw.url), request.clone(), None).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "text/event-stream");
     let receipt_id = r.headers()["receipt-id"].to_str().unwrap().to_string();

@@ -34,13 +34,7 @@ struct Issued {
 
 async fn issue(url: &str, text: &str) -> Issued {
     let request = serde_json::to_vec(&json!({"model": MODEL, "input": [text]})).unwrap();
-    let r = client()
-        .post(format!("{url}/v1/embeddings"))
-        .header("content-type", "application/json")
-        .body(request.clone())
-        .send()
-        .await
-        .unwrap();
+    let r = post_exact(&format!("{url}/v1/embeddings"), request.clone(), None).await;
     assert_eq!(r.status(), 200);
     let h = r.headers().clone();
     Issued {

@@ -38,14 +38,8 @@ async fn plain_request_gets_a_receipt_that_verifies() {
         serde_json::to_vec(&json!({"model": MODEL, "input": ["receipts bind bytes", "second"]}))
             .unwrap();
     let receipt_nonce = b"per-request nonce";
-    let r = client()
-        .post(format!("{}/v1/embeddings", gw.url))
-        .header("content-type", "application/json")
-        .header("receipt-nonce", hex::encode(receipt_nonce))
-        .body(request.clone())
-        .send()
-        .await
-        .unwrap();
+    let url = format!("{}/v1/embeddings", gw.url);
+    let r = post_exact(&url, request.clone(), Some(&hex::encode(receipt_nonce))).await;
     assert_eq!(r.status(), 200);
     let id = r.headers()["receipt-id"].to_str().unwrap().to_string();
     let header_receipt = base64::engine::general_purpose::URL_SAFE_NO_PAD

@@ -180,13 +180,7 @@ async fn empty_message_is_flushed_on_a_buffered_transport() {
         async {
             let s = TcpStream::connect(addr).await.unwrap();
             let buffered = Box::new(tokio::io::BufStream::new(s)) as BoxStream;
-            channel::initiate(
-                buffered,
-                &LocalIdentity::host(),
-                default_limits(),
-                &accept_all,
-            )
-            .await
+            initiate_as_host(buffered).await
         },
         async {
             let s = accept(&l).await;

@@ -244,24 +244,13 @@ async fn dropped_outcome_is_out_of_sequence() {
     let (l, addr) = listener().await;
     let (relay, _) = spawn_relay(addr, pass(), at_frame(R2I_REC0, |_| vec![])).await;
     let responder = stage(1);
-    let (i, r) = tokio::join!(
-        async {
-            channel::initiate(
-                dial(relay).await,
-                &LocalIdentity::host(),
-                default_limits(),
-                &accept_all,
-            )
-            .await
-        },
-        async {
-            let s = accept(&l).await;
-            let (mut tx, rx, p) =
-                channel::respond(s, &responder.id, responder.limits, responder.check).await?;
-            tx.send(b"first data").await?;
-            Ok::<_, ChannelError>((tx, rx, p))
-        }
-    );
+    let (i, r) = tokio::join!(async { initiate_as_host(dial(relay).await).await }, async {
+        let s = accept(&l).await;
+        let (mut tx, rx, p) =
+            channel::respond(s, &responder.id, responder.limits, responder.check).await?;
+        tx.send(b"first data").await?;
+        Ok::<_, ChannelError>((tx, rx, p))
+    });
     ok(r, "responder");
     match err(i, "initiator") {
         ChannelError::OutOfSequence {

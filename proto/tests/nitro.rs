@@ -13,6 +13,8 @@
 //! - the stage channel accepts Nitro evidence whose PCRs match the policy
 //!   and whose digest binds the claims, and refuses it otherwise.
 
+mod channel_support;
+
 use coset::{iana, CborSerializable, CoseSign1Builder, HeaderBuilder, TaggedCborSerializable};
 use proto::attestation::{
     attest_claims, claims_binding, AnyVerifier, AttestError, AttestationProvider, BindingError,
@@ -112,17 +114,11 @@ fn pcrs_of(doc: &VerifiedDocument) -> &proto::nitro::Pcrs {
     }
 }
 
+/// The channel tests' claims, for a two-stage pipeline.
 fn claims(index: u32) -> StageClaims {
     StageClaims {
-        stage_index: index,
         num_stages: 2,
-        layer_start: index * 4,
-        layer_end: index * 4 + 4,
-        model_id: "test-model".into(),
-        manifest_sha256: Sha256Digest::of(b"test manifest"),
-        receipt_key: [7; 32],
-        hpke_keys: Vec::new(),
-        weights: None,
+        ..channel_support::claims(index)
     }
 }
 

@@ -2,8 +2,8 @@
 //! `GET /v1/attestation` (CBOR, or the JSON form).
 
 use crate::io::read_input;
-use crate::transport::percent_encode;
-use anyhow::{anyhow, bail, Context, Result};
+use crate::transport::{get_ok, percent_encode};
+use anyhow::{anyhow, Context, Result};
 use base64::Engine as _;
 use proto::bundle::EvidenceBundle;
 use std::path::Path;
@@ -47,19 +47,7 @@ pub async fn fetch_bundle(
     if let Some(m) = model {
         url += &format!("&model={}", percent_encode(m));
     }
-    let r = client
-        .get(&url)
-        .header(reqwest::header::ACCEPT, "application/cbor")
-        .send()
-        .await
-        .with_context(|| format!("GET {url}"))?;
-    let status = r.status();
+    let r = get_ok(client, &url, Some("application/cbor")).await?;
     let body = r.bytes().await.with_context(|| format!("GET {url}"))?;
-    if !status.is_success() {
-        bail!(
-            "GET {url}: {status}: {}",
-            String::from_utf8_lossy(&body[..body.len().min(500)])
-        );
-    }
     decode_bundle(&body).with_context(|| format!("GET {url}"))
 }

@@ -188,16 +188,10 @@ fn keys_for(a: &SealArgs) -> Result<(Vec<KeyConfig>, bool)> {
         if let Some(m) = &a.model {
             url += &format!("?model={}", crate::transport::percent_encode(m));
         }
-        let r = client
-            .get(&url)
-            .send()
-            .await
-            .with_context(|| format!("GET {url}"))?;
-        let status = r.status();
-        let body = r.bytes().await?;
-        if !status.is_success() {
-            bail!("GET {url}: {status}");
-        }
+        let body = crate::transport::get_ok(&client, &url, None)
+            .await?
+            .bytes()
+            .await?;
         let keys = KeyConfig::decode_list(&body).map_err(|e| anyhow!("GET {url}: {e}"))?;
         Ok((keys, false))
     })

@@ -86,6 +86,29 @@ pub fn percent_encode(v: &str) -> String {
         .collect()
 }
 
+/// `GET url` (with `Accept: accept` if given): the response if it is a success, or an
+/// error naming the URL, the status and the start of the answer.
+pub async fn get_ok(
+    client: &reqwest::Client,
+    url: &str,
+    accept: Option<&str>,
+) -> Result<reqwest::Response> {
+    let mut req = client.get(url);
+    if let Some(a) = accept {
+        req = req.header(reqwest::header::ACCEPT, a);
+    }
+    let r = req.send().await.with_context(|| format!("GET {url}"))?;
+    let status = r.status();
+    if !status.is_success() {
+        let body = r.bytes().await.unwrap_or_default();
+        bail!(
+            "GET {url}: {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(500)])
+        );
+    }
+    Ok(r)
+}
+
 /// A fresh random nonce.
 pub fn random_nonce(len: usize) -> Vec<u8> {
     use rand::RngCore;

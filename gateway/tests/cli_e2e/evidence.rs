@@ -5,15 +5,7 @@ use super::*;
 pub(super) fn evidence_checks(c: &Ctx) {
     let nonce = hex::encode(&c.nonce);
     for ev in [&c.evidence_cbor, &c.evidence_json] {
-        let (code, out, err) = cli(&[
-            "verify",
-            "evidence",
-            "--policy",
-            p(&c.policy),
-            "--nonce",
-            &nonce,
-            p(ev),
-        ]);
+        let (code, out, err) = verify_evidence(&c.policy, &["--nonce", &nonce], ev);
         assert_eq!(
             code,
             0,
@@ -32,27 +24,13 @@ pub(super) fn evidence_checks(c: &Ctx) {
     }
 
     // Without --nonce: verifies, but says freshness was not checked.
-    let (code, out, _) = cli(&[
-        "verify",
-        "evidence",
-        "--policy",
-        p(&c.policy),
-        p(&c.evidence_cbor),
-    ]);
+    let (code, out, _) = verify_evidence(&c.policy, &[], &c.evidence_cbor);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("WARN freshness"), "{out}");
 
     // Machine-readable.
-    let (code, out, _) = cli(&[
-        "verify",
-        "evidence",
-        "--json",
-        "--policy",
-        p(&c.policy),
-        "--nonce",
-        &nonce,
-        p(&c.evidence_cbor),
-    ]);
+    let (code, out, _) =
+        verify_evidence(&c.policy, &["--json", "--nonce", &nonce], &c.evidence_cbor);
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(&out).expect("--json prints JSON");
     assert_eq!(v["ok"], true);
@@ -69,15 +47,7 @@ pub(super) fn evidence_checks(c: &Ctx) {
     );
 
     // A policy that pins another measurement for stage 0: fails, naming the stage.
-    let (code, out, _) = cli(&[
-        "verify",
-        "evidence",
-        "--policy",
-        p(&c.bad_policy),
-        "--nonce",
-        &nonce,
-        p(&c.evidence_cbor),
-    ]);
+    let (code, out, _) = verify_evidence(&c.bad_policy, &["--nonce", &nonce], &c.evidence_cbor);
     assert_eq!(code, 1, "{out}");
     let line = out
         .lines()
@@ -86,30 +56,17 @@ pub(super) fn evidence_checks(c: &Ctx) {
     assert!(line.contains("measurement"), "{line}");
     assert!(line.contains("not in the policy"), "{line}");
     assert!(out.contains("RESULT: FAILED"), "{out}");
-    let (code, out, _) = cli(&[
-        "verify",
-        "evidence",
-        "--json",
-        "--policy",
-        p(&c.bad_policy),
-        "--nonce",
-        &nonce,
-        p(&c.evidence_cbor),
-    ]);
+    let (code, out, _) = verify_evidence(
+        &c.bad_policy,
+        &["--json", "--nonce", &nonce],
+        &c.evidence_cbor,
+    );
     assert_eq!(code, 1);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["ok"], false);
 
     // Another nonce than the one the evidence binds: stale.
-    let (code, out, _) = cli(&[
-        "verify",
-        "evidence",
-        "--policy",
-        p(&c.policy),
-        "--nonce",
-        "00112233",
-        p(&c.evidence_cbor),
-    ]);
+    let (code, out, _) = verify_evidence(&c.policy, &["--nonce", "00112233"], &c.evidence_cbor);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("FAIL nonce"), "{out}");
 
@@ -126,14 +83,8 @@ pub(super) async fn receipt_checks(c: &Ctx) {
         serde_json::to_vec(&json!({"model": MODEL, "input": ["a receipt for curl users"]}))
             .unwrap();
     let receipt_nonce = hex::encode(b"receipt nonce for the cli");
-    let r = client()
-        .post(format!("{}/v1/embeddings", c.url))
-        .header("content-type", "application/json")
-        .header("receipt-nonce", &receipt_nonce)
-        .body(request.clone())
-        .send()
-        .await
-        .unwrap();
+    let url = format!("{}/v1/embeddings", c.url);
+    let r = post_exact(&url, request.clone(), Some(&receipt_nonce)).await;
     assert_eq!(r.status(), 200);
     let id = r.headers()["receipt-id"].to_str().unwrap().to_string();
     let header_b64 = r.headers()["receipt"].to_str().unwrap().to_string();
@@ -163,25 +114,13 @@ pub(super) async fn receipt_checks(c: &Ctx) {
     let nonce = hex::encode(&c.nonce);
 
     let verify = |evidence: &Path, receipt: &[&str], response: &Path, extra: &[&str]| {
-        let mut args = vec![
-            "verify",
-            "receipt",
-            "--evidence",
-            p(evidence),
-            "--policy",
-            p(&c.policy),
-            "--evidence-nonce",
-            &nonce,
-            "--request",
-            p(&req_path),
-            "--response",
-            p(response),
-            "--digest-salt",
-            &salt,
-        ];
-        args.extend_from_slice(receipt);
-        args.extend_from_slice(extra);
-        cli(&args)
+        let inputs = ["--evidence-nonce", &nonce, "--request", p(&req_path)];
+        let response = ["--response", p(response), "--digest-salt", &salt];
+        verify_receipt(
+            evidence,
+            &c.policy,
+            &[&inputs[..], &response, receipt, extra].concat(),
+        )
     };
 
     // Raw COSE file, base64url text file, and the header value inline.
@@ -318,17 +257,18 @@ pub(super) async fn receipt_checks(c: &Ctx) {
     assert!(out.contains("nonce_mismatch"), "{out}");
 
     // Evidence that does not verify against the policy: the receipt is not checked.
-    let (code, out, _) = cli(&[
-        "verify",
-        "receipt",
-        "--evidence",
-        p(&c.evidence_cbor),
-        "--policy",
-        p(&c.bad_policy),
-        "--receipt",
-        p(&receipt_path),
-    ]);
+    let (code, out, _) = verify_receipt(
+        &c.evidence_cbor,
+        &c.bad_policy,
+        &["--receipt", p(&receipt_path)],
+    );
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("FAIL evidence.stage 0"), "{out}");
     assert!(out.contains("evidence_not_verified"), "{out}");
+}
+
+/// `gateway verify evidence --policy POLICY EXTRA... EVIDENCE`.
+fn verify_evidence(policy: &Path, extra: &[&str], evidence: &Path) -> (i32, String, String) {
+    let head = ["verify", "evidence", "--policy", p(policy)];
+    cli(&[&head[..], extra, &[p(evidence)]].concat())
 }

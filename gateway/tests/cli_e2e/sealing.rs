@@ -58,20 +58,12 @@ pub(super) async fn seal_open_checks(c: &Ctx) {
     assert_eq!(r.status(), 200);
     let receipt_b64 = r.headers()["receipt"].to_str().unwrap().to_string();
     std::fs::write(&resp, r.bytes().await.unwrap()).unwrap();
-    let (code, out, err) = cli(&[
-        "open",
-        "--key",
-        p(&key),
-        "--in",
-        p(&resp),
-        "--out",
-        p(&plain),
-    ]);
+    let (code, out, err) = open_cli(&key, &resp, &["--out", p(&plain)]);
     assert_eq!(code, 0, "{out}\n{err}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&plain).unwrap()).unwrap();
     assert_eq!(v["data"][0]["embedding"].as_array().unwrap().len(), 384);
     // `--out -` (the default) writes to stdout.
-    let (code, out, _) = cli(&["open", "--key", p(&key), "--in", p(&resp)]);
+    let (code, out, _) = open_cli(&key, &resp, &[]);
     assert_eq!(code, 0);
     assert_eq!(out.as_bytes(), std::fs::read(&plain).unwrap());
 
@@ -125,7 +117,7 @@ pub(super) async fn seal_open_checks(c: &Ctx) {
     assert_eq!(again.status(), 400);
     let replay = dir.join("replay.bin");
     std::fs::write(&replay, again.bytes().await.unwrap()).unwrap();
-    let (code, _, err) = cli(&["open", "--key", p(&key), "--in", p(&replay)]);
+    let (code, _, err) = open_cli(&key, &replay, &[]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("not sealed"), "{err}");
 
@@ -175,7 +167,7 @@ pub(super) async fn seal_open_checks(c: &Ctx) {
     let r = post_sealed(&c.url, &body, &headers).await;
     assert_eq!(r.status(), 200);
     std::fs::write(&resp, r.bytes().await.unwrap()).unwrap();
-    let (code, out, err) = cli(&["open", "--key", p(&key), "--in", p(&resp)]);
+    let (code, out, err) = open_cli(&key, &resp, &[]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["model"], MODEL);
@@ -295,40 +287,24 @@ pub(super) async fn resealing_host_checks(c: &Ctx) {
     let (body_rc, _) = proto::receipt::parse_unverified(&rc).unwrap();
     assert_eq!(body_rc.sealing, proto::receipt::Sealing::Enclave);
     // ...but `gateway open` refuses, and writes nothing.
-    let (code, out, err) = cli(&[
-        "open",
-        "--key",
-        p(&key),
-        "--in",
-        p(&resp),
-        "--out",
-        p(&plain),
-        "--receipt-out",
-        p(&receipt),
-    ]);
+    let (code, out, err) = open_cli(
+        &key,
+        &resp,
+        &["--out", p(&plain), "--receipt-out", p(&receipt)],
+    );
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(err.contains("the host opened the request"), "{err}");
     assert!(!plain.exists(), "nothing written");
     // `verify receipt` with the client key fails on `sealing`.
-    let mut args = vec![
-        "verify",
-        "receipt",
-        "--evidence",
-        p(&c.evidence_cbor),
-        "--policy",
-        p(&c.policy),
-        "--receipt-b64",
-        &receipt_b64,
-        // No response kept here: the resealing host's answer is not opened,
-        // so neither is the salt of the receipt's digests, without which
-        // the request bytes cannot be checked either.
-        "--insecure-partial",
-    ];
-    let (code, out, err) = cli(&args);
+    // No response kept here: the resealing host's answer is not opened, so
+    // neither is the salt of the receipt's digests, without which the
+    // request bytes cannot be checked either.
+    let mut args = vec!["--receipt-b64", &receipt_b64, "--insecure-partial"];
+    let (code, out, err) = verify_receipt(&c.evidence_cbor, &c.policy, &args);
     assert_eq!(code, 0, "without the client key it verifies: {out}\n{err}");
     assert!(out.contains("WARN sealing: NOT PROVEN"), "{out}");
     args.extend(["--client-key", p(&key)]);
-    let (code, out, err) = cli(&args);
+    let (code, out, err) = verify_receipt(&c.evidence_cbor, &c.policy, &args);
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(out.contains("FAIL sealing"), "{out}");
     assert!(out.contains("sealing_mismatch"), "{out}");

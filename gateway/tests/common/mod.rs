@@ -882,6 +882,23 @@ pub async fn http_post(url: &str, body: &serde_json::Value) -> reqwest::Response
     client().post(url).json(body).send().await.unwrap()
 }
 
+/// `POST url` with `body`, exact bytes, as JSON, and a `receipt-nonce`
+/// header if given (panics on a transport error).
+pub async fn post_exact(
+    url: &str,
+    body: Vec<u8>,
+    receipt_nonce: Option<&str>,
+) -> reqwest::Response {
+    let mut rb = client()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body);
+    if let Some(n) = receipt_nonce {
+        rb = rb.header("receipt-nonce", n);
+    }
+    rb.send().await.unwrap()
+}
+
 /// `gateway seal ARGS --in REQ --out BODY --headers HEADERS --key-out KEY`,
 /// with the files given in that order.
 pub fn seal_cli(args: &[&str], [req, body, headers, key]: [&Path; 4]) -> (i32, String, String) {

@@ -259,6 +259,19 @@ pub async fn dial(addr: SocketAddr) -> BoxStream {
     Box::new(s) as BoxStream
 }
 
+/// The host's side of a handshake over `stream`: default limits, any peer.
+pub async fn initiate_as_host(
+    stream: BoxStream,
+) -> Result<(ChannelSender, ChannelReceiver, PeerInfo), ChannelError> {
+    channel::initiate(
+        stream,
+        &LocalIdentity::host(),
+        default_limits(),
+        &accept_all,
+    )
+    .await
+}
+
 pub async fn accept(l: &TcpListener) -> BoxStream {
     let (s, _) = l.accept().await.expect("accept");
     s.set_nodelay(true).expect("nodelay");

@@ -266,16 +266,8 @@ type AppState = Arc<Proxy>;
 /// The upstream's model ids (`GET /v1/models`).
 async fn upstream_models(client: &reqwest::Client, upstream: &str) -> Result<Vec<String>> {
     let url = format!("{upstream}/v1/models");
-    let r = client
-        .get(&url)
-        .send()
-        .await
-        .with_context(|| format!("GET {url}"))?;
-    let status = r.status();
+    let r = crate::transport::get_ok(client, &url, None).await?;
     let v: serde_json::Value = r.json().await.with_context(|| format!("GET {url}"))?;
-    if !status.is_success() {
-        anyhow::bail!("GET {url}: {status}: {v}");
-    }
     Ok(v["data"]
         .as_array()
         .map(|l| {
