@@ -5,10 +5,10 @@
 //! those of [`crate::completions`]; like it, free of I/O.
 
 use crate::completions::{
-    flag_field, int_field, response_body, shared_fields, Api, Choice, CompletionsRequest,
-    FinishReason, Logprobs, StreamIdentity, Usage,
+    flag_field, int_field, shared_fields, Api, Choice, CompletionsRequest, FinishReason, Logprobs,
+    StreamIdentity,
 };
-use crate::openai::{json_object, model_field, ApiError};
+use crate::openai::{invalid, json_object, model_field, ApiError};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
@@ -78,39 +78,39 @@ fn content(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
                 match (kind, p.get("text")) {
                     (Some("text"), Some(Value::String(t))) => texts.push(t.as_str()),
                     (Some("text"), _) => {
-                        return Err(ApiError::invalid(
-                            Some(&format!("{param}[{j}].text")),
+                        return invalid(
+                            &format!("{param}[{j}].text"),
                             "A text content part needs a string `text`.",
-                        ))
+                        )
                     }
                     (Some(other), _) => {
-                        return Err(ApiError::invalid(
-                            Some(&format!("{param}[{j}].type")),
+                        return invalid(
+                            &format!("{param}[{j}].type"),
                             format!(
                                 "Content parts of type `{}` are not supported by this model; \
                                  only `text` parts are.",
                                 short(other)
                             ),
-                        ))
+                        )
                     }
                     (None, _) => {
-                        return Err(ApiError::invalid(
-                            Some(&format!("{param}[{j}].type")),
+                        return invalid(
+                            &format!("{param}[{j}].type"),
                             "Each content part needs a `type`.",
-                        ))
+                        )
                     }
                 }
             }
             Ok(texts.join("\n"))
         }
-        None | Some(Value::Null) => Err(ApiError::invalid(
-            Some(&param),
+        None | Some(Value::Null) => invalid(
+            &param,
             "Each message needs `content` (a string or an array of text parts).",
-        )),
-        Some(_) => Err(ApiError::invalid(
-            Some(&param),
+        ),
+        Some(_) => invalid(
+            &param,
             "`content` must be a string or an array of text parts.",
-        )),
+        ),
     }
 }
 
@@ -122,74 +122,63 @@ fn short(s: &str) -> String {
 fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
     let items = match v {
         Some(Value::Array(items)) if !items.is_empty() => items,
-        Some(Value::Array(_)) => {
-            return Err(ApiError::invalid(
-                Some("messages"),
-                "`messages` must not be empty.",
-            ))
-        }
+        Some(Value::Array(_)) => return invalid("messages", "`messages` must not be empty."),
         None | Some(Value::Null) => {
-            return Err(ApiError::invalid(
-                Some("messages"),
-                "You must provide a `messages` parameter.",
-            ))
+            return invalid("messages", "You must provide a `messages` parameter.")
         }
         Some(_) => {
-            return Err(ApiError::invalid(
-                Some("messages"),
+            return invalid(
+                "messages",
                 "`messages` must be an array of message objects.",
-            ))
+            )
         }
     };
     let mut out = Vec::with_capacity(items.len());
     for (i, m) in items.iter().enumerate() {
         let Some(m) = m.as_object() else {
-            return Err(ApiError::invalid(
-                Some(&format!("messages[{i}]")),
+            return invalid(
+                &format!("messages[{i}]"),
                 "Each message must be an object with `role` and `content`.",
-            ));
+            );
         };
         let role = match m.get("role").and_then(Value::as_str) {
             Some("system") | Some("developer") => "system",
             Some("user") => "user",
             Some("assistant") => "assistant",
             Some("tool") | Some("function") => {
-                return Err(ApiError::invalid(
-                    Some(&format!("messages[{i}].role")),
+                return invalid(
+                    &format!("messages[{i}].role"),
                     "Tool and function messages are not supported by this model.",
-                ))
+                )
             }
             Some(other) => {
-                return Err(ApiError::invalid(
-                    Some(&format!("messages[{i}].role")),
+                return invalid(
+                    &format!("messages[{i}].role"),
                     format!(
                         "Unknown role `{}`; use `system`, `developer`, `user` or `assistant`.",
                         short(other)
                     ),
-                ))
+                )
             }
             None => {
-                return Err(ApiError::invalid(
-                    Some(&format!("messages[{i}].role")),
+                return invalid(
+                    &format!("messages[{i}].role"),
                     "Each message needs a string `role`.",
-                ))
+                )
             }
         };
         for key in ["tool_calls", "function_call", "audio"] {
             if m.get(key).is_some_and(|v| !v.is_null()) {
-                return Err(ApiError::invalid(
-                    Some(&format!("messages[{i}].{key}")),
+                return invalid(
+                    &format!("messages[{i}].{key}"),
                     format!("`{key}` in messages is not supported by this model."),
-                ));
+                );
             }
         }
         if m.get("name")
             .is_some_and(|n| !n.is_string() && !n.is_null())
         {
-            return Err(ApiError::invalid(
-                Some(&format!("messages[{i}].name")),
-                "`name` must be a string.",
-            ));
+            return invalid(&format!("messages[{i}].name"), "`name` must be a string.");
         }
         out.push(ChatMessage {
             role: role.into(),
@@ -211,7 +200,7 @@ pub fn parse_chat(
     model_field(obj)?;
     for (k, v) in obj {
         if let Some(why) = unsupported(k, v) {
-            return Err(ApiError::invalid(Some(k), why));
+            return invalid(k, why);
         }
     }
     let messages = messages(obj.get("messages"))?;
@@ -231,10 +220,7 @@ pub fn parse_chat(
     let logprobs = flag_field(obj, "logprobs")?;
     let top = int_field(obj, "top_logprobs", 0, MAX_TOP_LOGPROBS as u64, 0)? as u32;
     if given("top_logprobs") && !logprobs {
-        return Err(ApiError::invalid(
-            Some("top_logprobs"),
-            "`top_logprobs` needs `logprobs: true`.",
-        ));
+        return invalid("top_logprobs", "`top_logprobs` needs `logprobs: true`.");
     }
     let request = shared_fields(
         obj,
@@ -276,23 +262,14 @@ fn logprobs_json(lp: &Logprobs) -> Value {
     json!({"content": content, "refusal": null})
 }
 
-/// The non-streamed `chat.completion` body.
-pub fn chat_response(
-    id: &str,
-    created: u64,
-    model: &str,
-    choices: &[Choice],
-    usage: Usage,
-) -> Value {
-    let choices = choices.iter().map(|c| {
-        json!({
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": null},
-            "logprobs": c.logprobs.as_ref().map(logprobs_json),
-            "finish_reason": c.finish_reason.as_str(),
-        })
-    });
-    response_body("chat.completion", id, created, model, choices, usage)
+/// A choice of a `chat.completion` body.
+pub(crate) fn chat_choice(c: &Choice) -> Value {
+    json!({
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text, "refusal": null},
+        "logprobs": c.logprobs.as_ref().map(logprobs_json),
+        "finish_reason": c.finish_reason.as_str(),
+    })
 }
 
 /// What one `chat.completion.chunk` carries for a choice.
@@ -334,6 +311,7 @@ pub fn chat_chunk_event(s: &StreamIdentity, index: u32, delta: Delta) -> Vec<u8>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::completions::Usage;
 
     fn p(body: &str) -> Result<ChatRequest, ApiError> {
         parse_chat(body.as_bytes(), 1000, 512)
@@ -464,7 +442,7 @@ mod tests {
             top_logprobs: vec![vec![("é".into(), -0.5), ("a".into(), -1.5)]],
             text_offset: vec![0],
         };
-        let body = chat_response(
+        let body = Api::Chat.response_body(
             &id,
             7,
             "m",

@@ -2,7 +2,7 @@
 //! stage), and the response body and Server-Sent-Event chunks (exit stage).
 //! Like [`crate::openai`], free of I/O so that every rule is unit-tested.
 
-use crate::openai::{json_object, model_field, user_field, ApiError};
+use crate::openai::{invalid, json_object, model_field, user_field, ApiError};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
@@ -78,6 +78,29 @@ pub enum Api {
 }
 
 impl Api {
+    /// The non-streamed response body: `text_completion` or `chat.completion`.
+    pub fn response_body(
+        self,
+        id: &str,
+        created: u64,
+        model: &str,
+        choices: &[Choice],
+        usage: Usage,
+    ) -> Value {
+        let (object, choice): (&str, fn(&Choice) -> Value) = match self {
+            Api::Completions => ("text_completion", completion_choice),
+            Api::Chat => ("chat.completion", crate::chat::chat_choice),
+        };
+        json!({
+            "id": id,
+            "object": object,
+            "created": created,
+            "model": model,
+            "choices": choices.iter().map(choice).collect::<Vec<_>>(),
+            "usage": usage.to_json(),
+        })
+    }
+
     /// The endpoint requests of this API come to.
     pub fn endpoint(self) -> crate::openai::ApiEndpoint {
         match self {
@@ -110,10 +133,7 @@ fn num(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => Ok(n.as_f64()),
-        Some(_) => Err(ApiError::invalid(
-            Some(key),
-            format!("`{key}` must be a number."),
-        )),
+        Some(_) => invalid(key, format!("`{key}` must be a number.")),
     }
 }
 
@@ -126,10 +146,10 @@ fn ranged(
 ) -> Result<f32, ApiError> {
     let v = num(obj, key)?.unwrap_or(default);
     if !(lo..=hi).contains(&v) {
-        return Err(ApiError::invalid(
-            Some(key),
+        return invalid(
+            key,
             format!("`{key}` must be between {lo} and {hi}; got {v}."),
-        ));
+        );
     }
     Ok(v as f32)
 }
@@ -152,17 +172,11 @@ fn prompts(v: Option<&Value>, vocab: u32) -> Result<Vec<Prompt>, ApiError> {
     };
     let out = match v {
         None | Some(Value::Null) => {
-            return Err(ApiError::invalid(
-                Some("prompt"),
-                "You must provide a `prompt` parameter.",
-            ))
+            return invalid("prompt", "You must provide a `prompt` parameter.")
         }
         Some(Value::String(s)) => vec![Prompt::Text(s.clone())],
         Some(Value::Array(items)) if items.is_empty() => {
-            return Err(ApiError::invalid(
-                Some("prompt"),
-                "`prompt` must not be an empty array.",
-            ))
+            return invalid("prompt", "`prompt` must not be an empty array.")
         }
         Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
             vec![Prompt::Tokens(token_array(items, vocab).ok_or_else(bad)?)]
@@ -196,27 +210,19 @@ fn stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
                     "`stop` must be a string or an array of strings.",
                 )
             })?,
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("stop"),
-                "`stop` must be a string or an array of strings.",
-            ))
-        }
+        Some(_) => return invalid("stop", "`stop` must be a string or an array of strings."),
     };
     if list.len() > MAX_STOP {
-        return Err(ApiError::invalid(
-            Some("stop"),
+        return invalid(
+            "stop",
             format!(
                 "`stop` has {} sequences; at most {MAX_STOP} are allowed.",
                 list.len()
             ),
-        ));
+        );
     }
     if list.iter().any(String::is_empty) {
-        return Err(ApiError::invalid(
-            Some("stop"),
-            "`stop` sequences must not be empty.",
-        ));
+        return invalid("stop", "`stop` sequences must not be empty.");
     }
     Ok(list)
 }
@@ -233,15 +239,12 @@ pub(crate) fn int_field(
         None | Some(Value::Null) => Ok(default),
         Some(Value::Number(n)) => match n.as_u64() {
             Some(x) if (lo..=hi).contains(&x) => Ok(x),
-            _ => Err(ApiError::invalid(
-                Some(key),
+            _ => invalid(
+                key,
                 format!("`{key}` must be an integer from {lo} to {hi}."),
-            )),
+            ),
         },
-        Some(_) => Err(ApiError::invalid(
-            Some(key),
-            format!("`{key}` must be an integer."),
-        )),
+        Some(_) => invalid(key, format!("`{key}` must be an integer.")),
     }
 }
 
@@ -250,10 +253,7 @@ pub(crate) fn flag_field(obj: &Map<String, Value>, key: &str) -> Result<bool, Ap
     match obj.get(key) {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => Err(ApiError::invalid(
-            Some(key),
-            format!("`{key}` must be a boolean."),
-        )),
+        Some(_) => invalid(key, format!("`{key}` must be a boolean.")),
     }
 }
 
@@ -272,13 +272,10 @@ pub(crate) fn shared_fields(
     let model = model_field(obj)?;
     let n = int_field(obj, "n", 1, MAX_CHOICES as u64, 1)? as u32;
     if prompts * n as usize > MAX_CHOICES {
-        return Err(ApiError::invalid(
-            Some("n"),
-            format!(
+        return invalid("n", format!(
                 "{prompts} prompts × n = {n} asks for {} choices; at most {MAX_CHOICES} per request.",
                 prompts * n as usize
-            ),
-        ));
+            ));
     }
     let seed = match obj.get("seed") {
         None | Some(Value::Null) => None,
@@ -287,20 +284,15 @@ pub(crate) fn shared_fields(
                 .or_else(|| s.as_i64().map(|i| i as u64))
                 .ok_or_else(|| ApiError::invalid(Some("seed"), "`seed` must be an integer."))?,
         ),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("seed"),
-                "`seed` must be an integer.",
-            ))
-        }
+        Some(_) => return invalid("seed", "`seed` must be an integer."),
     };
     let stream = flag_field(obj, "stream")?;
     if logprobs.is_some() && stream {
-        return Err(ApiError::invalid(
-            Some("logprobs"),
+        return invalid(
+            "logprobs",
             "`logprobs` with `stream: true` is not supported by this server; \
              ask without streaming.",
-        ));
+        );
     }
     let include_usage = match obj.get("stream_options") {
         None | Some(Value::Null) => false,
@@ -308,24 +300,19 @@ pub(crate) fn shared_fields(
             None | Some(Value::Null) => false,
             Some(Value::Bool(b)) => *b,
             Some(_) => {
-                return Err(ApiError::invalid(
-                    Some("stream_options"),
+                return invalid(
+                    "stream_options",
                     "`stream_options.include_usage` must be a boolean.",
-                ))
+                )
             }
         },
         Some(Value::Object(_)) => {
-            return Err(ApiError::invalid(
-                Some("stream_options"),
+            return invalid(
+                "stream_options",
                 "`stream_options` is only allowed with `stream: true`.",
-            ))
+            )
         }
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("stream_options"),
-                "`stream_options` must be an object.",
-            ))
-        }
+        Some(_) => return invalid("stream_options", "`stream_options` must be an object."),
     };
     let logit_bias = match obj.get("logit_bias") {
         None | Some(Value::Null) => Vec::new(),
@@ -337,25 +324,20 @@ pub(crate) fn shared_fields(
                 match (tok, bias) {
                     (Some(t), Some(b)) => out.push((t, b as f32)),
                     _ => {
-                        return Err(ApiError::invalid(
-                            Some("logit_bias"),
+                        return invalid(
+                            "logit_bias",
                             format!(
                                 "`logit_bias` maps token ids (below {vocab}) to numbers \
                                  from -100 to 100."
                             ),
-                        ))
+                        )
                     }
                 }
             }
             out.sort_by_key(|(t, _)| *t);
             out
         }
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("logit_bias"),
-                "`logit_bias` must be an object.",
-            ))
-        }
+        Some(_) => return invalid("logit_bias", "`logit_bias` must be an object."),
     };
     user_field(obj)?;
     Ok(CompletionsRequest {
@@ -367,10 +349,7 @@ pub(crate) fn shared_fields(
         top_p: {
             let p = ranged(obj, "top_p", 0.0, 1.0, 1.0)?;
             if p <= 0.0 {
-                return Err(ApiError::invalid(
-                    Some("top_p"),
-                    "`top_p` must be greater than 0.",
-                ));
+                return invalid("top_p", "`top_p` must be greater than 0.");
             }
             p
         },
@@ -397,10 +376,10 @@ pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, 
     let n = int_field(obj, "n", 1, MAX_CHOICES as u64, 1)?;
     let best_of = int_field(obj, "best_of", 1, MAX_CHOICES as u64, n)?;
     if best_of != n {
-        return Err(ApiError::invalid(
-            Some("best_of"),
+        return invalid(
+            "best_of",
             "`best_of` other than `n` is not supported by this server.",
-        ));
+        );
     }
     let echo = flag_field(obj, "echo")?;
     let logprobs = match obj.get("logprobs") {
@@ -408,17 +387,17 @@ pub fn parse_completions(body: &[u8], vocab: u32) -> Result<CompletionsRequest, 
         Some(_) => Some(int_field(obj, "logprobs", 0, MAX_LOGPROBS as u64, 0)? as u32),
     };
     if logprobs.is_some() && echo {
-        return Err(ApiError::invalid(
-            Some("logprobs"),
+        return invalid(
+            "logprobs",
             "`logprobs` together with `echo` (log-probabilities of the prompt) is not \
              supported by this server; use one or the other.",
-        ));
+        );
     }
     if obj.get("suffix").is_some_and(|s| !s.is_null()) {
-        return Err(ApiError::invalid(
-            Some("suffix"),
+        return invalid(
+            "suffix",
             "`suffix` (insertion) is not supported by this model.",
-        ));
+        );
     }
     let mut r = shared_fields(
         obj,
@@ -521,41 +500,13 @@ pub fn completion_id(receipt_id: &[u8; 16]) -> String {
     format!("cmpl-{}", hex::encode(receipt_id))
 }
 
-/// The non-streamed response body.
-pub fn completions_response(
-    id: &str,
-    created: u64,
-    model: &str,
-    choices: &[Choice],
-    usage: Usage,
-) -> Value {
-    let choices = choices.iter().map(|c| {
-        json!({
-            "text": c.text,
-            "index": c.index,
-            "logprobs": c.logprobs.as_ref().map(Logprobs::to_json),
-            "finish_reason": c.finish_reason.as_str(),
-        })
-    });
-    response_body("text_completion", id, created, model, choices, usage)
-}
-
-/// A whole response: `object`, identity, the choices' JSON and usage.
-pub(crate) fn response_body(
-    object: &str,
-    id: &str,
-    created: u64,
-    model: &str,
-    choices: impl Iterator<Item = Value>,
-    usage: Usage,
-) -> Value {
+/// A choice of a `text_completion` body.
+fn completion_choice(c: &Choice) -> Value {
     json!({
-        "id": id,
-        "object": object,
-        "created": created,
-        "model": model,
-        "choices": choices.collect::<Vec<_>>(),
-        "usage": usage.to_json(),
+        "text": c.text,
+        "index": c.index,
+        "logprobs": c.logprobs.as_ref().map(Logprobs::to_json),
+        "finish_reason": c.finish_reason.as_str(),
     })
 }
 
@@ -741,7 +692,7 @@ mod tests {
     fn bodies_have_the_openai_shape() {
         let id = completion_id(&[0xab; 16]);
         assert!(id.starts_with("cmpl-abab"));
-        let body = completions_response(
+        let body = Api::Completions.response_body(
             &id,
             7,
             "m",

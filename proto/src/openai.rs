@@ -129,6 +129,11 @@ impl ApiError {
     }
 }
 
+/// `Err` of a 400 naming `param`: how request validation reports a bad field.
+pub fn invalid<T>(param: &str, message: impl Into<String>) -> Result<T, ApiError> {
+    Err(ApiError::invalid(Some(param), message))
+}
+
 /// How vectors are encoded in the response.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Encoding {
@@ -172,23 +177,15 @@ pub(crate) fn json_object(body: &[u8]) -> Result<Value, ApiError> {
 pub(crate) fn model_field(obj: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
     match obj.get("model") {
         Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
-        Some(_) => Err(ApiError::invalid(
-            Some("model"),
-            "`model` must be a non-empty string.",
-        )),
-        None => Err(ApiError::invalid(
-            Some("model"),
-            "You must provide a model parameter.",
-        )),
+        Some(_) => invalid("model", "`model` must be a non-empty string."),
+        None => invalid("model", "You must provide a model parameter."),
     }
 }
 
 /// The optional `user` field (accepted, never used or logged) must be a string.
 pub(crate) fn user_field(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
     match obj.get("user") {
-        Some(u) if !u.is_string() => {
-            Err(ApiError::invalid(Some("user"), "`user` must be a string."))
-        }
+        Some(u) if !u.is_string() => invalid("user", "`user` must be a string."),
         _ => Ok(()),
     }
 }
@@ -204,67 +201,49 @@ pub fn parse_embeddings(
     let model = model_field(obj)?;
     let inputs = match obj.get("input") {
         None | Some(Value::Null) => {
-            return Err(ApiError::invalid(
-                Some("input"),
-                "You must provide an `input` parameter.",
-            ))
+            return invalid("input", "You must provide an `input` parameter.")
         }
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(items)) => {
             if items.is_empty() {
-                return Err(ApiError::invalid(
-                    Some("input"),
-                    "`input` must not be an empty array.",
-                ));
+                return invalid("input", "`input` must not be an empty array.");
             }
             if items.len() > max_inputs {
-                return Err(ApiError::invalid(
-                    Some("input"),
+                return invalid(
+                    "input",
                     format!(
                         "`input` has {} items; at most {max_inputs} are allowed per request.",
                         items.len()
                     ),
-                ));
+                );
             }
             let mut out = Vec::with_capacity(items.len());
             for (i, it) in items.iter().enumerate() {
                 match it {
                     Value::String(s) => out.push(s.clone()),
-                    Value::Number(_) | Value::Array(_) => {
-                        return Err(ApiError::invalid(Some("input"), TOKEN_IDS))
-                    }
-                    _ => {
-                        return Err(ApiError::invalid(
-                            Some("input"),
-                            format!("`input[{i}]` must be a string."),
-                        ))
-                    }
+                    Value::Number(_) | Value::Array(_) => return invalid("input", TOKEN_IDS),
+                    _ => return invalid("input", format!("`input[{i}]` must be a string.")),
                 }
             }
             out
         }
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("input"),
-                "`input` must be a string or an array of strings.",
-            ))
-        }
+        Some(_) => return invalid("input", "`input` must be a string or an array of strings."),
     };
     if let Some(i) = inputs.iter().position(|s| s.is_empty()) {
-        return Err(ApiError::invalid(
-            Some("input"),
+        return invalid(
+            "input",
             format!("`input[{i}]` is an empty string; every input must contain text."),
-        ));
+        );
     }
     let encoding = match obj.get("encoding_format") {
         None | Some(Value::Null) => Encoding::Float,
         Some(Value::String(s)) if s == "float" => Encoding::Float,
         Some(Value::String(s)) if s == "base64" => Encoding::Base64,
         Some(_) => {
-            return Err(ApiError::invalid(
-                Some("encoding_format"),
+            return invalid(
+                "encoding_format",
                 "`encoding_format` must be \"float\" or \"base64\".",
-            ))
+            )
         }
     };
     let dimensions = match obj.get("dimensions") {
@@ -272,20 +251,15 @@ pub fn parse_embeddings(
         Some(Value::Number(n)) => match n.as_u64() {
             Some(d) if d >= 1 && d as usize <= native_dim => Some(d as usize),
             _ => {
-                return Err(ApiError::invalid(
-                    Some("dimensions"),
+                return invalid(
+                    "dimensions",
                     format!(
                         "`dimensions` must be an integer from 1 to {native_dim} for this model."
                     ),
-                ))
+                )
             }
         },
-        Some(_) => {
-            return Err(ApiError::invalid(
-                Some("dimensions"),
-                "`dimensions` must be an integer.",
-            ))
-        }
+        Some(_) => return invalid("dimensions", "`dimensions` must be an integer."),
     };
     user_field(obj)?;
     Ok(EmbeddingsRequest {

@@ -240,11 +240,7 @@ impl Generator {
             None => {
                 let choices: Vec<_> = ex.choices.into_iter().map(ChoiceOut::into_choice).collect();
                 let api = r.ctx.request.api;
-                let body = match api {
-                    Api::Completions => completions_response,
-                    Api::Chat => chat_response,
-                };
-                let v = body(
+                let v = api.response_body(
                     &response_id(api, &r.ctx.env.receipt_id),
                     r.ctx.created,
                     &c.model_id,

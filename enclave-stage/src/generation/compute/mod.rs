@@ -25,10 +25,10 @@ use crate::stats::{unix_ns, RequestTimer, STATS};
 use crate::work::{failure, Output, Work};
 use anyhow::{anyhow, bail, Result};
 use candle_core::Tensor;
-use proto::chat::{chat_chunk_event, chat_completion_id, chat_response, Delta};
+use proto::chat::{chat_chunk_event, chat_completion_id, Delta};
 use proto::completions::{
-    completion_id, completions_response, stream_error_event, stream_text_event, stream_usage_event,
-    Api, FinishReason, StreamIdentity, Usage, STREAM_DONE,
+    completion_id, stream_error_event, stream_text_event, stream_usage_event, Api, FinishReason,
+    StreamIdentity, Usage, STREAM_DONE,
 };
 use proto::digest::Sha256Digest;
 use proto::frames::{
