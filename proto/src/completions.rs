@@ -621,24 +621,26 @@ mod tests {
     #[test]
     fn rejects_with_the_right_param() {
         assert_eq!(param_of("nope"), None);
-        assert_eq!(param_of(r#"{"prompt":"x"}"#).as_deref(), Some("model"));
-        assert_eq!(param_of(r#"{"model":"m"}"#).as_deref(), Some("prompt"));
-        assert_eq!(
-            param_of(r#"{"model":"m","prompt":[]}"#).as_deref(),
-            Some("prompt")
-        );
-        assert_eq!(
-            param_of(r#"{"model":"m","prompt":[1000]}"#).as_deref(),
-            Some("prompt")
-        );
-        assert_eq!(
-            param_of(r#"{"model":"m","prompt":[[]]}"#).as_deref(),
-            Some("prompt")
-        );
-        assert_eq!(
-            param_of(r#"{"model":"m","prompt":{}}"#).as_deref(),
-            Some("prompt")
-        );
+        // Whole bodies and the field they must name.
+        for (body, param) in [
+            (r#"{"prompt":"x"}"#, "model"),
+            (r#"{"model":"m"}"#, "prompt"),
+            (r#"{"model":"m","prompt":[]}"#, "prompt"),
+            (r#"{"model":"m","prompt":[1000]}"#, "prompt"),
+            (r#"{"model":"m","prompt":[[]]}"#, "prompt"),
+            (r#"{"model":"m","prompt":{}}"#, "prompt"),
+            (r#"{"model":"m","prompt":["a","b"],"n":100}"#, "n"),
+            (
+                r#"{"model":"m","prompt":"x","logprobs":1,"echo":true}"#,
+                "logprobs",
+            ),
+            (
+                r#"{"model":"m","prompt":"x","logprobs":1,"stream":true}"#,
+                "logprobs",
+            ),
+        ] {
+            assert_eq!(param_of(body).as_deref(), Some(param), "{body}");
+        }
         for (k, v) in [
             ("max_tokens", "0"),
             ("max_tokens", "1.5"),
@@ -666,18 +668,6 @@ mod tests {
             let body = format!(r#"{{"model":"m","prompt":"x","{k}":{v}}}"#);
             assert_eq!(param_of(&body).as_deref(), Some(k), "{body}");
         }
-        assert_eq!(
-            param_of(r#"{"model":"m","prompt":["a","b"],"n":100}"#).as_deref(),
-            Some("n")
-        );
-        assert_eq!(
-            param_of(r#"{"model":"m","prompt":"x","logprobs":1,"echo":true}"#).as_deref(),
-            Some("logprobs")
-        );
-        assert_eq!(
-            param_of(r#"{"model":"m","prompt":"x","logprobs":1,"stream":true}"#).as_deref(),
-            Some("logprobs")
-        );
     }
 
     #[test]
