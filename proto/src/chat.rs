@@ -5,8 +5,8 @@
 //! those of [`crate::completions`]; like it, free of I/O.
 
 use crate::completions::{
-    flag_field, int_field, shared_fields, Api, Choice, CompletionsRequest, FinishReason, Logprobs,
-    StreamIdentity,
+    completion_choice, flag_field, int_field, shared_fields, Api, Choice, CompletionsRequest,
+    FinishReason, Logprobs, StreamIdentity, Usage,
 };
 use crate::openai::{invalid, json_object, model_field, ApiError};
 use serde::{Deserialize, Serialize};
@@ -262,6 +262,33 @@ fn logprobs_json(lp: &Logprobs) -> Value {
     json!({"content": content, "refusal": null})
 }
 
+// The whole-body builder of both APIs lives here, beside the chat choice:
+// chat builds on completions, never the other way round.
+impl Api {
+    /// The non-streamed response body: `text_completion` or `chat.completion`.
+    pub fn response_body(
+        self,
+        id: &str,
+        created: u64,
+        model: &str,
+        choices: &[Choice],
+        usage: Usage,
+    ) -> Value {
+        let (object, choice): (&str, fn(&Choice) -> Value) = match self {
+            Api::Completions => ("text_completion", completion_choice),
+            Api::Chat => ("chat.completion", chat_choice),
+        };
+        json!({
+            "id": id,
+            "object": object,
+            "created": created,
+            "model": model,
+            "choices": choices.iter().map(choice).collect::<Vec<_>>(),
+            "usage": usage.to_json(),
+        })
+    }
+}
+
 /// A choice of a `chat.completion` body.
 pub(crate) fn chat_choice(c: &Choice) -> Value {
     json!({
@@ -311,7 +338,6 @@ pub fn chat_chunk_event(s: &StreamIdentity, index: u32, delta: Delta) -> Vec<u8>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::completions::Usage;
 
     fn p(body: &str) -> Result<ChatRequest, ApiError> {
         parse_chat(body.as_bytes(), 1000, 512)

@@ -1,5 +1,6 @@
 //! `POST /v1/completions` as the stages speak it: request validation (entry
-//! stage), and the response body and Server-Sent-Event chunks (exit stage).
+//! stage), and the response's choices and Server-Sent-Event chunks (exit
+//! stage; [`Api::response_body`], in [`crate::chat`], builds both APIs' bodies).
 //! Like [`crate::openai`], free of I/O so that every rule is unit-tested.
 
 use crate::openai::{invalid, json_object, model_field, user_field, ApiError};
@@ -78,29 +79,6 @@ pub enum Api {
 }
 
 impl Api {
-    /// The non-streamed response body: `text_completion` or `chat.completion`.
-    pub fn response_body(
-        self,
-        id: &str,
-        created: u64,
-        model: &str,
-        choices: &[Choice],
-        usage: Usage,
-    ) -> Value {
-        let (object, choice): (&str, fn(&Choice) -> Value) = match self {
-            Api::Completions => ("text_completion", completion_choice),
-            Api::Chat => ("chat.completion", crate::chat::chat_choice),
-        };
-        json!({
-            "id": id,
-            "object": object,
-            "created": created,
-            "model": model,
-            "choices": choices.iter().map(choice).collect::<Vec<_>>(),
-            "usage": usage.to_json(),
-        })
-    }
-
     /// The endpoint requests of this API come to.
     pub fn endpoint(self) -> crate::openai::ApiEndpoint {
         match self {
@@ -501,7 +479,7 @@ pub fn completion_id(receipt_id: &[u8; 16]) -> String {
 }
 
 /// A choice of a `text_completion` body.
-fn completion_choice(c: &Choice) -> Value {
+pub(crate) fn completion_choice(c: &Choice) -> Value {
     json!({
         "text": c.text,
         "index": c.index,
