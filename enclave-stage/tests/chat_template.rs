@@ -6,23 +6,17 @@
 //! tokenized by the stage's `GenModel::tokenize` path; text and token ids
 //! must equal the reference exactly.
 
+mod support;
+
 use candle_core::quantized::gguf_file;
 use enclave_stage::generation::chat_template::ChatTemplate;
 use serde_json::{json, Value};
-use std::path::PathBuf;
+use support::{root, smollm_dir};
 use tokenizers::Tokenizer;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 #[test]
 fn chat_prompts_match_transformers_apply_chat_template() {
-    let dir = root().join("models/smollm2-135m-instruct");
-    assert!(
-        dir.join("tokenizer.json").exists(),
-        "models/smollm2-135m-instruct is incomplete: run scripts/setup.sh"
-    );
+    let dir = smollm_dir();
     let reference: Value = serde_json::from_slice(
         &std::fs::read(root().join("gateway/tests/data/chat_reference.json")).unwrap(),
     )

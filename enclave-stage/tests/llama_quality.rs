@@ -12,26 +12,15 @@
 //! row), and the prefill path (dequantized weights, f32 GEMM) agrees with
 //! the decode path (quantized dot products) on the same positions.
 
+mod support;
+
 use enclave_stage::llama::{LlamaPart, SeqSlice, WeightFormat};
 use enclave_stage::sampling::argmax;
-use std::path::PathBuf;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn gguf() -> PathBuf {
-    let p = root().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.exists(), "run scripts/setup.sh first");
-    p
-}
+use support::{gguf, root, smollm_dir};
 
 /// The first `n` tokens of the quality text.
 fn text_tokens(n: usize) -> Vec<u32> {
-    let tok = tokenizers::Tokenizer::from_file(
-        root().join("models/smollm2-135m-instruct/tokenizer.json"),
-    )
-    .unwrap();
+    let tok = tokenizers::Tokenizer::from_file(smollm_dir().join("tokenizer.json")).unwrap();
     let text = std::fs::read_to_string(root().join("scripts/data/quality-text.txt")).unwrap();
     let ids = tok.encode(text.as_str(), false).unwrap().get_ids().to_vec();
     assert!(

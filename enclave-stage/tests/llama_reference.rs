@@ -8,27 +8,12 @@
 //! Prints timings (single-stream tokens/s, batched decode at 4 and 16
 //! sequences). Set `LLAMA_BENCH_STEPS=0` to skip the batched timing.
 
+mod support;
+
 use enclave_stage::llama::{argmax_rows, LlamaPart, SeqSlice};
-use std::path::PathBuf;
 use std::time::Instant;
+use support::{gguf, root, smollm_dir};
 use tokenizers::Tokenizer;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn model_dir() -> PathBuf {
-    let d = root().join("models/smollm2-135m-instruct");
-    assert!(
-        d.join("tokenizer.json").exists(),
-        "models/smollm2-135m-instruct is incomplete: run scripts/setup.sh"
-    );
-    d
-}
-
-fn gguf() -> PathBuf {
-    model_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf")
-}
 
 struct Item {
     prompt: String,
@@ -167,7 +152,7 @@ fn check_all(label: &str, r: &Reference, got: &[Vec<u32>]) {
 #[test]
 fn tokenizer_matches_reference_ids() {
     let r = reference();
-    let tok = Tokenizer::from_file(model_dir().join("tokenizer.json")).unwrap();
+    let tok = Tokenizer::from_file(smollm_dir().join("tokenizer.json")).unwrap();
     let enc = |s: &str| tok.encode(s, true).unwrap().get_ids().to_vec();
     for item in &r.items {
         assert_eq!(

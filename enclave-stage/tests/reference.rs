@@ -3,21 +3,14 @@
 //! `scripts/make_reference.py`), in one process: whole model and the same
 //! model split in two stages whose activations cross the wire format.
 
+mod support;
+
 use enclave_stage::embedding::engine::{Engine, Padded};
 use enclave_stage::role::StageSpec;
 use std::path::PathBuf;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 fn model_dir() -> PathBuf {
-    let d = root().join("models/all-minilm-l6-v2");
-    assert!(
-        d.join("manifest.json").exists(),
-        "models/all-minilm-l6-v2 is missing: run scripts/setup.sh"
-    );
-    d
+    support::model_dir("all-minilm-l6-v2", "manifest.json")
 }
 
 #[path = "../../gateway/tests/support/embeddings_reference.rs"]
@@ -25,7 +18,7 @@ mod embeddings_reference;
 use embeddings_reference::{cosine, load_reference, Reference};
 
 fn reference() -> Reference {
-    load_reference(&root())
+    load_reference(&support::root())
 }
 
 fn spec(index: u32, n: u32, layers: std::ops::Range<usize>) -> StageSpec {

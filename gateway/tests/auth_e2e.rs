@@ -127,11 +127,7 @@ async fn keys_limits_and_open_routes() {
     assert_eq!(get(&models, Some(SLOW)).await.status(), 200);
     assert_eq!(get(&models, Some(SLOW)).await.status(), 200);
     let r = get(&models, Some(SLOW)).await;
-    let retry: u64 = r.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let retry = retry_after(&r);
     assert!((1..=60).contains(&retry), "Retry-After {retry}");
     let b = error_body(r, 429, "rate_limit_exceeded").await;
     assert!(b["error"]["message"].as_str().unwrap().contains("slow-b"));
@@ -214,35 +210,23 @@ fn sample(text: &str, name: &str) -> Option<f64> {
 
 #[tokio::test]
 async fn bad_auth_config_is_refused_naming_the_key() {
-    let f = Gateway::try_start(Options {
-        extra: "[auth]\nenabled = true\nkeys = [{ name = \"x\", sha256 = \"abc\" }]\n".into(),
-        ..Options::default()
-    })
-    .err()
-    .expect("must refuse");
-    assert!(f.stderr.contains("auth.keys[0].sha256"), "{}", f.stderr);
-
-    let f = Gateway::try_start(Options {
-        extra: "[auth]\nenabled = true\n".into(),
-        ..Options::default()
-    })
-    .err()
-    .expect("must refuse");
-    assert!(f.stderr.contains("GATEWAY_API_KEYS"), "{}", f.stderr);
-
-    let f = Gateway::try_start(Options {
-        extra: "[auth]\nenabled = true\n".into(),
-        env: vec![("GATEWAY_API_KEYS".into(), WRONG.to_string())],
-        ..Options::default()
-    })
-    .err()
-    .expect("must refuse");
-    assert!(
-        f.stderr.contains("GATEWAY_API_KEYS: entry 0"),
-        "{}",
-        f.stderr
+    let stderr = Gateway::refused_with(
+        "[auth]\nenabled = true\nkeys = [{ name = \"x\", sha256 = \"abc\" }]\n",
+        &[],
+        "must refuse",
     );
-    assert!(!f.stderr.contains(WRONG), "{}", f.stderr);
+    assert!(stderr.contains("auth.keys[0].sha256"), "{}", stderr);
+
+    let stderr = Gateway::refused_with("[auth]\nenabled = true\n", &[], "must refuse");
+    assert!(stderr.contains("GATEWAY_API_KEYS"), "{}", stderr);
+
+    let stderr = Gateway::refused_with(
+        "[auth]\nenabled = true\n",
+        &[("GATEWAY_API_KEYS", WRONG)],
+        "must refuse",
+    );
+    assert!(stderr.contains("GATEWAY_API_KEYS: entry 0"), "{}", stderr);
+    assert!(!stderr.contains(WRONG), "{}", stderr);
 }
 
 #[test]

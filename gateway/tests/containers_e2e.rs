@@ -573,14 +573,7 @@ async fn compose_pipeline_serves_and_survives_a_stage_restart() {
         ready_replicas(&url).await == [true, true, true]
     })
     .await;
-    for i in 0..6 {
-        let (s, b) = embed(
-            &url,
-            json!({"model": MODEL, "input": format!("replica {i}")}),
-        )
-        .await;
-        assert_eq!(s, 200, "{b}");
-    }
+    embed_six(&url, "replica").await;
     let stage1 = p.compose(&["ps", "-q", "stage1"]).await;
     let victim = stage1.lines().last().unwrap().trim().to_string();
     docker(&["kill", &victim]).await;
@@ -589,14 +582,7 @@ async fn compose_pipeline_serves_and_survives_a_stage_restart() {
         r.len() == 3 && r.iter().filter(|x| **x).count() == 2
     })
     .await;
-    for i in 0..6 {
-        let (s, b) = embed(
-            &url,
-            json!({"model": MODEL, "input": format!("two left {i}")}),
-        )
-        .await;
-        assert_eq!(s, 200, "{b}");
-    }
+    embed_six(&url, "two left").await;
     docker(&["start", &victim]).await;
     wait_for("the replica to come back", 480, || async {
         ready_replicas(&url).await == [true, true, true]
@@ -709,5 +695,13 @@ impl Drop for ReplicaGateway {
         let _ = Command::new("docker")
             .args(["rm", "-f", &self.name])
             .output();
+    }
+}
+
+/// Six embeddings requests through `url`, each answered 200.
+async fn embed_six(url: &str, text: &str) {
+    for i in 0..6 {
+        let (s, b) = embed(url, json!({"model": MODEL, "input": format!("{text} {i}")})).await;
+        assert_eq!(s, 200, "{b}");
     }
 }

@@ -190,35 +190,27 @@ fn unpinned_measurement_is_refused_naming_the_stage() {
     let policy = format!(
         "allow_mock = true\n[[stages]]\nindex = 0\nlayers = [0, 3]\nmeasurements = [\"{zero}\"]\n[[stages]]\nindex = 1\nlayers = [3, 6]\nmeasurements = [\"{zero}\"]\n"
     );
-    let f = Gateway::try_start(Options {
-        policy: Some(policy),
-        ..Options::default()
-    })
-    .err()
-    .expect("the gateway must refuse stages whose measurement is not pinned");
-    assert_ne!(f.code, Some(0));
+    let stderr = Gateway::refused_by_policy(
+        &policy,
+        "the gateway must refuse stages whose measurement is not pinned",
+    );
     assert!(
-        f.stderr.contains("refusing to serve")
-            && f.stderr.contains("stage 1")
-            && f.stderr.contains("is not in the policy"),
+        stderr.contains("refusing to serve")
+            && stderr.contains("stage 1")
+            && stderr.contains("is not in the policy"),
         "{}",
-        f.stderr
+        stderr
     );
 }
 
 #[test]
 fn mock_evidence_is_refused_by_a_production_policy() {
     let policy = "allow_mock = false\n[[stages]]\nindex = 0\nlayers = [0, 3]\n[[stages]]\nindex = 1\nlayers = [3, 6]\n";
-    let f = Gateway::try_start(Options {
-        policy: Some(policy.into()),
-        ..Options::default()
-    })
-    .err()
-    .expect("mock evidence must be refused");
+    let stderr = Gateway::refused_by_policy(policy, "mock evidence must be refused");
     assert!(
-        f.stderr.contains("mock evidence is not accepted"),
+        stderr.contains("mock evidence is not accepted"),
         "{}",
-        f.stderr
+        stderr
     );
 }
 
@@ -226,13 +218,8 @@ fn mock_evidence_is_refused_by_a_production_policy() {
 fn wrong_layer_claims_are_refused() {
     // The policy expects a different split than the stages run.
     let policy = "allow_mock = true\ntrust_local_build = true\n[[stages]]\nindex = 0\nlayers = [0, 2]\n[[stages]]\nindex = 1\nlayers = [2, 6]\n";
-    let f = Gateway::try_start(Options {
-        policy: Some(policy.into()),
-        ..Options::default()
-    })
-    .err()
-    .expect("layer mismatch must be refused");
-    assert!(f.stderr.contains("claims layers"), "{}", f.stderr);
+    let stderr = Gateway::refused_by_policy(policy, "layer mismatch must be refused");
+    assert!(stderr.contains("claims layers"), "{}", stderr);
 }
 
 #[test]
@@ -249,22 +236,19 @@ fn tampered_weights_stop_the_stage_from_starting() {
     let n = bytes.len() / 2;
     bytes[n] ^= 1;
     std::fs::write(&w, bytes).unwrap();
-    let f = Gateway::try_start(Options {
-        model_dir: dir.clone(),
-        ..Options::default()
-    })
-    .err()
-    .expect("tampered weights must stop the stage");
-    assert!(
-        f.stderr.contains("model.safetensors") && f.stderr.contains("does not match the manifest"),
-        "{}",
-        f.stderr
+    let stderr = Gateway::refused(
+        Options {
+            model_dir: dir.clone(),
+            ..Options::default()
+        },
+        "tampered weights must stop the stage",
     );
     assert!(
-        f.stderr.contains("exited before it was ready"),
+        stderr.contains("model.safetensors") && stderr.contains("does not match the manifest"),
         "{}",
-        f.stderr
+        stderr
     );
+    assert!(stderr.contains("exited before it was ready"), "{}", stderr);
 }
 
 #[test]
@@ -273,13 +257,7 @@ fn ctrl_c_stops_gateway_and_stages() {
     let stages = gw.stage_pids();
     assert_eq!(stages.len(), 2, "expected two stage processes");
     assert_eq!(gw.interrupt(), Some(0));
-    for _ in 0..100 {
-        if stages.iter().all(|p| !alive(*p)) {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    panic!("stage processes outlived the gateway");
+    wait_gone(&stages, "stage processes outlived the gateway");
 }
 
 #[test]
@@ -288,26 +266,19 @@ fn killed_gateway_takes_its_stages_down() {
     let stages = gw.stage_pids();
     signal(gw.child.id(), "KILL");
     let _ = gw.child.wait();
-    for _ in 0..100 {
-        if stages.iter().all(|p| !alive(*p)) {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    panic!("stages must exit when their supervisor dies (stdin closed)");
+    wait_gone(
+        &stages,
+        "stages must exit when their supervisor dies (stdin closed)",
+    );
 }
 
 #[tokio::test]
 async fn logs_are_json_lines_with_request_ids_and_no_content() {
     let gw = Gateway::start(Options::default());
     let marker = "LOG-MARKER-5d1e0c";
-    let r = client()
-        .post(format!("{}/v1/embeddings", gw.url))
-        .header("x-request-id", "test-req-42")
-        .json(&json!({"model": MODEL, "input": marker}))
-        .send()
-        .await
-        .unwrap();
+    let body = json!({"model": MODEL, "input": marker});
+    let url = format!("{}/v1/embeddings", gw.url);
+    let r = post_with_header(&url, &body, ("x-request-id", "test-req-42")).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["x-request-id"], "test-req-42");
     // A client id that is not plain is replaced by a fresh one.

@@ -94,11 +94,7 @@ async fn a_fault_in_stage_0_fails_only_its_request() {
 
 #[tokio::test]
 async fn slow_pipeline_gives_504() {
-    let gw = Gateway::start_faulty(Options {
-        env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", "2500")]),
-        server_extra: "request_timeout_secs = 1\n".into(),
-        ..Options::default()
-    });
+    let gw = Gateway::start_faulty(slow_stage("2500", "request_timeout_secs = 1\n"));
     let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": "slow"})).await;
     assert_eq!(s, 504, "{b}");
     assert_error_shape(&b);
@@ -106,10 +102,7 @@ async fn slow_pipeline_gives_504() {
 
 #[tokio::test]
 async fn killed_stage_gives_503_then_recovers() {
-    let gw = Gateway::start_faulty(Options {
-        env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", "1500")]),
-        ..Options::default()
-    });
+    let gw = Gateway::start_faulty(slow_stage("1500", ""));
     let stages = gw.stage_pids();
     assert_eq!(stages.len(), 2);
     let url = gw.url.clone();
@@ -173,11 +166,7 @@ async fn a_full_replay_guard_asks_to_retry_and_keeps_room_for_sealed_clients() {
     )
     .await;
     assert_eq!(r.status(), 503);
-    let retry: u64 = r.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let retry = retry_after(&r);
     assert!((1..=600).contains(&retry), "{retry}");
     let b: serde_json::Value = r.json().await.unwrap();
     assert_error_shape(&b);

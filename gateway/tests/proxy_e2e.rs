@@ -67,18 +67,12 @@ async fn drive_with_reqwest(url: &str) -> Value {
     )
     .await
     .unwrap();
-    let emb_verified = emb.headers()["receipt-verified"]
-        .to_str()
-        .unwrap()
-        .to_string();
+    let emb_verified = header(&emb, "receipt-verified");
     let emb: Value = emb.json().await.unwrap();
     let args = json!({"model": GEN_MODEL, "prompt": "Once upon a time", "max_tokens": 24,
                       "temperature": 0.8, "seed": 7});
     let whole = post("/v1/completions", args.clone()).await.unwrap();
-    let whole_verified = whole.headers()["receipt-verified"]
-        .to_str()
-        .unwrap()
-        .to_string();
+    let whole_verified = header(&whole, "receipt-verified");
     let whole: Value = whole.json().await.unwrap();
     let mut stream_args = args.clone();
     stream_args["stream"] = json!(true);
@@ -105,10 +99,7 @@ async fn drive_with_reqwest(url: &str) -> Value {
     let chat = post("/v1/chat/completions", chat_args.clone())
         .await
         .unwrap();
-    let chat_verified = chat.headers()["receipt-verified"]
-        .to_str()
-        .unwrap()
-        .to_string();
+    let chat_verified = header(&chat, "receipt-verified");
     let chat: Value = chat.json().await.unwrap();
     let mut chat_stream_args = chat_args;
     chat_stream_args["stream"] = json!(true);
@@ -364,4 +355,9 @@ async fn r_headers_verified(c: &reqwest::Client, url: &str) -> String {
         .to_str()
         .unwrap()
         .to_string()
+}
+
+/// A response header's value as text.
+fn header(r: &reqwest::Response, name: &str) -> String {
+    r.headers()[name].to_str().unwrap().to_string()
 }

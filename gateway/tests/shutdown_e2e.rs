@@ -25,24 +25,9 @@ async fn wait_in_flight(gw: &Gateway, n: f64) {
     panic!("requests never reached the gateway:\n{}", gw.log());
 }
 
-/// Waits until every pid is gone.
-fn wait_gone(pids: &[u32], log: &str) {
-    for _ in 0..200 {
-        if pids.iter().all(|p| !alive(*p)) {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    panic!("stage processes outlived the gateway:\n{log}");
-}
-
 #[tokio::test]
 async fn sigterm_finishes_in_flight_requests_refuses_new_connections_and_stops_stages() {
-    let mut gw = Gateway::start_faulty(Options {
-        env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", "2000")]),
-        server_extra: "shutdown_grace_secs = 120\n".into(),
-        ..Options::default()
-    });
+    let mut gw = Gateway::start_faulty(slow_stage("2000", "shutdown_grace_secs = 120\n"));
     let stages = gw.stage_pids();
     assert_eq!(stages.len(), 2);
     let in_flight: Vec<_> = (0..2)
@@ -86,7 +71,10 @@ async fn sigterm_finishes_in_flight_requests_refuses_new_connections_and_stops_s
     }
     assert_eq!(gw.wait_exit("SIGTERM"), Some(0), "{}", gw.log());
     let log = gw.log();
-    wait_gone(&stages, &log);
+    wait_gone(
+        &stages,
+        &format!("stage processes outlived the gateway:\n{log}"),
+    );
     for line in ["SIGTERM received", "stage channels closed", "stopped"] {
         assert!(log.contains(line), "missing {line:?} in the log:\n{log}");
     }
@@ -99,11 +87,7 @@ async fn sigterm_finishes_in_flight_requests_refuses_new_connections_and_stops_s
 #[tokio::test]
 async fn requests_running_at_the_deadline_are_cancelled_with_503() {
     // A micro-batch takes 60 s; the grace period is 1 s.
-    let mut gw = Gateway::start_faulty(Options {
-        env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", "60000")]),
-        server_extra: "shutdown_grace_secs = 1\n".into(),
-        ..Options::default()
-    });
+    let mut gw = Gateway::start_faulty(slow_stage("60000", "shutdown_grace_secs = 1\n"));
     let stages = gw.stage_pids();
     let url = gw.url.clone();
     let slow =
@@ -118,25 +102,23 @@ async fn requests_running_at_the_deadline_are_cancelled_with_503() {
     // its stages with it.
     assert_eq!(gw.wait_exit("SIGTERM"), Some(0), "{}", gw.log());
     let log = gw.log();
-    wait_gone(&stages, &log);
+    wait_gone(
+        &stages,
+        &format!("stage processes outlived the gateway:\n{log}"),
+    );
     assert!(log.contains("cancelled at the shutdown deadline"), "{log}");
 }
 
 #[tokio::test]
 async fn each_route_has_its_own_deadline() {
     // Embeddings get 1 s, everything else keeps the 60 s default.
-    let gw = Gateway::start_faulty(Options {
-        env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", "2500")]),
-        server_extra: "[server.timeouts]\nembeddings_secs = 1\n".into(),
-        ..Options::default()
-    });
-    let r = client()
-        .post(format!("{}/v1/embeddings", gw.url))
-        .header("x-request-id", "deadline-test")
-        .json(&json!({"model": MODEL, "input": "slow"}))
-        .send()
-        .await
-        .unwrap();
+    let gw = Gateway::start_faulty(slow_stage(
+        "2500",
+        "[server.timeouts]\nembeddings_secs = 1\n",
+    ));
+    let body = json!({"model": MODEL, "input": "slow"});
+    let url = format!("{}/v1/embeddings", gw.url);
+    let r = post_with_header(&url, &body, ("x-request-id", "deadline-test")).await;
     assert_eq!(r.status(), 504);
     assert_eq!(r.headers()["x-request-id"], "deadline-test");
     let b: serde_json::Value = r.json().await.unwrap();
@@ -171,7 +153,10 @@ fn a_stage_stops_on_sigterm_while_its_supervisor_holds_stdin() {
     let pid = stage.child.id();
     signal(pid, "TERM");
     let log = || std::fs::read_to_string(dir.join("stage0.log")).unwrap_or_default();
-    wait_gone(&[pid], &log());
+    wait_gone(
+        &[pid],
+        &format!("stage processes outlived the gateway:\n{}", log()),
+    );
     assert!(log().contains("SIGTERM; exiting"), "{}", log());
     drop(stage);
 }

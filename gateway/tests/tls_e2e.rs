@@ -237,8 +237,9 @@ fn plain_http_off_loopback_is_refused_naming_the_key() {
     })
     .err()
     .expect("must refuse");
-    assert_eq!(f.code, Some(1), "{}", f.stderr);
-    assert!(f.stderr.contains("server.allow_plain_http"), "{}", f.stderr);
+    let stderr = f.stderr;
+    assert_eq!(f.code, Some(1), "{stderr}");
+    assert!(stderr.contains("server.allow_plain_http"), "{}", stderr);
 
     // `--listen` is checked the same way.
     let cfg = config_with(Options::default());

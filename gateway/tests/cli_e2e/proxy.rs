@@ -85,13 +85,9 @@ pub(super) async fn proxy_checks(c: &Ctx) {
     );
 
     // Errors come back in OpenAI shape.
-    let r = client()
-        .post(format!("{}/v1/embeddings", proxy.url))
-        .header("receipt-nonce", "not hex")
-        .json(&json!({"model": MODEL, "input": "x"}))
-        .send()
-        .await
-        .unwrap();
+    let body = json!({"model": MODEL, "input": "x"});
+    let url = format!("{}/v1/embeddings", proxy.url);
+    let r = post_with_header(&url, &body, ("receipt-nonce", "not hex")).await;
     assert_eq!(r.status(), 400);
     assert_error_shape(&r.json().await.unwrap());
     // An input only the entry stage can refuse (the host sees ciphertext):

@@ -171,6 +171,38 @@ pub fn write_config(opts: &Options, dir: &Path) -> PathBuf {
 
 impl Gateway {
     /// Starts a gateway; `Err` with its stderr if it exits before listening.
+    /// Starts a gateway that must refuse to start (and exit non-zero); its
+    /// stderr. Panics with `why` if it started.
+    pub fn refused(opts: Options, why: &str) -> String {
+        let f = Self::try_start(opts).err().expect(why);
+        assert_ne!(f.code, Some(0), "a refusal exits non-zero");
+        f.stderr
+    }
+
+    /// [`Gateway::refused`] with the default options but the policy `policy`.
+    pub fn refused_by_policy(policy: &str, why: &str) -> String {
+        let opts = Options {
+            policy: Some(policy.into()),
+            ..Options::default()
+        };
+        Self::refused(opts, why)
+    }
+
+    /// [`Gateway::refused`] with the default options plus the config `extra`
+    /// and the environment `env`.
+    pub fn refused_with(extra: &str, env: &[(&str, &str)], why: &str) -> String {
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let opts = Options {
+            extra: extra.into(),
+            env,
+            ..Options::default()
+        };
+        Self::refused(opts, why)
+    }
+
     pub fn try_start(opts: Options) -> Result<Gateway, StartFailure> {
         let dir = temp_dir("gw");
         let cfg = write_config(&opts, &dir);
@@ -299,6 +331,52 @@ pub fn fault_env(stage: u32, extra: &[(&str, &str)]) -> Vec<(String, String)> {
             .map(|(k, val)| (k.to_string(), val.to_string())),
     );
     v
+}
+
+/// Options whose stage 1 takes `delay_ms` over every micro-batch (for
+/// [`Gateway::start_faulty`]), with `server_extra` in `[server]`.
+pub fn slow_stage(delay_ms: &str, server_extra: &str) -> Options {
+    Options {
+        env: fault_env(1, &[("STAGE_FAULT_DELAY_MS", delay_ms)]),
+        server_extra: server_extra.into(),
+        ..Options::default()
+    }
+}
+
+/// Waits (up to 10 s) until every pid is gone; panics with `what` if not.
+pub fn wait_gone(pids: &[u32], what: &str) {
+    for _ in 0..200 {
+        if pids.iter().all(|p| !alive(*p)) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("{what}");
+}
+
+/// `POST url` with `body` as JSON and one extra header (panics on a
+/// transport error).
+pub async fn post_with_header(
+    url: &str,
+    body: &serde_json::Value,
+    (name, value): (&str, &str),
+) -> reqwest::Response {
+    client()
+        .post(url)
+        .header(name, value)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// A response's `Retry-After` seconds (panics if absent or not a number).
+pub fn retry_after(r: &reqwest::Response) -> u64 {
+    r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 /// `GET /metrics` as text.
