@@ -71,6 +71,26 @@ pub fn failure(exit: bool, request_id: u64, error: PipelineError) -> Output {
     }
 }
 
+/// A request's failure as it travels on: status and `message` for the host,
+/// and the OpenAI error `api` sealed to the client when the request's
+/// envelope (so its response key) is known here; the host cannot read it.
+pub fn sealed_error(
+    env: Option<&proto::frames::Envelope>,
+    api: &proto::openai::ApiError,
+    kind: proto::frames::ErrorKind,
+    message: String,
+) -> PipelineError {
+    let sealed_body =
+        env.and_then(|e| proto::sealing::seal_response(&e.response_key, &api.body_bytes()).ok());
+    PipelineError {
+        kind,
+        status: api.status,
+        message,
+        retry_after_secs: None,
+        sealed_body,
+    }
+}
+
 /// One tokenized input waiting for compute.
 #[derive(Clone, Debug)]
 pub struct Seq {

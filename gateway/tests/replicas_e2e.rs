@@ -129,18 +129,7 @@ async fn three_replicas_route_fail_over_and_rejoin() {
     let policy = Policy::from_toml(&client_policy_text(&gw.url).await).unwrap();
 
     // Every replica's entry key is published, each naming its replica.
-    let keys: Value = http_get(&format!("{}/.well-known/hpke-keys?format=json", gw.url))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let mut replicas: Vec<u64> = keys["keys"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|k| k["held_by"] == "enclave")
-        .map(|k| k["replica"].as_u64().unwrap())
-        .collect();
+    let (keys, mut replicas) = enclave_keys(&gw.url, "replica").await;
     replicas.sort();
     assert_eq!(replicas, [0, 1, 2]);
     // Each replica's key from the share of ids the gateway gave it
@@ -318,18 +307,7 @@ async fn replicas_found_through_dns_are_told_their_key_ids_and_reconnect() {
     let (status, _) = embed(&gw.url, json!({"model": MODEL, "input": "found"})).await;
     assert_eq!(status, 200);
     // Replica 0 of 2 uses key ids 1-63: the stage replaced its first key.
-    let keys: Value = http_get(&format!("{}/.well-known/hpke-keys?format=json", gw.url))
-        .await
-        .json()
-        .await
-        .unwrap();
-    let enclave: Vec<u64> = keys["keys"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|k| k["held_by"] == "enclave")
-        .map(|k| k["key_id"].as_u64().unwrap())
-        .collect();
+    let (keys, enclave) = enclave_keys(&gw.url, "key_id").await;
     assert_eq!(enclave.len(), 1, "{keys}");
     assert!((1..=63).contains(&enclave[0]), "{enclave:?}");
     // The replacement key is the one the evidence vouches for.
@@ -377,4 +355,17 @@ async fn sealed_to_replica_alone(url: &str, verified: &proto::bundle::VerifiedBu
     let r = post_sealed(url, &headers, body).await;
     assert_eq!(r.status(), 200);
     assert!(open_response_with_trailer(&client_key, &r.bytes().await.unwrap()).is_ok());
+}
+
+/// The published key list (JSON) and `field` of each enclave-held key.
+async fn enclave_keys(url: &str, field: &str) -> (Value, Vec<u64>) {
+    let keys = get_json(&format!("{url}/.well-known/hpke-keys?format=json")).await;
+    let values = keys["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|k| k["held_by"] == "enclave")
+        .map(|k| k[field].as_u64().unwrap())
+        .collect();
+    (keys, values)
 }

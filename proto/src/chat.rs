@@ -468,20 +468,11 @@ mod tests {
             top_logprobs: vec![vec![("é".into(), -0.5), ("a".into(), -1.5)]],
             text_offset: vec![0],
         };
-        let body = Api::Chat.response_body(
+        let body = crate::completions::tests::one_choice_body(
+            Api::Chat,
             &id,
-            7,
-            "m",
-            &[Choice {
-                index: 0,
-                text: "hi".into(),
-                finish_reason: FinishReason::Stop,
-                logprobs: Some(lp),
-            }],
-            Usage {
-                prompt_tokens: 3,
-                completion_tokens: 2,
-            },
+            FinishReason::Stop,
+            Some(lp),
         );
         assert_eq!(body["object"], "chat.completion");
         assert_eq!(body["choices"][0]["message"]["role"], "assistant");
@@ -491,13 +482,7 @@ mod tests {
         assert_eq!(c["bytes"], json!([0xc3, 0xa9]));
         assert_eq!(c["top_logprobs"][1]["token"], "a");
         assert_eq!(body["usage"]["total_tokens"], 5);
-        let s = StreamIdentity {
-            id,
-            created: 7,
-            model: "m".into(),
-            include_usage: false,
-            api: Api::Chat,
-        };
+        let s = crate::completions::tests::identity(id, Api::Chat, false);
         let parse = |ev: Vec<u8>| -> Value {
             assert!(ev.starts_with(b"data: {") && ev.ends_with(b"\n\n"));
             serde_json::from_slice(&ev[6..ev.len() - 2]).unwrap()

@@ -561,7 +561,7 @@ pub fn stream_error_event(e: &ApiError) -> Vec<u8> {
 pub const STREAM_DONE: &[u8] = b"data: [DONE]\n\n";
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn p(body: &str) -> Result<CompletionsRequest, ApiError> {
@@ -656,35 +656,46 @@ mod tests {
         assert_eq!(e.code.as_deref(), Some("context_length_exceeded"));
     }
 
+    /// A body with one choice, "hi", after a 3-token prompt.
+    pub(crate) fn one_choice_body(
+        api: Api,
+        id: &str,
+        finish_reason: FinishReason,
+        logprobs: Option<Logprobs>,
+    ) -> Value {
+        let choice = Choice {
+            index: 0,
+            text: "hi".into(),
+            finish_reason,
+            logprobs,
+        };
+        let usage = Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+        };
+        api.response_body(id, 7, "m", &[choice], usage)
+    }
+
+    /// A stream of model "m", created at 7.
+    pub(crate) fn identity(id: String, api: Api, include_usage: bool) -> StreamIdentity {
+        StreamIdentity {
+            id,
+            created: 7,
+            model: "m".into(),
+            include_usage,
+            api,
+        }
+    }
+
     #[test]
     fn bodies_have_the_openai_shape() {
         let id = completion_id(&[0xab; 16]);
         assert!(id.starts_with("cmpl-abab"));
-        let body = Api::Completions.response_body(
-            &id,
-            7,
-            "m",
-            &[Choice {
-                index: 0,
-                text: "hi".into(),
-                finish_reason: FinishReason::Length,
-                logprobs: None,
-            }],
-            Usage {
-                prompt_tokens: 3,
-                completion_tokens: 2,
-            },
-        );
+        let body = one_choice_body(Api::Completions, &id, FinishReason::Length, None);
         assert_eq!(body["object"], "text_completion");
         assert_eq!(body["choices"][0]["finish_reason"], "length");
         assert_eq!(body["usage"]["total_tokens"], 5);
-        let s = StreamIdentity {
-            id,
-            created: 7,
-            model: "m".into(),
-            include_usage: true,
-            api: Api::Completions,
-        };
+        let s = identity(id, Api::Completions, true);
         let ev = stream_text_event(&s, 1, "a", None);
         assert!(ev.starts_with(b"data: {") && ev.ends_with(b"\n\n"));
         let v: Value = serde_json::from_slice(&ev[6..ev.len() - 2]).unwrap();

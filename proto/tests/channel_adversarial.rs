@@ -536,13 +536,7 @@ async fn peer_closing_mid_record_is_truncation() {
         vec![Out::Raw(raw[..raw.len() / 2].to_vec()), Out::Close]
     });
     let hs = handshake(&host(), &stage(1), half, pass()).await;
-    let (mut itx, _, _) = ok(hs.init, "initiator");
-    let (_, mut rrx, _) = ok(hs.resp, "responder");
-    itx.send(&msg(0)).await.unwrap();
-    itx.send(&pattern(600)).await.unwrap();
-    expect_message(&mut rrx, &msg(0)).await;
-    assert!(matches!(recv(&mut rrx).await, Err(ChannelError::Truncated)));
-    expect_poisoned(&mut rrx).await;
+    truncated_after_first(hs, &pattern(600)).await;
 }
 
 #[tokio::test]
@@ -556,13 +550,7 @@ async fn peer_closing_between_records_of_a_message_is_truncation() {
         pass(),
     )
     .await;
-    let (mut itx, _, _) = ok(hs.init, "initiator");
-    let (_, mut rrx, _) = ok(hs.resp, "responder");
-    itx.send(&msg(0)).await.unwrap();
-    itx.send(&pattern(200)).await.unwrap();
-    expect_message(&mut rrx, &msg(0)).await;
-    assert!(matches!(recv(&mut rrx).await, Err(ChannelError::Truncated)));
-    expect_poisoned(&mut rrx).await;
+    truncated_after_first(hs, &pattern(200)).await;
 }
 
 #[tokio::test]
@@ -571,13 +559,7 @@ async fn peer_closing_inside_a_length_prefix_is_truncation() {
         vec![Out::Raw(framed(&b)[..2].to_vec()), Out::Close]
     });
     let hs = handshake(&host(), &stage(1), cut, pass()).await;
-    let (mut itx, _, _) = ok(hs.init, "initiator");
-    let (_, mut rrx, _) = ok(hs.resp, "responder");
-    itx.send(&msg(0)).await.unwrap();
-    itx.send(&msg(1)).await.unwrap();
-    expect_message(&mut rrx, &msg(0)).await;
-    expect_failure(&mut rrx, ChannelError::Truncated).await;
-    expect_poisoned(&mut rrx).await;
+    truncated_after_first(hs, &msg(1)).await;
 }
 
 #[tokio::test]
@@ -600,4 +582,17 @@ async fn clean_close_between_messages_is_end_of_stream() {
     expect_message(&mut rrx, &pattern(3000)).await;
     assert!(matches!(recv(&mut rrx).await, Ok(None)));
     assert_eq!(hs.counts.i2r.load(Ordering::SeqCst), I2R_REC0 + 1);
+}
+
+/// Sends `msg(0)` then `second` over `hs`, whose relay cuts the stream: the
+/// first arrives whole, the second ends the channel as truncated, and it
+/// stays poisoned.
+async fn truncated_after_first(hs: Handshake, second: &[u8]) {
+    let (mut itx, _, _) = ok(hs.init, "initiator");
+    let (_, mut rrx, _) = ok(hs.resp, "responder");
+    itx.send(&msg(0)).await.unwrap();
+    itx.send(second).await.unwrap();
+    expect_message(&mut rrx, &msg(0)).await;
+    expect_failure(&mut rrx, ChannelError::Truncated).await;
+    expect_poisoned(&mut rrx).await;
 }

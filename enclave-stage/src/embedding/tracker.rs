@@ -174,17 +174,8 @@ impl Tracker {
     /// with the error body sealed to the client when its key is known.
     pub fn fail(&mut self, request_id: u64, kind: ErrorKind, message: String) -> PipelineError {
         let api = ApiError::internal(message.clone());
-        let sealed_body = self
-            .requests
-            .remove(&request_id)
-            .and_then(|r| seal_response(&r.ctx.env.response_key, &api.body_bytes()).ok());
-        PipelineError {
-            kind,
-            status: api.status,
-            message,
-            retry_after_secs: None,
-            sealed_body,
-        }
+        let r = self.requests.remove(&request_id);
+        crate::work::sealed_error(r.as_ref().map(|r| &r.ctx.env), &api, kind, message)
     }
 
     /// Forgets a request that failed upstream.

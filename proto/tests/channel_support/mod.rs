@@ -293,16 +293,7 @@ pub async fn handshake(
 ) -> Handshake {
     let (l, addr) = listener().await;
     let (relay, counts) = spawn_relay(addr, i2r, r2i).await;
-    let (init, resp) = tokio::join!(
-        async {
-            let s = dial(relay).await;
-            channel::initiate(s, &initiator.id, initiator.limits, initiator.check).await
-        },
-        async {
-            let s = accept(&l).await;
-            channel::respond(s, &responder.id, responder.limits, responder.check).await
-        }
-    );
+    let (init, resp) = both_sides(initiator, responder, &l, relay).await;
     Handshake { init, resp, counts }
 }
 
@@ -312,13 +303,24 @@ pub async fn direct(
     responder: &Peer<'_>,
 ) -> (HandshakeResult, HandshakeResult) {
     let (l, addr) = listener().await;
+    both_sides(initiator, responder, &l, addr).await
+}
+
+/// Both sides of a handshake at once: the initiator dials `to`, the
+/// responder accepts on `l`.
+async fn both_sides(
+    initiator: &Peer<'_>,
+    responder: &Peer<'_>,
+    l: &TcpListener,
+    to: SocketAddr,
+) -> (HandshakeResult, HandshakeResult) {
     tokio::join!(
         async {
-            let s = dial(addr).await;
+            let s = dial(to).await;
             channel::initiate(s, &initiator.id, initiator.limits, initiator.check).await
         },
         async {
-            let s = accept(&l).await;
+            let s = accept(l).await;
             channel::respond(s, &responder.id, responder.limits, responder.check).await
         }
     )

@@ -36,7 +36,7 @@ use proto::frames::{
     PipelineError, RequestTelemetry, ResultMessage, StageTiming, StepBatch, StepSeq,
 };
 use proto::openai::ApiError;
-use proto::sealing::{seal_response, seal_response_with_trailer, ResponseSealer};
+use proto::sealing::{seal_response_with_trailer, ResponseSealer};
 use proto::tensor::TensorFrame;
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
@@ -267,20 +267,12 @@ impl Generator {
 
     /// The error for a request: details sealed to its client when its key is known.
     fn error_for(&self, request_id: u64, api: &ApiError, kind: ErrorKind) -> PipelineError {
-        let sealed_body = self
-            .requests
-            .get(&request_id)
-            .and_then(|r| seal_response(&r.ctx.env.response_key, &api.body_bytes()).ok());
-        PipelineError {
-            kind,
-            status: api.status,
-            message: format!(
-                "stage {}: request failed with status {}",
-                self.model.claims.stage_index, api.status
-            ),
-            retry_after_secs: None,
-            sealed_body,
-        }
+        let message = format!(
+            "stage {}: request failed with status {}",
+            self.model.claims.stage_index, api.status
+        );
+        let env = self.requests.get(&request_id).map(|r| &r.ctx.env);
+        crate::work::sealed_error(env, api, kind, message)
     }
 
     // ---- request lifecycle ----
