@@ -15,11 +15,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 #[tokio::test]
 async fn a_slow_request_head_is_cut_off() {
     use std::io::{Read, Write};
-    let gw = Gateway::start(Options {
-        server_extra: "header_read_timeout_secs = 1\nmax_connections = 64\n".into(),
-        ..Options::default()
-    });
-    let addr = gw.url.strip_prefix("http://").unwrap().to_string();
+    let (gw, addr) = start_with_server("header_read_timeout_secs = 1\nmax_connections = 64\n");
     let t0 = std::time::Instant::now();
     let closed = tokio::task::spawn_blocking(move || {
         let mut slow = std::net::TcpStream::connect(&addr).unwrap();
@@ -44,11 +40,7 @@ async fn a_slow_request_head_is_cut_off() {
 #[tokio::test]
 async fn an_idle_kept_alive_connection_is_closed() {
     use std::io::{BufRead, BufReader, Read, Write};
-    let gw = Gateway::start(Options {
-        server_extra: "header_read_timeout_secs = 1\n".into(),
-        ..Options::default()
-    });
-    let addr = gw.url.strip_prefix("http://").unwrap().to_string();
+    let (_gw, addr) = start_with_server("header_read_timeout_secs = 1\n");
     let (answered, idle_for) = tokio::task::spawn_blocking(move || {
         let mut conn = std::net::TcpStream::connect(&addr).unwrap();
         conn.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -177,4 +169,14 @@ async fn a_stream_whose_client_never_reads_is_cancelled() {
     );
     assert_chat_serves(&gw.url).await;
     drop(conn);
+}
+
+/// A gateway with `server_extra` in `[server]`, and its `host:port`.
+fn start_with_server(server_extra: &str) -> (Gateway, String) {
+    let gw = Gateway::start(Options {
+        server_extra: server_extra.into(),
+        ..Options::default()
+    });
+    let addr = gw.url.strip_prefix("http://").unwrap().to_string();
+    (gw, addr)
 }

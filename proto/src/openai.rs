@@ -63,48 +63,44 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    /// 400 for a malformed or unsupported request.
-    pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
+    /// An `invalid_request_error` with `status`.
+    fn request_error(
+        status: u16,
+        message: String,
+        param: Option<&str>,
+        code: Option<&str>,
+    ) -> Self {
         Self {
-            status: 400,
-            message: message.into(),
+            status,
+            message,
             kind: "invalid_request_error".into(),
             param: param.map(str::to_string),
-            code: None,
+            code: code.map(str::to_string),
         }
+    }
+
+    /// 400 for a malformed or unsupported request.
+    pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
+        Self::request_error(400, message.into(), param, None)
     }
 
     /// 404 for an unknown model.
     pub fn model_not_found(model: &str) -> Self {
-        Self {
-            status: 404,
-            message: format!("The model `{model}` does not exist or you do not have access to it."),
-            kind: "invalid_request_error".into(),
-            param: Some("model".into()),
-            code: Some("model_not_found".into()),
-        }
+        let message =
+            format!("The model `{model}` does not exist or you do not have access to it.");
+        Self::request_error(404, message, Some("model"), Some("model_not_found"))
     }
 
     /// 404 for an unknown route.
     pub fn unknown_route(method: &str, path: &str) -> Self {
-        Self {
-            status: 404,
-            message: format!("Unrecognized request URL ({method} {path})."),
-            kind: "invalid_request_error".into(),
-            param: None,
-            code: Some("unknown_url".into()),
-        }
+        let message = format!("Unrecognized request URL ({method} {path}).");
+        Self::request_error(404, message, None, Some("unknown_url"))
     }
 
     /// 405 for a known route with the wrong method.
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
-        Self {
-            status: 405,
-            message: format!("Method {method} is not allowed for {path}."),
-            kind: "invalid_request_error".into(),
-            param: None,
-            code: None,
-        }
+        let message = format!("Method {method} is not allowed for {path}.");
+        Self::request_error(405, message, None, None)
     }
 
     /// 500 for a failure inside the pipeline.

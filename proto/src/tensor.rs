@@ -81,28 +81,21 @@ impl TensorFrame {
 
     /// Decodes an f32 frame.
     pub fn to_f32(&self) -> Result<Vec<f32>, String> {
-        if self.dtype != DType::F32 {
-            return Err(format!("expected F32 tensor, got {:?}", self.dtype));
-        }
-        self.validate()?;
-        Ok(self
-            .data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        Ok(self.words(DType::F32)?.map(f32::from_le_bytes).collect())
     }
 
     /// Decodes a u32 frame.
     pub fn to_u32(&self) -> Result<Vec<u32>, String> {
-        if self.dtype != DType::U32 {
-            return Err(format!("expected U32 tensor, got {:?}", self.dtype));
+        Ok(self.words(DType::U32)?.map(u32::from_le_bytes).collect())
+    }
+
+    /// The 4-byte little-endian elements of a valid frame of type `want`.
+    fn words(&self, want: DType) -> Result<impl Iterator<Item = [u8; 4]> + '_, String> {
+        if self.dtype != want {
+            return Err(format!("expected {want:?} tensor, got {:?}", self.dtype));
         }
         self.validate()?;
-        Ok(self
-            .data
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        Ok(self.data.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]))
     }
 }
 

@@ -125,20 +125,30 @@ impl Compute {
         }
     }
 
+    /// Runs one micro-batch and emits its output. A failed batch of several
+    /// rows is handed back (`true`) to be retried one row at a time; a
+    /// failed single row is reported failed.
+    fn attempt(&mut self, items: &[BatchItem], input: Input<'_>) -> bool {
+        let began = Instant::now();
+        let r = self.process(items, input);
+        self.record_batch(items, began, began.elapsed());
+        match r {
+            Ok(out) => self.emit(items.to_vec(), out),
+            Err(e) if items.len() > 1 => {
+                tracing::warn!(rows = items.len(), error = %e, "micro-batch failed; retrying its sequences one by one");
+                return true;
+            }
+            Err(e) => self.fail(items, &e),
+        }
+        false
+    }
+
     fn run_seqs(&mut self, seqs: Vec<Seq>) {
         let items: Vec<BatchItem> = seqs.iter().map(|s| s.item).collect();
-        let began = Instant::now();
-        let r = self.process(&items, Input::Tokens(&seqs));
-        self.record_batch(&items, began, began.elapsed());
-        match r {
-            Ok(out) => self.emit(items, out),
-            Err(e) if seqs.len() > 1 => {
-                tracing::warn!(rows = seqs.len(), error = %e, "micro-batch failed; retrying its sequences one by one");
-                for s in seqs {
-                    self.run_seqs(vec![s]);
-                }
+        if self.attempt(&items, Input::Tokens(&seqs)) {
+            for s in seqs {
+                self.run_seqs(vec![s]);
             }
-            Err(e) => self.fail(&items, &e),
         }
     }
 
@@ -158,21 +168,13 @@ impl Compute {
     }
 
     fn run_padded(&mut self, items: Vec<BatchItem>, input: Padded) {
-        let began = Instant::now();
-        let r = self.process(&items, Input::Hidden(&input));
-        self.record_batch(&items, began, began.elapsed());
-        match r {
-            Ok(out) => self.emit(items, out),
-            Err(e) if items.len() > 1 => {
-                tracing::warn!(rows = items.len(), error = %e, "micro-batch failed; retrying its sequences one by one");
-                for (row, item) in items.iter().enumerate() {
-                    match input.rows(row, 1, item.tokens as usize) {
-                        Ok(one) => self.run_padded(vec![*item], one),
-                        Err(e) => self.fail(&[*item], &e),
-                    }
+        if self.attempt(&items, Input::Hidden(&input)) {
+            for (row, item) in items.iter().enumerate() {
+                match input.rows(row, 1, item.tokens as usize) {
+                    Ok(one) => self.run_padded(vec![*item], one),
+                    Err(e) => self.fail(&[*item], &e),
                 }
             }
-            Err(e) => self.fail(&items, &e),
         }
     }
 

@@ -174,18 +174,12 @@ impl GatewayConfig {
             bail!("{}: must be at least 1", k("completions.threads_per_stage"));
         }
         let a = &self.auth;
-        if a.default_requests_per_minute == Some(0) {
-            bail!(
-                "{}: must be at least 1 (omit it for no limit)",
-                k("auth.default_requests_per_minute")
-            );
-        }
-        if a.default_max_concurrent == Some(0) {
-            bail!(
-                "{}: must be at least 1 (omit it for no limit)",
-                k("auth.default_max_concurrent")
-            );
-        }
+        limit(a.default_requests_per_minute, || {
+            k("auth.default_requests_per_minute")
+        })?;
+        limit(a.default_max_concurrent, || {
+            k("auth.default_max_concurrent")
+        })?;
         let mut names = std::collections::HashSet::new();
         for (i, key) in a.keys.iter().enumerate() {
             let field = |f: &str| k(&format!("auth.keys[{i}].{f}"));
@@ -202,18 +196,8 @@ impl GatewayConfig {
                     field("sha256")
                 );
             }
-            if key.requests_per_minute == Some(0) {
-                bail!(
-                    "{}: must be at least 1 (omit it for no limit)",
-                    field("requests_per_minute")
-                );
-            }
-            if key.max_concurrent == Some(0) {
-                bail!(
-                    "{}: must be at least 1 (omit it for no limit)",
-                    field("max_concurrent")
-                );
-            }
+            limit(key.requests_per_minute, || field("requests_per_minute"))?;
+            limit(key.max_concurrent, || field("max_concurrent"))?;
         }
         Ok(())
     }
@@ -307,4 +291,12 @@ fn discovery(launch: Launch, stages: &[StageConfig]) -> Option<Vec<String>> {
         .iter()
         .map(|s| s.address.as_deref().and_then(dns_name).map(str::to_string))
         .collect()
+}
+
+/// An optional limit is absent (no limit) or at least 1; `key` names it.
+fn limit(value: Option<u32>, key: impl FnOnce() -> String) -> Result<()> {
+    if value == Some(0) {
+        bail!("{}: must be at least 1 (omit it for no limit)", key());
+    }
+    Ok(())
 }
