@@ -77,7 +77,7 @@ fn main(argv: Vec<String>) -> i32 {
         verify: client::verify::VerifyCommand,
     }
     let cli = match Cli::try_parse_from(
-        std::iter::once("confidential_gateway".to_string()).chain(argv),
+        std::iter::once("python -m confidential_gateway verify".to_string()).chain(argv),
     ) {
         Ok(c) => c,
         Err(e) => {

@@ -141,8 +141,17 @@ def async_client(env: Env):
         out = [c async for c in stream]
         check_receipt(cg.receipt_of(stream), "/v1/chat/completions", LM)
         await client.close()
+        tampered = openai.AsyncOpenAI(base_url=f"{env.relay}/flip-middle/v1", api_key="unused",
+                                      max_retries=0, http_client=cg.async_http_client(env.policies))
+        try:
+            await tampered.embeddings.create(model=EMBED, input="secret")
+        except cg.ResponseError as e:
+            assert e.code == "response_unopenable", e.code
+        else:
+            raise AssertionError("a flipped byte went unnoticed")
+        await tampered.close()
         return len(out)
-    return f"{asyncio.run(go())} chunks"
+    return f"{asyncio.run(go())} chunks; a flipped byte raised"
 
 
 @test
@@ -198,15 +207,15 @@ def receipts_verify_only_against_their_own_evidence(env: Env):
 
 
 def raises(call, error, code):
-    """Runs `call`; it must raise `error` with `code` (directly or as the
-    cause of the SDK's connection error) and return nothing."""
+    """Runs `call`; it must raise `error` with `code` and return nothing.
+    The openai SDK (3.x) passes the package's exceptions through as they
+    are: not wrapped, not retried."""
     got = []
     try:
         got.append(call())
     except BaseException as e:  # noqa: BLE001
-        cause = e.__cause__ if isinstance(e, openai.APIConnectionError) else e
-        assert isinstance(cause, error), f"raised {type(e).__name__} from {cause!r}"
-        assert cause.code == code, (cause.code, cause.message)
+        assert isinstance(e, error), f"raised {type(e).__name__}: {e!r} (cause {e.__cause__!r})"
+        assert e.code == code, (e.code, e.message)
         return got
     raise AssertionError(f"no exception; returned {got[0]!r}"[:300])
 
@@ -221,7 +230,14 @@ def wrong_policy_and_unsealed_paths_raise(env: Env):
            "evidence_not_verified")
     raises(lambda: env.http.post(env.base + "/v1/responses", json={"model": LM, "input": "secret"}),
            cg.ConfidentialError, "endpoint_not_sealed")
-    return "EvidenceError, endpoint_not_sealed"
+    # Plain HTTP off loopback is refused before anything is sent.
+    try:
+        env.http.post("http://192.0.2.1:9/v1/embeddings", json={"model": EMBED, "input": "x"})
+    except ValueError as e:
+        assert "plain HTTP" in str(e), e
+    else:
+        raise AssertionError("plain HTTP to a remote host was allowed")
+    return "EvidenceError, endpoint_not_sealed, plain HTTP off loopback"
 
 
 @test
