@@ -215,18 +215,18 @@ async fn bad_auth_config_is_refused_naming_the_key() {
         &[],
         "must refuse",
     );
-    assert!(stderr.contains("auth.keys[0].sha256"), "{}", stderr);
+    assert!(stderr.contains("auth.keys[0].sha256"), "{stderr}");
 
     let stderr = Gateway::refused_with("[auth]\nenabled = true\n", &[], "must refuse");
-    assert!(stderr.contains("GATEWAY_API_KEYS"), "{}", stderr);
+    assert!(stderr.contains("GATEWAY_API_KEYS"), "{stderr}");
 
     let stderr = Gateway::refused_with(
         "[auth]\nenabled = true\n",
         &[("GATEWAY_API_KEYS", WRONG)],
         "must refuse",
     );
-    assert!(stderr.contains("GATEWAY_API_KEYS: entry 0"), "{}", stderr);
-    assert!(!stderr.contains(WRONG), "{}", stderr);
+    assert!(stderr.contains("GATEWAY_API_KEYS: entry 0"), "{stderr}");
+    assert!(!stderr.contains(WRONG), "{stderr}");
 }
 
 #[test]

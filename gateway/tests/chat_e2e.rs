@@ -223,11 +223,6 @@ async fn chat_serves_the_template_streams_and_rejects_what_it_cannot_do() {
     assert_eq!(first["top_logprobs"].as_array().unwrap().len(), 2);
     assert_eq!(first["top_logprobs"][0]["token"], first["token"], "greedy");
     assert!(first["logprob"].as_f64().unwrap() <= 0.0);
-    let bytes: Vec<u8> = first["bytes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u8)
-        .collect();
+    let bytes: Vec<u8> = serde_json::from_value(first["bytes"].clone()).unwrap();
     assert_eq!(bytes, first["token"].as_str().unwrap().as_bytes());
 }

@@ -102,14 +102,7 @@ fn skip_reason() -> Option<String> {
                 .into(),
         );
     }
-    let docker_ok = Command::new("docker")
-        .arg("info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if !docker_ok {
+    if !succeeds(&["docker", "info"]) {
         return Some("no Docker engine (`docker info` fails)".into());
     }
     if compose_command().is_none() {
@@ -118,18 +111,20 @@ fn skip_reason() -> Option<String> {
     None
 }
 
+/// Whether `argv` runs and exits 0 (its output discarded).
+fn succeeds(argv: &[&str]) -> bool {
+    Command::new(argv[0])
+        .args(&argv[1..])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// `docker compose` (v2) if present, else `docker-compose` (v1).
 fn compose_command() -> Option<Vec<String>> {
     for cmd in [&["docker", "compose"][..], &["docker-compose"][..]] {
-        let ok = Command::new(cmd[0])
-            .args(&cmd[1..])
-            .arg("version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        if ok {
+        if succeeds(&[cmd, &["version"]].concat()) {
             return Some(cmd.iter().map(|s| s.to_string()).collect());
         }
     }

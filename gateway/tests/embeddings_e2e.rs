@@ -128,28 +128,16 @@ async fn bad_requests_get_openai_errors() {
         .contains("check_embedding_ctx_length"));
 
     let c = client();
-    let r = c
-        .post(format!("{}/v1/embeddings", gw.url))
-        .body("{not json")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    assert_error_shape(&r.json().await.unwrap());
-    let r = c
-        .get(format!("{}/v1/embeddings", gw.url))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 405);
-    assert_error_shape(&r.json().await.unwrap());
-    let r = c
-        .get(format!("{}/v1/nothing", gw.url))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 404);
-    assert_error_shape(&r.json().await.unwrap());
+    let url = |path: &str| format!("{}{path}", gw.url);
+    for (rb, status) in [
+        (c.post(url("/v1/embeddings")).body("{not json"), 400),
+        (c.get(url("/v1/embeddings")), 405),
+        (c.get(url("/v1/nothing")), 404),
+    ] {
+        let r = rb.send().await.unwrap();
+        assert_eq!(r.status(), status);
+        assert_error_shape(&r.json().await.unwrap());
+    }
 
     // The service still works after all that.
     let (s, b) = embed(
@@ -198,8 +186,7 @@ fn unpinned_measurement_is_refused_naming_the_stage() {
         stderr.contains("refusing to serve")
             && stderr.contains("stage 1")
             && stderr.contains("is not in the policy"),
-        "{}",
-        stderr
+        "{stderr}"
     );
 }
 
@@ -207,11 +194,7 @@ fn unpinned_measurement_is_refused_naming_the_stage() {
 fn mock_evidence_is_refused_by_a_production_policy() {
     let policy = "allow_mock = false\n[[stages]]\nindex = 0\nlayers = [0, 3]\n[[stages]]\nindex = 1\nlayers = [3, 6]\n";
     let stderr = Gateway::refused_by_policy(policy, "mock evidence must be refused");
-    assert!(
-        stderr.contains("mock evidence is not accepted"),
-        "{}",
-        stderr
-    );
+    assert!(stderr.contains("mock evidence is not accepted"), "{stderr}");
 }
 
 #[test]
@@ -219,7 +202,7 @@ fn wrong_layer_claims_are_refused() {
     // The policy expects a different split than the stages run.
     let policy = "allow_mock = true\ntrust_local_build = true\n[[stages]]\nindex = 0\nlayers = [0, 2]\n[[stages]]\nindex = 1\nlayers = [2, 6]\n";
     let stderr = Gateway::refused_by_policy(policy, "layer mismatch must be refused");
-    assert!(stderr.contains("claims layers"), "{}", stderr);
+    assert!(stderr.contains("claims layers"), "{stderr}");
 }
 
 #[test]
@@ -245,10 +228,9 @@ fn tampered_weights_stop_the_stage_from_starting() {
     );
     assert!(
         stderr.contains("model.safetensors") && stderr.contains("does not match the manifest"),
-        "{}",
-        stderr
+        "{stderr}"
     );
-    assert!(stderr.contains("exited before it was ready"), "{}", stderr);
+    assert!(stderr.contains("exited before it was ready"), "{stderr}");
 }
 
 #[test]

@@ -239,7 +239,7 @@ fn plain_http_off_loopback_is_refused_naming_the_key() {
     .expect("must refuse");
     let stderr = f.stderr;
     assert_eq!(f.code, Some(1), "{stderr}");
-    assert!(stderr.contains("server.allow_plain_http"), "{}", stderr);
+    assert!(stderr.contains("server.allow_plain_http"), "{stderr}");
 
     // `--listen` is checked the same way.
     let cfg = config_with(Options::default());

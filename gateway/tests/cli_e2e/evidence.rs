@@ -122,6 +122,15 @@ pub(super) async fn receipt_checks(c: &Ctx) {
             &[&inputs[..], &response, receipt, extra].concat(),
         )
     };
+    // The stored receipt against the CBOR evidence, nothing else given.
+    let with_receipt = |response: &Path| {
+        verify(
+            &c.evidence_cbor,
+            &["--receipt", p(&receipt_path)],
+            response,
+            &[],
+        )
+    };
 
     // Raw COSE file, base64url text file, and the header value inline.
     for receipt in [
@@ -156,12 +165,7 @@ pub(super) async fn receipt_checks(c: &Ctx) {
     // Safe defaults: an input not given fails the verification, unless
     // --insecure-partial, which every such line then repeats; what the
     // receipt must say (endpoint, sealing) is checked when asked.
-    let (code, out, _) = verify(
-        &c.evidence_cbor,
-        &["--receipt", p(&receipt_path)],
-        &resp_path,
-        &[],
-    );
+    let (code, out, _) = with_receipt(&resp_path);
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains("FAIL nonce: not given") && out.contains("[input_missing]"),
@@ -223,12 +227,7 @@ pub(super) async fn receipt_checks(c: &Ctx) {
     tampered[10] ^= 1;
     let bad_resp = dir.join("tampered-resp.json");
     std::fs::write(&bad_resp, &tampered).unwrap();
-    let (code, out, _) = verify(
-        &c.evidence_cbor,
-        &["--receipt", p(&receipt_path)],
-        &bad_resp,
-        &[],
-    );
+    let (code, out, _) = with_receipt(&bad_resp);
     assert_eq!(code, 1, "{out}");
     assert!(
         out.lines()
