@@ -7,8 +7,7 @@
 //! `UPDATE_RECEIPT_VECTORS=1` to rewrite them after a deliberate format change.
 
 use ciborium::value::Value;
-use coset::{iana, CborSerializable, CoseSign1Builder, HeaderBuilder};
-use ed25519_dalek::{Signer, SigningKey};
+use ed25519_dalek::SigningKey;
 use proto::digest::Sha256Digest;
 use proto::receipt::{
     link_digest, salted_digest, sign_link, sign_receipt, verify_receipt, CheckStatus, DigestSalt,
@@ -393,20 +392,7 @@ impl Gen {
                 entries.reverse();
                 let mut payload = Vec::new();
                 ciborium::into_writer(&Value::Map(entries), &mut payload).unwrap();
-                let k = self.exit();
-                CoseSign1Builder::new()
-                    .protected(
-                        HeaderBuilder::new()
-                            .algorithm(iana::Algorithm::EdDSA)
-                            .content_type(RECEIPT_CONTENT_TYPE.to_string())
-                            .key_id(k.verifying_key().to_bytes().to_vec())
-                            .build(),
-                    )
-                    .payload(payload)
-                    .create_signature(b"", |tbs| k.sign(tbs).to_bytes().to_vec())
-                    .build()
-                    .to_vec()
-                    .unwrap()
+                proto::receipt::sign(self.exit(), RECEIPT_CONTENT_TYPE, payload)
             },
             "not_canonical",
         );

@@ -149,20 +149,15 @@ pub(super) async fn relay_inner(
             Reply::StreamStart { receipt_id } => {
                 stream_response(s, sub, receipt_id, StreamMode::Relay)
             }
-            Reply::Response {
-                status,
-                body,
-                receipt,
-                receipt_id,
-            } => {
-                let mut r = sealed_response(status, body);
+            Reply::Response(w) => {
+                let mut r = sealed_response(w.status, w.body);
                 // Sealed to the enclave: the salt is in the sealed trailer,
                 // for the client only.
                 let kept = ReceiptTrailer {
-                    receipt,
+                    receipt: w.receipt,
                     digest_salt: None,
                 };
-                attach_receipt(s, &mut r, receipt_id, kept).await;
+                attach_receipt(s, &mut r, w.receipt_id, kept).await;
                 r
             }
             Reply::Failed(mut e) => {
@@ -181,18 +176,9 @@ pub(super) async fn relay_inner(
     s.metrics.sealing(Sealing::Plain);
     Ok(
         match seal_to_entry(s, replicas, endpoint, &bytes, nonce, Sealing::Plain).await? {
-            Answer::Whole {
-                status,
-                body,
-                receipt,
-                retry_after,
-            } => {
-                let mut r = json_response(status, body);
-                if let Some((id, receipt)) = receipt {
-                    attach_receipt(s, &mut r, id, receipt).await;
-                }
-                set_retry_after(&mut r, retry_after);
-                r
+            Answer::Whole(mut w) => {
+                let r = json_response(w.status, std::mem::take(&mut w.body));
+                w.finish(s, r).await
             }
             Answer::Stream {
                 receipt_id,
@@ -206,19 +192,34 @@ pub(super) async fn relay_inner(
 /// What came back for a request the gateway sealed itself.
 pub(super) enum Answer {
     /// A whole (opened) response or error.
-    Whole {
-        status: u16,
-        body: Vec<u8>,
-        /// The receipt's id, the receipt and the salt of its digests.
-        receipt: Option<([u8; 16], ReceiptTrailer)>,
-        retry_after: Option<u32>,
-    },
+    Whole(Whole),
     /// A stream: its rest comes through `sub`, sealed to `client_key`.
     Stream {
         receipt_id: [u8; 16],
         sub: Submission,
         client_key: ClientResponseKey,
     },
+}
+
+/// A whole (opened) response or error, and what goes with it.
+pub(super) struct Whole {
+    status: u16,
+    body: Vec<u8>,
+    /// The receipt's id, the receipt and the salt of its digests.
+    receipt: Option<([u8; 16], ReceiptTrailer)>,
+    retry_after: Option<u32>,
+}
+
+impl Whole {
+    /// `r` (made from this answer's body) with its receipt headers, kept
+    /// receipt and `Retry-After`.
+    async fn finish(self, s: &AppState, mut r: Response) -> Response {
+        if let Some((id, receipt)) = self.receipt {
+            attach_receipt(s, &mut r, id, receipt).await;
+        }
+        set_retry_after(&mut r, self.retry_after);
+        r
+    }
 }
 
 pub(super) fn unexpected_reply() -> Response {
@@ -290,31 +291,25 @@ pub(super) async fn seal_to_entry(
             .map_err(|e| ApiError::internal(format!("the stage's response does not open: {e}")))
     };
     Ok(match reply {
-        Reply::Response {
-            status,
-            body,
-            receipt,
-            receipt_id,
-        } => {
-            let (body, trailer) = open_response_with_trailer(&client_key, &body).map_err(|e| {
-                ApiError::internal(format!("the stage's response does not open: {e}"))
-            })?;
+        Reply::Response(w) => {
+            let (body, trailer) =
+                open_response_with_trailer(&client_key, &w.body).map_err(|e| {
+                    ApiError::internal(format!("the stage's response does not open: {e}"))
+                })?;
             // The stage's trailer holds the receipt and the salt of its digests.
             let digest_salt = trailer
                 .and_then(|t| ReceiptTrailer::decode(&t).ok())
                 .and_then(|t| t.digest_salt);
-            Answer::Whole {
-                status,
+            let receipt = ReceiptTrailer {
+                receipt: w.receipt,
+                digest_salt,
+            };
+            Answer::Whole(Whole {
+                status: w.status,
                 body,
-                receipt: Some((
-                    receipt_id,
-                    ReceiptTrailer {
-                        receipt,
-                        digest_salt,
-                    },
-                )),
+                receipt: Some((w.receipt_id, receipt)),
                 retry_after: None,
-            }
+            })
         }
         Reply::Failed(mut e) => {
             let retry_after = e.retry_after_secs;
@@ -325,12 +320,12 @@ pub(super) async fn seal_to_entry(
                     (api.status.as_u16(), api.body_bytes())
                 }
             };
-            Answer::Whole {
+            Answer::Whole(Whole {
                 status,
                 body,
                 receipt: None,
                 retry_after,
-            }
+            })
         }
         Reply::StreamStart { receipt_id } => Answer::Stream {
             receipt_id,
@@ -354,24 +349,15 @@ pub(super) async fn via_gateway_key(
 ) -> Result<Response, ApiError> {
     let (plaintext, material) = s.gateway_key.open(sealed, bytes)?;
     match seal_to_entry(s, replicas, endpoint, &plaintext, nonce, Sealing::Gateway).await? {
-        Answer::Whole {
-            status,
-            body,
-            receipt,
-            retry_after,
-        } => {
+        Answer::Whole(w) => {
             // A receipt rides along as the sealed body's trailer.
-            let sealed_body = match &receipt {
-                Some((_, t)) => seal_response_with_trailer(&material, &body, &t.encode()),
-                None => seal_response(&material, &body),
+            let sealed_body = match &w.receipt {
+                Some((_, t)) => seal_response_with_trailer(&material, &w.body, &t.encode()),
+                None => seal_response(&material, &w.body),
             }
             .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
-            let mut r = sealed_response(status, sealed_body);
-            if let Some((id, receipt)) = receipt {
-                attach_receipt(s, &mut r, id, receipt).await;
-            }
-            set_retry_after(&mut r, retry_after);
-            Ok(r)
+            let r = sealed_response(w.status, sealed_body);
+            Ok(w.finish(s, r).await)
         }
         Answer::Stream {
             receipt_id,

@@ -96,6 +96,18 @@ pub enum Failure {
     /// The request took too long (504).
     Timeout,
 }
+/// A whole response sealed to the client, with its receipt.
+#[derive(Debug)]
+pub struct WholeReply {
+    /// HTTP status.
+    pub status: u16,
+    /// Sealed body.
+    pub body: Vec<u8>,
+    /// Signed receipt.
+    pub receipt: Vec<u8>,
+    /// Receipt id.
+    pub receipt_id: ReceiptId,
+}
 
 /// What the exit stage sends for a request: one `Response` or `Failed`, or
 /// a stream (`StreamStart`, any number of `StreamData`, one `StreamEnd`,
@@ -117,16 +129,7 @@ pub enum Reply {
         receipt: Option<Vec<u8>>,
     },
     /// A response sealed to the client, with its receipt.
-    Response {
-        /// HTTP status.
-        status: u16,
-        /// Sealed body.
-        body: Vec<u8>,
-        /// Signed receipt.
-        receipt: Vec<u8>,
-        /// Receipt id.
-        receipt_id: ReceiptId,
-    },
+    Response(WholeReply),
     /// A stage refused or failed the request.
     Failed(PipelineError),
 }

@@ -17,12 +17,12 @@ impl Pipeline {
                 telemetry: t,
             } => {
                 telemetry = t;
-                let reply = Reply::Response {
+                let reply = Reply::Response(WholeReply {
                     status,
                     body,
                     receipt,
                     receipt_id,
-                };
+                });
                 (request_id, reply, true)
             }
             ResultMessage::Failed { request_id, error } => (request_id, Reply::Failed(error), true),
@@ -219,7 +219,7 @@ impl Submission {
                 self.observe(&r, telemetry.as_ref());
                 if matches!(
                     r,
-                    Reply::Response { .. } | Reply::Failed(_) | Reply::StreamEnd { .. }
+                    Reply::Response(_) | Reply::Failed(_) | Reply::StreamEnd { .. }
                 ) {
                     self.finished = true;
                 }

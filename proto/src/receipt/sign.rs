@@ -1,7 +1,12 @@
 //! COSE_Sign1: signing links and receipts, parsing them back.
 
 use super::*;
-pub(super) fn sign(key: &SigningKey, content_type: &str, payload: Vec<u8>) -> Vec<u8> {
+
+/// Signs `payload` as a COSE_Sign1 of `content_type` (EdDSA, the key id the
+/// verifying key). [`sign_link`] and [`sign_receipt`] encode their payloads
+/// canonically first; test vectors call this directly to sign payloads that
+/// are not canonical, which verification must refuse.
+pub fn sign(key: &SigningKey, content_type: &str, payload: Vec<u8>) -> Vec<u8> {
     CoseSign1Builder::new()
         .protected(
             HeaderBuilder::new()
