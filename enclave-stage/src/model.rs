@@ -78,6 +78,14 @@ pub fn load(
     })
 }
 
+/// Starts a stage's compute thread (model work runs off the async runtime).
+fn spawn_compute(run: impl FnOnce() + Send + 'static) -> Result<()> {
+    std::thread::Builder::new()
+        .name("compute".into())
+        .spawn(run)?;
+    Ok(())
+}
+
 impl LoadedModel for Engine {
     fn manifest(&self) -> &LoadedManifest {
         &self.manifest
@@ -97,9 +105,7 @@ impl LoadedModel for Engine {
         let shape = engine.shape();
         let compute = Compute::new(engine.clone(), setup.keys, setup.out, limits, shape);
         let work = setup.work;
-        std::thread::Builder::new()
-            .name("compute".into())
-            .spawn(move || compute.run(work))?;
+        spawn_compute(move || compute.run(work))?;
         Ok(StageModel::Embedding(engine))
     }
 }
@@ -135,9 +141,7 @@ impl LoadedModel for GenModel {
         };
         let gen = Generator::new(model.clone(), part, setup.keys, setup.out, limits);
         let work = setup.work;
-        std::thread::Builder::new()
-            .name("compute".into())
-            .spawn(move || gen.run(work))?;
+        spawn_compute(move || gen.run(work))?;
         Ok(StageModel::Generation(model))
     }
 }

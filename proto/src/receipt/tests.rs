@@ -158,6 +158,14 @@ fn inputs<'a>(f: &'a Fixture, receipt: &'a [u8]) -> VerifyInputs<'a> {
     }
 }
 
+/// The valid receipt and its report, which must pass.
+fn valid_report(f: &Fixture) -> (Vec<u8>, VerifyReport) {
+    let rc = valid(f);
+    let report = verify_receipt(&inputs(f, &rc));
+    assert!(report.ok(), "{:#?}", report.checks);
+    (rc, report)
+}
+
 fn reason(f: &Fixture, receipt: &[u8]) -> Option<ReceiptError> {
     verify_receipt(&inputs(f, receipt)).failure().cloned()
 }
@@ -165,9 +173,7 @@ fn reason(f: &Fixture, receipt: &[u8]) -> Option<ReceiptError> {
 #[test]
 fn valid_receipt_verifies() {
     let f = fixture();
-    let rc = valid(&f);
-    let report = verify_receipt(&inputs(&f, &rc));
-    assert!(report.ok(), "{:#?}", report.checks);
+    let (rc, report) = valid_report(&f);
     assert!(report.checks.iter().all(|c| c.status == CheckStatus::Pass));
     assert_eq!(report.receipt.as_ref().unwrap().sequence, 1);
     let json = report.to_json();
@@ -308,51 +314,51 @@ fn chain_attacks() {
     let ls = links(&f, [7; 16]);
     let (good, exit) = chain(&f, &ls);
     let with_chain = |c: Vec<Vec<u8>>| sign_receipt(&f.keys[2], &body(&f, (c, exit.clone())));
+    let chain_fails = |c: Vec<Vec<u8>>, want: ReceiptError| {
+        assert_eq!(reason(&f, &with_chain(c)), Some(want));
+    };
 
     // Swapped for an unattested stage: link 1 signed by a foreign key.
     let mut c = good.clone();
     let mut l1 = ls[1].clone();
     l1.prev_link_digest = Some(link_digest(&good[0]));
     c[1] = sign_link(&signing_key("foreign"), &l1);
-    assert_eq!(
-        reason(&f, &with_chain(c)),
-        Some(ReceiptError::LinkUnknownSigner { position: 1 })
-    );
+    chain_fails(c, ReceiptError::LinkUnknownSigner { position: 1 });
     // Reordered.
     let c = vec![good[1].clone(), good[0].clone()];
-    assert_eq!(
-        reason(&f, &with_chain(c)),
-        Some(ReceiptError::LinkWrongStage {
+    chain_fails(
+        c,
+        ReceiptError::LinkWrongStage {
             position: 0,
-            signer_stage: 1
-        })
+            signer_stage: 1,
+        },
     );
     // Dropped.
     let c = vec![good[0].clone()];
-    assert_eq!(
-        reason(&f, &with_chain(c)),
-        Some(ReceiptError::ChainLength {
+    chain_fails(
+        c,
+        ReceiptError::ChainLength {
             expected: 3,
-            got: 2
-        })
+            got: 2,
+        },
     );
     // Duplicated (extra link).
     let c = vec![good[0].clone(), good[1].clone(), good[1].clone()];
-    assert_eq!(
-        reason(&f, &with_chain(c)),
-        Some(ReceiptError::ChainLength {
+    chain_fails(
+        c,
+        ReceiptError::ChainLength {
             expected: 3,
-            got: 4
-        })
+            got: 4,
+        },
     );
     // Duplicated in place of another.
     let c = vec![good[0].clone(), good[0].clone()];
-    assert_eq!(
-        reason(&f, &with_chain(c)),
-        Some(ReceiptError::LinkWrongStage {
+    chain_fails(
+        c,
+        ReceiptError::LinkWrongStage {
             position: 1,
-            signer_stage: 0
-        })
+            signer_stage: 0,
+        },
     );
     // The exit stage's link signed on its own and put into the chain
     // as well: one link too many.
@@ -361,12 +367,12 @@ fn chain_attacks() {
         good[1].clone(),
         sign_link(&f.keys[2], &exit),
     ];
-    assert_eq!(
-        reason(&f, &with_chain(c)),
-        Some(ReceiptError::ChainLength {
+    chain_fails(
+        c,
+        ReceiptError::ChainLength {
             expected: 3,
-            got: 4
-        })
+            got: 4,
+        },
     );
     // A one-stage chain for a three-stage pipeline: the exit stage's
     // link lands at position 0.
@@ -381,10 +387,7 @@ fn chain_attacks() {
     let mut c = good.clone();
     let n = c[1].len();
     c[1][n - 70] ^= 1;
-    assert_eq!(
-        reason(&f, &with_chain(c)),
-        Some(ReceiptError::LinkBadSignature { position: 1 })
-    );
+    chain_fails(c, ReceiptError::LinkBadSignature { position: 1 });
     // Garbage as a link.
     let mut c = good.clone();
     c[1] = vec![0x01];
@@ -486,35 +489,28 @@ fn link_content_checks() {
 fn inputs_checks() {
     let f = fixture();
     let rc = valid(&f);
-    let mut i = inputs(&f, &rc);
-    i.request = Some(b"another request");
-    assert_eq!(
-        verify_receipt(&i).failure(),
-        Some(&ReceiptError::RequestMismatch)
+    // Each input changed alone makes the receipt fail with its reason.
+    let fails_with = |change: fn(&mut VerifyInputs<'_>), want: ReceiptError| {
+        let mut i = inputs(&f, &rc);
+        change(&mut i);
+        assert_eq!(verify_receipt(&i).failure(), Some(&want));
+    };
+    fails_with(
+        |i| i.request = Some(b"another request"),
+        ReceiptError::RequestMismatch,
     );
-    let mut i = inputs(&f, &rc);
-    i.response = Some(b"another response");
-    assert_eq!(
-        verify_receipt(&i).failure(),
-        Some(&ReceiptError::ResponseMismatch)
+    fails_with(
+        |i| i.response = Some(b"another response"),
+        ReceiptError::ResponseMismatch,
     );
-    let mut i = inputs(&f, &rc);
-    i.expected_nonce = Some(b"nonce-2");
-    assert_eq!(
-        verify_receipt(&i).failure(),
-        Some(&ReceiptError::NonceMismatch)
+    fails_with(
+        |i| i.expected_nonce = Some(b"nonce-2"),
+        ReceiptError::NonceMismatch,
     );
-    let mut i = inputs(&f, &rc);
-    i.allow_mock = false;
-    assert_eq!(
-        verify_receipt(&i).failure(),
-        Some(&ReceiptError::MockNotAllowed)
-    );
-    let mut i = inputs(&f, &rc);
-    i.expected_manifest = Some(Sha256Digest::of(b"other"));
-    assert_eq!(
-        verify_receipt(&i).failure(),
-        Some(&ReceiptError::ManifestMismatch)
+    fails_with(|i| i.allow_mock = false, ReceiptError::MockNotAllowed);
+    fails_with(
+        |i| i.expected_manifest = Some(Sha256Digest::of(b"other")),
+        ReceiptError::ManifestMismatch,
     );
     let mut b = body(&f, chain(&f, &links(&f, [7; 16])));
     b.client_nonce = None;
@@ -554,10 +550,8 @@ fn check_status(report: &VerifyReport, name: &str) -> Option<CheckStatus> {
 #[test]
 fn sealing_is_proven_only_against_the_clients_own_key() {
     let f = fixture();
-    let rc = valid(&f);
     // The entry stage opened the client's key: enclave, proven.
-    let report = verify_receipt(&inputs(&f, &rc));
-    assert!(report.ok(), "{:#?}", report.checks);
+    let (rc, report) = valid_report(&f);
     assert_eq!(report.proven_sealing(), Some(Sealing::Enclave));
     assert_eq!(report.to_json()["receipt"]["sealing_proven"], true);
 

@@ -261,6 +261,16 @@ impl Report {
         });
     }
 
+    /// The value of `result`, or `None` with its error recorded as a failed
+    /// check `name` (a passed check is the caller's to record, with detail).
+    pub(super) fn require<T>(
+        &mut self,
+        name: impl Into<String>,
+        result: Result<T, ReceiptError>,
+    ) -> Option<T> {
+        result.map_err(|e| self.fail(name, e)).ok()
+    }
+
     /// Records `result`; returns whether it passed.
     pub(super) fn check(
         &mut self,
@@ -346,13 +356,7 @@ pub(super) fn verify_into(inputs: &VerifyInputs<'_>, r: &mut Report) -> Option<R
     }
     let exit = &stages[stages.len() - 1];
 
-    let (signed, version) = match parse_receipt(inputs.receipt) {
-        Ok(s) => s,
-        Err(e) => {
-            r.fail("receipt.structure", e);
-            return None;
-        }
-    };
+    let (signed, version) = r.require("receipt.structure", parse_receipt(inputs.receipt))?;
     r.pass(
         "receipt.structure",
         format!(
@@ -381,13 +385,10 @@ pub(super) fn verify_into(inputs: &VerifyInputs<'_>, r: &mut Report) -> Option<R
     if !r.check("receipt.signer", signer) {
         return None;
     }
-    let body = match ReceiptBody::from_cbor(&signed.payload, version) {
-        Ok(b) => b,
-        Err(e) => {
-            r.fail("receipt.payload", e);
-            return None;
-        }
-    };
+    let body = r.require(
+        "receipt.payload",
+        ReceiptBody::from_cbor(&signed.payload, version),
+    )?;
     r.pass(
         "receipt.payload",
         format!(
@@ -696,13 +697,11 @@ pub(super) fn check_link(
         position: i,
         detail,
     };
-    let signed = match parse_signed(bytes, version.link_content_type()) {
-        Ok(s) => s,
-        Err(e) => {
-            r.fail(name("structure"), malformed(e.to_string()));
-            return None;
-        }
-    };
+    let parsed = parse_signed(bytes, version.link_content_type());
+    let signed = r.require(
+        name("structure"),
+        parsed.map_err(|e| malformed(e.to_string())),
+    )?;
     if !verifies(&signed, &signed.kid) {
         r.fail(
             name("signature"),
