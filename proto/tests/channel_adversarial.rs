@@ -223,23 +223,38 @@ async fn nothing_more(mut itx: ChannelSender, rrx: &mut ChannelReceiver, from: u
     expect_poisoned(rrx).await;
 }
 
+/// `sent` messages through `tamper`: the first `delivered` arrive, then the
+/// receiver fails with `want`, and nothing arrives after it.
+async fn fails_after(tamper: Tamper, sent: usize, delivered: usize, want: ChannelError) {
+    let (itx, mut rrx) = tampered(tamper, sent).await;
+    for k in 0..delivered {
+        expect_message(&mut rrx, &msg(k)).await;
+    }
+    expect_failure(&mut rrx, want).await;
+    nothing_more(itx, &mut rrx, sent).await;
+}
+
+/// [`fails_after`] with record `got` arriving where `expected` was due.
+async fn out_of_sequence(
+    tamper: Tamper,
+    sent: usize,
+    delivered: usize,
+    (expected, got): (u64, u64),
+) {
+    let want = ChannelError::OutOfSequence { expected, got };
+    fails_after(tamper, sent, delivered, want).await;
+}
+
 #[tokio::test]
 async fn dropped_record_is_out_of_sequence() {
     let drop_rec1 = at_frame(I2R_REC0 + 1, |_| vec![]);
-    let (itx, mut rrx) = tampered(drop_rec1, 4).await;
-    expect_message(&mut rrx, &msg(0)).await;
-    expect_out_of_sequence(&mut rrx, 1, 2).await;
-    nothing_more(itx, &mut rrx, 4).await;
+    out_of_sequence(drop_rec1, 4, 1, (1, 2)).await;
 }
 
 #[tokio::test]
 async fn duplicated_record_is_out_of_sequence() {
     let dup_rec1 = at_frame(I2R_REC0 + 1, |b| vec![Out::Frame(b.clone()), Out::Frame(b)]);
-    let (itx, mut rrx) = tampered(dup_rec1, 3).await;
-    expect_message(&mut rrx, &msg(0)).await;
-    expect_message(&mut rrx, &msg(1)).await;
-    expect_out_of_sequence(&mut rrx, 2, 1).await;
-    nothing_more(itx, &mut rrx, 3).await;
+    out_of_sequence(dup_rec1, 3, 2, (2, 1)).await;
 }
 
 #[tokio::test]
@@ -255,10 +270,7 @@ async fn reordered_records_are_out_of_sequence() {
             vec![Out::Frame(b)]
         }
     });
-    let (itx, mut rrx) = tampered(swap, 4).await;
-    expect_message(&mut rrx, &msg(0)).await;
-    expect_out_of_sequence(&mut rrx, 1, 2).await;
-    nothing_more(itx, &mut rrx, 4).await;
+    out_of_sequence(swap, 4, 1, (1, 2)).await;
 }
 
 #[tokio::test]
@@ -277,12 +289,7 @@ async fn replayed_record_is_out_of_sequence() {
             vec![Out::Frame(b)]
         }
     });
-    let (itx, mut rrx) = tampered(replay, 4).await;
-    for k in 0..3 {
-        expect_message(&mut rrx, &msg(k)).await;
-    }
-    expect_out_of_sequence(&mut rrx, 3, 0).await;
-    nothing_more(itx, &mut rrx, 4).await;
+    out_of_sequence(replay, 4, 3, (3, 0)).await;
 }
 
 #[tokio::test]
@@ -303,10 +310,7 @@ async fn flipped_ciphertext_byte_fails_authentication() {
 #[tokio::test]
 async fn flipped_sequence_byte_is_out_of_sequence() {
     // Low byte: 1 ^ 4 = 5.
-    let (itx, mut rrx) = tampered(flip(I2R_REC0 + 1, 7, 0x04), 3).await;
-    expect_message(&mut rrx, &msg(0)).await;
-    expect_out_of_sequence(&mut rrx, 1, 5).await;
-    nothing_more(itx, &mut rrx, 3).await;
+    out_of_sequence(flip(I2R_REC0 + 1, 7, 0x04), 3, 1, (1, 5)).await;
 
     // High byte.
     let (itx, mut rrx) = tampered(flip(I2R_REC0 + 1, 0, 0x80), 3).await;
@@ -325,26 +329,14 @@ async fn resized_record_fails_authentication() {
         b.push(0);
         vec![Out::Frame(b)]
     });
-    let (itx, mut rrx) = tampered(grow, 3).await;
-    expect_message(&mut rrx, &msg(0)).await;
-    assert!(matches!(
-        recv(&mut rrx).await,
-        Err(ChannelError::Authentication(1))
-    ));
-    nothing_more(itx, &mut rrx, 3).await;
+    fails_after(grow, 3, 1, ChannelError::Authentication(1)).await;
 
     // One byte cut off the end (and the length prefix shrunk to match).
     let shrink = at_frame(I2R_REC0 + 1, |mut b| {
         b.pop();
         vec![Out::Frame(b)]
     });
-    let (itx, mut rrx) = tampered(shrink, 3).await;
-    expect_message(&mut rrx, &msg(0)).await;
-    assert!(matches!(
-        recv(&mut rrx).await,
-        Err(ChannelError::Authentication(1))
-    ));
-    nothing_more(itx, &mut rrx, 3).await;
+    fails_after(shrink, 3, 1, ChannelError::Authentication(1)).await;
 }
 
 /// A record from the other direction, carrying the right sequence number,
@@ -383,10 +375,7 @@ async fn record_from_another_session_fails_authentication() {
     assert_eq!(u64::from_be_bytes(old_rec1[..8].try_into().unwrap()), 1);
 
     let splice = at_frame(I2R_REC0 + 1, move |_| vec![Out::Frame(old_rec1.clone())]);
-    let (itx, mut rrx) = tampered(splice, 3).await;
-    expect_message(&mut rrx, &msg(0)).await;
-    expect_failure(&mut rrx, ChannelError::Authentication(1)).await;
-    nothing_more(itx, &mut rrx, 3).await;
+    fails_after(splice, 3, 1, ChannelError::Authentication(1)).await;
 }
 
 // ---------------------------------------------------------------------------
@@ -436,6 +425,7 @@ async fn receiver_refuses_a_record_over_its_max_record() {
 
 #[tokio::test]
 async fn receiver_refuses_a_message_over_its_max_message() {
+    let too_large = |size| ChannelError::MessageTooLarge { size, limit: 100 };
     let (i, r) = direct(
         &host().with_limits(limits(64, 1 << 16, 1000)),
         &stage(1).with_limits(limits(1024, 100, 1000)),
@@ -446,14 +436,7 @@ async fn receiver_refuses_a_message_over_its_max_message() {
     itx.send(&pattern(100)).await.unwrap(); // 64 + 36: at the limit
     itx.send(&pattern(150)).await.unwrap(); // 64 + 64 + 22: over it
     expect_message(&mut rrx, &pattern(100)).await;
-    expect_failure(
-        &mut rrx,
-        ChannelError::MessageTooLarge {
-            size: 128,
-            limit: 100,
-        },
-    )
-    .await;
+    expect_failure(&mut rrx, too_large(128)).await;
     expect_poisoned(&mut rrx).await;
 
     // In one record, too.
@@ -461,14 +444,7 @@ async fn receiver_refuses_a_message_over_its_max_message() {
     let (mut itx, _, _) = ok(i, "initiator");
     let (_, mut rrx, _) = ok(r, "responder");
     itx.send(&pattern(101)).await.unwrap();
-    expect_failure(
-        &mut rrx,
-        ChannelError::MessageTooLarge {
-            size: 101,
-            limit: 100,
-        },
-    )
-    .await;
+    expect_failure(&mut rrx, too_large(101)).await;
     expect_poisoned(&mut rrx).await;
 }
 

@@ -30,15 +30,36 @@ async fn capture(initiator: &Peer<'_>) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
     (i2r, r2i)
 }
 
+/// Where a hello's ephemeral channel key is.
+fn eph_pos(b: &[u8]) -> usize {
+    bytes32_field(b, "eph")
+}
+
+/// Where a hello's challenge is.
+fn challenge_pos(b: &[u8]) -> usize {
+    bytes32_field(b, "challenge")
+}
+
+/// The initiator's handshake failed: the responder's Outcome did not
+/// authenticate.
+fn expect_unauthenticated(r: HandshakeResult) {
+    assert!(matches!(
+        err(r, "initiator"),
+        ChannelError::Authentication(0)
+    ));
+}
+
+/// A flipped hello field the host initiator must reject (`what` in its
+/// error); the responder sees the connection end before Finish.
+async fn initiator_rejects(hello: Hello, pos: fn(&[u8]) -> usize, what: &str) {
+    let hs = flipped_hello(&host(), &stage(1), hello, pos).await;
+    expect_rejected(hs.init, "initiator", what);
+    assert!(matches!(err(hs.resp, "responder"), ChannelError::Truncated));
+}
+
 #[tokio::test]
 async fn server_hello_with_flipped_key_is_rejected() {
-    let hs = flipped_hello(&host(), &stage(1), Hello::Server, |b| {
-        bytes32_field(b, "eph")
-    })
-    .await;
-    expect_rejected(hs.init, "initiator", "channel key");
-    // The initiator hung up before Finish.
-    assert!(matches!(err(hs.resp, "responder"), ChannelError::Truncated));
+    initiator_rejects(Hello::Server, eph_pos, "channel key").await;
 }
 
 #[tokio::test]
@@ -54,25 +75,13 @@ async fn server_hello_with_flipped_evidence_is_rejected() {
 async fn server_hello_with_flipped_challenge_fails() {
     // A host initiator does not use the responder's challenge, but it is in
     // the transcript: the keys differ and the Outcome does not authenticate.
-    let hs = flipped_hello(&host(), &stage(1), Hello::Server, |b| {
-        bytes32_field(b, "challenge")
-    })
-    .await;
-    assert!(matches!(
-        err(hs.init, "initiator"),
-        ChannelError::Authentication(0)
-    ));
+    let hs = flipped_hello(&host(), &stage(1), Hello::Server, challenge_pos).await;
+    expect_unauthenticated(hs.init);
 
     // A stage initiator binds its evidence to the tampered challenge: the
     // responder rejects it (and its rejection does not authenticate either).
-    let hs = flipped_hello(&stage(0), &stage(1), Hello::Server, |b| {
-        bytes32_field(b, "challenge")
-    })
-    .await;
-    assert!(matches!(
-        err(hs.init, "initiator"),
-        ChannelError::Authentication(0)
-    ));
+    let hs = flipped_hello(&stage(0), &stage(1), Hello::Server, challenge_pos).await;
+    expect_unauthenticated(hs.init);
     expect_rejected(hs.resp, "responder", "challenge");
 }
 
@@ -91,37 +100,23 @@ async fn any_flipped_server_hello_byte_fails_the_handshake() {
 
 #[tokio::test]
 async fn client_hello_with_flipped_key_fails() {
-    let hs = flipped_hello(&host(), &stage(1), Hello::Client, |b| {
-        bytes32_field(b, "eph")
-    })
-    .await;
+    let hs = flipped_hello(&host(), &stage(1), Hello::Client, eph_pos).await;
     // The responder derived its keys from the wrong key: its Outcome does
     // not authenticate at the initiator.
-    assert!(matches!(
-        err(hs.init, "initiator"),
-        ChannelError::Authentication(0)
-    ));
+    expect_unauthenticated(hs.init);
 }
 
 #[tokio::test]
 async fn client_hello_with_flipped_challenge_fails() {
-    let hs = flipped_hello(&host(), &stage(1), Hello::Client, |b| {
-        bytes32_field(b, "challenge")
-    })
-    .await;
     // The responder's evidence is bound to the tampered challenge.
-    expect_rejected(hs.init, "initiator", "challenge");
-    assert!(matches!(err(hs.resp, "responder"), ChannelError::Truncated));
+    initiator_rejects(Hello::Client, challenge_pos, "challenge").await;
 }
 
 #[tokio::test]
 async fn client_hello_with_flipped_attestation_flag_fails() {
     // Host says "not attested"; flipped to "attested" with no evidence.
     let hs = flipped_hello(&host(), &stage(1), Hello::Client, attested_field).await;
-    assert!(matches!(
-        err(hs.init, "initiator"),
-        ChannelError::Authentication(0)
-    ));
+    expect_unauthenticated(hs.init);
     expect_rejected(hs.resp, "responder", "disagree");
 }
 
@@ -151,10 +146,7 @@ async fn finish_with_flipped_evidence_is_rejected() {
     )
     .await;
     expect_rejected(hs.resp, "responder", "signature");
-    assert!(matches!(
-        err(hs.init, "initiator"),
-        ChannelError::Authentication(0)
-    ));
+    expect_unauthenticated(hs.init);
 }
 
 /// Stripping a stage initiator's attestation (so that it looks like the
@@ -180,10 +172,7 @@ async fn stripped_initiator_attestation_fails() {
         vec![Out::Frame(b)]
     });
     let hs = handshake(&stage(0), &stage(1), strip, pass()).await;
-    assert!(matches!(
-        err(hs.init, "initiator"),
-        ChannelError::Authentication(0)
-    ));
+    expect_unauthenticated(hs.init);
 }
 
 #[tokio::test]
@@ -232,10 +221,7 @@ async fn replayed_client_hello_and_finish_are_rejected() {
 #[tokio::test]
 async fn flipped_outcome_fails_authentication() {
     let hs = handshake(&host(), &stage(1), pass(), flip(R2I_REC0, 10, 0x01)).await;
-    assert!(matches!(
-        err(hs.init, "initiator"),
-        ChannelError::Authentication(0)
-    ));
+    expect_unauthenticated(hs.init);
 }
 
 /// The Outcome cannot be skipped: the next record is out of sequence.
@@ -280,10 +266,7 @@ async fn spliced_accepted_outcome_does_not_overturn_a_rejection() {
         at_frame(R2I_REC0, move |_| vec![Out::Frame(accepted.clone())]),
     )
     .await;
-    assert!(matches!(
-        err(hs.init, "initiator"),
-        ChannelError::Authentication(0)
-    ));
+    expect_unauthenticated(hs.init);
     assert!(matches!(
         err(hs.resp, "responder"),
         ChannelError::PeerRejected(_)

@@ -538,22 +538,10 @@ impl StageServer {
 
     /// Entry stage of a generation pipeline: sampled tokens from the exit stage.
     async fn feedback_session(&self, mut rx: ChannelReceiver) {
-        loop {
-            match rx.recv_msg::<FeedbackMessage>().await {
-                Ok(Some(m)) => {
-                    if self.work.send(Work::Feedback(m)).is_err() {
-                        tracing::error!("compute thread is gone");
-                        return;
-                    }
-                }
-                Ok(None) => {
-                    tracing::info!("exit stage closed the feedback channel");
-                    return;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "feedback channel error");
-                    return;
-                }
+        while let Some(m) = received(rx.recv_msg::<FeedbackMessage>().await, "feedback") {
+            if self.work.send(Work::Feedback(m)).is_err() {
+                tracing::error!("compute thread is gone");
+                return;
             }
         }
     }
@@ -561,30 +549,26 @@ impl StageServer {
     async fn upstream_session(&self, mut rx: ChannelReceiver) {
         let epoch = self.current_epoch();
         loop {
-            let work = match rx.recv_msg::<ActivationMessage>().await {
-                Ok(Some(ActivationMessage::Begin(ctx))) => Work::Begin(ctx),
-                Ok(Some(m @ ActivationMessage::BeginGeneration(_)))
-                | Ok(Some(m @ ActivationMessage::Step(_))) => Work::Activation(m),
-                Ok(Some(ActivationMessage::Batch(b))) => Work::Batch(b),
-                Ok(Some(ActivationMessage::Links {
+            let Some(m) = received(rx.recv_msg::<ActivationMessage>().await, "upstream") else {
+                return;
+            };
+            let work = match m {
+                ActivationMessage::Begin(ctx) => Work::Begin(ctx),
+                m @ (ActivationMessage::BeginGeneration(_) | ActivationMessage::Step(_)) => {
+                    Work::Activation(m)
+                }
+                ActivationMessage::Batch(b) => Work::Batch(b),
+                ActivationMessage::Links {
                     request_id,
                     links,
                     timings,
-                })) => Work::Links {
+                } => Work::Links {
                     request_id,
                     links: links.into_iter().map(|l| l.into_vec()).collect(),
                     timings,
                 },
-                Ok(Some(ActivationMessage::Failed { request_id, error })) => {
+                ActivationMessage::Failed { request_id, error } => {
                     Work::Failed { request_id, error }
-                }
-                Ok(None) => {
-                    tracing::info!("upstream stage closed the channel");
-                    return;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "upstream channel error");
-                    return;
                 }
             };
             if !self.submit(epoch, [work]) {
@@ -693,4 +677,20 @@ fn push_key_sets(
             }
         }
     })
+}
+
+/// A channel's next message, or `None` once the `channel` (e.g. "upstream")
+/// was closed or failed, which is logged.
+fn received<T>(r: Result<Option<T>, proto::channel::ChannelError>, channel: &str) -> Option<T> {
+    match r {
+        Ok(m @ Some(_)) => m,
+        Ok(None) => {
+            tracing::info!(channel, "the peer closed the channel");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(channel, error = %e, "channel error");
+            None
+        }
+    }
 }
