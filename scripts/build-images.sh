@@ -134,11 +134,6 @@ echo "== docker build $STAGE_IMAGE"
 docker build -q -f docker/enclave-stage.Dockerfile --build-arg "MODEL=$model" -t "$STAGE_IMAGE" "$OUT/stage"
 echo "== docker build $GATEWAY_IMAGE"
 docker build -q -f docker/gateway.Dockerfile -t "$GATEWAY_IMAGE" "$OUT/gateway"
-cat >"$OUT/images.env" <<EOF
-IMAGE_PREFIX=$PREFIX
-IMAGE_TAG=$TAG
-STAGE_IMAGE=$STAGE_IMAGE
-GATEWAY_IMAGE=$GATEWAY_IMAGE
-MEASUREMENT=$MEASUREMENT
-EOF
+printf '%s\n' "IMAGE_PREFIX=$PREFIX" "IMAGE_TAG=$TAG" "STAGE_IMAGE=$STAGE_IMAGE" \
+  "GATEWAY_IMAGE=$GATEWAY_IMAGE" "MEASUREMENT=$MEASUREMENT" >"$OUT/images.env"
 echo "built $STAGE_IMAGE and $GATEWAY_IMAGE; stage measurement $MEASUREMENT (policy: $OUT/policy.toml)"

@@ -137,8 +137,9 @@ fn main() -> Result<()> {
     let exe = std::env::current_exe()?;
     let binary =
         Sha256Digest::of_file(&exe).with_context(|| format!("hashing {}", exe.display()))?;
-    let manifest_digest = loaded.manifest().digest;
-    let model_id = loaded.manifest().manifest.model_id.clone();
+    let (manifest, _) = loaded.manifest_and_claims();
+    let manifest_digest = manifest.digest;
+    let model_id = manifest.manifest.model_id.clone();
     let provider::Selected {
         provider,
         measurement,
@@ -149,7 +150,7 @@ fn main() -> Result<()> {
         &manifest_digest,
         &policy_digest,
     )?;
-    let claims = loaded.claims_mut();
+    let (_, claims) = loaded.manifest_and_claims();
     let rotation = (args.hpke_rotate_secs > 0).then(|| Rotation {
         every: Duration::from_secs(args.hpke_rotate_secs),
         overlap: Duration::from_secs(args.hpke_overlap_secs),

@@ -54,10 +54,9 @@ pub struct ComputeSetup {
 
 /// A model loaded by a stage, before it serves.
 pub trait LoadedModel: Send {
-    /// The manifest its files were checked against.
-    fn manifest(&self) -> &LoadedManifest;
-    /// What the stage claims in its evidence (the binary fills in the keys).
-    fn claims_mut(&mut self) -> &mut StageClaims;
+    /// The manifest its files were checked against, and what the stage
+    /// claims in its evidence (the binary fills in the keys).
+    fn manifest_and_claims(&mut self) -> (&LoadedManifest, &mut StageClaims);
     /// Starts the compute thread; returns the model as the connection
     /// handlers see it.
     fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel>;
@@ -87,12 +86,8 @@ fn spawn_compute(run: impl FnOnce() + Send + 'static) -> Result<()> {
 }
 
 impl LoadedModel for Engine {
-    fn manifest(&self) -> &LoadedManifest {
-        &self.manifest
-    }
-
-    fn claims_mut(&mut self) -> &mut StageClaims {
-        &mut self.claims
+    fn manifest_and_claims(&mut self) -> (&LoadedManifest, &mut StageClaims) {
+        (&self.manifest, &mut self.claims)
     }
 
     fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel> {
@@ -111,12 +106,8 @@ impl LoadedModel for Engine {
 }
 
 impl LoadedModel for GenModel {
-    fn manifest(&self) -> &LoadedManifest {
-        &self.manifest
-    }
-
-    fn claims_mut(&mut self) -> &mut StageClaims {
-        &mut self.claims
+    fn manifest_and_claims(&mut self) -> (&LoadedManifest, &mut StageClaims) {
+        (&self.manifest, &mut self.claims)
     }
 
     fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel> {

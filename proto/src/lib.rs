@@ -25,4 +25,5 @@ pub mod policy;
 pub mod receipt;
 pub mod sealing;
 pub mod tensor;
+pub mod text;
 pub mod transport;

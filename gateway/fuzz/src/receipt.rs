@@ -53,9 +53,7 @@ pub fn run(data: &[u8]) {
         return;
     };
     match which % 5 {
-        0 => {
-            verifies(bytes);
-        }
+        0 => _ = verifies(bytes),
         1 => {
             let _ = parse_unverified(bytes);
             let _ = decode_canonical(bytes);

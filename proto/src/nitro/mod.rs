@@ -476,22 +476,12 @@ impl NitroVerifier {
 /// Reads a raw document from a file's bytes: raw CBOR (COSE_Sign1, tagged
 /// or not) or its base64 text (standard or URL-safe alphabet, padded or not).
 pub fn decode_document(bytes: &[u8]) -> Result<Vec<u8>, AttestError> {
-    use base64::Engine as _;
     if matches!(bytes.first(), Some(0x84 | 0xd2)) {
         return Ok(bytes.to_vec());
     }
     let text = std::str::from_utf8(bytes)
         .map_err(|_| malformed("neither CBOR (COSE_Sign1) nor base64 text"))?;
-    let text: String = text.split_whitespace().collect();
-    let engines = [
-        base64::engine::general_purpose::STANDARD,
-        base64::engine::general_purpose::STANDARD_NO_PAD,
-        base64::engine::general_purpose::URL_SAFE,
-        base64::engine::general_purpose::URL_SAFE_NO_PAD,
-    ];
-    engines
-        .iter()
-        .find_map(|e| e.decode(&text).ok())
+    crate::text::decode_base64(text)
         .ok_or_else(|| malformed("neither CBOR (COSE_Sign1) nor base64 text"))
 }
 

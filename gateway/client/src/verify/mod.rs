@@ -11,7 +11,6 @@ use crate::client_key::ClientKeyFile;
 use crate::io::{parse_hex, read_input};
 use crate::{EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Context, Result};
-use base64::Engine as _;
 use clap::{Args, Subcommand};
 use proto::attestation::{AnyVerifier, AttestError, BindingError, ExpectedBinding, Measurement};
 use proto::bundle::{EvidenceBundle, VerifiedBundle};

@@ -94,15 +94,7 @@ pub(crate) fn decode_receipt_text(bytes: &[u8]) -> Result<Vec<u8>> {
             .map(|(_, value)| value.trim())
     });
     let text = header.unwrap_or(text);
-    let engines = [
-        base64::engine::general_purpose::URL_SAFE_NO_PAD,
-        base64::engine::general_purpose::URL_SAFE,
-        base64::engine::general_purpose::STANDARD,
-        base64::engine::general_purpose::STANDARD_NO_PAD,
-    ];
-    engines
-        .iter()
-        .find_map(|e| e.decode(text).ok())
+    proto::text::decode_base64(text)
         .ok_or_else(|| anyhow!("the receipt is neither COSE_Sign1 bytes nor base64(url) text"))
 }
 

@@ -1,6 +1,7 @@
 //! `gateway verify` unit tests.
 
 use super::*;
+use base64::Engine as _;
 
 #[test]
 fn receipt_text_forms() {
