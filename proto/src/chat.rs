@@ -262,31 +262,29 @@ fn logprobs_json(lp: &Logprobs) -> Value {
     json!({"content": content, "refusal": null})
 }
 
-// The whole-body builder of both APIs lives here, beside the chat choice:
-// chat builds on completions, never the other way round.
-impl Api {
-    /// The non-streamed response body: `text_completion` or `chat.completion`.
-    pub fn response_body(
-        self,
-        id: &str,
-        created: u64,
-        model: &str,
-        choices: &[Choice],
-        usage: Usage,
-    ) -> Value {
-        let (object, choice): (&str, fn(&Choice) -> Value) = match self {
-            Api::Completions => ("text_completion", completion_choice),
-            Api::Chat => ("chat.completion", chat_choice),
-        };
-        json!({
-            "id": id,
-            "object": object,
-            "created": created,
-            "model": model,
-            "choices": choices.iter().map(choice).collect::<Vec<_>>(),
-            "usage": usage.to_json(),
-        })
-    }
+/// The non-streamed response body of `api`: `text_completion` or
+/// `chat.completion`. It lives here, beside the chat choice: chat builds on
+/// completions, never the other way round.
+pub fn response_body(
+    api: Api,
+    id: &str,
+    created: u64,
+    model: &str,
+    choices: &[Choice],
+    usage: Usage,
+) -> Value {
+    let (object, choice): (&str, fn(&Choice) -> Value) = match api {
+        Api::Completions => ("text_completion", completion_choice),
+        Api::Chat => ("chat.completion", chat_choice),
+    };
+    json!({
+        "id": id,
+        "object": object,
+        "created": created,
+        "model": model,
+        "choices": choices.iter().map(choice).collect::<Vec<_>>(),
+        "usage": usage.to_json(),
+    })
 }
 
 /// A choice of a `chat.completion` body.
@@ -338,6 +336,7 @@ pub fn chat_chunk_event(s: &StreamIdentity, index: u32, delta: Delta) -> Vec<u8>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::completions::{completion_id, stream_text_event, stream_usage_event};
 
     fn p(body: &str) -> Result<ChatRequest, ApiError> {
         parse_chat(body.as_bytes(), 1000, 512)
@@ -468,12 +467,7 @@ mod tests {
             top_logprobs: vec![vec![("é".into(), -0.5), ("a".into(), -1.5)]],
             text_offset: vec![0],
         };
-        let body = crate::completions::tests::one_choice_body(
-            Api::Chat,
-            &id,
-            FinishReason::Stop,
-            Some(lp),
-        );
+        let body = one_choice_body(Api::Chat, &id, FinishReason::Stop, Some(lp));
         assert_eq!(body["object"], "chat.completion");
         assert_eq!(body["choices"][0]["message"]["role"], "assistant");
         assert_eq!(body["choices"][0]["message"]["content"], "hi");
@@ -482,7 +476,7 @@ mod tests {
         assert_eq!(c["bytes"], json!([0xc3, 0xa9]));
         assert_eq!(c["top_logprobs"][1]["token"], "a");
         assert_eq!(body["usage"]["total_tokens"], 5);
-        let s = crate::completions::tests::identity(id, Api::Chat, false);
+        let s = identity(id, Api::Chat, false);
         let parse = |ev: Vec<u8>| -> Value {
             assert!(ev.starts_with(b"data: {") && ev.ends_with(b"\n\n"));
             serde_json::from_slice(&ev[6..ev.len() - 2]).unwrap()
@@ -497,5 +491,56 @@ mod tests {
         let v = parse(chat_chunk_event(&s, 1, Delta::Finish(FinishReason::Length)));
         assert_eq!(v["choices"][0]["delta"], json!({}));
         assert_eq!(v["choices"][0]["finish_reason"], "length");
+    }
+
+    /// A body of `api` with one choice, "hi", after a 3-token prompt.
+    fn one_choice_body(
+        api: Api,
+        id: &str,
+        finish_reason: FinishReason,
+        logprobs: Option<Logprobs>,
+    ) -> Value {
+        let choice = Choice {
+            index: 0,
+            text: "hi".into(),
+            finish_reason,
+            logprobs,
+        };
+        let usage = Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+        };
+        response_body(api, id, 7, "m", &[choice], usage)
+    }
+
+    /// A stream of model "m", created at 7.
+    fn identity(id: String, api: Api, include_usage: bool) -> StreamIdentity {
+        StreamIdentity {
+            id,
+            created: 7,
+            model: "m".into(),
+            include_usage,
+            api,
+        }
+    }
+
+    #[test]
+    fn text_completion_bodies_have_the_openai_shape() {
+        let id = completion_id(&[0xab; 16]);
+        assert!(id.starts_with("cmpl-abab"));
+        let body = one_choice_body(Api::Completions, &id, FinishReason::Length, None);
+        assert_eq!(body["object"], "text_completion");
+        assert_eq!(body["choices"][0]["finish_reason"], "length");
+        assert_eq!(body["usage"]["total_tokens"], 5);
+        let s = identity(id, Api::Completions, true);
+        let ev = stream_text_event(&s, 1, "a", None);
+        assert!(ev.starts_with(b"data: {") && ev.ends_with(b"\n\n"));
+        let v: Value = serde_json::from_slice(&ev[6..ev.len() - 2]).unwrap();
+        assert_eq!(v["choices"][0]["index"], 1);
+        assert!(v["choices"][0]["finish_reason"].is_null());
+        assert!(v.get("usage").is_some_and(Value::is_null));
+        let u = stream_usage_event(&s, Usage::default());
+        let v: Value = serde_json::from_slice(&u[6..u.len() - 2]).unwrap();
+        assert_eq!(v["choices"], json!([]));
     }
 }

@@ -1,6 +1,7 @@
 //! `POST /v1/completions` as the stages speak it: request validation (entry
 //! stage), and the response's choices and Server-Sent-Event chunks (exit
-//! stage; [`Api::response_body`], in [`crate::chat`], builds both APIs' bodies).
+//! stage; the chat module, which builds on this one, makes the whole bodies
+//! of both APIs).
 //! Like [`crate::openai`], free of I/O so that every rule is unit-tested.
 
 use crate::openai::{invalid, json_object, model_field, user_field, ApiError};
@@ -561,7 +562,7 @@ pub fn stream_error_event(e: &ApiError) -> Vec<u8> {
 pub const STREAM_DONE: &[u8] = b"data: [DONE]\n\n";
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
     fn p(body: &str) -> Result<CompletionsRequest, ApiError> {
@@ -654,56 +655,5 @@ pub(crate) mod tests {
         assert_eq!(e.status, 400);
         assert!(e.message.contains("8192") && e.message.contains("9016"));
         assert_eq!(e.code.as_deref(), Some("context_length_exceeded"));
-    }
-
-    /// A body with one choice, "hi", after a 3-token prompt.
-    pub(crate) fn one_choice_body(
-        api: Api,
-        id: &str,
-        finish_reason: FinishReason,
-        logprobs: Option<Logprobs>,
-    ) -> Value {
-        let choice = Choice {
-            index: 0,
-            text: "hi".into(),
-            finish_reason,
-            logprobs,
-        };
-        let usage = Usage {
-            prompt_tokens: 3,
-            completion_tokens: 2,
-        };
-        api.response_body(id, 7, "m", &[choice], usage)
-    }
-
-    /// A stream of model "m", created at 7.
-    pub(crate) fn identity(id: String, api: Api, include_usage: bool) -> StreamIdentity {
-        StreamIdentity {
-            id,
-            created: 7,
-            model: "m".into(),
-            include_usage,
-            api,
-        }
-    }
-
-    #[test]
-    fn bodies_have_the_openai_shape() {
-        let id = completion_id(&[0xab; 16]);
-        assert!(id.starts_with("cmpl-abab"));
-        let body = one_choice_body(Api::Completions, &id, FinishReason::Length, None);
-        assert_eq!(body["object"], "text_completion");
-        assert_eq!(body["choices"][0]["finish_reason"], "length");
-        assert_eq!(body["usage"]["total_tokens"], 5);
-        let s = identity(id, Api::Completions, true);
-        let ev = stream_text_event(&s, 1, "a", None);
-        assert!(ev.starts_with(b"data: {") && ev.ends_with(b"\n\n"));
-        let v: Value = serde_json::from_slice(&ev[6..ev.len() - 2]).unwrap();
-        assert_eq!(v["choices"][0]["index"], 1);
-        assert!(v["choices"][0]["finish_reason"].is_null());
-        assert!(v.get("usage").is_some_and(Value::is_null));
-        let u = stream_usage_event(&s, Usage::default());
-        let v: Value = serde_json::from_slice(&u[6..u.len() - 2]).unwrap();
-        assert_eq!(v["choices"], json!([]));
     }
 }

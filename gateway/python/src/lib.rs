@@ -255,10 +255,7 @@ impl Sealed {
     /// The headers to send with it: the sealing headers and `receipt-nonce`.
     #[getter]
     fn headers(&self) -> Vec<(&'static str, String)> {
-        let mut h = self.inner.headers.clone();
-        h.push(("receipt-nonce", hex::encode(&self.inner.nonce)));
-        h.push(("content-type", "application/octet-stream".into()));
-        h
+        self.inner.send_headers()
     }
 
     /// The receipt nonce (hex).

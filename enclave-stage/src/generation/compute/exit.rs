@@ -240,7 +240,8 @@ impl Generator {
             None => {
                 let choices: Vec<_> = ex.choices.into_iter().map(ChoiceOut::into_choice).collect();
                 let api = r.ctx.request.api;
-                let v = api.response_body(
+                let v = proto::chat::response_body(
+                    api,
                     &response_id(api, &r.ctx.env.receipt_id),
                     r.ctx.created,
                     &c.model_id,

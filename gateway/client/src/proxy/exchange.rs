@@ -51,7 +51,7 @@ impl Proxy {
         let mut trusted = route.current();
         let mut refreshed = false;
         loop {
-            let sealed = Sealed::new(
+            let mut sealed = Sealed::new(
                 &trusted.att.verified,
                 self.aead,
                 x.endpoint,
@@ -66,11 +66,9 @@ impl Proxy {
             let mut rb = self
                 .client
                 .post(format!("{}{}", self.upstream, x.endpoint))
-                .header(header::CONTENT_TYPE, "application/octet-stream")
-                .header(HEADER_RECEIPT_NONCE, hex::encode(&x.nonce))
-                .body(sealed.body.clone());
-            for (k, v) in &sealed.headers {
-                rb = rb.header(*k, v);
+                .body(std::mem::take(&mut sealed.body));
+            for (k, v) in sealed.send_headers() {
+                rb = rb.header(k, v);
             }
             if let Some(a) = auth {
                 rb = rb.header(header::AUTHORIZATION, a.clone());

@@ -7,8 +7,8 @@
 //!    checked against a measurement policy;
 //! 2. [`Sealed::new`]: the request body sealed to the attested entry key,
 //!    with the headers to send;
-//! 3. the answer: a whole one opened and its receipt verified
-//!    ([`Sealed::open_verified`]), a stream opened piece by piece
+//! 3. the answer: a whole one opened ([`Sealed::open`]) and its receipt
+//!    checked ([`Sealed::check`], [`refusal`]), a stream opened piece by piece
 //!    ([`Sealed::stream`], [`StreamOpen`]), or a sealed stage error opened
 //!    ([`Sealed::open_error`]).
 
@@ -17,8 +17,8 @@ use crate::verify::{verify_evidence, Status};
 use proto::bundle::{EvidenceBundle, VerifiedBundle};
 use proto::policy::Policy;
 use proto::receipt::{
-    verify_receipt, Check, CheckStatus, ReceiptBody, ReceiptError, ReceiptTrailer, SealedTo,
-    Sealing, VerifyInputs, VerifyReport,
+    verify_receipt, Check, CheckStatus, ReceiptError, ReceiptTrailer, SealedTo, Sealing,
+    VerifyInputs, VerifyReport,
 };
 use proto::sealing::{open_response_with_trailer, seal_request, Aead, ClientResponseKey};
 
@@ -205,9 +205,9 @@ pub struct Sealed {
     pub nonce: Vec<u8>,
     /// The key id it is sealed to.
     pub key_id: u8,
-    /// The sealing headers to send (`hpke-key-id`, `hpke-aead`,
-    /// `hpke-encapsulated-key`).
-    pub headers: Vec<(&'static str, String)>,
+    /// The sealing headers (`hpke-key-id`, `hpke-aead`,
+    /// `hpke-encapsulated-key`); [`Sealed::send_headers`] adds the rest.
+    headers: Vec<(&'static str, String)>,
     /// The sealed body to send.
     pub body: Vec<u8>,
     client_key: ClientResponseKey,
@@ -237,6 +237,15 @@ impl Sealed {
             body,
             client_key,
         })
+    }
+
+    /// Every header the sealed request goes with: the sealing headers,
+    /// `content-type: application/octet-stream` and `receipt-nonce`.
+    pub fn send_headers(&self) -> Vec<(&'static str, String)> {
+        let mut h = self.headers.clone();
+        h.push(("content-type", "application/octet-stream".into()));
+        h.push(("receipt-nonce", hex::encode(&self.nonce)));
+        h
     }
 
     /// What the receipt must name about this request.
@@ -270,38 +279,6 @@ impl Sealed {
             })
             .transpose()?;
         Ok((plain, receipt))
-    }
-
-    /// Opens a whole sealed success and verifies its receipt against
-    /// `attested`: the plaintext, the receipt and what it says.
-    pub fn open_verified(
-        &self,
-        attested: &Attested,
-        body: &[u8],
-    ) -> Result<(Vec<u8>, ReceiptTrailer, ReceiptBody), Refused> {
-        let (plain, receipt) = self.open(body)?;
-        let receipt = receipt.ok_or_else(|| {
-            Refused::new(
-                "receipt_verification_failed",
-                "the sealed response carries no receipt; the response was withheld",
-            )
-        })?;
-        let body = self.verify(attested, &receipt, &plain)?;
-        Ok((plain, receipt, body))
-    }
-
-    /// Verifies `receipt` for this request and `response` (the plaintext).
-    pub fn verify(
-        &self,
-        attested: &Attested,
-        receipt: &ReceiptTrailer,
-        response: &[u8],
-    ) -> Result<ReceiptBody, Refused> {
-        let report = self.check(attested, receipt, response);
-        match refusal(&report) {
-            Some(r) => Err(r),
-            None => Ok(report.receipt.expect("a verified receipt has a body")),
-        }
     }
 
     /// The whole verification report for `receipt` (see [`check_receipt`]).
