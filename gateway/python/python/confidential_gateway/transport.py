@@ -56,7 +56,7 @@ class _Base:
         httpx copies the extensions dict, so it gets the response's own)."""
         if isinstance(result, httpx.Response):
             return result
-        plan, _, sealed, upstream = result
+        _, _, sealed, upstream = result
         events = stream_class(self, result)
         out = self._core.response(upstream, events, "text/event-stream", sealed=sealed)
         events.extensions = out.extensions
