@@ -64,7 +64,7 @@ fn main() -> Result<()> {
     }
     let gguf = a.model_dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     let mut results: Vec<(WeightFormat, TeacherForced, f64, usize)> = Vec::new();
-    for format in WeightFormat::ALL {
+    for format in WeightFormat::GENERATION {
         let mut part = LlamaPart::load_as(&gguf, 0..30, true, true, format)?;
         let t = Instant::now();
         let r = part.teacher_forced(&ids, 1)?;

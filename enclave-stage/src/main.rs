@@ -73,11 +73,11 @@ struct Args {
     /// Generation: most sequences in one step.
     #[arg(long, default_value_t = 64)]
     max_step_seqs: usize,
-    /// Generation: how the weights are held: `q4_1` (as the GGUF ships
-    /// them), `q8_0` (re-quantized at load) or `f32` (dequantized; the
-    /// reference).
-    #[arg(long, default_value = "q4_1")]
-    weights: WeightFormat,
+    /// How the weights are held. Generation: `q4_1` (default: as the GGUF
+    /// ships them), `q8_0` (re-quantized at load) or `f32` (dequantized;
+    /// the reference). Embeddings: `bf16` (default) or `f32`.
+    #[arg(long)]
+    weights: Option<WeightFormat>,
     /// Generation: most requests waiting for KV room before new ones get 503.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,

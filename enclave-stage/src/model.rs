@@ -63,19 +63,43 @@ pub trait LoadedModel: Send {
 }
 
 /// Loads the model in `model_dir` for this stage: a `llama` manifest is a
-/// generation model (held as `weights`), anything else an embedding model.
+/// generation model, anything else an embedding model, each held as
+/// `weights` (default: [`GENERATION_DEFAULT`], [`EMBEDDING_DEFAULT`]).
 pub fn load(
     model_dir: &Path,
     spec: &StageSpec,
-    weights: WeightFormat,
+    weights: Option<WeightFormat>,
 ) -> Result<Box<dyn LoadedModel>> {
     let architecture = LoadedManifest::load(model_dir)?.manifest.architecture;
+    let pick = |served: &[WeightFormat], default: WeightFormat, kind: &str| {
+        let w = weights.unwrap_or(default);
+        if served.contains(&w) {
+            Ok(w)
+        } else {
+            let names: Vec<&str> = served.iter().map(|f| f.as_str()).collect();
+            Err(anyhow::anyhow!(
+                "weights {w}: {kind} stages serve {}",
+                names.join(" or ")
+            ))
+        }
+    };
     Ok(if architecture == "llama" {
-        Box::new(GenModel::load(model_dir, spec, weights)?)
+        let w = pick(&WeightFormat::GENERATION, GENERATION_DEFAULT, "generation")?;
+        Box::new(GenModel::load(model_dir, spec, w)?)
     } else {
-        Box::new(Engine::load(model_dir, spec)?)
+        let w = pick(&WeightFormat::EMBEDDING, EMBEDDING_DEFAULT, "embedding")?;
+        Box::new(Engine::load(model_dir, spec, w)?)
     })
 }
+
+/// How a generation stage holds its weights unless told: the GGUF's own
+/// Q4_1 blocks (`benchmark_results/quality.md`, `peers.md`).
+pub const GENERATION_DEFAULT: WeightFormat = WeightFormat::Q4_1;
+
+/// How an embedding stage holds its weights unless told: bf16, measured
+/// faster than f32 with AVX-512 BF16 and within cosine 0.9999 of it
+/// (`benchmark_results/embeddings.md`).
+pub const EMBEDDING_DEFAULT: WeightFormat = WeightFormat::Bf16;
 
 /// Starts a stage's compute thread (model work runs off the async runtime).
 fn spawn_compute(run: impl FnOnce() + Send + 'static) -> Result<()> {
@@ -91,6 +115,11 @@ impl LoadedModel for Engine {
     }
 
     fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel> {
+        let (weights, kernel) = self.weights();
+        tracing::info!(%weights, kernel, "weights loaded");
+        if weights == WeightFormat::Bf16 && kernel == "portable" {
+            tracing::warn!("this CPU has no AVX-512 BF16: bf16 weights run no faster than f32 here (weights = \"f32\" is as fast and exact)");
+        }
         let engine = Arc::new(*self);
         let limits = BatchLimits {
             token_budget: setup.limits.token_budget,

@@ -1,12 +1,14 @@
 //! The stage engine against the sentence-transformers reference vectors
 //! (`gateway/tests/data/embeddings_reference.json`, made by
 //! `scripts/make_reference.py`), in one process: whole model and the same
-//! model split in two stages whose activations cross the wire format.
+//! model split in two stages whose activations cross the wire format, for
+//! each weight format an embedding stage serves.
 
 mod support;
 
 use enclave_stage::embedding::engine::{Engine, Padded};
 use enclave_stage::role::StageSpec;
+use proto::frames::WeightFormat;
 use std::path::PathBuf;
 
 fn model_dir() -> PathBuf {
@@ -29,34 +31,71 @@ fn spec(index: u32, n: u32, layers: std::ops::Range<usize>) -> StageSpec {
     }
 }
 
+/// The weight formats an embedding stage serves, with the smallest cosine
+/// to the sentence-transformers vectors each must keep: f32 is the
+/// reference path; bf16 is held to issue 12's bar for reduced precision
+/// (≥ 0.999; measured ≥ 0.9999, `benchmark_results/embeddings.md`).
+const FORMATS: [(WeightFormat, f64); 2] =
+    [(WeightFormat::F32, 0.9999), (WeightFormat::Bf16, 0.999)];
+
 #[test]
 fn whole_model_matches_sentence_transformers() {
     let r = reference();
     assert!(r.texts.len() >= 20);
-    let engine = Engine::load(&model_dir(), &spec(0, 1, 0..6)).unwrap();
-    for (i, text) in r.texts.iter().enumerate() {
+    for (format, bar) in FORMATS {
+        let engine = Engine::load(&model_dir(), &spec(0, 1, 0..6), format).unwrap();
+        assert_eq!(engine.weights().0, format);
         assert_eq!(
-            engine.tokenize(text).unwrap().len(),
-            r.tokens[i] as usize,
-            "token count of item {i}"
+            engine.claims.weights,
+            (format != WeightFormat::F32).then_some(format),
+            "the claims name a format other than the model's own"
         );
+        for (i, text) in r.texts.iter().enumerate() {
+            assert_eq!(
+                engine.tokenize(text).unwrap().len(),
+                r.tokens[i] as usize,
+                "token count of item {i}"
+            );
+        }
+        // Batched, as the stage runs them (padding must not change results).
+        let refs: Vec<&str> = r.texts.iter().map(|s| s.as_str()).collect();
+        let out = engine.embed_texts(&refs).unwrap();
+        let mut worst = 1f64;
+        for (i, v) in out.iter().enumerate() {
+            assert_eq!(v.len(), 384);
+            let c = cosine(v, &r.vectors[i]);
+            assert!(c >= bar, "{format} item {i}: cosine {c}");
+            worst = worst.min(c);
+        }
+        if format == WeightFormat::Bf16 {
+            // Rounded, but not the f32 path under another name.
+            assert!(worst < 0.999_999, "bf16 equals f32: {worst}");
+        }
     }
-    // Batched, as the stage runs them (padding must not change results).
-    let refs: Vec<&str> = r.texts.iter().map(|s| s.as_str()).collect();
-    let out = engine.embed_texts(&refs).unwrap();
-    for (i, v) in out.iter().enumerate() {
-        assert_eq!(v.len(), 384);
-        let c = cosine(v, &r.vectors[i]);
-        assert!(c >= 0.9999, "item {i}: cosine {c}");
+}
+
+#[test]
+fn embedding_stages_refuse_generation_formats() {
+    for format in [WeightFormat::Q8_0, WeightFormat::Q4_1] {
+        let err = Engine::load(&model_dir(), &spec(0, 1, 0..6), format)
+            .err()
+            .expect("a generation format must not load");
+        assert!(format!("{err:#}").contains("f32 or bf16"), "{err:#}");
     }
 }
 
 #[test]
 fn two_stages_agree_with_one_stage() {
+    for (format, _) in FORMATS {
+        two_stages_agree(format);
+    }
+}
+
+fn two_stages_agree(format: WeightFormat) {
     let r = reference();
-    let whole = Engine::load(&model_dir(), &spec(0, 1, 0..6)).unwrap();
-    let first = Engine::load(&model_dir(), &spec(0, 2, 0..3)).unwrap();
-    let second = Engine::load(&model_dir(), &spec(1, 2, 3..6)).unwrap();
+    let whole = Engine::load(&model_dir(), &spec(0, 1, 0..6), format).unwrap();
+    let first = Engine::load(&model_dir(), &spec(0, 2, 0..3), format).unwrap();
+    let second = Engine::load(&model_dir(), &spec(1, 2, 3..6), format).unwrap();
     assert!(first.tokenize("x").is_ok());
     assert!(
         second.tokenize("x").is_err(),
@@ -73,7 +112,7 @@ fn two_stages_agree_with_one_stage() {
     let one = whole.embed_texts(&texts).unwrap();
     for (i, v) in one.iter().enumerate() {
         let c = cosine(v, &split[i * 384..(i + 1) * 384]);
-        assert!(c >= 0.99999, "item {i}: cosine {c}");
+        assert!(c >= 0.99999, "{format} item {i}: cosine {c}");
     }
 }
 
@@ -88,7 +127,7 @@ fn tampered_weights_refuse_to_load() {
     let n = weights.len();
     weights[n - 100] ^= 0x40;
     std::fs::write(dir.join("model.safetensors"), weights).unwrap();
-    let err = Engine::load(&dir, &spec(0, 1, 0..6))
+    let err = Engine::load(&dir, &spec(0, 1, 0..6), WeightFormat::F32)
         .err()
         .expect("tampered weights must not load");
     let msg = format!("{err:#}");

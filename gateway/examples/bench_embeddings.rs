@@ -133,6 +133,12 @@ struct Args {
     /// Free-text note recorded in the results (e.g. what the binaries were built from).
     #[arg(long)]
     note: Option<String>,
+    /// How the bare baselines hold the weights, `bf16` and/or `f32`
+    /// (comma-separated; default: the embedding stages' default). The first
+    /// is the one the gateway's answers are compared with and its ratios
+    /// are taken against: give it the gateway config's `weights`.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![enclave_stage::model::EMBEDDING_DEFAULT])]
+    weights: Vec<proto::frames::WeightFormat>,
     /// Internal (baseline worker): model folder.
     #[arg(long, hide = true)]
     model_dir: Option<PathBuf>,
@@ -161,6 +167,7 @@ fn baseline_worker(args: &Args) -> Result<()> {
             num_stages: 1,
             layers: 0..6,
         },
+        args.weights[0],
     )?;
     let load_s = t0.elapsed().as_secs_f64();
     let tokens: Vec<usize> = SENTENCES
@@ -233,6 +240,7 @@ fn baseline_worker(args: &Args) -> Result<()> {
     }
     let out = json!({
         "threads": args.threads,
+        "weights": args.weights[0].as_str(),
         "load_s": load_s,
         "tokens_per_sentence": tokens,
         "levels": levels,
@@ -243,10 +251,17 @@ fn baseline_worker(args: &Args) -> Result<()> {
     Ok(())
 }
 
-fn run_baseline(threads: usize, secs: f64, rounds: usize, model_dir: &Path) -> Result<Value> {
+fn run_baseline(
+    threads: usize,
+    secs: f64,
+    rounds: usize,
+    model_dir: &Path,
+    weights: proto::frames::WeightFormat,
+) -> Result<Value> {
     let exe = std::env::current_exe()?;
     let out = Command::new(exe)
         .arg("--baseline-worker")
+        .args(["--weights", weights.as_str()])
         .args(["--threads", &threads.to_string()])
         .args(["--baseline-secs", &secs.to_string()])
         .args(["--rounds", &rounds.to_string()])
@@ -362,9 +377,13 @@ fn run(args: Args) -> Result<()> {
     let mut baselines = Vec::new();
     let mut reference: Vec<Vec<f32>> = Vec::new();
     let mut tokens: Vec<u64> = Vec::new();
-    for &t in &args.baseline_threads {
-        eprintln!("baseline: {t} thread(s)");
-        let mut b = run_baseline(t, args.baseline_secs, args.rounds, &model_dir)?;
+    for (&t, &w) in args
+        .baseline_threads
+        .iter()
+        .flat_map(|t| args.weights.iter().map(move |w| (t, w)))
+    {
+        eprintln!("baseline: {t} thread(s), {w} weights");
+        let mut b = run_baseline(t, args.baseline_secs, args.rounds, &model_dir, w)?;
         if reference.is_empty() {
             reference = serde_json::from_value(b["reference"].take())?;
             tokens = serde_json::from_value(b["tokens_per_sentence"].clone())?;

@@ -33,15 +33,18 @@ pub struct StageClaims {
     /// empty for other stages.
     #[serde(with = "serde_bytes")]
     pub hpke_keys: Vec<u8>,
-    /// How a generation stage holds its weights: the quantization changes
-    /// the outputs, so the evidence says which. Absent for embedding stages.
+    /// How the stage holds its weights: the format changes the outputs, so
+    /// the evidence says which. Absent from embedding stages that hold the
+    /// model's own f32 weights (and from evidence made before embedding
+    /// stages had a choice).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights: Option<WeightFormat>,
 }
 
-/// How a generation stage holds its linear-layer and output-head weights
-/// (the completions pipeline's `weights` config key, the stage's
-/// `--weights`, and its claims: the quantization changes the outputs).
+/// How a stage holds its weights (a pipeline's `weights` config key, the
+/// stage's `--weights`, and its claims: the format changes the outputs).
+/// Generation stages hold their linear layers and output head as `f32`,
+/// `q8_0` or `q4_1`; embedding stages their dense layers as `f32` or `bf16`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum WeightFormat {
     /// Dequantized to f32 at load: the reference path.
@@ -59,11 +62,27 @@ pub enum WeightFormat {
     #[default]
     #[serde(rename = "q4_1")]
     Q4_1,
+    /// Embedding stages: the dense layers' weights rounded to bfloat16, and
+    /// their inputs rounded alike for each product, summed in f32 (AVX-512
+    /// BF16 where the CPU has it). Cost against f32: benchmark_results/embeddings.md.
+    #[serde(rename = "bf16")]
+    Bf16,
 }
 
 impl WeightFormat {
-    /// Every format, in the order benchmarks report them.
-    pub const ALL: [WeightFormat; 3] = [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_1];
+    /// Every format.
+    pub const ALL: [WeightFormat; 4] = [
+        WeightFormat::F32,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Bf16,
+    ];
+    /// The formats a generation (Llama) stage serves, in the order
+    /// benchmarks report them.
+    pub const GENERATION: [WeightFormat; 3] =
+        [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q4_1];
+    /// The formats an embedding (BERT) stage serves.
+    pub const EMBEDDING: [WeightFormat; 2] = [WeightFormat::F32, WeightFormat::Bf16];
 
     /// The config and command-line name.
     pub fn as_str(self) -> &'static str {
@@ -71,6 +90,7 @@ impl WeightFormat {
             WeightFormat::F32 => "f32",
             WeightFormat::Q8_0 => "q8_0",
             WeightFormat::Q4_1 => "q4_1",
+            WeightFormat::Bf16 => "bf16",
         }
     }
 }
@@ -87,7 +107,7 @@ impl std::str::FromStr for WeightFormat {
         Self::ALL
             .into_iter()
             .find(|w| w.as_str() == s)
-            .ok_or_else(|| format!("unknown weight format {s:?} (f32, q8_0 or q4_1)"))
+            .ok_or_else(|| format!("unknown weight format {s:?} (f32, q8_0, q4_1 or bf16)"))
     }
 }
 

@@ -4,8 +4,10 @@
 //! embeddings for the entry stage).
 
 use crate::embedding::bert_ops::{Attention, BiasGelu, BiasResidualNorm};
+use crate::embedding::bf16_matmul::{Bf16Matrix, Kernel};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, VarBuilder};
+use proto::frames::WeightFormat;
 use serde::Deserialize;
 use std::ops::Range;
 
@@ -39,17 +41,43 @@ struct Embeddings {
     norm: LayerNorm,
 }
 
-/// One encoder layer: weights as `[out, in]` tensors for Candle's GEMM,
-/// biases and norms folded into the fused ops of [`crate::embedding::bert_ops`].
+/// A dense layer's `[out, in]` weight as the stage holds it.
+enum Dense {
+    /// f32, for Candle's GEMM.
+    F32(Tensor),
+    /// Rounded to bf16 ([`crate::embedding::bf16_matmul`]).
+    Bf16(Bf16Matrix),
+}
+
+impl Dense {
+    fn new(w: Tensor, format: WeightFormat) -> candle_core::Result<Self> {
+        match format {
+            WeightFormat::F32 => Ok(Dense::F32(w)),
+            WeightFormat::Bf16 => Ok(Dense::Bf16(Bf16Matrix::new(&w, Kernel::detect())?)),
+            other => candle_core::bail!("weights {other}: embedding stages serve f32 or bf16"),
+        }
+    }
+
+    /// `W · x` for feature-major `x` (`[in, tokens]`).
+    fn matmul(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Dense::F32(w) => w.matmul(x),
+            Dense::Bf16(w) => w.matmul(x),
+        }
+    }
+}
+
+/// One encoder layer: weights as `[out, in]` matrices, biases and norms
+/// folded into the fused ops of [`crate::embedding::bert_ops`].
 struct Layer {
     /// Query, key and value projections stacked: `[3h, h]`.
-    qkv: Tensor,
+    qkv: Dense,
     attention: Attention,
-    attn_out: Tensor,
+    attn_out: Dense,
     attn_norm: BiasResidualNorm,
-    intermediate: Tensor,
+    intermediate: Dense,
     gelu: BiasGelu,
-    output: Tensor,
+    output: Dense,
     out_norm: BiasResidualNorm,
 }
 
@@ -78,18 +106,21 @@ fn norm(
 /// The part of a BERT encoder one stage runs.
 pub struct BertPart {
     cfg: BertConfig,
+    weights: WeightFormat,
     embeddings: Option<Embeddings>,
     layers: Vec<Layer>,
     device: Device,
 }
 
 impl BertPart {
-    /// Loads layers `range` (and the embeddings if `with_embeddings`).
+    /// Loads layers `range` (and the embeddings if `with_embeddings`), the
+    /// dense layers' weights held as `weights` (`f32` or `bf16`).
     pub fn load(
         vb: VarBuilder,
         cfg: BertConfig,
         range: Range<usize>,
         with_embeddings: bool,
+        weights: WeightFormat,
     ) -> candle_core::Result<Self> {
         if cfg.hidden_act != "gelu" {
             candle_core::bail!("unsupported activation {}", cfg.hidden_act);
@@ -123,23 +154,25 @@ impl BertPart {
             let (intermediate, ib) = dense(l.pp("intermediate.dense"), h, cfg.intermediate_size)?;
             let (output, fb) = dense(l.pp("output.dense"), cfg.intermediate_size, h)?;
             let eps = cfg.layer_norm_eps;
+            let d = |w: Tensor| Dense::new(w, weights);
             layers.push(Layer {
-                qkv: Tensor::cat(&[&q, &k, &v], 0)?,
+                qkv: d(Tensor::cat(&[&q, &k, &v], 0)?)?,
                 attention: Attention {
                     heads: cfg.num_attention_heads,
                     qkv_bias: [qb, kb, vb_].concat(),
                 },
-                attn_out,
+                attn_out: d(attn_out)?,
                 attn_norm: norm(a.pp("output.LayerNorm"), h, eps, ob)?,
-                intermediate,
+                intermediate: d(intermediate)?,
                 gelu: BiasGelu { bias: ib },
-                output,
+                output: d(output)?,
                 out_norm: norm(l.pp("output.LayerNorm"), h, eps, fb)?,
             });
         }
         Ok(Self {
             device: vb.device().clone(),
             cfg,
+            weights,
             embeddings,
             layers,
         })
@@ -148,6 +181,15 @@ impl BertPart {
     /// The model configuration.
     pub fn config(&self) -> &BertConfig {
         &self.cfg
+    }
+
+    /// How the dense layers' weights are held, and the kernel their
+    /// products run on.
+    pub fn weights(&self) -> (WeightFormat, &'static str) {
+        match self.layers.first().map(|l| &l.qkv) {
+            Some(Dense::Bf16(m)) => (self.weights, m.kernel().name()),
+            _ => (self.weights, "candle-f32"),
+        }
     }
 
     /// Hidden width.

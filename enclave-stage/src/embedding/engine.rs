@@ -8,7 +8,7 @@ use crate::role::StageSpec;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use proto::frames::StageClaims;
+use proto::frames::{StageClaims, WeightFormat};
 use proto::manifest::LoadedManifest;
 use proto::tensor::TensorFrame;
 use std::path::Path;
@@ -34,12 +34,15 @@ pub struct Padded {
 }
 
 impl Engine {
-    /// Loads the stage's part of the model in `model_dir`.
+    /// Loads the stage's part of the model in `model_dir`, its dense layers
+    /// held as `format` (`f32` or `bf16`, which the claims name).
     ///
     /// Every file is checked against the manifest's SHA-256 by this process
     /// before it is used; a mismatch is an error naming the file.
-    pub fn load(model_dir: &Path, spec: &StageSpec) -> Result<Self> {
-        let (manifest, claims) = spec.open_manifest(model_dir, "bert", "embedding")?;
+    pub fn load(model_dir: &Path, spec: &StageSpec, format: WeightFormat) -> Result<Self> {
+        let (manifest, mut claims) = spec.open_manifest(model_dir, "bert", "embedding")?;
+        // f32 is the model's own weights: left unnamed, as before there was a choice.
+        claims.weights = (format != WeightFormat::F32).then_some(format);
         let m = &manifest.manifest;
         let cfg_path = manifest.verified_path("config.json")?;
         let cfg: BertConfig = serde_json::from_slice(&std::fs::read(&cfg_path)?)
@@ -64,13 +67,14 @@ impl Engine {
         // SAFETY: the file was just checked against the manifest; the mapping
         // lives only while the stage's tensors are copied out of it.
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], DType::F32, &device)? };
-        let part = BertPart::load(vb, cfg, spec.layers.clone(), is_entry).with_context(|| {
-            format!(
-                "loading layers {:?} from {}",
-                spec.layers,
-                weights.display()
-            )
-        })?;
+        let part =
+            BertPart::load(vb, cfg, spec.layers.clone(), is_entry, format).with_context(|| {
+                format!(
+                    "loading layers {:?} from {}",
+                    spec.layers,
+                    weights.display()
+                )
+            })?;
         Ok(Self {
             manifest,
             claims,
@@ -92,6 +96,12 @@ impl Engine {
     /// Hidden width.
     pub fn hidden_size(&self) -> usize {
         self.part.hidden_size()
+    }
+
+    /// How the dense layers' weights are held, and the kernel their
+    /// products run on (for the log).
+    pub fn weights(&self) -> (WeightFormat, &'static str) {
+        self.part.weights()
     }
 
     /// Tokenizes one text (with `[CLS]`/`[SEP]`, truncated to the model's

@@ -1,12 +1,13 @@
 //! Sentence embeddings (`/v1/embeddings`) pipelined across stages: the BERT
 //! encoder split by layers ([`bert`], its fused CPU operations in
-//! [`bert_ops`]), the model a stage loads ([`engine`]), the entry stage's
+//! [`bert_ops`], its bf16 weight products in [`bf16_matmul`]), the model a stage loads ([`engine`]), the entry stage's
 //! micro-batch planning ([`batcher`]), the compute thread ([`compute`]) and
 //! its per-request receipt bookkeeping ([`tracker`]).
 
 pub mod batcher;
 pub mod bert;
 pub mod bert_ops;
+pub mod bf16_matmul;
 pub mod compute;
 pub mod engine;
 pub mod tracker;

@@ -55,6 +55,9 @@ impl Weight {
                 let f = q.dequantize(device)?.flatten_all()?.to_vec1::<f32>()?;
                 Weight::Quant(QMatrix::q8_0(&f, rows, cols), Kernel::detect())
             }
+            WeightFormat::Bf16 => candle_core::bail!(
+                "bf16 is an embedding weight format (generation: f32, q8_0 or q4_1)"
+            ),
         })
     }
 

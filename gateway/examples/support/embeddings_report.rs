@@ -110,8 +110,9 @@ pub(super) fn write_markdown(out: &Value) -> String {
     }
     for b in out["baselines"].as_array().into_iter().flatten() {
         md.push_str(&format!(
-            "## Baseline: bare Candle, {} thread(s)\n\n| C | sentences/s | batch p50 ms | batch p99 ms | batches | CPU cores used | rounds: sentences/s (other cores) |\n|---|---|---|---|---|---|---|\n",
-            b["threads"]
+            "## Baseline: bare Candle, {} thread(s), {} weights\n\n| C | sentences/s | batch p50 ms | batch p99 ms | batches | CPU cores used | rounds: sentences/s (other cores) |\n|---|---|---|---|---|---|---|\n",
+            b["threads"],
+            b["weights"].as_str().unwrap_or("f32"),
         ));
         for l in b["levels"].as_array().into_iter().flatten() {
             md.push_str(&format!(

@@ -86,8 +86,23 @@ impl GatewayConfig {
         let k = |path: &str| self.key(path);
         let p = &self.pipeline;
         validate_stages("pipeline", &p.stages, p.launch, &k)?;
+        let served = |key: &str, w: WeightFormat, served: &[WeightFormat]| {
+            if served.contains(&w) {
+                return Ok(());
+            }
+            let names: Vec<&str> = served.iter().map(|f| f.as_str()).collect();
+            bail!(
+                "{}: {w} is not served here ({})",
+                k(key),
+                names.join(" or ")
+            )
+        };
+        if let Some(w) = p.weights {
+            served("pipeline.weights", w, &WeightFormat::EMBEDDING)?;
+        }
         if let Some(c) = &self.completions {
             validate_stages("completions", &c.stages, p.launch, &k)?;
+            served("completions.weights", c.weights, &WeightFormat::GENERATION)?;
             for (key, v) in [
                 ("kv_cache_tokens", c.kv_cache_tokens),
                 ("max_step_seqs", c.max_step_seqs),
@@ -235,6 +250,11 @@ impl GatewayConfig {
                 self.server.max_inputs.to_string(),
             ]
             .into_iter()
+            .chain(
+                p.weights
+                    .iter()
+                    .flat_map(|w| ["--weights".into(), w.to_string()]),
+            )
             .chain(self.keys.stage_args())
             .collect(),
             threads: p.threads_per_stage,

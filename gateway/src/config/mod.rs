@@ -13,6 +13,7 @@
 //! gateway from the repository root, as the README does).
 
 use anyhow::{anyhow, bail, Context, Result};
+use proto::frames::WeightFormat;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -145,7 +146,7 @@ pub struct CompletionsConfig {
     /// reproduces the `transformers` reference token for token). Quality of
     /// each: `benchmark_results/quality.md`.
     #[serde(default)]
-    pub weights: proto::frames::WeightFormat,
+    pub weights: WeightFormat,
     /// Compute threads per local completions stage (default:
     /// `[pipeline] threads_per_stage`). A single stream keeps one stage busy
     /// at a time, and the quantized decode step splits its products across
@@ -370,6 +371,12 @@ pub struct PipelineConfig {
     /// Padded tokens per micro-batch (local stages).
     #[serde(default = "default_token_budget")]
     pub token_budget: usize,
+    /// How the local stages hold the dense layers' weights: `bf16` (the
+    /// stages' default: rounded to bfloat16, AVX-512 BF16 products) or `f32`
+    /// (the model's own). Speed and cosine of each:
+    /// `benchmark_results/embeddings.md`.
+    #[serde(default)]
+    pub weights: Option<WeightFormat>,
     /// How long to wait for the stages to come up.
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout_secs: u64,

@@ -440,3 +440,48 @@ fn kubernetes_configs_load_with_dns_stages() {
         );
     }
 }
+
+#[test]
+fn weight_formats_reach_the_stages_and_each_pipeline_takes_only_its_own() {
+    let args = |cfg: &GatewayConfig, name: &str| {
+        let p = cfg
+            .pipelines()
+            .into_iter()
+            .find(|p| p.name == name)
+            .unwrap();
+        let at = p.stage_args.iter().position(|a| a == "--weights");
+        at.map(|i| p.stage_args[i + 1].clone())
+    };
+    let cfg = GatewayConfig::parse(&shipped(), env(&[])).unwrap();
+    assert_eq!(args(&cfg, "embeddings").as_deref(), Some("bf16"));
+    assert_eq!(args(&cfg, "completions").as_deref(), Some("q4_1"));
+    // Left out: the stage's own default (and no flag).
+    let text = shipped().replace("weights = \"bf16\"", "");
+    let cfg = GatewayConfig::parse(&text, env(&[])).unwrap();
+    assert_eq!(cfg.pipeline.weights, None);
+    assert_eq!(args(&cfg, "embeddings"), None);
+    let text = shipped().replace("weights = \"bf16\"", "weights = \"f32\"");
+    let cfg = GatewayConfig::parse(&text, env(&[])).unwrap();
+    assert_eq!(args(&cfg, "embeddings").as_deref(), Some("f32"));
+    for (from, to, want) in [
+        (
+            "weights = \"bf16\"",
+            "weights = \"q4_1\"",
+            "pipeline.weights: q4_1 is not served here (f32 or bf16)",
+        ),
+        (
+            "weights = \"q4_1\"",
+            "weights = \"bf16\"",
+            "completions.weights: bf16 is not served here (f32 or q8_0 or q4_1)",
+        ),
+        (
+            "weights = \"bf16\"",
+            "weights = \"int4\"",
+            "unknown variant `int4`",
+        ),
+    ] {
+        let text = shipped().replace(from, to);
+        let e = format!("{:#}", GatewayConfig::parse(&text, env(&[])).unwrap_err());
+        assert!(e.contains(want), "{to}: {e}");
+    }
+}
