@@ -321,6 +321,15 @@ sentences: {cos}. Stage peak RSS (VmHWM) in the last round: {rss}.
 
 {peers_embeddings.markdown(e)}
 
+Our stages hold the dense layers' weights in bf16, the shipped default
+(`[pipeline] weights`; products with AVX-512 BF16, `enclave-stage/src/embedding/bf16_matmul.rs`).
+Issue 12 lets a reduced-precision format be the default only if it is measured
+faster than f32 and keeps cosine ≥ 0.999 to the f32 embeddings: bare bf16 runs
+{e['ratios']['bare_bf16_vs_ort_f32_c64'] / e['ratios']['bare_f32_vs_ort_f32_c64']:.2f}× the
+sentences/s of bare f32 at C=64, and the cosines above are ≥ 0.9999 (ONNX Runtime's dynamic
+int8 misses that bar). Against ONNX Runtime int8 the gateway reaches
+{next(r for r in e['rows'] if r['system'] == peers_embeddings.GATEWAY_ROW)['c64_sentences_per_s'] / next(r for r in e['rows'] if r['system'] == 'onnxruntime int8')['c64_sentences_per_s']:.2f}× at C=64.
+
 Target (issue 12): the gateway at C=64 ≥ 1.00× ONNX Runtime f32:
 **{e['ratios']['gateway_vs_ort_f32_c64']:.2f}×**{' (met)' if e['ratios']['gateway_vs_ort_f32_c64'] >= 1 else ' (not met; where the time goes: below)'}.
 {'' if e['ratios']['gateway_vs_ort_f32_c64'] >= 1 else peers_embeddings.WHERE_TIME_GOES}

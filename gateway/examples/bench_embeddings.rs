@@ -133,6 +133,11 @@ struct Args {
     /// Free-text note recorded in the results (e.g. what the binaries were built from).
     #[arg(long)]
     note: Option<String>,
+    /// Also write each weight format's vectors of the 32 sentences (one
+    /// sentence at a time, bare Candle) to this JSON file, for comparison
+    /// with other systems (`scripts/peers_embeddings.py`).
+    #[arg(long)]
+    vectors_out: Option<PathBuf>,
     /// How the bare baselines hold the weights, `bf16` and/or `f32`
     /// (comma-separated; default: the embedding stages' default). The first
     /// is the one the gateway's answers are compared with and its ratios
@@ -377,6 +382,7 @@ fn run(args: Args) -> Result<()> {
     let mut baselines = Vec::new();
     let mut reference: Vec<Vec<f32>> = Vec::new();
     let mut tokens: Vec<u64> = Vec::new();
+    let mut vectors = serde_json::Map::new();
     for (&t, &w) in args
         .baseline_threads
         .iter()
@@ -384,14 +390,20 @@ fn run(args: Args) -> Result<()> {
     {
         eprintln!("baseline: {t} thread(s), {w} weights");
         let mut b = run_baseline(t, args.baseline_secs, args.rounds, &model_dir, w)?;
+        let vs = b["reference"].take();
         if reference.is_empty() {
-            reference = serde_json::from_value(b["reference"].take())?;
+            reference = serde_json::from_value(vs.clone())?;
             tokens = serde_json::from_value(b["tokens_per_sentence"].clone())?;
         }
+        vectors.entry(w.as_str()).or_insert(vs);
         if let Some(o) = b.as_object_mut() {
             o.remove("reference");
         }
         baselines.push(b);
+    }
+    if let Some(path) = &args.vectors_out {
+        std::fs::write(path, serde_json::to_vec(&vectors)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
 
     let mut gateways = Vec::new();
