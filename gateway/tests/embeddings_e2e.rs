@@ -38,6 +38,13 @@ async fn two_stages_match_reference_and_one_stage() {
         tokens.iter().sum::<u64>()
     );
     assert_eq!(b2["data"][3]["index"], 3);
+    // The stages hold the weights in bf16 by default (the vectors above are
+    // theirs), and each stage's evidence says so.
+    let bundle = evidence_bundle(&two.url, b"which weights").await;
+    assert_eq!(bundle.stages.len(), 2);
+    for st in &bundle.stages {
+        assert_eq!(st.claims.weights, Some(proto::frames::WeightFormat::Bf16));
+    }
 
     // Each text alone, all at once: batching across requests must not mix them up.
     let futs = texts.iter().map(|t| {
