@@ -183,10 +183,15 @@ def main():
         r = client.embeddings.create(model=MODEL, input=[i["text"] for i in pick],
                                      encoding_format="float")
         vs = check_response(r, len(pick))
+        # The shipped stages hold the weights in bf16: each value may move by
+        # about 1e-3 (f32 weights stay within 1e-4), the direction hardly.
         worst = max(float(np.max(np.abs(v - np.asarray(i["embedding"]))))
                     for v, i in zip(vs, pick))
-        check(worst <= 1e-4, f"max abs diff vs sentence-transformers {worst} > 1e-4")
-        return f"max diff {worst:.2e}"
+        check(worst <= 5e-3, f"max abs diff vs sentence-transformers {worst} > 5e-3")
+        cos = min(float(np.dot(v, i["embedding"]) / np.linalg.norm(v) / np.linalg.norm(i["embedding"]))
+                  for v, i in zip(vs, pick))
+        check(cos >= 0.9999, f"cosine to sentence-transformers {cos} < 0.9999")
+        return f"max diff {worst:.2e}, cosine >= {cos:.6f}"
 
     c.run("models.list includes " + MODEL, models_list)
     c.run("embeddings single string, float", single_float)
@@ -205,7 +210,7 @@ def main():
     c.run("dimensions=128 with SDK default encoding", dimensions_128_base64)
     c.run("model='nope' raises NotFoundError", unknown_model)
     c.run("token-id array input raises BadRequestError", token_ids_rejected)
-    c.run("matches sentence-transformers reference within 1e-4", matches_reference)
+    c.run("matches sentence-transformers reference (cosine >= 0.9999)", matches_reference)
 
     # ---- completions (SmolLM2 across two stages) ----
     ids = [m.id for m in client.models.list().data]

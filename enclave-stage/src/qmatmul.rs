@@ -34,8 +34,9 @@
 //! - **portable** (every target): the same sums in plain Rust, also the
 //!   reference the AVX2 kernel is tested against.
 //!
-//! An AVX-512 variant (16 lanes) is not written yet: the reference machine
-//! has no AVX-512, so such CPUs use the AVX2 kernel.
+//! An AVX-512 variant (16 lanes) is not written yet: CPUs with AVX-512
+//! (the reference machine's AMD EPYC among them) use the AVX2 kernel. The
+//! embedding stages' bf16 products (`embedding::bf16_matmul`) do use it.
 
 use rayon::prelude::*;
 
