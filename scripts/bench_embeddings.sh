@@ -24,7 +24,8 @@ cargo build --release -p gateway --example bench_embeddings
 target_dir="${CARGO_TARGET_DIR:-target}"
 if [[ $# -eq 0 ]]; then
   # The configured setup (threads_per_stage = 2, token_budget = 4096), plus
-  # 1 thread per stage and smaller micro-batches as comparisons.
-  set -- --threads-per-stage 1,2 --token-budget 4096,512
+  # 1 thread per stage and smaller micro-batches as comparisons; bare Candle
+  # with bf16 (the default) and f32 weights.
+  set -- --threads-per-stage 1,2 --token-budget 4096,512 --weights bf16,f32
 fi
 exec "$target_dir/release/examples/bench_embeddings" "$@"
