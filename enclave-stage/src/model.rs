@@ -6,6 +6,7 @@
 //! ([`crate::embedding`], [`crate::generation`]).
 
 use crate::embedding::batcher::BatchLimits;
+use crate::embedding::bf16_matmul::Kernel;
 use crate::embedding::compute::Compute;
 use crate::embedding::engine::Engine;
 use crate::generation::compute::{GenLimits, Generator};
@@ -72,16 +73,10 @@ pub fn load(
 ) -> Result<Box<dyn LoadedModel>> {
     let architecture = LoadedManifest::load(model_dir)?.manifest.architecture;
     let pick = |served: &[WeightFormat], default: WeightFormat, kind: &str| {
-        let w = weights.unwrap_or(default);
-        if served.contains(&w) {
-            Ok(w)
-        } else {
-            let names: Vec<&str> = served.iter().map(|f| f.as_str()).collect();
-            Err(anyhow::anyhow!(
-                "weights {w}: {kind} stages serve {}",
-                names.join(" or ")
-            ))
-        }
+        weights
+            .unwrap_or(default)
+            .served_by(served)
+            .map_err(|e| anyhow::anyhow!("{kind} stage weights: {e}"))
     };
     Ok(if architecture == "llama" {
         let w = pick(&WeightFormat::GENERATION, GENERATION_DEFAULT, "generation")?;
@@ -116,8 +111,9 @@ impl LoadedModel for Engine {
 
     fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel> {
         let (weights, kernel) = self.weights();
-        tracing::info!(%weights, kernel, "weights loaded");
-        if weights == WeightFormat::Bf16 && kernel == "portable" {
+        let kernel_name = kernel.map_or("candle-f32", Kernel::name);
+        tracing::info!(%weights, kernel = kernel_name, "weights loaded");
+        if kernel == Some(Kernel::Portable) {
             tracing::warn!("this CPU has no AVX-512 BF16: bf16 weights run no faster than f32 here (weights = \"f32\" is as fast and exact)");
         }
         let engine = Arc::new(*self);

@@ -84,6 +84,18 @@ impl WeightFormat {
     /// The formats an embedding (BERT) stage serves.
     pub const EMBEDDING: [WeightFormat; 2] = [WeightFormat::F32, WeightFormat::Bf16];
 
+    /// `self` if it is among `served`, else the error that lists them.
+    pub fn served_by(self, served: &[WeightFormat]) -> Result<Self, String> {
+        if served.contains(&self) {
+            return Ok(self);
+        }
+        let names: Vec<&str> = served.iter().map(|f| f.as_str()).collect();
+        Err(format!(
+            "{self} is not served here ({})",
+            names.join(" or ")
+        ))
+    }
+
     /// The config and command-line name.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -54,7 +54,10 @@ impl Dense {
         match format {
             WeightFormat::F32 => Ok(Dense::F32(w)),
             WeightFormat::Bf16 => Ok(Dense::Bf16(Bf16Matrix::new(&w, Kernel::detect())?)),
-            other => candle_core::bail!("weights {other}: embedding stages serve f32 or bf16"),
+            other => candle_core::bail!(
+                "weights {}",
+                other.served_by(&WeightFormat::EMBEDDING).unwrap_err()
+            ),
         }
     }
 
@@ -106,7 +109,6 @@ fn norm(
 /// The part of a BERT encoder one stage runs.
 pub struct BertPart {
     cfg: BertConfig,
-    weights: WeightFormat,
     embeddings: Option<Embeddings>,
     layers: Vec<Layer>,
     device: Device,
@@ -172,7 +174,6 @@ impl BertPart {
         Ok(Self {
             device: vb.device().clone(),
             cfg,
-            weights,
             embeddings,
             layers,
         })
@@ -183,12 +184,12 @@ impl BertPart {
         &self.cfg
     }
 
-    /// How the dense layers' weights are held, and the kernel their
-    /// products run on.
-    pub fn weights(&self) -> (WeightFormat, &'static str) {
+    /// The bf16 kernel the dense layers' products run on (`None`: f32
+    /// weights, or no layers).
+    pub fn bf16_kernel(&self) -> Option<Kernel> {
         match self.layers.first().map(|l| &l.qkv) {
-            Some(Dense::Bf16(m)) => (self.weights, m.kernel().name()),
-            _ => (self.weights, "candle-f32"),
+            Some(Dense::Bf16(m)) => Some(m.kernel()),
+            _ => None,
         }
     }
 

@@ -20,7 +20,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape};
 use rayon::prelude::*;
 
-fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+/// The f32 values of a contiguous custom-op input (`what` names it in the error).
+pub(crate) fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     let data = s.as_slice::<f32>()?;
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&data[a..b]),

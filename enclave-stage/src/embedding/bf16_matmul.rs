@@ -29,6 +29,7 @@
 //! the batch is made up, so a sentence's embedding does not depend on what
 //! it was batched with.
 
+use crate::embedding::bert_ops::contiguous;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -84,13 +85,18 @@ fn bf16_bits(x: f32) -> u32 {
 pub struct Bf16Matrix {
     rows: usize,
     cols: usize,
-    kernel: Kernel,
-    /// AVX-512: row tiles of [`MR`] rows (the last padded with zero rows),
-    /// each `[pairs][MR]` words: the bf16 of column `2p` in the low half,
-    /// of column `2p + 1` (zero past the end) in the high half.
-    packed: Vec<u32>,
-    /// Portable: the rounded weights as an f32 `[rows, cols]` tensor.
-    rounded: Option<Tensor>,
+    held: Held,
+}
+
+/// The rounded weights in the layout their kernel reads.
+#[derive(Clone, Debug)]
+enum Held {
+    /// [`Kernel::Avx512Bf16`]: row tiles of [`MR`] rows (the last padded
+    /// with zero rows), each `[pairs][MR]` words: the bf16 of column `2p`
+    /// in the low half, of column `2p + 1` (zero past the end) in the high.
+    Packed(Vec<u32>),
+    /// [`Kernel::Portable`]: the rounded weights as an f32 `[rows, cols]` tensor.
+    Rounded(Tensor),
 }
 
 impl Bf16Matrix {
@@ -101,25 +107,18 @@ impl Bf16Matrix {
         }
         let (rows, cols) = w.dims2()?;
         let v = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let mut m = Self {
-            rows,
-            cols,
-            kernel,
-            packed: Vec::new(),
-            rounded: None,
-        };
-        match kernel {
+        let held = match kernel {
             Kernel::Portable => {
                 let r: Vec<f32> = v
                     .iter()
                     .map(|&x| f32::from_bits(bf16_bits(x) << 16))
                     .collect();
-                m.rounded = Some(Tensor::from_vec(r, (rows, cols), w.device())?);
+                Held::Rounded(Tensor::from_vec(r, (rows, cols), w.device())?)
             }
             Kernel::Avx512Bf16 => {
                 let pairs = cols.div_ceil(2);
                 let tiles = rows.div_ceil(MR);
-                m.packed = vec![0u32; tiles * pairs * MR];
+                let mut packed = vec![0u32; tiles * pairs * MR];
                 let at = |r: usize, c: usize| {
                     if c < cols {
                         bf16_bits(v[r * cols + c])
@@ -130,68 +129,67 @@ impl Bf16Matrix {
                 for r in 0..rows {
                     let (t, i) = (r / MR, r % MR);
                     for p in 0..pairs {
-                        m.packed[(t * pairs + p) * MR + i] =
-                            at(r, 2 * p) | (at(r, 2 * p + 1) << 16);
+                        packed[(t * pairs + p) * MR + i] = at(r, 2 * p) | (at(r, 2 * p + 1) << 16);
                     }
                 }
+                Held::Packed(packed)
             }
-        }
-        Ok(m)
+        };
+        Ok(Self { rows, cols, held })
     }
 
     /// The kernel that runs its products.
     pub fn kernel(&self) -> Kernel {
-        self.kernel
-    }
-
-    /// Bytes the weights take in memory.
-    pub fn weight_bytes(&self) -> usize {
-        match &self.rounded {
-            Some(_) => self.rows * self.cols * 4,
-            None => self.packed.len() * 4,
+        match self.held {
+            Held::Packed(_) => Kernel::Avx512Bf16,
+            Held::Rounded(_) => Kernel::Portable,
         }
     }
 
     /// `W · x` for feature-major `x` (`[cols, tokens]`, f32): `[rows, tokens]`.
     pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
-        match &self.rounded {
-            Some(w) => w.matmul(&x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?),
-            None => x.apply_op1_no_bwd(self),
+        match &self.held {
+            Held::Rounded(w) => w.matmul(&x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?),
+            Held::Packed(_) => x.apply_op1_no_bwd(self),
         }
     }
 
     /// The AVX-512 path on plain slices: `x` is `[cols, n]`, row-major.
-    fn run_packed(&self, x: &[f32], n: usize) -> Vec<f32> {
+    fn run_packed(&self, packed: &[u32], x: &[f32], n: usize) -> Vec<f32> {
         let pairs = self.cols.div_ceil(2);
+        let parallel = self.rows * self.cols * n >= PARALLEL_MIN_MACS;
         // Tokens in groups of 16, the last group padded with zeros:
         // `xp[(g · pairs + p) · 16 + j]` packs features 2p and 2p+1 of
         // token 16g + j.
         let groups = n.div_ceil(LANES);
         let mut xp = vec![0u32; groups * pairs * LANES];
-        xp.par_chunks_mut(pairs * LANES)
-            .enumerate()
-            .for_each(|(g, dst)| {
-                let t0 = g * LANES;
-                let width = LANES.min(n - t0);
-                for p in 0..pairs {
-                    let lo = &x[2 * p * n + t0..][..width];
-                    let d = &mut dst[p * LANES..][..width];
-                    if 2 * p + 1 < self.cols {
-                        let hi = &x[(2 * p + 1) * n + t0..][..width];
-                        for ((d, &a), &b) in d.iter_mut().zip(lo).zip(hi) {
-                            *d = bf16_bits(a) | (bf16_bits(b) << 16);
-                        }
-                    } else {
-                        for (d, &a) in d.iter_mut().zip(lo) {
-                            *d = bf16_bits(a);
-                        }
+        let pack = |(g, dst): (usize, &mut [u32])| {
+            let t0 = g * LANES;
+            let width = LANES.min(n - t0);
+            for p in 0..pairs {
+                let lo = &x[2 * p * n + t0..][..width];
+                let d = &mut dst[p * LANES..][..width];
+                if 2 * p + 1 < self.cols {
+                    let hi = &x[(2 * p + 1) * n + t0..][..width];
+                    for ((d, &a), &b) in d.iter_mut().zip(lo).zip(hi) {
+                        *d = bf16_bits(a) | (bf16_bits(b) << 16);
+                    }
+                } else {
+                    for (d, &a) in d.iter_mut().zip(lo) {
+                        *d = bf16_bits(a);
                     }
                 }
-            });
+            }
+        };
+        if parallel {
+            xp.par_chunks_mut(pairs * LANES).enumerate().for_each(pack);
+        } else {
+            xp.chunks_mut(pairs * LANES).enumerate().for_each(pack);
+        }
         let mut out = vec![0f32; self.rows * n];
         let tile_len = MR * n;
         let run = |(t, dst): (usize, &mut [f32])| {
-            let w = &self.packed[t * pairs * MR..][..pairs * MR];
+            let w = &packed[t * pairs * MR..][..pairs * MR];
             // SAFETY: this kernel is only chosen when the CPU has AVX-512 F
             // and BF16 (`Kernel::detect`); the slices hold the packed
             // layouts `tile` reads (checked there).
@@ -202,7 +200,7 @@ impl Bf16Matrix {
             #[cfg(not(target_arch = "x86_64"))]
             unreachable!("the AVX-512 kernel on {w:p} {dst:p}")
         };
-        if self.rows * self.cols * n >= PARALLEL_MIN_MACS {
+        if parallel {
             out.par_chunks_mut(tile_len).enumerate().for_each(run);
         } else {
             out.chunks_mut(tile_len).enumerate().for_each(run);
@@ -224,11 +222,11 @@ impl CustomOp1 for Bf16Matrix {
                 self.cols
             );
         }
-        let x = match l.contiguous_offsets() {
-            Some((a, b)) => &s.as_slice::<f32>()?[a..b],
-            None => candle_core::bail!("bf16 matmul: input must be contiguous"),
+        let Held::Packed(packed) = &self.held else {
+            candle_core::bail!("bf16 matmul: the portable weights run through Candle's GEMM");
         };
-        let out = self.run_packed(x, n);
+        let x = contiguous(s, l, "bf16 matmul")?;
+        let out = self.run_packed(packed, x, n);
         Ok((CpuStorage::F32(out), Shape::from((self.rows, n))))
     }
 }

@@ -4,6 +4,7 @@
 //! benchmark's bare-Candle baseline.
 
 use crate::embedding::bert::{mean_pool_normalize, BertConfig, BertPart};
+use crate::embedding::bf16_matmul::Kernel;
 use crate::role::StageSpec;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -98,10 +99,13 @@ impl Engine {
         self.part.hidden_size()
     }
 
-    /// How the dense layers' weights are held, and the kernel their
-    /// products run on (for the log).
-    pub fn weights(&self) -> (WeightFormat, &'static str) {
-        self.part.weights()
+    /// How the dense layers' weights are held (as the claims say), and
+    /// the bf16 kernel their products run on.
+    pub fn weights(&self) -> (WeightFormat, Option<Kernel>) {
+        (
+            self.claims.weights.unwrap_or(WeightFormat::F32),
+            self.part.bf16_kernel(),
+        )
     }
 
     /// Tokenizes one text (with `[CLS]`/`[SEP]`, truncated to the model's

@@ -87,15 +87,9 @@ impl GatewayConfig {
         let p = &self.pipeline;
         validate_stages("pipeline", &p.stages, p.launch, &k)?;
         let served = |key: &str, w: WeightFormat, served: &[WeightFormat]| {
-            if served.contains(&w) {
-                return Ok(());
-            }
-            let names: Vec<&str> = served.iter().map(|f| f.as_str()).collect();
-            bail!(
-                "{}: {w} is not served here ({})",
-                k(key),
-                names.join(" or ")
-            )
+            w.served_by(served)
+                .map(|_| ())
+                .map_err(|e| anyhow!("{}: {e}", k(key)))
         };
         if let Some(w) = p.weights {
             served("pipeline.weights", w, &WeightFormat::EMBEDDING)?;
