@@ -23,6 +23,9 @@ pub enum Work {
         links: Vec<Vec<u8>>,
         /// The same stages' timings of the request.
         timings: Vec<StageTiming>,
+        /// The receipt key of the attested stage they came from (its link,
+        /// the last, must be signed with it).
+        signer: [u8; 32],
     },
     /// A request failed upstream.
     Failed {

@@ -268,14 +268,23 @@ fn nonce(seq: u64) -> Nonce {
 
 impl ChannelSender {
     /// Sends one message (split into records as needed).
+    ///
+    /// Not cancel-safe, and fails closed when cancelled: the sender is
+    /// poisoned before the first write and cleared only once the whole
+    /// message is written, and each record's sequence number (its nonce) is
+    /// taken before its bytes are written. A send future dropped part-way
+    /// therefore leaves a sender that refuses every later message
+    /// ([`ChannelError::Poisoned`]) instead of one that reuses a nonce or
+    /// splices a message onto a half-written one. Callers that may be
+    /// cancelled (request handlers) go through a [`crate::channel_queue`]
+    /// writer task instead.
     pub async fn send(&mut self, msg: &[u8]) -> Result<(), ChannelError> {
         if self.poisoned {
             return Err(ChannelError::Poisoned);
         }
+        self.poisoned = true;
         let r = self.send_inner(msg).await;
-        if r.is_err() {
-            self.poisoned = true;
-        }
+        self.poisoned = r.is_err();
         r
     }
 
@@ -320,8 +329,10 @@ impl ChannelSender {
             .encrypt_in_place(&nonce(self.seq), &header, &mut body)
             .map_err(|_| ChannelError::Handshake("encryption failed".into()))?;
         buf.extend_from_slice(&body);
-        self.w.write_all(&buf).await?;
+        // The nonce is spent before the first byte goes out: a write that
+        // fails or is cancelled never leaves it for another record.
         self.seq += 1;
+        self.w.write_all(&buf).await?;
         Ok(())
     }
 

@@ -11,6 +11,7 @@ pub mod attestation;
 pub mod bundle;
 pub mod cbor;
 pub mod channel;
+pub mod channel_queue;
 pub mod chat;
 pub mod claims;
 pub mod completions;

@@ -72,20 +72,17 @@ impl Compute {
             let mut next = Some(first);
             while let Some(w) = next.take().or_else(|| rx.try_recv().ok()) {
                 match w {
-                    Work::Begin(ctx) => {
-                        if !self.engine.claims.is_exit() {
-                            self.send(Output::Activation(ActivationMessage::Begin(ctx.clone())));
-                        }
-                        self.tracker.begin(*ctx);
-                    }
+                    Work::Begin(ctx) => self.begin(ctx),
                     Work::Seqs(s) => seqs.extend(s),
                     Work::Batch(b) => self.run_activation_batch(b),
                     Work::Links {
                         request_id,
                         links,
                         timings,
+                        signer,
                     } => {
-                        self.tracker.upstream_links(request_id, links, timings);
+                        self.tracker
+                            .upstream_links(request_id, links, timings, signer);
                         self.try_finish(request_id);
                     }
                     Work::Failed { request_id, error } => {
@@ -110,6 +107,22 @@ impl Compute {
             }
             STATS.gauges(self.tracker.len(), 0, 0, 0);
         }
+    }
+
+    /// A request begins here (and, before the exit stage, downstream), unless
+    /// its id was used before in this configuration: then it is refused, and
+    /// a live request with that id fails too rather than take its rows.
+    fn begin(&mut self, ctx: Box<proto::frames::RequestContext>) {
+        let request_id = ctx.env.request_id;
+        if let Err(why) = self.tracker.may_begin(request_id) {
+            tracing::warn!(request_id, reason = %why, "request refused");
+            let err = self.tracker.fail(request_id, ErrorKind::Internal, why);
+            return self.send(failure(self.engine.claims.is_exit(), request_id, err));
+        }
+        if !self.engine.claims.is_exit() {
+            self.send(Output::Activation(ActivationMessage::Begin(ctx.clone())));
+        }
+        self.tracker.begin(*ctx);
     }
 
     /// Counts a micro-batch that began at `began` and took `took`, in the
@@ -154,8 +167,12 @@ impl Compute {
 
     fn run_activation_batch(&mut self, b: ActivationBatch) {
         for (row, item) in b.items.iter().enumerate() {
-            self.tracker
-                .received_row(item, row_digest(&b.hidden, row, item));
+            if let Err(why) = self
+                .tracker
+                .received_row(item, row_digest(&b.hidden, row, item))
+            {
+                self.fail(&[*item], &anyhow::anyhow!(why));
+            }
         }
         let input = match Padded::from_frames(&b.hidden, &b.mask, self.engine.hidden_size()) {
             Ok(p) if p.hidden.dims()[0] == b.items.len() => p,

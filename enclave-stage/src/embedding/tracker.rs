@@ -55,6 +55,8 @@ struct Request {
     vectors: Vec<Option<Vec<f32>>>,
     tokens: Vec<u32>,
     upstream_links: Option<Vec<Vec<u8>>>,
+    /// The receipt key of the stage the links came from.
+    upstream_signer: Option<[u8; 32]>,
     upstream_timings: Vec<StageTiming>,
     timer: RequestTimer,
 }
@@ -71,6 +73,9 @@ pub enum Finished {
 pub struct Tracker {
     requests: HashMap<u64, Request>,
     claims: StageClaims,
+    /// The id of the last request begun in this configuration: ids must
+    /// increase, so none is ever given to two requests.
+    last_begun: Option<u64>,
 }
 
 impl Tracker {
@@ -79,13 +84,28 @@ impl Tracker {
         Self {
             requests: HashMap::new(),
             claims,
+            last_begun: None,
         }
     }
 
-    /// Starts tracking a request.
+    /// Whether a request with this id may begin: ids increase within a
+    /// configuration (the entry stage takes them in increasing order from
+    /// its host, and each stage passes them on in order), so an id that
+    /// does not is a reused one and is refused, never merged.
+    pub fn may_begin(&self, request_id: u64) -> Result<(), String> {
+        match self.last_begun {
+            Some(last) if request_id <= last => Err(format!(
+                "request id {request_id} is not above the last one begun ({last}); refused"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Starts tracking a request ([`Self::may_begin`] checked first).
     pub fn begin(&mut self, ctx: RequestContext) {
         let n = ctx.n_inputs as usize;
         let entry = self.claims.is_entry();
+        self.last_begun = Some(ctx.env.request_id);
         self.requests.insert(
             ctx.env.request_id,
             Request {
@@ -96,6 +116,7 @@ impl Tracker {
                 vectors: vec![None; n],
                 tokens: vec![0; n],
                 upstream_links: entry.then(Vec::new),
+                upstream_signer: None,
                 upstream_timings: Vec::new(),
                 timer: RequestTimer::start(),
             },
@@ -129,12 +150,24 @@ impl Tracker {
         self.requests.contains_key(&request_id)
     }
 
-    /// Records the digest of a received row (stages after the first).
-    pub fn received_row(&mut self, item: &BatchItem, digest: Option<Sha256Digest>) {
-        if let Some(r) = self.requests.get_mut(&item.request_id) {
-            if let Some(slot) = r.received.get_mut(item.index as usize) {
+    /// Records the digest of a received row (stages after the first). A
+    /// row outside its request's inputs, or one that came before, is an
+    /// error (the request must fail: rows are never merged or replaced).
+    pub fn received_row(
+        &mut self,
+        item: &BatchItem,
+        digest: Option<Sha256Digest>,
+    ) -> Result<(), String> {
+        let Some(r) = self.requests.get_mut(&item.request_id) else {
+            return Ok(());
+        };
+        match r.received.get_mut(item.index as usize) {
+            Some(slot @ None) if r.sent[item.index as usize].is_none() => {
                 *slot = digest;
+                Ok(())
             }
+            Some(_) => Err(format!("input {} arrived twice", item.index)),
+            None => Err(format!("input {} is not one of the request's", item.index)),
         }
     }
 
@@ -157,15 +190,18 @@ impl Tracker {
         }
     }
 
-    /// Records the earlier stages' links and timings.
+    /// Records the earlier stages' links and timings, and the receipt key
+    /// of the stage they came from.
     pub fn upstream_links(
         &mut self,
         request_id: u64,
         links: Vec<Vec<u8>>,
         timings: Vec<StageTiming>,
+        signer: [u8; 32],
     ) {
         if let Some(r) = self.requests.get_mut(&request_id) {
             r.upstream_links = Some(links);
+            r.upstream_signer = Some(signer);
             r.upstream_timings = timings;
         }
     }
@@ -183,9 +219,10 @@ impl Tracker {
         self.requests.remove(&request_id);
     }
 
-    /// Stops tracking every request.
+    /// Stops tracking every request (a new configuration begins).
     pub fn clear(&mut self) {
         self.requests.clear();
+        self.last_begun = None;
     }
 
     /// If the request is complete in this stage, signs this stage's link and
@@ -230,8 +267,13 @@ impl Tracker {
             keys,
             &r.ctx.env,
             &upstream,
+            r.upstream_signer.as_ref(),
             || combine(&r.received).ok_or_else(|| fail("a received row is missing its digest")),
             Sha256Digest([0; 32]),
+            |why| {
+                tracing::error!(request_id = r.ctx.env.request_id, reason = %why, "receipt chain refused; nothing signed");
+                fail("the pipeline's data for this request did not match between stages")
+            },
         )?;
         if !c.is_exit() {
             let mut link = link;

@@ -11,6 +11,7 @@ use proto::attestation::{attest_claims, AttestationProvider, EvidencePurpose, Me
 use proto::channel::{
     self, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
 };
+use proto::channel_queue::QueuedSender;
 use proto::chat::parse_chat;
 use proto::completions::{context_length_error, parse_completions, Api, Prompt};
 use proto::digest::Sha256Digest;
@@ -43,8 +44,8 @@ const REPLAY_CAPACITY: usize = 1 << 20;
 /// Most remembered for requests the host says it sealed (plain and
 /// gateway-key clients): a partition of its own, so that host-sealed traffic
 /// cannot fill the room meant for catching replays of clients' sealed
-/// requests. A host that mislabels a client's request lands it here, where
-/// a replay is still caught.
+/// requests. The label is the host's word, so a replay is looked for in
+/// both partitions: relabelling a client's request does not let it through.
 const HOST_SEALED_REPLAY_CAPACITY: usize = 1 << 19;
 /// Most tokens a chat answer may take when the client sets no limit (less
 /// where the context ends first). Admission reserves KV-cache room for the
@@ -69,7 +70,8 @@ pub struct StageSetup {
     pub max_inputs: usize,
 }
 
-type SharedSender = Arc<Mutex<ChannelSender>>;
+/// A channel's writer task ([`proto::channel_queue`]): sends are cancel-safe.
+type SharedSender = QueuedSender;
 
 /// Requests with at most this many bytes of text are tokenized inline.
 const INLINE_TOKENIZE_BYTES: usize = 2048;
@@ -109,7 +111,22 @@ pub struct StageServer {
     /// only from channels of the current epoch ([`Self::submit`]), so
     /// nothing of a torn-down pipeline outlives its `Work::Reset`.
     epoch: std::sync::Mutex<u64>,
+    /// The epochs in which an upstream session, and a feedback session, was
+    /// accepted: one of each per epoch ([`Self::claim_session`]), so that
+    /// every request id, row and token this stage holds comes from one
+    /// attested peer, and a second instance of a neighbour that the host
+    /// starts cannot inject into (or reuse the ids of) the first one's requests.
+    sessions: std::sync::Mutex<[Option<u64>; 2]>,
     max_inputs: usize,
+}
+
+/// Which peer session a stage takes one of per configuration epoch.
+#[derive(Clone, Copy, Debug)]
+enum PeerSession {
+    /// From the previous stage.
+    Upstream = 0,
+    /// From the exit stage back to a generation entry stage.
+    Feedback = 1,
 }
 
 impl StageServer {
@@ -144,6 +161,7 @@ impl StageServer {
             owner: std::sync::Mutex::new(None),
             next_session: AtomicU64::new(1),
             epoch: std::sync::Mutex::new(0),
+            sessions: std::sync::Mutex::new([None; 2]),
             max_inputs: setup.max_inputs,
         })
     }
@@ -230,14 +248,20 @@ impl StageServer {
     }
 
     async fn handle(self: Arc<Self>, stream: transport::BoxStream, addr: String) {
+        // The epoch a stage peer's session was accepted in (set by `check`).
+        let claimed = std::sync::Mutex::new(None);
         let check = |p: &PeerInfo| {
-            if p.is_host() {
-                Ok(())
+            let session = if p.is_host() {
+                return Ok(());
             } else if self.is_feedback_peer(p) {
-                self.check_peer_at(p, self.claims().num_stages - 1)
+                self.check_peer_at(p, self.claims().num_stages - 1)?;
+                PeerSession::Feedback
             } else {
-                self.check_neighbour(p, -1)
-            }
+                self.check_neighbour(p, -1)?;
+                PeerSession::Upstream
+            };
+            *claimed.lock().unwrap() = Some(self.claim_session(session)?);
+            Ok(())
         };
         let (tx, rx, peer) =
             match channel::respond(stream, &self.identity(), self.limits, &check).await {
@@ -247,16 +271,46 @@ impl StageServer {
                     return;
                 }
             };
-        if peer.is_host() {
-            tracing::info!(peer = %addr, "host channel open");
-            self.host_session(Arc::new(Mutex::new(tx)), rx).await;
-        } else if self.is_feedback_peer(&peer) {
-            tracing::info!(peer = %addr, "feedback channel from the exit stage open (attested)");
-            self.feedback_session(rx).await;
-        } else {
-            tracing::info!(peer = %addr, "upstream stage channel open (attested)");
-            self.upstream_session(rx).await;
+        let epoch = claimed.into_inner().unwrap();
+        match (peer.is_host(), epoch, &peer.claims) {
+            (true, _, _) => {
+                tracing::info!(peer = %addr, "host channel open");
+                self.host_session(QueuedSender::spawn(tx), rx).await;
+            }
+            (false, Some(epoch), _) if self.is_feedback_peer(&peer) => {
+                tracing::info!(peer = %addr, "feedback channel from the exit stage open (attested)");
+                self.feedback_session(rx, epoch).await;
+            }
+            (false, Some(epoch), Some(c)) => {
+                tracing::info!(peer = %addr, "upstream stage channel open (attested)");
+                self.upstream_session(rx, epoch, c.receipt_key).await;
+            }
+            _ => tracing::warn!(peer = %addr, "stage peer without an accepted session; closed"),
         }
+    }
+
+    /// Takes this epoch's one `session` of its kind, or says why not: an
+    /// upstream session only once the stage is configured (the gateway
+    /// configures the exit stage first, so each stage's neighbour dials a
+    /// configured stage), a feedback session at any time (the exit stage
+    /// dials it while being configured, before the entry stage is). Both
+    /// are given again only after the host channel that configured the
+    /// stage closed (a new epoch, every request dropped).
+    fn claim_session(&self, session: PeerSession) -> Result<u64, String> {
+        let epoch = self.current_epoch();
+        if matches!(session, PeerSession::Upstream) && self.owner.lock().unwrap().is_none() {
+            return Err("this stage is not configured; it takes no upstream stage yet".into());
+        }
+        let mut sessions = self.sessions.lock().unwrap();
+        let slot = &mut sessions[session as usize];
+        if *slot == Some(epoch) {
+            return Err(format!(
+                "this stage already has its {session:?} session of this configuration; \
+                 it takes another only after its host reconfigures it"
+            ));
+        }
+        *slot = Some(epoch);
+        Ok(epoch)
     }
 
     /// The current configuration epoch.
@@ -300,10 +354,10 @@ impl StageServer {
         // Not awaited here: a send stuck on a dead peer holds the lock.
         tokio::spawn(async move {
             if let Some(s) = sink {
-                s.tx.lock().await.shutdown().await;
+                s.tx.shutdown().await;
             }
             if let Some(f) = feedback {
-                f.lock().await.shutdown().await;
+                f.shutdown().await;
             }
         });
         tracing::info!("pipeline torn down: its requests are dropped and its channels closed");
@@ -334,6 +388,11 @@ impl StageServer {
         // The entry stage's rotated key sets, sent to the host that
         // configured it as they change.
         let mut key_pusher: Option<tokio::task::JoinHandle<()>> = None;
+        // Request ids must increase on the channel that configured the
+        // stage (one per epoch), so an id names one request in every stage
+        // for as long as the pipeline lives: the host cannot make two
+        // requests share an id and so one context, rows or answer.
+        let mut last_request: Option<u64> = None;
         loop {
             let msg = match rx.recv_msg::<HostMessage>().await {
                 Ok(Some(m)) => m,
@@ -403,6 +462,16 @@ impl StageServer {
                         );
                         break;
                     };
+                    if last_request.is_some_and(|last| req.request_id <= last) {
+                        tracing::warn!(
+                            request_id = req.request_id,
+                            last = last_request,
+                            "request id not above the previous one (a reused id would \
+                             merge two requests); closing the host channel"
+                        );
+                        break;
+                    }
+                    last_request = Some(req.request_id);
                     self.accept_request(req, epoch).await;
                     None
                 }
@@ -428,7 +497,7 @@ impl StageServer {
                 }
             };
             if let Some(reply) = reply {
-                if tx.lock().await.send_msg(&reply).await.is_err() {
+                if tx.send_msg(&reply).await.is_err() {
                     break;
                 }
             }
@@ -482,7 +551,7 @@ impl StageServer {
                 let ep: Endpoint = ep.parse()?;
                 let check = |p: &PeerInfo| self.check_peer_at(p, 0);
                 let (tx, _rx) = self.dial(&ep, "the entry stage", &check).await?;
-                *self.feedback.lock().await = Some(Arc::new(Mutex::new(tx)));
+                *self.feedback.lock().await = Some(QueuedSender::spawn(tx));
                 tracing::info!(entry = %ep, "connected and attested the entry stage for feedback");
             }
             (None, StageModel::Generation(_))
@@ -511,7 +580,7 @@ impl StageServer {
                 let ep: Endpoint = ep.parse()?;
                 let check = |p: &PeerInfo| self.check_neighbour(p, 1);
                 let (tx, rx) = self.dial(&ep, "next stage", &check).await?;
-                let tx = Arc::new(Mutex::new(tx));
+                let tx = QueuedSender::spawn(tx);
                 *self.sink.lock().await = Some(Sink {
                     id,
                     tx,
@@ -536,18 +605,20 @@ impl StageServer {
         }
     }
 
-    /// Entry stage of a generation pipeline: sampled tokens from the exit stage.
-    async fn feedback_session(&self, mut rx: ChannelReceiver) {
+    /// Entry stage of a generation pipeline: sampled tokens from the exit
+    /// stage, accepted in configuration `epoch` and taken only while it lasts.
+    async fn feedback_session(&self, mut rx: ChannelReceiver, epoch: u64) {
         while let Some(m) = received(rx.recv_msg::<FeedbackMessage>().await, "feedback") {
-            if self.work.send(Work::Feedback(m)).is_err() {
-                tracing::error!("compute thread is gone");
+            if !self.submit(epoch, [Work::Feedback(m)]) {
+                tracing::info!("feedback channel of a torn-down pipeline; closing it");
                 return;
             }
         }
     }
 
-    async fn upstream_session(&self, mut rx: ChannelReceiver) {
-        let epoch = self.current_epoch();
+    /// Activations and links from the previous stage (whose receipt key is
+    /// `signer`), accepted in configuration `epoch` and taken only while it lasts.
+    async fn upstream_session(&self, mut rx: ChannelReceiver, epoch: u64, signer: [u8; 32]) {
         loop {
             let Some(m) = received(rx.recv_msg::<ActivationMessage>().await, "upstream") else {
                 return;
@@ -566,6 +637,7 @@ impl StageServer {
                     request_id,
                     links: links.into_iter().map(|l| l.into_vec()).collect(),
                     timings,
+                    signer,
                 },
                 ActivationMessage::Failed { request_id, error } => {
                     Work::Failed { request_id, error }
@@ -593,11 +665,7 @@ impl StageServer {
         };
         tracing::warn!(reason = %reason, "downstream lost");
         if let Some(host) = sink.and_then(|s| s.host) {
-            let _ = host
-                .lock()
-                .await
-                .send_msg(&StageReply::DownstreamLost(reason))
-                .await;
+            let _ = host.send_msg(&StageReply::DownstreamLost(reason)).await;
         }
     }
 
@@ -611,7 +679,7 @@ impl StageServer {
                     let fb = self.feedback.lock().await.clone();
                     match fb {
                         Some(tx) => {
-                            if let Err(e) = tx.lock().await.send_msg(&m).await {
+                            if let Err(e) = tx.send_msg(&m).await {
                                 tracing::warn!(error = %e, "feedback channel to the entry stage failed");
                                 *self.feedback.lock().await = None;
                             }
@@ -631,7 +699,7 @@ impl StageServer {
                 tracing::warn!("no downstream configured; dropping a micro-batch output");
                 continue;
             };
-            let r = tx.lock().await.send(&bytes).await;
+            let r = tx.send(bytes).await;
             if let Err(e) = r {
                 self.downstream_lost(id, format!("sending downstream failed: {e}"))
                     .await;
@@ -666,13 +734,7 @@ fn push_key_sets(
     tokio::spawn(async move {
         while sets.changed().await.is_ok() {
             let set = serde_bytes::ByteBuf::from(sets.borrow_and_update().clone());
-            if tx
-                .lock()
-                .await
-                .send_msg(&StageReply::KeySet(set))
-                .await
-                .is_err()
-            {
+            if tx.send_msg(&StageReply::KeySet(set)).await.is_err() {
                 break;
             }
         }

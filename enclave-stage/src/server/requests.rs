@@ -71,6 +71,9 @@ impl StageServer {
                 return self.emit(reject(ApiError::invalid(Some("input"), e))).await;
             }
         };
+        if let Err(e) = self.record_replay(&req) {
+            return self.emit(failure(exit, request_id, e)).await;
+        }
         let mut receipt_id = [0u8; 16];
         rand::rngs::OsRng.fill_bytes(&mut receipt_id);
         let ctx = RequestContext {
@@ -95,7 +98,13 @@ impl StageServer {
         sealed_error: &(dyn Fn(ApiError, ErrorKind) -> PipelineError + Send + Sync),
     ) {
         let request_id = req.request_id;
-        match self.prepare_completion(model, req, &plaintext, key).await {
+        let replay = (req.headers.enc, req.sealing);
+        let prepared = self
+            .prepare_completion(model, req, &plaintext, key)
+            .await
+            .map_err(|api| sealed_error(api, ErrorKind::BadInput))
+            .and_then(|p| self.record_replay_of(&replay.0, replay.1).map(|()| p));
+        match prepared {
             Ok((ctx, prompts)) => {
                 let work = Work::BeginGeneration {
                     ctx: Box::new(ctx),
@@ -105,8 +114,7 @@ impl StageServer {
                     tracing::info!("a request outlived its pipeline; dropped");
                 }
             }
-            Err(api) => {
-                let err = sealed_error(api, ErrorKind::BadInput);
+            Err(err) => {
                 self.emit(failure(self.model.claims().is_exit(), request_id, err))
                     .await
             }
@@ -217,7 +225,37 @@ impl StageServer {
         Ok((ctx, ids))
     }
 
-    /// Checks the key id, refuses replays, and opens the body.
+    /// Refuses a replay of a request that opened and validated (only such
+    /// a request is remembered, so garbage cannot fill the guard). The
+    /// partition it is remembered in follows the host's `sealing` label,
+    /// which the stage cannot verify, so a replay is looked for in both:
+    /// relabelling a client's request does not let it through again.
+    pub(super) fn record_replay(&self, req: &SealedRequest) -> Result<(), PipelineError> {
+        self.record_replay_of(&req.headers.enc, req.sealing)
+    }
+
+    fn record_replay_of(
+        &self,
+        enc: &[u8; proto::sealing::KEY_LEN],
+        sealing: Sealing,
+    ) -> Result<(), PipelineError> {
+        let mut guards = self.replay.lock().expect("replay guard lock");
+        let ReplayGuards { client, host } = &mut *guards;
+        let (guard, other) = match sealing {
+            Sealing::Enclave => (client, host),
+            Sealing::Gateway | Sealing::Plain => (host, client),
+        };
+        let now = Instant::now();
+        if other.contains(enc, now) {
+            return Err(replay_refusal(SealError::Replay, Duration::ZERO));
+        }
+        guard
+            .check_and_insert(enc, now)
+            .map_err(|e| replay_refusal(e, guard.retry_after(now)))
+    }
+
+    /// Checks the key id and opens the body (replays are refused once it
+    /// validated: [`Self::record_replay`]).
     pub(super) fn open(
         &self,
         req: &SealedRequest,
@@ -246,16 +284,6 @@ impl StageServer {
             })?;
         let (plaintext, material) = open_request(&key, &req.headers, &req.body)
             .map_err(|e| sealing_error(400, format!("the sealed request cannot be opened: {e}")))?;
-        // Only an authenticated body counts against the replay window.
-        let mut guards = self.replay.lock().expect("replay guard lock");
-        let guard = match req.sealing {
-            Sealing::Enclave => &mut guards.client,
-            Sealing::Gateway | Sealing::Plain => &mut guards.host,
-        };
-        let now = Instant::now();
-        guard
-            .check_and_insert(&req.headers.enc, now)
-            .map_err(|e| replay_refusal(e, guard.retry_after(now)))?;
         Ok((plaintext, material))
     }
 

@@ -117,7 +117,7 @@ impl Pipeline {
             readers.push(
                 tokio::spawn(async move { this.read_stage(i, rx, epoch).await }).abort_handle(),
             );
-            senders.push(Arc::new(Mutex::new(tx)));
+            senders.push(QueuedSender::spawn(tx));
         }
         *self.connected.lock().unwrap() = Some(Connected {
             senders,
@@ -241,7 +241,7 @@ impl Pipeline {
                 r.abort();
             }
             for tx in old.senders {
-                tokio::spawn(async move { tx.lock().await.shutdown().await });
+                tokio::spawn(async move { tx.shutdown().await });
             }
         }
         *self.not_ready_reason.lock().unwrap() = reason.clone();
@@ -297,11 +297,8 @@ impl Pipeline {
         let connected = self.connected.lock().unwrap().take();
         self.pending.lock().unwrap().clear();
         let Some(c) = connected else { return };
-        for (i, tx) in c.senders.into_iter().enumerate() {
-            match Arc::try_unwrap(tx) {
-                Ok(tx) => tx.into_inner().close().await,
-                Err(_) => tracing::debug!(stage = i, "channel still shared; dropped instead"),
-            }
+        for tx in c.senders {
+            tx.shutdown().await;
         }
         tracing::info!("stage channels closed");
     }

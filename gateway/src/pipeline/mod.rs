@@ -18,6 +18,7 @@ use proto::attestation::{
 use proto::channel::{
     self, ChannelError, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
 };
+use proto::channel_queue::QueuedSender;
 use proto::digest::Sha256Digest;
 use proto::frames::{
     HostMessage, PipelineError, RequestTelemetry, ResultMessage, SealedRequest, StageClaims,
@@ -157,7 +158,7 @@ pub struct StageStatus {
 
 struct Connected {
     /// Host channels, entry stage first.
-    senders: Vec<Arc<Mutex<ChannelSender>>>,
+    senders: Vec<QueuedSender>,
     /// The tasks reading each channel.
     readers: Vec<tokio::task::AbortHandle>,
     stages: Vec<StageStatus>,
@@ -193,7 +194,9 @@ pub struct Pipeline {
     stats_waiters: StdMutex<StatsWaiters>,
     /// Requests, tokens, finish reasons and time to first token (metrics).
     pub usage: crate::stage_metrics::UsageCounters,
-    next_id: AtomicU64,
+    /// The next request id, held while a request is queued on the entry
+    /// stage's channel: the entry stage refuses ids that do not increase.
+    next_id: Mutex<u64>,
     epoch: AtomicU64,
     broken: Notify,
     limits: ChannelLimits,
@@ -250,7 +253,7 @@ impl Pipeline {
             attest_waiters: StdMutex::new(HashMap::new()),
             stats_waiters: StdMutex::new(HashMap::new()),
             usage: Default::default(),
-            next_id: AtomicU64::new(1),
+            next_id: Mutex::new(1),
             epoch: AtomicU64::new(0),
             broken: Notify::new(),
             limits: ChannelLimits::default(),

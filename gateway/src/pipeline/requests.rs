@@ -77,7 +77,11 @@ impl Pipeline {
             Failure::NotReady(r) => Failure::NotSent(r),
             other => other,
         })?;
-        let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        // Ids reach the entry stage in increasing order (it refuses any
+        // other): the id is drawn and the request queued under one lock.
+        let mut next_id = self.next_id.lock().await;
+        let request_id = *next_id;
+        *next_id += 1;
         let (done, rx) = mpsc::unbounded_channel();
         self.pending.lock().unwrap().insert(request_id, done);
         let span = crate::telemetry::current_request_span();
@@ -101,7 +105,9 @@ impl Pipeline {
             sealing,
             trace,
         });
-        if let Err(e) = entry.lock().await.send_msg(&msg).await {
+        let sent = entry.send_msg(&msg).await;
+        drop(next_id);
+        if let Err(e) = sent {
             sub.finished = true;
             return Err(Failure::NotSent(format!("entry stage channel: {e}")));
         }
@@ -113,7 +119,7 @@ impl Pipeline {
         Failure::NotReady(self.not_ready_reason.lock().unwrap().clone())
     }
 
-    fn sender(&self, index: usize) -> Result<Arc<Mutex<ChannelSender>>, Failure> {
+    fn sender(&self, index: usize) -> Result<QueuedSender, Failure> {
         match &*self.connected.lock().unwrap() {
             Some(c) => Ok(c.senders[index].clone()),
             None => Err(Failure::NotReady(
@@ -143,7 +149,7 @@ impl Pipeline {
             let msg = HostMessage::Attest {
                 nonce: nonce.to_vec(),
             };
-            if let Err(e) = sender.lock().await.send_msg(&msg).await {
+            if let Err(e) = sender.send_msg(&msg).await {
                 return Err(Failure::NotReady(format!("stage {i}: {e}")));
             }
             waits.push(rx);
@@ -178,7 +184,7 @@ impl Pipeline {
                 .entry(i)
                 .or_default()
                 .push(tx);
-            let sent = sender.lock().await.send_msg(&HostMessage::Stats).await;
+            let sent = sender.send_msg(&HostMessage::Stats).await;
             waits.push(sent.is_ok().then_some(rx));
         }
         let mut out = Vec::new();
@@ -280,14 +286,16 @@ impl Drop for Submission {
             request_id,
             "client stopped waiting; cancelling in the stages"
         );
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let _ = entry
-                    .lock()
-                    .await
-                    .send_msg(&HostMessage::Cancel { request_id })
-                    .await;
-            });
+        if entry
+            .try_send_msg(&HostMessage::Cancel { request_id })
+            .is_err()
+        {
+            // The queue is full: wait for room off this (synchronous) drop.
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = entry.send_msg(&HostMessage::Cancel { request_id }).await;
+                });
+            }
         }
     }
 }

@@ -41,6 +41,20 @@ pub fn sign_receipt(key: &SigningKey, body: &ReceiptBody) -> Vec<u8> {
     sign(key, body.version.receipt_content_type(), body.to_cbor())
 }
 
+/// A link signed in the current format, checked as the next stage checks
+/// its predecessor's before signing its own: canonical COSE_Sign1, signed
+/// (strict Ed25519) by `key` itself, payload decoded.
+pub fn verify_link(signed: &[u8], key: &[u8; 32]) -> Result<Link, ReceiptError> {
+    let version = ReceiptVersion::CURRENT;
+    let s = parse_signed(signed, version.link_content_type())?;
+    if s.kid != *key || !verifies(&s, key) {
+        return Err(ReceiptError::BadHeader(
+            "link is not signed by the expected stage key".into(),
+        ));
+    }
+    Link::from_cbor_as(&s.payload, version)
+}
+
 /// Digest of a signed link, as the next link's `prev_link_digest`.
 pub fn link_digest(signed_link: &[u8]) -> Sha256Digest {
     Sha256Digest::of(signed_link)

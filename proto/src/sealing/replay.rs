@@ -34,9 +34,14 @@ impl ReplayGuard {
         }
     }
 
-    /// Records `enc` as seen at `now`; [`SealError::Replay`] if it was seen
-    /// within the window, [`SealError::ReplayCacheFull`] if there is no room.
-    pub fn check_and_insert(&mut self, enc: &[u8; KEY_LEN], now: Instant) -> Result<(), SealError> {
+    /// Whether `enc` was seen within the window (recording nothing), for a
+    /// caller that keeps several partitions and must catch a replay in any.
+    pub fn contains(&mut self, enc: &[u8; KEY_LEN], now: Instant) -> bool {
+        self.evict(now);
+        self.seen.contains(enc)
+    }
+
+    fn evict(&mut self, now: Instant) {
         while let Some((t, k)) = self.order.front() {
             if now.saturating_duration_since(*t) < self.window {
                 break;
@@ -44,6 +49,12 @@ impl ReplayGuard {
             self.seen.remove(k);
             self.order.pop_front();
         }
+    }
+
+    /// Records `enc` as seen at `now`; [`SealError::Replay`] if it was seen
+    /// within the window, [`SealError::ReplayCacheFull`] if there is no room.
+    pub fn check_and_insert(&mut self, enc: &[u8; KEY_LEN], now: Instant) -> Result<(), SealError> {
+        self.evict(now);
         if self.seen.contains(enc) {
             return Err(SealError::Replay);
         }

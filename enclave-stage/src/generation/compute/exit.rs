@@ -145,12 +145,14 @@ impl Generator {
         request_id: u64,
         links: Vec<Vec<u8>>,
         timings: Vec<StageTiming>,
+        signer: [u8; 32],
     ) {
         let exit = self.is_exit();
         let Some(r) = self.requests.get_mut(&request_id) else {
             return;
         };
         r.upstream_links = Some(links);
+        r.upstream_signer = Some(signer);
         r.upstream_timings = timings;
         // Middle stages: the previous stage finished, so every step of this
         // request has passed through here.
@@ -199,8 +201,10 @@ impl Generator {
             &self.keys,
             &r.ctx.env,
             &upstream,
+            r.upstream_signer.as_ref(),
             || Ok::<_, anyhow::Error>(combine(&r.received)),
             combine(&r.sent),
+            |why| anyhow!("receipt chain refused, nothing signed: {why}"),
         )?;
         if !self.is_exit() {
             return Ok(Output::Activation(crate::receipt_link::pass_on(

@@ -92,6 +92,8 @@ struct GenRequest {
     received: Vec<Option<Sha256Digest>>,
     sent: Vec<Option<Sha256Digest>>,
     upstream_links: Option<Vec<Vec<u8>>>,
+    /// The receipt key of the stage the links came from.
+    upstream_signer: Option<[u8; 32]>,
     /// Every choice has finished in this stage's view.
     done: bool,
     exit: Option<ExitState>,
@@ -132,6 +134,9 @@ pub struct Generator {
     sched: Option<Scheduler>,
     requests: HashMap<u64, GenRequest>,
     next_step: u64,
+    /// The id of the last request registered in this configuration: ids
+    /// must increase, so none is ever given to two requests.
+    last_begun: Option<u64>,
 }
 
 impl Generator {
@@ -162,6 +167,7 @@ impl Generator {
             sched,
             requests: HashMap::new(),
             next_step: 0,
+            last_begun: None,
         }
     }
 
@@ -242,7 +248,8 @@ impl Generator {
                 request_id,
                 links,
                 timings,
-            } => self.upstream_links(request_id, links, timings),
+                signer,
+            } => self.upstream_links(request_id, links, timings, signer),
             Work::Failed { request_id, error } => self.upstream_failed(request_id, error),
             Work::Cancel { request_id } => self.cancel(request_id),
             Work::Reset => self.reset(),
@@ -277,9 +284,26 @@ impl Generator {
 
     // ---- request lifecycle ----
 
-    /// Registers a request; `false` (and the request failed) when the exit
-    /// stage cannot seal to its response key.
+    /// Registers a request; `false` (and the request failed) when its id
+    /// was used before in this configuration (ids increase; a live request
+    /// with that id fails too rather than share its sequences), or when the
+    /// exit stage cannot seal to its response key.
     fn register(&mut self, ctx: GenerationContext) -> bool {
+        let request_id = ctx.env.request_id;
+        if let Some(last) = self.last_begun.filter(|&last| request_id <= last) {
+            tracing::warn!(request_id, last, "request id reused; refused");
+            let api = ApiError::internal("the request id was reused; refused");
+            let err = self.error_for(request_id, &api, ErrorKind::Internal);
+            if let Some(s) = self.sched.as_mut() {
+                s.remove(request_id);
+            }
+            if self.forget(request_id).is_some() && self.is_exit() {
+                self.send_feedback(FeedbackMessage::Dropped { request_id });
+            }
+            self.send(failure(self.is_exit(), request_id, err));
+            return false;
+        }
+        self.last_begun = Some(request_id);
         let n = ctx.prompts.len() * ctx.request.n as usize;
         let exit = match self.is_exit().then(|| self.exit_state(&ctx)).transpose() {
             Ok(exit) => exit,
@@ -303,6 +327,7 @@ impl Generator {
                 received: vec![None; n],
                 sent: vec![None; n],
                 upstream_links: entry.then(Vec::new),
+                upstream_signer: None,
                 done: false,
                 exit,
                 ctx,
@@ -377,13 +402,15 @@ impl Generator {
     /// Later stages: a request announced by the previous stage.
     fn begin(&mut self, ctx: GenerationContext) {
         let request_id = ctx.env.request_id;
-        if !self.is_exit() {
-            self.send(Output::Activation(ActivationMessage::BeginGeneration(
-                Box::new(ctx.clone()),
-            )));
+        let forward = (!self.is_exit()).then(|| ctx.clone());
+        if !self.register(ctx) {
+            return;
         }
-        if self.register(ctx) && self.is_exit() {
-            self.start_stream(request_id);
+        match forward {
+            Some(ctx) => self.send(Output::Activation(ActivationMessage::BeginGeneration(
+                Box::new(ctx),
+            ))),
+            None => self.start_stream(request_id),
         }
     }
 
@@ -414,6 +441,7 @@ impl Generator {
         if let Some(s) = self.sched.as_mut() {
             s.clear();
         }
+        self.last_begun = None;
         let ids: Vec<u64> = self.requests.keys().copied().collect();
         let n = ids.len();
         for id in ids {

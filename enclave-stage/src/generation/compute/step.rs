@@ -34,16 +34,25 @@ impl Generator {
                 );
             }
         };
-        // Digest what we received, row by row.
+        // Digest what we received, row by row. A sequence that is not one
+        // of its request's choices fails the request.
         let mut off = 0usize;
+        let mut strays = Vec::new();
         for s in &b.seqs {
             let len = s.len as usize * hidden * 4;
             if let Some(r) = self.requests.get_mut(&s.request_id) {
-                if let Some(slot) = r.received.get_mut(s.choice as usize) {
-                    *slot = Some(chain(*slot, s, &b.hidden.data[off..off + len]));
+                match r.received.get_mut(s.choice as usize) {
+                    Some(slot) => *slot = Some(chain(*slot, s, &b.hidden.data[off..off + len])),
+                    None => strays.push(s.request_id),
                 }
             }
             off += len;
+        }
+        if !strays.is_empty() {
+            self.fail(
+                &strays,
+                &anyhow!("a step row is not one of its request's choices"),
+            );
         }
         let t = match Tensor::from_vec(values, (total as usize, hidden), self.part.device()) {
             Ok(t) => t,
