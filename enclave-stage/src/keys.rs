@@ -47,6 +47,16 @@ fn free_id(ids: &std::ops::RangeInclusive<u8>, held: &[Held]) -> Option<u8> {
         .choose(&mut rand::rngs::OsRng)
 }
 
+/// A fresh Ed25519 receipt-signing key. `SigningKey::generate` draws the
+/// seed into a local array it never wipes; here the seed lives in a buffer
+/// wiped on drop, and the key itself wipes its copy (`ZeroizeOnDrop`).
+fn receipt_key() -> SigningKey {
+    use rand::RngCore;
+    let mut seed = zeroize::Zeroizing::new([0u8; 32]);
+    rand::rngs::OsRng.fill_bytes(&mut *seed);
+    SigningKey::from_bytes(&seed)
+}
+
 /// Keys and boot evidence of one stage.
 pub struct StageKeys {
     /// Receipt-signing key.
@@ -74,7 +84,7 @@ impl StageKeys {
         rotation: Option<Rotation>,
         key_ids: std::ops::RangeInclusive<u8>,
     ) -> Result<Self, AttestError> {
-        let receipt = SigningKey::generate(&mut rand::rngs::OsRng);
+        let receipt = receipt_key();
         let hpke = claims
             .is_entry()
             .then(|| ServerKey::generate(free_id(&key_ids, &[]).unwrap_or(*key_ids.start())));
@@ -293,6 +303,19 @@ impl HpkeKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn assert_zod<T: zeroize::ZeroizeOnDrop>() {}
+
+    /// Issue 34, item 3: the stage's secrets wipe themselves when dropped
+    /// (the receipt key, and each HPKE key the stage holds or hands out).
+    #[test]
+    fn stage_secrets_are_wiped_on_drop() {
+        assert_zod::<SigningKey>();
+        assert_zod::<ServerKey>();
+        let a = receipt_key();
+        let b = receipt_key();
+        assert_ne!(a.verifying_key(), b.verifying_key(), "fresh seeds");
+    }
 
     fn keys() -> HpkeKeys {
         HpkeKeys::new(

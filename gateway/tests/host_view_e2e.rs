@@ -7,8 +7,7 @@
 mod common;
 
 use common::*;
-use proto::channel::{ChannelLimits, LocalIdentity, PeerInfo};
-use proto::frames::{HostMessage, StageReply};
+
 use proto::sealing::{seal_request, Aead, KeyConfig};
 use serde_json::json;
 
@@ -97,26 +96,15 @@ fn remote_stages(dir: &std::path::Path) -> (String, StageProc, StageProc) {
 }
 
 /// Sends `Configure` to a stage over a host channel of its own (as any
-/// local process can) and returns the stage's answer.
-async fn configure_as_intruder(endpoint: &str, next: Option<String>) -> StageReply {
-    let ep: proto::transport::Endpoint = endpoint.parse().unwrap();
-    let stream = proto::transport::connect(&ep).await.unwrap();
-    let (mut tx, mut rx, _) = proto::channel::initiate(
-        stream,
-        &LocalIdentity::host(),
-        ChannelLimits::default(),
-        &|_: &PeerInfo| Ok(()),
-    )
-    .await
-    .unwrap();
-    tx.send_msg(&HostMessage::Configure {
-        key_ids: None,
-        next,
-        feedback: None,
-    })
-    .await
-    .unwrap();
-    rx.recv_msg::<StageReply>().await.unwrap().unwrap()
+/// local process can) and returns the stage's verdict.
+async fn configure_as_intruder(
+    endpoint: &str,
+    next: Option<String>,
+) -> Result<common::hostile::Configured, String> {
+    common::hostile::Host::open(endpoint)
+        .await
+        .configure(next, None)
+        .await
 }
 
 /// Issue 18, finding 6: a second host channel cannot reconfigure a stage
@@ -137,11 +125,8 @@ async fn another_host_channel_cannot_take_a_stage_over() {
         (&s0.endpoint, Some(s1.endpoint.clone())),
     ] {
         match configure_as_intruder(ep, next).await {
-            StageReply::ConfigureFailed(why) => {
-                assert!(why.contains("another host channel"), "{why}")
-            }
-            StageReply::Configured { .. } => panic!("a second host took stage {ep} over"),
-            _ => panic!("stage {ep} answered Configure with something else"),
+            Err(why) => assert!(why.contains("another host channel"), "{why}"),
+            Ok(_) => panic!("a second host took stage {ep} over"),
         }
     }
     let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": "still served"})).await;
@@ -152,12 +137,11 @@ async fn another_host_channel_cannot_take_a_stage_over() {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         match configure_as_intruder(&s1.endpoint, None).await {
-            StageReply::Configured { .. } => break,
-            StageReply::ConfigureFailed(why) => assert!(
+            Ok(_) => break,
+            Err(why) => assert!(
                 std::time::Instant::now() < deadline,
                 "the stage stayed owned after its host left: {why}"
             ),
-            _ => panic!("the stage answered Configure with something else"),
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }

@@ -60,6 +60,23 @@ pub struct VerifiedBundle {
     pub measurements: Vec<String>,
 }
 
+/// Whether a bundle check accepts evidence made before documents carried a
+/// purpose label (`user_data` = the legacy claims binding,
+/// [`legacy_claims_binding`]). Such a document says nothing about what it
+/// was made for, so a check that is about to trust a stage's keys refuses
+/// it; only an offline check of a bundle archived before the label existed
+/// has a reason to accept it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LegacyEvidence {
+    /// Refused, naming the reason (the default, and what every online
+    /// client path uses).
+    #[default]
+    Refuse,
+    /// Accepted and reported as `LEGACY` (`gateway verify evidence` and
+    /// `gateway verify receipt`, offline).
+    Accept,
+}
+
 /// One line of a verification report.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Check {
@@ -95,12 +112,24 @@ impl EvidenceBundle {
     /// Nitro certificates judged at a given time). Fresh evidence is judged
     /// at the verifier's time; boot evidence (made at stage start, bound to
     /// no nonce) at its own time, since its leaf certificate expires hours
-    /// after the stage started.
+    /// after the stage started. Legacy evidence is refused
+    /// ([`Self::verify_accepting`] says otherwise).
     pub fn verify_with(
         &self,
         policy: &Policy,
         expected_nonce: &[u8],
         verifier: &AnyVerifier,
+    ) -> (Vec<Check>, Option<VerifiedBundle>) {
+        self.verify_accepting(policy, expected_nonce, verifier, LegacyEvidence::Refuse)
+    }
+
+    /// As [`Self::verify_with`], with legacy evidence accepted or not.
+    pub fn verify_accepting(
+        &self,
+        policy: &Policy,
+        expected_nonce: &[u8],
+        verifier: &AnyVerifier,
+        legacy: LegacyEvidence,
     ) -> (Vec<Check>, Option<VerifiedBundle>) {
         let mut lines = Vec::new();
         let mut all = true;
@@ -144,6 +173,7 @@ impl EvidenceBundle {
                 &manifest_digest,
                 next_layer,
                 verifier,
+                legacy,
             );
             match r {
                 Ok((k, m, is_mock, legacy)) => {
@@ -208,6 +238,7 @@ impl EvidenceBundle {
         manifest_digest: &Sha256Digest,
         next_layer: u32,
         verifier: &AnyVerifier,
+        accept_legacy: LegacyEvidence,
     ) -> Result<(StageKeys, String, bool, bool), String> {
         let c = &s.claims;
         if s.index as usize != pos || c.stage_index != s.index {
@@ -240,14 +271,22 @@ impl EvidenceBundle {
             .at_document_time()
             .verify(&s.boot_evidence)
             .map_err(|e| format!("boot evidence: {e}"))?;
-        // Documents made before evidence carried a purpose still verify, as
-        // such; a document made for another purpose never does.
+        // Documents made before evidence carried a purpose verify, as such,
+        // only where the caller accepts them; a document made for another
+        // purpose never does.
         let mut legacy = false;
         for (what, doc, purpose) in [
             ("fresh", &fresh, EvidencePurpose::Attestation),
             ("boot", &boot, EvidencePurpose::Boot),
         ] {
             if doc.user_data == legacy_claims_binding(doc.format, &claims_bytes) {
+                if accept_legacy == LegacyEvidence::Refuse {
+                    return Err(format!(
+                        "{what} evidence has the LEGACY claims binding (made before documents \
+                         carried a purpose label), refused here: only an offline check of an \
+                         archived bundle (`gateway verify evidence`) accepts it"
+                    ));
+                }
                 legacy = true;
             } else if doc.user_data != claims_binding(doc.format, purpose, &claims_bytes) {
                 return Err(format!(
@@ -406,20 +445,43 @@ mod tests {
     }
 
     /// A bundle archived before documents carried a purpose still
-    /// verifies, and says it is legacy evidence.
+    /// verifies where the caller accepts legacy evidence, and says it is
+    /// legacy evidence; by default it is refused (issue 34, item 5).
     #[test]
-    fn legacy_evidence_verifies_as_legacy() {
+    fn legacy_evidence_verifies_as_legacy_only_when_accepted() {
         let legacy = |p: &MockProvider, c: &StageClaims, nonce: &[u8]| {
             let ud = legacy_claims_binding(p.format(), &crate::cbor::to_vec(c));
             p.attest(&c.receipt_key, &ud, nonce).unwrap()
         };
         let (b, policy) = bundle(legacy, |p, c| legacy(p, c, &[]));
-        let (lines, ok) = b.verify(&policy, b"nonce");
+        let v = AnyVerifier::default();
+        let (lines, ok) = b.verify_accepting(&policy, b"nonce", &v, LegacyEvidence::Accept);
         assert!(ok.is_some(), "{lines:?}");
         assert!(
             lines.iter().any(|l| l.ok && l.detail.contains("LEGACY")),
             "{lines:?}"
         );
+        for (lines, ok) in [
+            b.verify(&policy, b"nonce"),
+            b.verify_accepting(&policy, b"nonce", &v, LegacyEvidence::Refuse),
+        ] {
+            assert!(ok.is_none(), "legacy evidence accepted by default");
+            assert!(
+                lines
+                    .iter()
+                    .any(|l| !l.ok && l.detail.contains("LEGACY claims binding")),
+                "{lines:?}"
+            );
+        }
+        // Only one of the two documents legacy: refused as well.
+        let (b, policy) = bundle(purposed(EvidencePurpose::Attestation), |p, c| {
+            legacy(p, c, &[])
+        });
+        assert!(b.verify(&policy, b"nonce").1.is_none());
+        assert!(b
+            .verify_accepting(&policy, b"nonce", &v, LegacyEvidence::Accept)
+            .1
+            .is_some());
     }
 
     fn receipt_signer() -> ed25519_dalek::SigningKey {

@@ -36,16 +36,16 @@ use crate::attestation::{
 use crate::digest::Sha256Digest;
 use crate::frames::StageClaims;
 use crate::transport::BoxStream;
+use crate::wipe::{SecretHkdf, WipeOnDrop};
 use chacha20poly1305::aead::{AeadInPlace, KeyInit};
 use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
-use hkdf::Hkdf;
 use rand::RngCore;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
-use sha2::Sha256;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, ReadHalf, WriteHalf};
 use x25519_dalek::{EphemeralSecret, PublicKey};
+use zeroize::Zeroizing;
 
 const VERSION: u32 = 1;
 const HANDSHAKE_MAX: usize = 256 * 1024;
@@ -336,9 +336,12 @@ impl ChannelSender {
         Ok(())
     }
 
-    /// Sends a CBOR-encoded value.
+    /// Sends a CBOR-encoded value. The encoding (which may carry a response
+    /// key or a digest salt) is wiped once sent, or when a cancelled send
+    /// drops it.
     pub async fn send_msg<T: Serialize>(&mut self, value: &T) -> Result<(), ChannelError> {
-        self.send(&crate::cbor::to_vec(value)).await
+        let bytes = WipeOnDrop(crate::cbor::to_vec(value));
+        self.send(&bytes).await
     }
 
     /// Records sent so far.
@@ -441,14 +444,18 @@ impl ChannelReceiver {
         }
     }
 
-    /// Receives and decodes a CBOR value; `Ok(None)` on a clean close.
+    /// Receives and decodes a CBOR value; `Ok(None)` on a clean close. The
+    /// received plaintext is wiped once decoded.
     pub async fn recv_msg<T: DeserializeOwned>(&mut self) -> Result<Option<T>, ChannelError> {
         match self.recv().await? {
             None => Ok(None),
-            Some(bytes) => crate::cbor::from_slice(&bytes).map(Some).map_err(|e| {
-                self.poisoned = true;
-                ChannelError::Malformed(e)
-            }),
+            Some(bytes) => {
+                let bytes = WipeOnDrop(bytes);
+                crate::cbor::from_slice(&bytes).map(Some).map_err(|e| {
+                    self.poisoned = true;
+                    ChannelError::Malformed(e)
+                })
+            }
         }
     }
 }
@@ -535,16 +542,18 @@ fn derive_keys(
         return Err(ChannelError::Handshake("peer sent a low-order key".into()));
     }
     let th = Sha256Digest::of_parts("stage-channel/v1 transcript", transcript);
-    let hk = Hkdf::<Sha256>::new(Some(&th.0), shared.as_bytes());
-    let mut i2r = [0u8; 32];
-    let mut r2i = [0u8; 32];
-    hk.expand(b"stage-channel/v1 initiator->responder", &mut i2r)
+    // The HKDF state, the direction keys and the ciphers holding them are
+    // all wiped when dropped (the shared secret wipes itself).
+    let hk = SecretHkdf::new(Some(&th.0), shared.as_bytes());
+    let mut i2r = Zeroizing::new([0u8; 32]);
+    let mut r2i = Zeroizing::new([0u8; 32]);
+    hk.expand(b"stage-channel/v1 initiator->responder", &mut *i2r)
         .expect("32 bytes is a valid HKDF length");
-    hk.expand(b"stage-channel/v1 responder->initiator", &mut r2i)
+    hk.expand(b"stage-channel/v1 responder->initiator", &mut *r2i)
         .expect("32 bytes is a valid HKDF length");
     Ok((
-        ChaCha20Poly1305::new(Key::from_slice(&i2r)),
-        ChaCha20Poly1305::new(Key::from_slice(&r2i)),
+        ChaCha20Poly1305::new(Key::from_slice(&*i2r)),
+        ChaCha20Poly1305::new(Key::from_slice(&*r2i)),
     ))
 }
 

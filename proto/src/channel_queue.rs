@@ -8,8 +8,12 @@
 //! a spent nonce behind ([`ChannelSender::send`] itself is not cancel-safe:
 //! it poisons the sender when cancelled). Messages go out in the order they
 //! were queued.
+//!
+//! Every queued message is wiped once written, or when it is dropped unsent
+//! (encoded messages carry response keys and digest salts).
 
 use crate::channel::{ChannelError, ChannelSender};
+use crate::wipe::WipeOnDrop;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -17,7 +21,7 @@ use tokio::sync::mpsc;
 pub const QUEUE_DEPTH: usize = 64;
 
 enum Command {
-    Message(Vec<u8>),
+    Message(WipeOnDrop),
     Shutdown,
 }
 
@@ -57,7 +61,7 @@ impl QueuedSender {
     /// the peer's side notice.
     pub async fn send(&self, msg: Vec<u8>) -> Result<(), ChannelError> {
         self.tx
-            .send(Command::Message(msg))
+            .send(Command::Message(WipeOnDrop(msg)))
             .await
             .map_err(|_| ChannelError::Poisoned)
     }
@@ -71,7 +75,7 @@ impl QueuedSender {
     /// error when the queue is full or the writer stopped.
     pub fn try_send_msg<T: Serialize>(&self, value: &T) -> Result<(), ChannelError> {
         self.tx
-            .try_send(Command::Message(crate::cbor::to_vec(value)))
+            .try_send(Command::Message(WipeOnDrop(crate::cbor::to_vec(value))))
             .map_err(|_| ChannelError::Poisoned)
     }
 

@@ -290,6 +290,16 @@ pub struct Envelope {
     pub trace: Option<TraceContext>,
 }
 
+/// The digest salt is wiped when the envelope is dropped; the response key
+/// wipes its own secret.
+impl Drop for Envelope {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.digest_salt);
+    }
+}
+
+impl zeroize::ZeroizeOnDrop for Envelope {}
+
 /// What later stages need to know about an embeddings request; sent by the
 /// entry stage ahead of the request's activations, inside the attested
 /// channel.
@@ -469,4 +479,18 @@ pub enum ResultMessage {
         #[serde(default)]
         telemetry: Option<RequestTelemetry>,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 34, item 3: an envelope wipes its digest salt when dropped
+    /// (its response key wipes its own secret).
+    #[test]
+    fn an_envelope_is_zeroize_on_drop() {
+        fn assert_zod<T: zeroize::ZeroizeOnDrop>() {}
+        assert_zod::<Envelope>();
+        assert_zod::<ResponseKeyMaterial>();
+    }
 }

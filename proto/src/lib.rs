@@ -28,3 +28,4 @@ pub mod sealing;
 pub mod tensor;
 pub mod text;
 pub mod transport;
+pub mod wipe;

@@ -461,8 +461,17 @@ struct TestCa {
 }
 
 fn test_ca(root_name: &[(rcgen::DnType, &str)]) -> TestCa {
+    test_ca_signed_with(root_name, &rcgen::PKCS_ECDSA_P384_SHA384)
+}
+
+/// As [`test_ca`], with a root key (which signs the leaf certificate) of
+/// `root_alg`; the leaf key, which signs documents, is P-384 either way.
+fn test_ca_signed_with(
+    root_name: &[(rcgen::DnType, &str)],
+    root_alg: &'static rcgen::SignatureAlgorithm,
+) -> TestCa {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-    let root_key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P384_SHA384).unwrap();
+    let root_key = KeyPair::generate_for(root_alg).unwrap();
     let mut rp = CertificateParams::new(Vec::<String>::new()).unwrap();
     rp.distinguished_name = rcgen::DistinguishedName::new();
     for (t, v) in root_name {
@@ -643,6 +652,117 @@ fn a_chain_to_another_root_is_rejected_even_with_that_root_in_the_bundle() {
     match NitroVerifier::aws().at(SYNTH_NOW).verify(&doc) {
         Err(AttestError::UntrustedChain(_) | AttestError::BadCertificate(_)) => {}
         other => panic!("look-alike root accepted: {other:?}"),
+    }
+}
+
+/// Issue 34, item 4: the chain accepts only what AWS's uses (ECDSA P-384
+/// with SHA-384). A leaf certificate signed with P-256/SHA-256 by a root
+/// the verifier trusts is refused as such; the same chain signed with
+/// P-384 verifies.
+#[test]
+fn a_chain_signed_with_p256_sha256_is_refused() {
+    let name = [(rcgen::DnType::CommonName, "self-made test root")];
+    let p384 = test_ca_signed_with(&name, &rcgen::PKCS_ECDSA_P384_SHA384);
+    let doc = p384.document(b"pk", b"ud", b"nonce");
+    assert!(p384.verifier().verify(&doc).is_ok());
+    let p256 = test_ca_signed_with(&name, &rcgen::PKCS_ECDSA_P256_SHA256);
+    let doc = p256.document(b"pk", b"ud", b"nonce");
+    match p256.verifier().verify(&doc) {
+        Err(AttestError::BadCertificate(why)) => {
+            assert!(why.contains("P-384"), "{why}")
+        }
+        other => panic!("a P-256/SHA-256 chain was not refused as such: {other:?}"),
+    }
+}
+
+/// The order of P-384, big-endian.
+const P384_N: [u8; 48] = [
+    0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xc7, 0x63, 0x4d, 0x81, 0xf4, 0x37, 0x2d, 0xdf,
+    0x58, 0x1a, 0x0d, 0xb2, 0x48, 0xb0, 0xa7, 0x7a, 0xec, 0xec, 0x19, 0x6a, 0xcc, 0xc5, 0x29, 0x73,
+];
+
+/// `n - s` for a 48-byte big-endian `s < n`.
+fn negate_s(s: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; 48];
+    let mut borrow = 0i16;
+    for i in (0..48).rev() {
+        let mut d = P384_N[i] as i16 - s[i] as i16 - borrow;
+        borrow = (d < 0) as i16;
+        if d < 0 {
+            d += 256;
+        }
+        out[i] = d as u8;
+    }
+    assert_eq!(borrow, 0);
+    out
+}
+
+/// Issue 34, item 4: a recorded document has no other byte form that
+/// verifies, except the two the signature scheme itself allows. Refused:
+/// a longer CBOR length form, an indefinite-length payload, an entry in
+/// the (unsigned) unprotected header, bytes after the array. Still
+/// accepted, and listed under "What is not defended" in
+/// docs/threat-model.md: the other ECDSA signature `(r, n − s)`, which AWS
+/// does not normalise (two of the five recorded documents have the high
+/// `s`), and the COSE tag 18 in front.
+#[test]
+fn a_real_document_has_no_other_encoding_but_s_and_the_tag() {
+    for f in FIXTURES {
+        let doc = fixture_bytes(f);
+        let t = mid(f);
+        let (sign1, _) = parse_cose(&doc).unwrap();
+        let payload = sign1.payload.clone().unwrap();
+        let payload_at = find(&doc, &payload);
+        // The payload's byte-string head is 0x59 (two-byte length).
+        assert_eq!(doc[payload_at - 3], 0x59, "{}", f.file);
+        let head = payload_at - 3;
+        let refused = |bad: Vec<u8>, what: &str| match verify_at(&bad, t) {
+            Err(AttestError::Malformed(_)) => {}
+            other => panic!("{}: {what} was not refused: {other:?}", f.file),
+        };
+        // The payload's length in four bytes instead of two.
+        let mut longer = doc[..head].to_vec();
+        longer.extend_from_slice(&[0x5a, 0, 0]);
+        longer.extend_from_slice(&doc[head + 1..]);
+        refused(longer, "a four-byte payload length");
+        // The payload as an indefinite-length byte string of one chunk.
+        let mut indefinite = doc[..head].to_vec();
+        indefinite.push(0x5f);
+        indefinite.extend_from_slice(&doc[head..payload_at + payload.len()]);
+        indefinite.push(0xff);
+        indefinite.extend_from_slice(&doc[payload_at + payload.len()..]);
+        refused(indefinite, "an indefinite-length payload");
+        // An unprotected header entry (kid = h'00') instead of `{}`.
+        let unprotected = 1 + 1 + sign1.protected.original_data.as_ref().unwrap().len();
+        assert_eq!(doc[unprotected], 0xa0);
+        let mut with_kid = doc[..unprotected].to_vec();
+        with_kid.extend_from_slice(&[0xa1, 0x04, 0x41, 0x00]);
+        with_kid.extend_from_slice(&doc[unprotected + 1..]);
+        refused(with_kid, "an unprotected header entry");
+        // Bytes after the array.
+        let mut followed = doc.clone();
+        followed.push(0x00);
+        assert!(verify_at(&followed, t).is_err(), "{}", f.file);
+
+        // What is still accepted: (r, n - s) and the tag.
+        let mut flipped = doc.clone();
+        let s_at = doc.len() - 48;
+        let other_s = negate_s(&doc[s_at..]);
+        flipped[s_at..].copy_from_slice(&other_s);
+        assert!(verify_at(&flipped, t).is_ok(), "{}", f.file);
+        let mut tagged = vec![0xd2];
+        tagged.extend_from_slice(&doc);
+        assert!(verify_at(&tagged, t).is_ok(), "{}", f.file);
+        let digest = |d: &[u8]| {
+            Evidence {
+                format: EvidenceFormat::Nitro,
+                document: d.to_vec(),
+            }
+            .digest()
+        };
+        assert_ne!(digest(&doc), digest(&flipped));
+        assert_ne!(digest(&doc), digest(&tagged));
     }
 }
 

@@ -21,10 +21,35 @@ use crate::keys::StageKeys;
 use crate::stats::STATS;
 use crate::work::{failure, Output, Work};
 use proto::frames::{ActivationBatch, ActivationMessage, BatchItem, ErrorKind};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::Sender;
+
+/// Rows the entry stage has admitted and not yet computed or dropped: what
+/// its admission bounds ([`admit_rows`]), so that the work queue stays
+/// bounded.
+static QUEUED_ROWS: AtomicUsize = AtomicUsize::new(0);
+
+/// Admits `n` more rows if at most `cap` would then be waiting (entry
+/// stage); `false`: the request must be refused (503, retry later).
+pub fn admit_rows(n: usize, cap: usize) -> bool {
+    let before = QUEUED_ROWS.fetch_add(n, Ordering::SeqCst);
+    if before + n > cap && before > 0 {
+        QUEUED_ROWS.fetch_sub(n, Ordering::SeqCst);
+        return false;
+    }
+    true
+}
+
+/// `n` admitted rows left the queue (computed, dropped, or never queued).
+pub fn rows_left(n: usize) {
+    let _ = QUEUED_ROWS.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
+        Some(q.saturating_sub(n))
+    });
+}
 
 /// State of the compute thread.
 pub struct Compute {
@@ -66,15 +91,31 @@ impl Compute {
 
     /// Runs until the work queue closes.
     pub fn run(mut self, rx: Receiver<Work>) {
-        while let Ok(first) = rx.recv() {
+        // Work taken off the queue early (by [`Self::absorb`]), in order.
+        let mut backlog = VecDeque::new();
+        loop {
+            let first = match backlog.pop_front() {
+                Some(w) => w,
+                None => match rx.recv() {
+                    Ok(w) => w,
+                    Err(_) => return,
+                },
+            };
             let mut seqs = Vec::new();
             // Drain before refill: everything queued now joins this round.
             let mut next = Some(first);
-            while let Some(w) = next.take().or_else(|| rx.try_recv().ok()) {
+            while let Some(w) = next
+                .take()
+                .or_else(|| backlog.pop_front())
+                .or_else(|| rx.try_recv().ok())
+            {
                 match w {
                     Work::Begin(ctx) => self.begin(ctx),
                     Work::Seqs(s) => seqs.extend(s),
-                    Work::Batch(b) => self.run_activation_batch(b),
+                    Work::Batch(b) => {
+                        self.absorb(&rx, &mut backlog);
+                        self.run_activation_batch(b)
+                    }
                     Work::Links {
                         request_id,
                         links,
@@ -85,12 +126,10 @@ impl Compute {
                             .upstream_links(request_id, links, timings, signer);
                         self.try_finish(request_id);
                     }
-                    Work::Failed { request_id, error } => {
-                        self.tracker.forget(request_id);
-                        self.send(failure(self.engine.claims.is_exit(), request_id, error));
-                    }
-                    Work::Cancel { request_id } => self.tracker.forget(request_id),
+                    Work::Failed { request_id, error } => self.upstream_failed(request_id, error),
+                    Work::Cancel { request_id } => self.cancel(request_id),
                     Work::Reset => {
+                        rows_left(seqs.len());
                         seqs.clear();
                         self.tracker.clear();
                     }
@@ -102,11 +141,73 @@ impl Compute {
             if !seqs.is_empty() {
                 let stages = self.engine.claims.num_stages as usize;
                 for mb in plan(seqs, &self.limits, &self.shape, stages) {
-                    self.run_seqs(mb);
+                    // Rows of requests cancelled (or failed) meanwhile are
+                    // dropped before they are computed.
+                    self.absorb(&rx, &mut backlog);
+                    let n = mb.len();
+                    let live: Vec<Seq> = mb
+                        .into_iter()
+                        .filter(|s| self.tracker.knows(s.item.request_id))
+                        .collect();
+                    if !live.is_empty() {
+                        self.run_seqs(live);
+                    }
+                    rows_left(n);
                 }
             }
             STATS.gauges(self.tracker.len(), 0, 0, 0);
         }
+    }
+
+    /// Takes what is queued now into `backlog` (keeping its order), acting
+    /// at once on what drops a request this stage holds: a cancellation,
+    /// an upstream failure, a teardown. So a client that hangs up stops
+    /// costing compute at the next micro-batch, in every stage, instead of
+    /// after all of its rows.
+    fn absorb(&mut self, rx: &Receiver<Work>, backlog: &mut VecDeque<Work>) {
+        while let Ok(w) = rx.try_recv() {
+            match w {
+                Work::Cancel { request_id } if self.tracker.knows(request_id) => {
+                    self.cancel(request_id)
+                }
+                Work::Failed { request_id, error } if self.tracker.knows(request_id) => {
+                    self.upstream_failed(request_id, error)
+                }
+                Work::Reset => {
+                    // Everything before it belongs to the torn-down pipeline.
+                    self.tracker.clear();
+                    backlog.push_back(Work::Reset);
+                }
+                w => backlog.push_back(w),
+            }
+        }
+    }
+
+    /// The client went away (entry stage): the request is dropped here, and
+    /// in the later stages, which the failure (499) tells.
+    fn cancel(&mut self, request_id: u64) {
+        if !self.tracker.knows(request_id) {
+            return;
+        }
+        self.tracker.forget(request_id);
+        tracing::info!(
+            request_id,
+            "request cancelled by the client; its rows are dropped"
+        );
+        let err = proto::frames::PipelineError {
+            kind: ErrorKind::Internal,
+            status: 499,
+            message: "the client closed the request".into(),
+            retry_after_secs: None,
+            sealed_body: None,
+        };
+        self.send(failure(self.engine.claims.is_exit(), request_id, err));
+    }
+
+    /// A request failed in an earlier stage: forgotten here, passed on.
+    fn upstream_failed(&mut self, request_id: u64, error: proto::frames::PipelineError) {
+        self.tracker.forget(request_id);
+        self.send(failure(self.engine.claims.is_exit(), request_id, error));
     }
 
     /// A request begins here (and, before the exit stage, downstream), unless
@@ -166,6 +267,10 @@ impl Compute {
     }
 
     fn run_activation_batch(&mut self, b: ActivationBatch) {
+        if !b.items.iter().any(|i| self.tracker.knows(i.request_id)) {
+            // Every row's request was cancelled or failed: nothing to compute.
+            return;
+        }
         for (row, item) in b.items.iter().enumerate() {
             if let Err(why) = self
                 .tracker

@@ -5,7 +5,12 @@
 //! client.
 
 use super::*;
+use crate::embedding::compute::{admit_rows, rows_left};
 use crate::embedding::engine::Engine;
+
+/// How many full-size embeddings requests' rows (`max_inputs` each) the
+/// entry stage queues before it answers 503 + `Retry-After`.
+const QUEUED_REQUESTS: usize = 4;
 
 impl StageServer {
     /// Opens, validates and tokenizes a sealed request, then hands its
@@ -71,7 +76,23 @@ impl StageServer {
                 return self.emit(reject(ApiError::invalid(Some("input"), e))).await;
             }
         };
+        // A bounded queue: past it, 503 and retry (before the replay guard
+        // remembers the request, so the client's retry is not a replay).
+        let rows = seqs.len();
+        if !admit_rows(rows, self.max_inputs * QUEUED_REQUESTS) {
+            let api = ApiError {
+                status: 503,
+                message: "The server is at capacity for embeddings; retry shortly.".into(),
+                kind: "server_error".into(),
+                param: None,
+                code: Some("overloaded".into()),
+            };
+            let mut err = sealed_error(api, ErrorKind::BadInput);
+            err.retry_after_secs = Some(1);
+            return self.emit(failure(exit, request_id, err)).await;
+        }
         if let Err(e) = self.record_replay(&req) {
+            rows_left(rows);
             return self.emit(failure(exit, request_id, e)).await;
         }
         let mut receipt_id = [0u8; 16];
@@ -82,6 +103,7 @@ impl StageServer {
             n_inputs,
         };
         if !self.submit(epoch, [Work::Begin(Box::new(ctx)), Work::Seqs(seqs)]) {
+            rows_left(rows);
             tracing::info!("a request outlived its pipeline; dropped");
         }
     }

@@ -202,7 +202,15 @@ fn verified_keys(
     policy: &Policy,
     nonce: Option<&[u8]>,
 ) -> Result<Vec<KeyConfig>> {
-    let out = verify_evidence(bundle, policy, nonce, None);
+    // About to seal to these keys: evidence without a purpose label is
+    // refused, as on every online path.
+    let out = verify_evidence(
+        bundle,
+        policy,
+        nonce,
+        None,
+        proto::bundle::LegacyEvidence::Refuse,
+    );
     let ok = out.ok();
     for l in &out.lines {
         if !ok || l.status != Status::Pass {
@@ -323,7 +331,7 @@ pub fn run_open(a: OpenArgs) -> Result<i32> {
                 }
             }
             match (&a.receipt_out, trailer) {
-                (Some(path), Some(t)) => std::fs::write(path, t.receipt)
+                (Some(path), Some(t)) => std::fs::write(path, &t.receipt)
                     .with_context(|| format!("writing {}", path.display()))?,
                 (Some(_), None) => {
                     eprintln!(

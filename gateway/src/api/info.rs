@@ -103,9 +103,9 @@ pub(super) async fn get_receipt(State(s): State<AppState>, Path(id): Path<String
         },
     };
     match found {
-        Some(kept) => {
-            let mut r =
-                ([(header::CONTENT_TYPE, "application/cose")], kept.receipt).into_response();
+        Some(mut kept) => {
+            let receipt = std::mem::take(&mut kept.receipt);
+            let mut r = ([(header::CONTENT_TYPE, "application/cose")], receipt).into_response();
             if let Some(v) = kept
                 .digest_salt
                 .and_then(|salt| HeaderValue::from_str(&hex::encode(salt)).ok())

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 mod cli;
+pub mod hostile;
 mod http;
 mod relays;
 #[allow(unused_imports)]
@@ -108,9 +109,18 @@ pub fn dev_policy(stages: &[[u32; 2]]) -> String {
 /// gateway policy that pins the stages' measurement, which covers the
 /// binary, the embeddings manifest and that stage policy file.
 pub fn remote_stage_policies(dir: &Path, stages: &[[u32; 2]]) -> (PathBuf, String) {
+    remote_stage_policies_for(&model_dir(), dir, stages)
+}
+
+/// [`remote_stage_policies`] for the model in `model` (e.g. [`smollm_dir`]).
+pub fn remote_stage_policies_for(
+    model: &Path,
+    dir: &Path,
+    stages: &[[u32; 2]],
+) -> (PathBuf, String) {
     let stage_policy = dir.join("stage-policy.toml");
     std::fs::write(&stage_policy, dev_policy(stages)).unwrap();
-    let manifest = proto::manifest::LoadedManifest::load(&model_dir()).unwrap();
+    let manifest = proto::manifest::LoadedManifest::load(model).unwrap();
     let m = proto::attestation::mock_measurement(
         &proto::digest::Sha256Digest::of_file(&stage_binary()).unwrap(),
         &manifest.digest,
@@ -410,6 +420,21 @@ pub fn stage_binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_gateway")).with_file_name("enclave-stage")
 }
 
+/// Which stage of which model a test starts ([`StageProc::spawn`]).
+#[derive(Clone, Copy)]
+pub struct StageSpec<'a> {
+    /// Model folder (e.g. [`model_dir`], [`smollm_dir`]).
+    pub model: &'a Path,
+    /// Stage index (0 = entry stage).
+    pub index: u32,
+    /// Stages in the pipeline.
+    pub n: u32,
+    /// Layer range.
+    pub layers: [u32; 2],
+    /// Log file name in the test folder, without `.log`.
+    pub log: &'a str,
+}
+
 /// A stage process started by the test itself (for `launch = "remote"`).
 pub struct StageProc {
     pub child: Child,
@@ -433,9 +458,36 @@ impl StageProc {
         listen: &str,
         extra: &[&str],
     ) -> StageProc {
+        let log = format!("stage{index}");
+        let spec = StageSpec {
+            model: &model_dir(),
+            index,
+            n,
+            layers,
+            log: &log,
+        };
+        Self::spawn(&spec, policy, dir, listen, extra)
+    }
+
+    /// Starts the stage `spec` describes (any model), logging to
+    /// `dir/{spec.log}.log`; waits for LISTENING.
+    pub fn spawn(
+        spec: &StageSpec<'_>,
+        policy: &Path,
+        dir: &Path,
+        listen: &str,
+        extra: &[&str],
+    ) -> StageProc {
+        let StageSpec {
+            model,
+            index,
+            n,
+            layers,
+            log,
+        } = *spec;
         let mut child = Command::new(stage_binary())
             .arg("--model-dir")
-            .arg(model_dir())
+            .arg(model)
             .args([
                 "--stage-index",
                 &index.to_string(),
@@ -451,7 +503,7 @@ impl StageProc {
             .env("NO_COLOR", "1")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(dir.join(format!("stage{index}.log"))).unwrap())
+            .stderr(std::fs::File::create(dir.join(format!("{log}.log"))).unwrap())
             .spawn()
             .unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();

@@ -7,7 +7,9 @@
 //!
 //! 1. the COSE structure: a `COSE_Sign1`, protected header `alg = ES384`
 //!    (-35) and no critical parameters, an attached payload, a signature of
-//!    exactly 96 bytes (`r ‖ s`, 48 bytes each, as RFC 9053 §2.1 says);
+//!    exactly 96 bytes (`r ‖ s`, 48 bytes each, as RFC 9053 §2.1 says), an
+//!    empty unprotected header, and the outer array in its shortest CBOR
+//!    encoding (re-encoding the parsed structure gives the same bytes);
 //! 2. the payload (CBOR map, AWS's "syntactical validation"): `module_id`
 //!    non-empty text, `digest` = `"SHA384"`, `timestamp` > 0 (ms), `pcrs` a
 //!    map of 1–32 entries, index < 32, each value 32, 48 or 64 bytes,
@@ -20,7 +22,8 @@
 //!    never a trust anchor: the `cabundle` entries are only candidate
 //!    intermediates, so a bundle that carries another root leads nowhere
 //!    ([`AttestError::UntrustedChain`]). Every certificate's signature is
-//!    checked with its issuer's key (ECDSA P-384/P-256), every certificate
+//!    checked with its issuer's key, and must be ECDSA P-384 with SHA-384
+//!    as all of AWS's chain is (`CHAIN_ALGS`), every certificate
 //!    below the root must be valid at the caller's "now"
 //!    ([`AttestError::CertificateExpired`] / [`AttestError::CertificateNotYetValid`]),
 //!    issuers must be CAs (basic constraints, path length), the leaf must
@@ -170,13 +173,11 @@ impl webpki::ExtendedKeyUsageValidator for AnyEku {
     }
 }
 
-/// Certificate signature algorithms accepted in the chain (AWS uses P-384).
-static CHAIN_ALGS: &[&dyn SignatureVerificationAlgorithm] = &[
-    webpki::ring::ECDSA_P384_SHA384,
-    webpki::ring::ECDSA_P384_SHA256,
-    webpki::ring::ECDSA_P256_SHA384,
-    webpki::ring::ECDSA_P256_SHA256,
-];
+/// Certificate signature algorithms accepted in the chain: only what AWS's
+/// chain uses (every certificate from the root G1 down to the leaf is
+/// ECDSA P-384 signed with SHA-384). A certificate signed otherwise is
+/// refused ([`AttestError::BadCertificate`]), however it chains.
+static CHAIN_ALGS: &[&dyn SignatureVerificationAlgorithm] = &[webpki::ring::ECDSA_P384_SHA384];
 
 /// The current time, Unix seconds.
 pub fn unix_now() -> u64 {
@@ -319,6 +320,12 @@ fn chain_error(e: webpki::Error) -> AttestError {
         E::InvalidSignatureForPublicKey => AttestError::BadCertificate(
             "a certificate's signature does not verify with its issuer's key".into(),
         ),
+        E::UnsupportedSignatureAlgorithmContext(_)
+        | E::UnsupportedSignatureAlgorithmForPublicKeyContext(_) => AttestError::BadCertificate(
+            "a certificate is signed with an algorithm AWS's chain does not use (only ECDSA \
+             P-384 with SHA-384 is accepted)"
+                .into(),
+        ),
         other => AttestError::BadCertificate(format!("{other:?}")),
     }
 }
@@ -396,6 +403,25 @@ impl NitroVerifier {
                 "ES384 signature is {} bytes, expected 96 (r ‖ s)",
                 sign1.signature.len()
             )));
+        }
+        // Nothing outside the signed parts may vary: an empty unprotected
+        // header (as the NSM writes it) and the shortest CBOR encoding of
+        // the outer array, so the same signed document has no other byte
+        // form (besides the two the signature scheme allows; see
+        // docs/threat-model.md).
+        if !sign1.unprotected.is_empty() {
+            return Err(malformed("the unprotected header is not empty"));
+        }
+        let again = if tagged {
+            sign1.clone().to_tagged_vec()
+        } else {
+            sign1.clone().to_vec()
+        };
+        if again.ok().as_deref() != Some(document) {
+            return Err(malformed(
+                "not in its canonical CBOR encoding (non-minimal lengths, indefinite-length \
+                 items, or bytes after the COSE_Sign1)",
+            ));
         }
         let payload_bytes = sign1
             .payload

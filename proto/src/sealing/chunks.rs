@@ -195,16 +195,15 @@ impl ChunkOpener {
                 break;
             }
             let ct = &self.buf[pos + LEN_PREFIX..pos + LEN_PREFIX + len];
-            if let Some(pt) = self.cipher.open(ct, &AAD_NOT_FINAL) {
+            if let Some(pt) = self.cipher.open(ct, &AAD_NOT_FINAL)? {
                 out.push(pt);
-            } else if let Some(pt) = self.cipher.open(ct, &AAD_FINAL) {
+            } else if let Some(pt) = self.cipher.open(ct, &AAD_FINAL)? {
                 self.state = OpenState::Done;
                 out.push(pt);
-            } else if let Some(pt) = self
-                .allow_trailer
-                .then(|| self.cipher.open(ct, &AAD_TRAILER))
-                .flatten()
-            {
+            } else if let Some(pt) = match self.allow_trailer {
+                true => self.cipher.open(ct, &AAD_TRAILER)?,
+                false => None,
+            } {
                 self.state = OpenState::Done;
                 self.trailer = Some(pt);
             } else {

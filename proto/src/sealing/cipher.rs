@@ -9,7 +9,10 @@ pub(super) enum HpkeSender {
 }
 
 pub(super) fn crypto(e: hpke::HpkeError) -> SealError {
-    SealError::Crypto(e.to_string())
+    match e {
+        hpke::HpkeError::MessageLimitReached => SealError::MessageLimitReached,
+        e => SealError::Crypto(e.to_string()),
+    }
 }
 
 impl HpkeSender {
@@ -74,28 +77,26 @@ pub(super) struct HpkeReceiver {
 
 pub(super) const HPKE_V1: &[u8] = b"HPKE-v1";
 
-/// `LabeledExtract(salt, label, ikm)` (RFC 9180 §4): the PRK and its HKDF.
+/// `LabeledExtract(salt, label, ikm)` (RFC 9180 §4): the PRK and its HKDF,
+/// both wiped when dropped ([`SecretHkdf`]).
 pub(super) fn labeled_extract(
     suite: &[u8],
     salt: &[u8],
     label: &[u8],
     ikm: &[u8],
-) -> (Zeroizing<[u8; 32]>, hkdf::Hkdf<sha2::Sha256>) {
+) -> (Zeroizing<[u8; 32]>, SecretHkdf) {
     let mut labeled = Zeroizing::new(Vec::with_capacity(
         HPKE_V1.len() + suite.len() + label.len() + ikm.len(),
     ));
     for part in [HPKE_V1, suite, label, ikm] {
         labeled.extend_from_slice(part);
     }
-    let (prk, hk) = hkdf::Hkdf::<sha2::Sha256>::extract(Some(salt), &labeled);
-    let mut out = Zeroizing::new([0u8; 32]);
-    out.copy_from_slice(&prk);
-    (out, hk)
+    SecretHkdf::extract(Some(salt), &labeled)
 }
 
 /// `LabeledExpand(prk, label, info, L)` into `out` (L = `out.len()`).
 pub(super) fn labeled_expand(
-    prk: &hkdf::Hkdf<sha2::Sha256>,
+    prk: &SecretHkdf,
     suite: &[u8],
     label: &[u8],
     info: &[u8],
@@ -166,19 +167,23 @@ impl HpkeReceiver {
     }
 
     /// Opens one ciphertext; the sequence number advances only on success.
-    pub(super) fn open(&mut self, ct: &[u8], aad: &[u8]) -> Option<Vec<u8>> {
+    pub(super) fn open(&mut self, ct: &[u8], aad: &[u8]) -> Result<Option<Vec<u8>>, SealError> {
         self.cipher.open(ct, aad)
     }
 
     /// `Export(exporter_context, L)` into `out`.
     pub(super) fn export(&self, label: &[u8], out: &mut [u8]) -> Result<(), SealError> {
-        let prk = hkdf::Hkdf::<sha2::Sha256>::from_prk(&*self.exporter_secret)
-            .map_err(|e| SealError::Crypto(e.to_string()))?;
+        let prk = SecretHkdf::from_prk(&*self.exporter_secret)
+            .ok_or_else(|| SealError::Crypto("exporter secret length".into()))?;
         labeled_expand(&prk, &self.suite, b"sec", label, out)
     }
 }
 
-/// The response AEAD: a key, a base nonce and a chunk counter.
+/// The response AEAD (and the request's, inside [`HpkeReceiver`]): a key, a
+/// base nonce and a chunk counter. The counter never wraps: the chunk that
+/// would take it past `u64::MAX` is refused with
+/// [`SealError::MessageLimitReached`] before anything is sealed or opened,
+/// so no nonce is used twice.
 pub(super) struct Direct {
     cipher: DirectAead,
     base_nonce: [u8; AEAD_NONCE_LEN],
@@ -201,7 +206,7 @@ impl Direct {
         let mut salt = Vec::with_capacity(KEY_LEN + response_nonce.len());
         salt.extend_from_slice(&material.enc);
         salt.extend_from_slice(response_nonce);
-        let hk = hkdf::Hkdf::<sha2::Sha256>::new(Some(&salt), &material.secret);
+        let hk = SecretHkdf::new(Some(&salt), &material.secret);
         let mut key = Zeroizing::new(vec![0u8; aead.key_len()]);
         let mut base_nonce = [0u8; AEAD_NONCE_LEN];
         hk.expand(b"key", &mut key)
@@ -238,7 +243,15 @@ impl Direct {
         n
     }
 
+    /// The counter after this chunk's, or [`SealError::MessageLimitReached`].
+    fn next_counter(&self) -> Result<u64, SealError> {
+        self.counter
+            .checked_add(1)
+            .ok_or(SealError::MessageLimitReached)
+    }
+
     pub(super) fn seal(&mut self, pt: &[u8], aad: &[u8]) -> Result<Vec<u8>, SealError> {
+        let next = self.next_counter()?;
         let nonce = self.nonce();
         let payload = Payload { msg: pt, aad };
         let ct = match &self.cipher {
@@ -246,20 +259,31 @@ impl Direct {
             DirectAead::ChaCha(c) => c.encrypt((&nonce).into(), payload),
         }
         .map_err(|e| SealError::Crypto(e.to_string()))?;
-        self.counter += 1;
+        self.counter = next;
         Ok(ct)
     }
 
-    pub(super) fn open(&mut self, ct: &[u8], aad: &[u8]) -> Option<Vec<u8>> {
+    /// Opens one ciphertext: `Ok(None)` when it does not authenticate (the
+    /// counter stays), an error when the counter is spent.
+    pub(super) fn open(&mut self, ct: &[u8], aad: &[u8]) -> Result<Option<Vec<u8>>, SealError> {
+        let next = self.next_counter()?;
         let nonce = self.nonce();
         let payload = Payload { msg: ct, aad };
         let pt = match &self.cipher {
             DirectAead::Aes(c) => c.decrypt((&nonce).into(), payload),
             DirectAead::ChaCha(c) => c.decrypt((&nonce).into(), payload),
+        };
+        let pt = pt.ok();
+        if pt.is_some() {
+            self.counter = next;
         }
-        .ok()?;
-        self.counter += 1;
-        Some(pt)
+        Ok(pt)
+    }
+
+    /// Test only: moves the counter (to reach its limit without 2^64 chunks).
+    #[cfg(test)]
+    pub(super) fn set_counter(&mut self, counter: u64) {
+        self.counter = counter;
     }
 }
 
@@ -274,10 +298,72 @@ pub(super) enum OpenCipher {
 }
 
 impl OpenCipher {
-    pub(super) fn open(&mut self, ct: &[u8], aad: &[u8]) -> Option<Vec<u8>> {
+    pub(super) fn open(&mut self, ct: &[u8], aad: &[u8]) -> Result<Option<Vec<u8>>, SealError> {
         match self {
             OpenCipher::Hpke(c) => c.open(ct, aad),
             OpenCipher::Direct(c) => c.open(ct, aad),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 34, item 2: the chunk counter stops at its limit with a typed
+    /// error instead of wrapping to 0 (which would reuse nonce 0, and every
+    /// nonce after it, under the same key).
+    #[test]
+    fn the_chunk_counter_stops_at_its_limit_instead_of_wrapping() {
+        for aead in Aead::ALL {
+            let key = vec![7u8; aead.key_len()];
+            let mut sealer = Direct::new(aead, &key, [3; AEAD_NONCE_LEN]);
+            let mut opener = Direct::new(aead, &key, [3; AEAD_NONCE_LEN]);
+            sealer.set_counter(u64::MAX - 1);
+            opener.set_counter(u64::MAX - 1);
+            // The last counter value below the limit still works...
+            let ct = sealer.seal(b"last chunk", b"").unwrap();
+            assert_eq!(
+                opener.open(&ct, b"").unwrap().as_deref(),
+                Some(&b"last chunk"[..])
+            );
+            // ...and then both directions refuse, naming the reason.
+            assert_eq!(
+                sealer.seal(b"one more", b""),
+                Err(SealError::MessageLimitReached)
+            );
+            assert_eq!(opener.open(&ct, b""), Err(SealError::MessageLimitReached));
+        }
+    }
+
+    fn assert_zod<T: zeroize::ZeroizeOnDrop>() {}
+
+    /// Issue 34, item 3: HPKE keys and response secrets wipe themselves
+    /// when dropped.
+    #[test]
+    fn keys_and_response_secrets_are_zeroize_on_drop() {
+        assert_zod::<ServerKey>();
+        assert_zod::<ResponseKeyMaterial>();
+        assert_zod::<ClientResponseKey>();
+        assert_zod::<SecretHkdf>();
+    }
+
+    /// The request side (RFC 9180 receiver) runs on the same counter, and
+    /// the `hpke` crate's limit on the sending side maps to the same error.
+    #[test]
+    fn the_hpke_receiver_and_sender_report_the_limit_as_such() {
+        let key = ServerKey::derive(1, b"limit");
+        let aead = Aead::ChaCha20Poly1305;
+        let info = request_info(1, aead);
+        let (enc, mut sender) =
+            HpkeSender::setup(&key.public_key(), &info, aead, &mut rand::rngs::OsRng).unwrap();
+        let mut receiver = HpkeReceiver::setup(&key, &enc, &info, aead).unwrap();
+        let ct = sender.seal(b"x", b"").unwrap();
+        receiver.cipher.set_counter(u64::MAX);
+        assert_eq!(receiver.open(&ct, b""), Err(SealError::MessageLimitReached));
+        assert_eq!(
+            crypto(hpke::HpkeError::MessageLimitReached),
+            SealError::MessageLimitReached
+        );
     }
 }

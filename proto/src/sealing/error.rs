@@ -64,7 +64,11 @@ pub enum SealError {
     /// An earlier error ended this stream.
     #[error("sealed stream already failed")]
     Poisoned,
-    /// The underlying HPKE/AEAD operation failed (message limit, export).
+    /// The AEAD sequence number of this stream is spent: another chunk
+    /// would reuse a nonce (RFC 9180 §5.2 `MessageLimitReachedError`).
+    #[error("message limit reached: the AEAD sequence number is spent")]
+    MessageLimitReached,
+    /// The underlying HPKE/AEAD operation failed (export, key length).
     #[error("HPKE operation failed: {0}")]
     Crypto(String),
 }

@@ -193,15 +193,19 @@ impl KeyConfig {
 }
 
 /// A server's HPKE key pair: the key id and the X25519 private key. It
-/// accepts every AEAD in [`Aead::ALL`].
+/// accepts every AEAD in [`Aead::ALL`]. The private scalar is held once,
+/// in a type that wipes it on drop (`x25519_dalek::StaticSecret`), and
+/// every copy made on the way in or out is wiped too.
 #[derive(Clone)]
 pub struct ServerKey {
     pub(super) key_id: u8,
-    secret: <HpkeKem as hpke::Kem>::PrivateKey,
-    /// The same scalar, for decapsulation ([`HpkeReceiver`]).
+    /// The private scalar, for decapsulation ([`HpkeReceiver`]).
     pub(super) dh: x25519_dalek::StaticSecret,
     pub(super) public: [u8; KEY_LEN],
 }
+
+/// Its one secret field wipes itself when dropped.
+impl zeroize::ZeroizeOnDrop for ServerKey {}
 
 impl fmt::Debug for ServerKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -248,11 +252,15 @@ impl ServerKey {
     ) -> Self {
         let mut pk = [0u8; KEY_LEN];
         pk.copy_from_slice(&public.to_bytes());
+        // `to_bytes` returns the scalar by value: copy it into a buffer
+        // that is wiped on drop and wipe the library's copy (`secret`
+        // itself wipes its own on drop).
+        let mut bytes = secret.to_bytes();
         let mut sk = Zeroizing::new([0u8; KEY_LEN]);
-        sk.copy_from_slice(&secret.to_bytes());
+        sk.copy_from_slice(&bytes);
+        crate::wipe::wipe(&mut bytes);
         Self {
             key_id,
-            secret,
             dh: x25519_dalek::StaticSecret::from(*sk),
             public: pk,
         }
@@ -261,7 +269,7 @@ impl ServerKey {
     /// The private scalar, for persisting a key outside an enclave.
     pub fn secret_bytes(&self) -> Zeroizing<[u8; KEY_LEN]> {
         let mut out = Zeroizing::new([0u8; KEY_LEN]);
-        out.copy_from_slice(&self.secret.to_bytes());
+        out.copy_from_slice(self.dh.as_bytes());
         out
     }
 

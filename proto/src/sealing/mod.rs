@@ -35,6 +35,7 @@
 //! [`ChunkOpener`], [`ResponseSealer`], [`ResponseOpener`]). Replays of a
 //! sealed request (same encapsulated key) are caught by [`ReplayGuard`].
 
+use crate::wipe::SecretHkdf;
 use aes_gcm::aead::{Aead as _, KeyInit, Payload};
 use base64::Engine as _;
 use hpke::aead::{AeadCtxS, AesGcm128, ChaCha20Poly1305 as HpkeChaCha};

@@ -34,6 +34,8 @@ impl Drop for ResponseKeyMaterial {
     }
 }
 
+impl zeroize::ZeroizeOnDrop for ResponseKeyMaterial {}
+
 impl ResponseKeyMaterial {
     /// The AEAD the response is sealed with (the request's).
     pub fn aead(&self) -> Aead {
@@ -63,6 +65,9 @@ impl ResponseKeyMaterial {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct ClientResponseKey(pub(super) ResponseKeyMaterial);
+
+/// Its material wipes its secret when dropped.
+impl zeroize::ZeroizeOnDrop for ClientResponseKey {}
 
 impl ClientResponseKey {
     /// The underlying material.

@@ -111,8 +111,8 @@ fn wire_layout_of_request_chunks() {
     // Built by hand with the HPKE receiver: chunk 0, AAD 0x01.
     let info = request_info(7, Aead::Aes128Gcm);
     let mut r = HpkeReceiver::setup(&key(), &h.enc, &info, Aead::Aes128Gcm).unwrap();
-    assert!(r.open(&body[4..], &[0x00]).is_none());
-    assert_eq!(r.open(&body[4..], &[0x01]).unwrap(), b"hello");
+    assert!(r.open(&body[4..], &[0x00]).unwrap().is_none());
+    assert_eq!(r.open(&body[4..], &[0x01]).unwrap().unwrap(), b"hello");
 }
 
 #[test]
@@ -712,11 +712,15 @@ fn rfc9180_base_mode_vectors() {
         let enc: [u8; 32] = hex::decode(tv.enc).unwrap().try_into().unwrap();
         let mut r = HpkeReceiver::setup(&k, &enc, &info, tv.aead).unwrap();
         assert_eq!(
-            r.open(&hex::decode(tv.ct0).unwrap(), b"Count-0").unwrap(),
+            r.open(&hex::decode(tv.ct0).unwrap(), b"Count-0")
+                .unwrap()
+                .unwrap(),
             pt
         );
         assert_eq!(
-            r.open(&hex::decode(tv.ct1).unwrap(), b"Count-1").unwrap(),
+            r.open(&hex::decode(tv.ct1).unwrap(), b"Count-1")
+                .unwrap()
+                .unwrap(),
             pt
         );
         let mut out = [0u8; 32];

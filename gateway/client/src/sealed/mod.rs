@@ -78,7 +78,15 @@ impl Attested {
         policy: &Policy,
         nonce: &[u8],
     ) -> Result<Self, Vec<String>> {
-        let out = verify_evidence(&bundle, policy, Some(nonce), None);
+        // Online: the keys are about to be trusted, so evidence without a
+        // purpose label is refused.
+        let out = verify_evidence(
+            &bundle,
+            policy,
+            Some(nonce),
+            None,
+            proto::bundle::LegacyEvidence::Refuse,
+        );
         let ok = out.ok();
         match out.verified.filter(|_| ok) {
             Some(verified) => Ok(Self {

@@ -2,7 +2,10 @@
 
 use super::sse::{ends_with_error_event, forwardable, is_error_object};
 use super::{check_receipt, RequestRecord};
+use crate::verify::{verify_evidence, Status};
+use proto::bundle::{EvidenceBundle, LegacyEvidence};
 use proto::completions::STREAM_DONE;
+use proto::policy::Policy;
 
 #[test]
 fn whole_events_go_out_and_done_waits() {
@@ -170,4 +173,92 @@ fn only_an_error_event_may_end_a_stream_without_receipt() {
     let mut later = failed.clone();
     later.extend_from_slice(ok);
     assert!(!ends_with_error_event(&later));
+}
+
+/// A one-stage mock bundle bound to `nonce` whose documents carry the
+/// legacy claims binding (no purpose label) when `legacy`, else the
+/// purposed one; and a policy pinning its measurement.
+fn mock_bundle(nonce: &[u8], legacy: bool) -> (EvidenceBundle, Policy) {
+    use proto::attestation::{
+        attest_claims, legacy_claims_binding, mock_measurement, AttestationProvider,
+        EvidencePurpose, MockProvider,
+    };
+    use proto::bundle::StageEvidence;
+    use proto::digest::Sha256Digest;
+    use proto::frames::StageClaims;
+    use proto::sealing::{KeyConfig, ServerKey};
+    let manifest = b"manifest".to_vec();
+    let m = mock_measurement(
+        &Sha256Digest::of(b"bin"),
+        &Sha256Digest::of(&manifest),
+        &Sha256Digest::of(b"policy"),
+    );
+    let p = MockProvider::new("stage-0", &m);
+    let c = StageClaims {
+        stage_index: 0,
+        num_stages: 1,
+        layer_start: 0,
+        layer_end: 6,
+        model_id: "m".into(),
+        manifest_sha256: Sha256Digest::of(&manifest),
+        receipt_key: [7; 32],
+        hpke_keys: KeyConfig::encode_list(&[ServerKey::derive(1, b"k").config()]),
+        weights: None,
+    };
+    let make = |purpose: EvidencePurpose, nonce: &[u8]| {
+        if legacy {
+            let ud = legacy_claims_binding(p.format(), &proto::cbor::to_vec(&c));
+            p.attest(&c.receipt_key, &ud, nonce).unwrap()
+        } else {
+            attest_claims(&p, &c.receipt_key, purpose, &c, nonce).unwrap()
+        }
+    };
+    let bundle = EvidenceBundle {
+        nonce: nonce.to_vec(),
+        manifest,
+        stages: vec![StageEvidence {
+            index: 0,
+            evidence: make(EvidencePurpose::Attestation, nonce),
+            boot_evidence: make(EvidencePurpose::Boot, &[]),
+            claims: c.clone(),
+            key_set: None,
+        }],
+    };
+    let policy = Policy::from_toml(&format!(
+        "allow_mock = true\n[[stages]]\nindex = 0\nlayers = [0, 6]\nmeasurements = [\"{}\"]\n",
+        m.pinned_form()
+    ))
+    .unwrap();
+    (bundle, policy)
+}
+
+/// Issue 34, item 5: evidence made before documents carried a purpose
+/// label is accepted only by the offline verbs, which say so; the online
+/// path (the SDK and the proxy, `Attested::verify`, and `gateway seal`)
+/// refuses it before trusting the keys it vouches for.
+#[test]
+fn legacy_evidence_only_offline() {
+    let nonce = b"fresh nonce";
+    let (legacy, policy) = mock_bundle(nonce, true);
+    // Online: refused, naming the reason.
+    let refused = super::Attested::verify(legacy.clone(), &policy, nonce)
+        .expect_err("the online path accepted legacy evidence");
+    assert!(
+        refused.iter().any(|l| l.contains("LEGACY claims binding")),
+        "{refused:?}"
+    );
+    let online = verify_evidence(&legacy, &policy, Some(nonce), None, LegacyEvidence::Refuse);
+    assert!(!online.ok());
+    // Offline (`gateway verify evidence` / `verify receipt`): accepted, and
+    // reported as legacy.
+    let offline = verify_evidence(&legacy, &policy, Some(nonce), None, LegacyEvidence::Accept);
+    assert!(offline.ok());
+    assert!(offline
+        .lines
+        .iter()
+        .any(|l| l.status == Status::Pass && l.detail.contains("LEGACY")));
+    // Current evidence passes the online path.
+    let (current, policy) = mock_bundle(nonce, false);
+    let attested = super::Attested::verify(current, &policy, nonce).unwrap();
+    assert_eq!(attested.verified.stage_keys.len(), 1);
 }

@@ -13,7 +13,7 @@ use crate::{EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Subcommand};
 use proto::attestation::{AnyVerifier, AttestError, BindingError, ExpectedBinding, Measurement};
-use proto::bundle::{EvidenceBundle, VerifiedBundle};
+use proto::bundle::{EvidenceBundle, LegacyEvidence, VerifiedBundle};
 use proto::nitro::{decode_document, NitroVerifier};
 use proto::policy::Policy;
 use proto::receipt::{
@@ -205,12 +205,19 @@ impl EvidenceOutcome {
 
 /// Verifies `bundle` against `policy`. `nonce`: the one the verifier sent,
 /// or `None` to take the bundle's own (freshness then is not checked).
-/// `at`: the time Nitro certificates are judged at (none: now).
+/// `at`: the time Nitro certificates are judged at (none: now). `legacy`:
+/// whether evidence made before documents carried a purpose label is
+/// accepted: only the offline verbs (`gateway verify evidence`, `gateway
+/// verify receipt`), which check bundles archived before the label
+/// existed, say [`LegacyEvidence::Accept`]; every path that is about to
+/// seal to the keys a bundle vouches for (the SDK, the proxy, `gateway
+/// seal`) refuses it.
 pub(crate) fn verify_evidence(
     bundle: &EvidenceBundle,
     policy: &Policy,
     nonce: Option<&[u8]>,
     at: Option<u64>,
+    legacy: LegacyEvidence,
 ) -> EvidenceOutcome {
     let mut lines = Vec::new();
     let nonce_checked = nonce.is_some();
@@ -239,7 +246,7 @@ pub(crate) fn verify_evidence(
             format!("Nitro certificates are judged at {t} (Unix s), not now"),
         ));
     }
-    let (checks, verified) = bundle.verify_with(policy, &nonce, &verifier);
+    let (checks, verified) = bundle.verify_accepting(policy, &nonce, &verifier, legacy);
     let mut measurement_failed = false;
     for c in checks {
         measurement_failed |= !c.ok && c.detail.contains("is not in the policy");
@@ -528,7 +535,15 @@ fn run_evidence(a: EvidenceArgs) -> Result<i32> {
         .as_deref()
         .map(|n| parse_hex("--nonce", n))
         .transpose()?;
-    let out = verify_evidence(&bundle, &policy, nonce.as_deref(), a.at);
+    // Offline: a bundle archived before documents carried a purpose label
+    // still verifies, reported as LEGACY.
+    let out = verify_evidence(
+        &bundle,
+        &policy,
+        nonce.as_deref(),
+        a.at,
+        LegacyEvidence::Accept,
+    );
     if a.json {
         println!("{}", serde_json::to_string_pretty(&out.to_json())?);
     } else {

@@ -1,0 +1,429 @@
+//! The host plays against the stages (issue 29): the test opens the host
+//! channels of real `enclave-stage` processes itself and does what a
+//! hostile host may do (repeat or lower request ids, open extra upstream or
+//! feedback sessions with extra stage processes, reconnect half of a
+//! pipeline, configure twice, replay and relabel sealed requests), with
+//! real clients that seal with the client crate and accept an answer only
+//! when `client::sealed` opens it and verifies its receipt against fresh,
+//! verified evidence.
+//!
+//! The invariant, checked in every case: no answer that a client's
+//! verifier accepts differs from what the model computes for that client's
+//! own request (embeddings: cosine > 0.9999 to the clean vector of its own
+//! text and not to the other client's; generation, greedy: the clean text).
+//! Failing closed (a failure, no answer, a closed channel) is fine.
+//!
+//! Run one at a time (they share a lock): timing matters when requests are
+//! queued behind a busy compute thread.
+
+mod common;
+
+use common::hostile::*;
+use common::*;
+use proto::frames::{HostMessage, ResultMessage};
+use proto::receipt::Sealing;
+use serde_json::json;
+use std::time::Duration;
+
+const EMBED_LAYERS: &[[u32; 2]] = &[[0, 3], [3, 6]];
+/// The victim's input.
+const VICTIM: &str =
+    "Patient record: the biopsy confirmed an early-stage melanoma on the left shoulder.";
+/// The host's (attacker's) input.
+const ATTACKER: &str = "Transfer all remaining funds to the offshore account before the audit.";
+/// Generation prompts of the victim and the attacker.
+const VICTIM_PROMPT: &str = "The capital of France is";
+const ATTACKER_PROMPT: &str = "def fibonacci(n):";
+
+/// The two clients of an embeddings attack, with their clean vectors (from
+/// one clean request on the same pipeline).
+async fn embedding_clients(p: &mut Pipeline) -> (Client, Client) {
+    let refs = p.clean_vectors(&[VICTIM, ATTACKER]).await;
+    assert!(
+        cosine(&refs[0], &refs[1]) < 0.9,
+        "the two texts must embed apart for the test to mean anything"
+    );
+    let victim = p.client("victim", VICTIM, Want::Vector(refs[0].clone()));
+    let attacker = p.client("attacker", ATTACKER, Want::Vector(refs[1].clone()));
+    (victim, attacker)
+}
+
+/// The two clients of a generation attack, with their clean texts.
+async fn generation_clients(p: &mut Pipeline) -> (Client, Client) {
+    let v = p.clean_text(VICTIM_PROMPT).await;
+    let a = p.clean_text(ATTACKER_PROMPT).await;
+    assert_ne!(v, a, "the two prompts must complete apart");
+    let victim = p.client("victim", VICTIM_PROMPT, Want::Text(v));
+    let attacker = p.client("attacker", ATTACKER_PROMPT, Want::Text(a));
+    (victim, attacker)
+}
+
+/// Whether any result is a response for `id`.
+fn answered(results: &[ResultMessage], id: u64) -> bool {
+    results
+        .iter()
+        .any(|r| matches!(r, ResultMessage::Response { request_id, .. } if *request_id == id))
+}
+
+/// A busy request, then two clients' requests under one request id, in
+/// `order`; every result is offered to both clients. The invariant is
+/// asserted at once; what else must hold (the second request gets no
+/// answer its client accepts, the entry stage closes its host channel) is
+/// returned as a list of what did not, so that both orders get tried.
+async fn duplicate_id_round(
+    p: &mut Pipeline,
+    busy: serde_json::Value,
+    order: [&Client; 2],
+) -> Vec<String> {
+    let busy = p.seal(&busy);
+    assert!(p.submit(&busy, fresh_id(), Sealing::Enclave).await);
+    let id = fresh_id();
+    for c in order {
+        // The entry may already have closed the channel: failing closed.
+        let _ = p.submit(&c.sealed, id, Sealing::Enclave).await;
+    }
+    let results = p.collect(3, Duration::from_secs(30)).await;
+    let accepted = p.check_invariant(&results, &order);
+    let mut problems = Vec::new();
+    if accepted[1] > 0 {
+        problems.push(format!(
+            "the request sent second under the repeated id {id} got an answer its client accepts"
+        ));
+    }
+    if !p.entry_closed(CLOSE).await {
+        problems.push(format!(
+            "the entry stage kept its host channel open after request id {id} was repeated \
+             (results: {:?})",
+            results.iter().map(summary).collect::<Vec<_>>()
+        ));
+    }
+    problems
+}
+
+/// Both orders of [`duplicate_id_round`] (victim first, then attacker
+/// first), each on a freshly configured pipeline of `rig`; panics with
+/// everything that did not hold.
+async fn duplicate_ids(rig: &Rig, generation: bool) {
+    let mut problems = Vec::new();
+    for victim_first in [true, false] {
+        let mut p = rig.pipeline().await;
+        let (victim, attacker, busy) = if generation {
+            let (v, a) = generation_clients(&mut p).await;
+            let mut busy = p.body(json!("Write a long story about a lighthouse keeper."));
+            busy["max_tokens"] = json!(24);
+            (v, a, busy)
+        } else {
+            let (v, a) = embedding_clients(&mut p).await;
+            (v, a, p.body(busy_inputs(32)))
+        };
+        let order = if victim_first {
+            [&victim, &attacker]
+        } else {
+            [&attacker, &victim]
+        };
+        for why in duplicate_id_round(&mut p, busy, order).await {
+            problems.push(format!("victim first: {victim_first}: {why}"));
+        }
+        p.close().await;
+    }
+    assert!(problems.is_empty(), "issue 29: {problems:#?}");
+}
+
+/// A `Configure` of an extra session must answer `ConfigureFailed`, and
+/// for that reason, not because the stage still belonged to a host channel
+/// (which [`configure_at`] waits out).
+fn assert_refused(r: &Result<Configured, String>, accepted: &str) {
+    match r {
+        Ok(_) => panic!("issue 29: {accepted}"),
+        Err(why) => assert!(
+            !why.contains("another host channel"),
+            "refused only because the stage stayed owned by a closed host channel: {why}"
+        ),
+    }
+}
+
+/// A short line about a result (no content).
+fn summary(r: &ResultMessage) -> String {
+    match r {
+        ResultMessage::Response { request_id, .. } => format!("response to {request_id}"),
+        ResultMessage::Failed { request_id, error } => {
+            format!("{request_id} failed: {}", error.message)
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+/// Plays: a host that keeps the entry stage's compute thread busy, then
+/// sends a victim's and its own sealed embeddings requests under the same
+/// request id (victim first, then, on a fresh pipeline, attacker first),
+/// hoping that the stages merge or overwrite them; on a one-stage pipeline
+/// (where no later stage's link can notice) and on two stages. Must hold:
+/// the invariant; the request sent second never gets an answer its client
+/// accepts; the entry stage closes its host channel on the repeated id.
+#[tokio::test]
+async fn duplicate_request_ids_embeddings() {
+    let _one = serial().await;
+    for layers in [&[[0, 6]][..], EMBED_LAYERS] {
+        duplicate_ids(&Rig::embeddings("hostile-dup-emb", layers), false).await;
+    }
+}
+
+/// Plays: the same as [`duplicate_request_ids_embeddings`] on a one-stage
+/// SmolLM2 pipeline (greedy, 8 tokens), with a longer generation keeping
+/// the compute busy. Must hold: the invariant; the second request is never
+/// answered to its client; the entry stage closes its host channel.
+#[tokio::test]
+async fn duplicate_request_ids_generation() {
+    let _one = serial().await;
+    duplicate_ids(&Rig::generation("hostile-dup-gen", &[[0, 30]]), true).await;
+}
+
+/// Plays: a host that sends a victim's request under id `hi`, then its own
+/// under a lower id (ids that go down). Must hold: the invariant; the
+/// lower-id request is not answered; the entry stage closes its host
+/// channel.
+#[tokio::test]
+async fn request_ids_that_go_down_are_refused() {
+    let _one = serial().await;
+    let rig = Rig::embeddings("hostile-down", EMBED_LAYERS);
+    let mut p = rig.pipeline().await;
+    let (victim, attacker) = embedding_clients(&mut p).await;
+    let (lo, hi) = (fresh_id(), fresh_id());
+    assert!(p.submit(&victim.sealed, hi, Sealing::Enclave).await);
+    let _ = p.submit(&attacker.sealed, lo, Sealing::Enclave).await;
+    let results = p.collect(2, Duration::from_secs(15)).await;
+    p.check_invariant(&results, &[&victim, &attacker]);
+    assert!(
+        !answered(&results, lo),
+        "issue 29: request id {lo} after {hi} (ids going down) was answered"
+    );
+    assert!(
+        p.entry_closed(CLOSE).await,
+        "issue 29: the entry stage kept its host channel open after id {lo} followed {hi}"
+    );
+    p.close().await;
+}
+
+/// Plays: a host with a legit two-stage pipeline that starts a second
+/// stage-0 process and configures it onto the legit stage 1 (an extra
+/// upstream session), then sends the attacker's request through it under
+/// the victim's request id while the victim's goes through the legit
+/// entry. Must hold: the invariant; stage 1 takes one upstream session per
+/// configuration epoch, so the extra stage's `Configure` answers
+/// `ConfigureFailed`; the legit pipeline still answers correctly.
+#[tokio::test]
+async fn an_extra_upstream_session_is_refused() {
+    let _one = serial().await;
+    let rig = Rig::embeddings("hostile-upstream", EMBED_LAYERS);
+    let mut p = rig.pipeline().await;
+    let (victim, attacker) = embedding_clients(&mut p).await;
+    let rogue = rig.extra_stage(0, "rogue-stage0");
+    let (mut rogue_host, configured) =
+        configure_at(&rogue.endpoint, Some(rig.endpoint(1)), None).await;
+    if let Ok(c) = &configured {
+        // The injection itself: the attacker's text through the extra
+        // entry stage (sealed to its key), under the victim's id.
+        let claims = rogue_host.peer.claims.clone().unwrap();
+        let (keys, _) = proto::bundle::entry_keys(&claims, c.key_set.as_deref()).unwrap();
+        let body = serde_json::to_vec(&p.body(json!(ATTACKER))).unwrap();
+        let (headers, body, _) =
+            proto::sealing::seal_request(&keys[0], proto::sealing::Aead::Aes128Gcm, &body).unwrap();
+        let id = fresh_id();
+        let mut injected = request(&victim.sealed, id, Sealing::Enclave);
+        injected.headers = headers;
+        injected.body = body;
+        injected.client_nonce = None;
+        assert!(p.submit(&victim.sealed, id, Sealing::Enclave).await);
+        let _ = rogue_host.send(&HostMessage::Request(injected)).await;
+        let results = p.collect(2, Duration::from_secs(15)).await;
+        p.check_invariant(&results, &[&victim, &attacker]);
+    }
+    assert_refused(
+        &configured,
+        "stage 1 accepted a second upstream session (a second stage-0 process configured onto \
+         it) while its pipeline's stage 0 is connected",
+    );
+    rogue_host.close().await;
+    drop(rogue);
+    p.still_serves(VICTIM, &victim.want).await;
+    p.close().await;
+}
+
+/// Plays: a host that closes only the entry stage's host channel (stage 0
+/// tears its pipeline down), reconnects to stage 0 and configures it onto
+/// stage 1 again while stage 1's host channel stays open. Must hold: the
+/// reconfiguration answers `ConfigureFailed` (stage 1 already had its one
+/// upstream session in this epoch); after stage 1's host channel is closed
+/// and reopened too (exit stage first), the pipeline answers correctly.
+#[tokio::test]
+async fn reconnecting_only_the_entry_is_refused() {
+    let _one = serial().await;
+    let rig = Rig::embeddings("hostile-reconnect", EMBED_LAYERS);
+    let mut p = rig.pipeline().await;
+    let (victim, _) = embedding_clients(&mut p).await;
+    let entry = p.hosts.remove(0);
+    entry.close().await;
+    let (again, r) = configure_at(&rig.endpoint(0), Some(rig.endpoint(1)), None).await;
+    assert_refused(
+        &r,
+        "stage 0, reconnected alone, was configured onto stage 1 again, whose host channel (and \
+         so configuration epoch) stayed the same: a second upstream session in one epoch",
+    );
+    again.close().await;
+    for h in p.hosts {
+        h.close().await;
+    }
+    let mut p = rig.pipeline().await;
+    p.still_serves(VICTIM, &victim.want).await;
+    p.close().await;
+}
+
+/// Plays: a second host channel that sends `Configure` to each stage of a
+/// configured pipeline, then a request on its channel to stage 0. Must
+/// hold: both answer `ConfigureFailed` naming the other host channel;
+/// the request closes the intruder's channel unanswered; the pipeline
+/// still answers correctly.
+#[tokio::test]
+async fn a_second_configure_is_refused() {
+    let _one = serial().await;
+    let rig = Rig::embeddings("hostile-configure", EMBED_LAYERS);
+    let mut p = rig.pipeline().await;
+    let (victim, _) = embedding_clients(&mut p).await;
+    for (i, next) in [(1, None), (0, Some(rig.endpoint(1)))] {
+        let mut h = Host::open(&rig.endpoint(i)).await;
+        match h.configure(next, None).await {
+            Err(why) => assert!(why.contains("another host channel"), "stage {i}: {why}"),
+            Ok(_) => panic!("a second host channel configured stage {i}"),
+        }
+        if i == 0 {
+            let m = HostMessage::Request(request(&victim.sealed, fresh_id(), Sealing::Enclave));
+            let _ = h.send(&m).await;
+            assert!(
+                h.closed_within(CLOSE).await,
+                "stage 0 kept a non-configuring host channel open after it sent a request"
+            );
+        }
+        h.close().await;
+    }
+    let stray = p.collect(1, Duration::from_secs(2)).await;
+    assert!(stray.is_empty(), "the intruder's request was answered");
+    p.still_serves(VICTIM, &victim.want).await;
+    p.close().await;
+}
+
+/// Plays: a host that replays a client's sealed request (same headers and
+/// body) under a new, higher id, with the same `sealing` label and
+/// relabelled (enclave ↔ plain, gateway). Must hold: the first delivery is
+/// answered (and verifies when labelled `enclave`); every replay is
+/// refused with a failure naming a replay, whatever its label.
+#[tokio::test]
+async fn replays_are_refused_under_every_label() {
+    use Sealing::{Enclave, Gateway, Plain};
+    let _one = serial().await;
+    let rig = Rig::embeddings("hostile-replay", EMBED_LAYERS);
+    let mut p = rig.pipeline().await;
+    let (victim, _) = embedding_clients(&mut p).await;
+    // (first delivery's label, the replay's label); each pair with a
+    // request of its own. Relabelled replays (the host picks the replay
+    // guard's partition) are issue 29, item 4: they may be answered until
+    // the guard's partition follows what the stage verifies.
+    let pairs = [
+        (Enclave, Enclave),
+        (Enclave, Plain),
+        (Enclave, Gateway),
+        (Plain, Enclave),
+        (Gateway, Gateway),
+    ];
+    let clients: Vec<Client> = pairs
+        .into_iter()
+        .map(|(first, again)| {
+            p.client(
+                &format!("{first:?} then {again:?}"),
+                VICTIM,
+                victim.want.clone(),
+            )
+        })
+        .collect();
+    let mut firsts = Vec::new();
+    for (c, (label, _)) in clients.iter().zip(pairs) {
+        let id = fresh_id();
+        assert!(p.submit(&c.sealed, id, label).await);
+        firsts.push(id);
+    }
+    let results = p.collect(pairs.len(), ANSWER).await;
+    let refs: Vec<&Client> = clients.iter().collect();
+    p.check_invariant(&results, &refs);
+    for (i, id) in firsts.iter().enumerate() {
+        assert!(
+            answered(&results, *id),
+            "first delivery {i} ({:?}) not answered: {:?}",
+            pairs[i].0,
+            results.iter().map(summary).collect::<Vec<_>>()
+        );
+        let r = results
+            .iter()
+            .find(|r| matches!(r, ResultMessage::Response { request_id, .. } if request_id == id))
+            .unwrap();
+        if pairs[i].0 == Enclave {
+            if let Err(why) = accept(&p.attested, &clients[i].sealed, r) {
+                panic!("first delivery {i} does not verify: {why}");
+            }
+        }
+    }
+    let mut replays = Vec::new();
+    for (c, (_, label)) in clients.iter().zip(pairs) {
+        let id = fresh_id();
+        assert!(p.submit(&c.sealed, id, label).await);
+        replays.push(id);
+    }
+    let results = p.collect(pairs.len(), ANSWER).await;
+    p.check_invariant(&results, &refs);
+    let not_refused: Vec<String> = replays
+        .iter()
+        .zip(pairs)
+        .filter(|(id, _)| {
+            !results.iter().any(|r| {
+                matches!(r, ResultMessage::Failed { request_id, error }
+                    if request_id == *id && error.message.to_lowercase().contains("replay"))
+            })
+        })
+        .map(|(id, (first, again))| {
+            let got: Vec<String> = results
+                .iter()
+                .filter(|r| request_id_of(r) == *id)
+                .map(summary)
+                .collect();
+            format!("first {first:?}, replayed as {again:?}: {got:?}")
+        })
+        .collect();
+    assert!(
+        not_refused.is_empty(),
+        "replays not refused as replays (issue 29; relabelled ones: item 4): {not_refused:#?}"
+    );
+    p.close().await;
+}
+
+/// Plays: a host with a legit two-stage SmolLM2 pipeline that starts a
+/// second exit-stage process and configures it with the legit entry stage
+/// as its feedback peer (an extra feedback session, the way to inject
+/// sampled tokens into others' generations). Must hold: the legit
+/// pipeline still answers correctly; the entry stage takes one feedback
+/// session per configuration epoch, so the extra stage's `Configure`
+/// answers `ConfigureFailed`.
+#[tokio::test]
+async fn an_extra_feedback_session_is_refused() {
+    let _one = serial().await;
+    let rig = Rig::generation("hostile-feedback", &[[0, 15], [15, 30]]);
+    let mut p = rig.pipeline().await;
+    let clean = p.clean_text(VICTIM_PROMPT).await;
+    let rogue = rig.extra_stage(1, "rogue-stage1");
+    let (rogue_host, configured) = configure_at(&rogue.endpoint, None, Some(rig.endpoint(0))).await;
+    p.still_serves(VICTIM_PROMPT, &Want::Text(clean)).await;
+    assert_refused(
+        &configured,
+        "the entry stage accepted a second feedback session (a second exit-stage process \
+         configured with it as feedback) while its pipeline's exit stage is connected",
+    );
+    rogue_host.close().await;
+    p.close().await;
+}
