@@ -427,3 +427,70 @@ async fn an_extra_feedback_session_is_refused() {
     rogue_host.close().await;
     p.close().await;
 }
+
+/// Plays (found by review after the first fixes): a host that cross-wires
+/// two generation pipelines of the same attested build. A second exit
+/// process X1 takes the real entry stage E's one feedback session; the real
+/// exit stage X2 feeds a second entry process E2; E → X2 and E2 → X1. The
+/// victim's request goes to E and the host's own to E2 under the same id,
+/// both running exactly 8 tokens (end-of-text banned), so the tokens the
+/// host's pipeline samples become the victim's next inputs while X2 streams
+/// and signs the victim's answer. Must hold: the victim never accepts an
+/// answer that is not the model's own greedy completion of its prompt (the
+/// exit stage checks every step's input token against the one it sampled,
+/// and fails the request).
+#[tokio::test]
+async fn tokens_fed_back_from_another_pipeline_fail_the_request() {
+    let _one = serial().await;
+    let rig = Rig::generation("hostile-crosswired", &[[0, 15], [15, 30]]);
+    let body = |p: &Pipeline, prompt: &str| {
+        let mut b = p.body(json!(prompt));
+        b["logit_bias"] = json!({"0": -100, "2": -100});
+        b
+    };
+    // The victim's right answer, from the pipeline wired as the gateway wires it.
+    let mut p = rig.pipeline().await;
+    let clean = {
+        let s = p.seal(&body(&p, VICTIM_PROMPT));
+        completion_text(&p.answer(&s).await)
+    };
+    p.close().await;
+
+    let e2 = rig.extra_stage(0, "entry2");
+    let x1 = rig.extra_stage(1, "exit1");
+    let (x1_host, r) = configure_at(&x1.endpoint, None, Some(rig.endpoint(0))).await;
+    r.expect("X1 takes the entry stage's feedback session");
+    let (mut e2_host, r) = configure_at(&e2.endpoint, Some(x1.endpoint.clone()), None).await;
+    let e2_keys = r.expect("E2 dials X1").key_set;
+    let mut p = rig.pipeline_fed_by(Some(e2.endpoint.clone())).await;
+    let victim = Client {
+        name: "victim".into(),
+        sealed: p.seal(&body(&p, VICTIM_PROMPT)),
+        want: Want::Text(clean),
+    };
+    // The host's own request, sealed to E2's key.
+    let (keys, _) =
+        proto::bundle::entry_keys(e2_host.peer.claims.as_ref().unwrap(), e2_keys.as_deref())
+            .unwrap();
+    let attacker_body = serde_json::to_vec(&body(&p, ATTACKER_PROMPT)).unwrap();
+    let (headers, sealed_body, _) =
+        proto::sealing::seal_request(&keys[0], proto::sealing::Aead::Aes128Gcm, &attacker_body)
+            .unwrap();
+    let id = fresh_id();
+    assert!(p.submit(&victim.sealed, id, Sealing::Enclave).await);
+    let attack = HostMessage::Request(proto::frames::SealedRequest {
+        request_id: id,
+        endpoint: "/v1/completions".into(),
+        headers,
+        body: sealed_body,
+        client_nonce: None,
+        sealing: Sealing::Plain,
+        trace: None,
+    });
+    assert!(e2_host.send(&attack).await);
+    let results = p.collect(1, Duration::from_secs(30)).await;
+    p.check_invariant(&results, &[&victim]);
+    p.close().await;
+    e2_host.close().await;
+    x1_host.close().await;
+}

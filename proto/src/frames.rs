@@ -350,6 +350,12 @@ pub struct StepSeq {
     /// Tokens of this sequence in the step (prompt length for a prefill, 1
     /// for a decode step).
     pub len: u32,
+    /// A decode step's input token, which the entry stage was fed back
+    /// (`None` for a prefill). The exit stage checks that it is the token it
+    /// sampled last for this choice, so tokens that reach the entry stage
+    /// from anywhere else fail the request.
+    #[serde(default)]
+    pub input: Option<u32>,
 }
 
 /// Hidden states of one generation step between two stages: the rows of

@@ -103,6 +103,11 @@ impl ChoiceOut {
         self.finish
     }
 
+    /// The token sampled last (the next step's input), if any yet.
+    pub fn last_token(&self) -> Option<u32> {
+        self.generated.last().copied()
+    }
+
     /// Tokens generated (the end-of-sequence token included).
     pub fn completion_tokens(&self) -> usize {
         self.generated.len()

@@ -444,6 +444,10 @@ impl StageServer {
                     }
                 }
                 HostMessage::Cancel { request_id } => {
+                    if !self.model.claims().is_entry() {
+                        tracing::warn!("cancellation sent to a non-entry stage; closing");
+                        break;
+                    }
                     let Some(epoch) = my_epoch else {
                         tracing::warn!("cancellation from a host channel that did not configure the stage; closing");
                         break;

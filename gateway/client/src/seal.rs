@@ -318,6 +318,20 @@ pub fn run_open(a: OpenArgs) -> Result<i32> {
                 }
             }
             write_output(&a.out, &plain)?;
+            // An error the stage sealed to the client (it opened the request,
+            // then refused it): written out for the user, but not a success.
+            if trailer.is_none() {
+                if let Some(err) = serde_json::from_slice::<serde_json::Value>(&plain)
+                    .ok()
+                    .and_then(|v| v.get("error").cloned())
+                {
+                    eprintln!(
+                        "error: the enclave answered with an error (sealed to you, written out): {}",
+                        serde_json::to_string(&err).unwrap_or_default()
+                    );
+                    return Ok(EXIT_FAILED);
+                }
+            }
             // The salt of the receipt's digests goes into the key file, the
             // client's record of this exchange, for `verify receipt
             // --client-key`.

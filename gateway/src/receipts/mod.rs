@@ -90,13 +90,22 @@ impl ReceiptsConfig {
     }
 }
 
-/// Whether `postgres://user:password@host/...` names a password.
+/// Whether a PostgreSQL URL names a password: in its user info
+/// (`postgres://user:password@host/...`) or as a `password` query
+/// parameter (`?password=...`, which sqlx also reads).
 fn url_has_password(url: &str) -> bool {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     let authority = rest.split(['/', '?']).next().unwrap_or("");
-    authority
+    let in_userinfo = authority
         .rsplit_once('@')
-        .is_some_and(|(userinfo, _)| userinfo.contains(':'))
+        .is_some_and(|(userinfo, _)| userinfo.contains(':'));
+    let in_query = rest.split_once('?').is_some_and(|(_, q)| {
+        q.split('&').any(|kv| {
+            let key = kv.split('=').next().unwrap_or("");
+            key.eq_ignore_ascii_case("password")
+        })
+    });
+    in_userinfo || in_query
 }
 
 /// The receipt store the API reads and writes.
@@ -167,6 +176,13 @@ mod tests {
         ));
         assert!(!url_has_password("postgres://gw@db:5432/receipts"));
         assert!(!url_has_password("postgres://db/receipts?user=gw"));
+        // Issue 29, finding 7: sqlx also takes it as a query parameter.
+        assert!(url_has_password(
+            "postgres://gw@db/receipts?password=secret"
+        ));
+        assert!(url_has_password(
+            "postgres://db/receipts?sslmode=require&Password=secret"
+        ));
         let cfg = |url: &str| ReceiptsConfig {
             store: StoreKind::Postgres,
             path: default_sqlite_path(),

@@ -121,6 +121,33 @@ pub(super) async fn seal_open_checks(c: &Ctx) {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("not sealed"), "{err}");
 
+    // Issue 29, finding 9: a request the enclave opens and then refuses
+    // gets an error sealed to the client: `open` writes it out for the
+    // user but exits non-zero.
+    let bad = dir.join("bad-req.json");
+    std::fs::write(&bad, br#"{"model": "no-such-model", "input": "x"}"#).unwrap();
+    let (bad_body, bad_headers, bad_key, bad_resp) = (
+        dir.join("bad-body.bin"),
+        dir.join("bad-headers.txt"),
+        dir.join("bad-key.json"),
+        dir.join("bad-resp.bin"),
+    );
+    let (code, out, err) = seal_cli(
+        &["--gateway", &c.url, "--policy", p(&c.policy)],
+        [&bad, &bad_body, &bad_headers, &bad_key],
+    );
+    assert_eq!(code, 0, "{out}\n{err}");
+    let r = post_sealed(&c.url, &bad_body, &bad_headers).await;
+    assert_eq!(r.status(), 404);
+    std::fs::write(&bad_resp, r.bytes().await.unwrap()).unwrap();
+    let (code, out, err) = open_cli(&bad_key, &bad_resp, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(err.contains("the enclave answered with an error"), "{err}");
+    assert!(
+        out.contains("no-such-model"),
+        "the sealed error is written: {out}"
+    );
+
     // Keys from the raw application/ohttp-keys bytes (the entry stage's key
     // id, from the evidence), ChaCha20-Poly1305, no receipt nonce.
     let keys = get_bytes(&format!("{}/.well-known/hpke-keys", c.url)).await;

@@ -310,13 +310,20 @@ impl Rig {
     /// feedback), fetches fresh evidence of every stage and verifies it
     /// with the client crate against the pinned policy.
     pub async fn pipeline(&self) -> Pipeline {
+        self.pipeline_fed_by(None).await
+    }
+
+    /// [`Self::pipeline`], but a generation exit stage sends its sampled
+    /// tokens to `feedback` (a host's choice) instead of to the entry stage.
+    pub async fn pipeline_fed_by(&self, feedback: Option<String>) -> Pipeline {
         let n = self.stages.len();
         let mut hosts = Vec::new();
         let mut boots = Vec::new();
         let mut key_set = None;
         for i in (0..n).rev() {
             let next = (i + 1 < n).then(|| self.endpoint(i + 1));
-            let feedback = (self.generation && n > 1 && i + 1 == n).then(|| self.endpoint(0));
+            let feedback = (self.generation && n > 1 && i + 1 == n)
+                .then(|| feedback.clone().unwrap_or_else(|| self.endpoint(0)));
             let (h, r) = configure_at(&self.endpoint(i), next, feedback).await;
             let c = r.unwrap_or_else(|why| panic!("stage {i} refused its configuration: {why}"));
             if i == 0 {

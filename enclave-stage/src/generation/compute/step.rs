@@ -13,6 +13,7 @@ impl Generator {
                 choice: p.choice,
                 pos: p.pos,
                 len: p.tokens.len() as u32,
+                input: (p.pos > 0).then(|| p.tokens.first().copied()).flatten(),
             })
             .collect();
         let ids: Vec<u32> = plan.iter().flat_map(|p| p.tokens.iter().copied()).collect();
@@ -211,6 +212,7 @@ impl Generator {
         let mut next = Vec::with_capacity(seqs.len());
         let mut events: HashMap<u64, Vec<u8>> = HashMap::new();
         let mut completed = Vec::new();
+        let mut misfed = Vec::new();
         for (s, row) in seqs.iter().zip(logits.iter_mut()) {
             let Some(r) = self.requests.get_mut(&s.request_id) else {
                 continue;
@@ -222,6 +224,13 @@ impl Generator {
             let Some(choice) = ex.choices.get_mut(s.choice as usize) else {
                 continue;
             };
+            // The step's input must be what this stage sampled last for the
+            // choice (nothing for a prefill), and the choice still open: a
+            // token the entry stage got from anywhere else fails the request.
+            if choice.finish().is_some() || s.input != choice.last_token() {
+                misfed.push(s.request_id);
+                continue;
+            }
             let token = choice.step(row, &ex.rules, tok);
             let finish = choice.finish();
             if let Some(st) = ex.stream.as_mut() {
@@ -266,6 +275,14 @@ impl Generator {
                 })),
                 Err(e) => self.fail(&[request_id], &anyhow!("sealing a stream chunk: {e}")),
             }
+        }
+        if !misfed.is_empty() {
+            misfed.sort_unstable();
+            misfed.dedup();
+            self.fail(
+                &misfed,
+                &anyhow!("a step's input is not the token this stage sampled for its choice"),
+            );
         }
         self.send_feedback(FeedbackMessage::Tokens(next));
         for request_id in completed {
