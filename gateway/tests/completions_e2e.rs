@@ -483,6 +483,19 @@ async fn bad_requests_get_openai_errors() {
     .await;
     assert_eq!(s, 400);
     assert_eq!(b["error"]["code"], "context_length_exceeded");
+    // Issue 29, finding 8: text that cannot fit the context is refused by
+    // its size, before it is tokenized.
+    let huge = "word ".repeat(60_000);
+    let (s, b, _) = complete(&gw.url, json!({"model": MODEL, "prompt": huge})).await;
+    assert_eq!(s, 400, "{b}");
+    assert_eq!(b["error"]["code"], "context_length_exceeded", "{b}");
+    assert!(
+        b["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("bytes of text"),
+        "{b}"
+    );
     // The embeddings model does not complete, and the models list has both.
     let (s, b, _) = complete(&gw.url, json!({"model": "all-MiniLM-L6-v2", "prompt": "x"})).await;
     assert_eq!(s, 404, "{b}");

@@ -15,6 +15,13 @@ use std::collections::BTreeMap;
 
 /// Name of the one template in the environment.
 const NAME: &str = "chat";
+/// The most template instructions one rendering may run (minijinja's
+/// fuel): the template is the model file's, and it loops over messages the
+/// client chose, so its work is bounded. Ordinary templates use a few
+/// dozen per message.
+pub const TEMPLATE_FUEL: u64 = 2_000_000;
+/// The most messages one chat request may have.
+pub const MAX_CHAT_MESSAGES: usize = 4096;
 
 /// A parsed chat template with its special-token strings.
 pub struct ChatTemplate {
@@ -41,6 +48,7 @@ impl ChatTemplate {
         );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| format!("the model's chat template does not parse: {e}"))?;
         Ok(Self {
@@ -54,6 +62,12 @@ impl ChatTemplate {
     /// An error is the template's own complaint (e.g. roles that must
     /// alternate) and is safe to return to the client.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        if messages.len() > MAX_CHAT_MESSAGES {
+            return Err(format!(
+                "at most {MAX_CHAT_MESSAGES} messages are accepted; this request has {}",
+                messages.len()
+            ));
+        }
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
@@ -75,6 +89,11 @@ impl ChatTemplate {
                 "the chat template refused the messages: {}",
                 e.detail().unwrap_or("no reason given")
             ),
+            ErrorKind::OutOfFuel => {
+                "the chat template ran too long on these messages (its instruction budget \
+                 is spent)"
+                    .to_string()
+            }
             _ => format!("the chat template failed on these messages: {e}"),
         })
     }
@@ -83,6 +102,26 @@ impl ChatTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 29, finding 8: a template that would run for ever (or a very
+    /// long time) stops at its fuel; too many messages are refused.
+    #[test]
+    fn rendering_is_bounded() {
+        let t = ChatTemplate::new(
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        let t0 = std::time::Instant::now();
+        let e = t.render(&[msg("user", "hi")]).unwrap_err();
+        assert!(e.contains("ran too long"), "{e}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+        let t = ChatTemplate::new("{{ messages | length }}", "<s>", "</s>").unwrap();
+        let many = vec![msg("user", "x"); MAX_CHAT_MESSAGES + 1];
+        assert!(t.render(&many).unwrap_err().contains("at most"));
+        assert_eq!(t.render(&many[..3]).unwrap(), "3");
+    }
 
     fn msg(role: &str, content: &str) -> ChatMessage {
         ChatMessage {

@@ -11,6 +11,9 @@ use crate::embedding::engine::Engine;
 /// How many full-size embeddings requests' rows (`max_inputs` each) the
 /// entry stage queues before it answers 503 + `Retry-After`.
 const QUEUED_REQUESTS: usize = 4;
+/// Bytes of prompt text per context token past which a prompt is refused
+/// untokenized: tokens of ordinary text are far shorter.
+const MAX_BYTES_PER_TOKEN: usize = 32;
 
 impl StageServer {
     /// Opens, validates and tokenizes a sealed request, then hands its
@@ -182,6 +185,25 @@ impl StageServer {
             return Err(ApiError::model_not_found(&request.model));
         }
         let prompts = std::mem::take(&mut request.prompts);
+        // Text that cannot fit the context is refused before it is
+        // tokenized (bounding the tokenizer's work, whatever the body size).
+        let max_bytes = cfg.max_seq_len * MAX_BYTES_PER_TOKEN;
+        if let Some(n) = prompts.iter().find_map(|p| match p {
+            Prompt::Text(t) if t.len() > max_bytes => Some(t.len()),
+            _ => None,
+        }) {
+            return Err(ApiError {
+                code: Some("context_length_exceeded".into()),
+                ..ApiError::invalid(
+                    Some(prompt_param),
+                    format!(
+                        "The prompt is {n} bytes of text; at most {max_bytes} bytes are taken \
+                         for this model's {}-token context. Please reduce your prompt.",
+                        cfg.max_seq_len
+                    ),
+                )
+            });
+        }
         let total_bytes: usize = prompts
             .iter()
             .map(|p| match p {
