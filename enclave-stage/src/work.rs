@@ -74,6 +74,18 @@ pub fn failure(exit: bool, request_id: u64, error: PipelineError) -> Output {
     }
 }
 
+/// The failure a cancelled request travels on with (status 499), so that
+/// every later stage drops it too.
+pub fn cancelled() -> PipelineError {
+    PipelineError {
+        kind: proto::frames::ErrorKind::Internal,
+        status: 499,
+        message: "the client closed the request".into(),
+        retry_after_secs: None,
+        sealed_body: None,
+    }
+}
+
 /// A request's failure as it travels on: status and `message` for the host,
 /// and the OpenAI error `api` sealed to the client when the request's
 /// envelope (so its response key) is known here; the host cannot read it.

@@ -6,12 +6,10 @@ use serde::{de::DeserializeOwned, Serialize};
 ///
 /// A first pass only counts the bytes. A buffer that grew while encoding
 /// would leave a copy of what it held at each reallocation in freed memory,
-/// and some messages carry secrets (an [`Envelope`]'s response key and
+/// and some messages carry secrets (a request envelope's response key and
 /// digest salt): with one allocation there is one copy, which its owner
-/// wipes ([`crate::wipe`]). The count costs little: byte strings (tensor
+/// wipes (the `wipe` module). The count costs little: byte strings (tensor
 /// data, sealed bodies) are counted by their length, not byte by byte.
-///
-/// [`Envelope`]: crate::frames::Envelope
 pub fn to_vec<T: Serialize>(value: &T) -> Vec<u8> {
     let mut count = Count(0);
     ciborium::into_writer(value, &mut count).expect("counting CBOR bytes cannot fail");

@@ -276,8 +276,8 @@ impl ChannelSender {
     /// therefore leaves a sender that refuses every later message
     /// ([`ChannelError::Poisoned`]) instead of one that reuses a nonce or
     /// splices a message onto a half-written one. Callers that may be
-    /// cancelled (request handlers) go through a [`crate::channel_queue`]
-    /// writer task instead.
+    /// cancelled (request handlers) go through a queued writer task instead
+    /// (the `channel_queue` module, which builds on this one).
     pub async fn send(&mut self, msg: &[u8]) -> Result<(), ChannelError> {
         if self.poisoned {
             return Err(ChannelError::Poisoned);

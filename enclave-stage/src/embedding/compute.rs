@@ -194,13 +194,7 @@ impl Compute {
             request_id,
             "request cancelled by the client; its rows are dropped"
         );
-        let err = proto::frames::PipelineError {
-            kind: ErrorKind::Internal,
-            status: 499,
-            message: "the client closed the request".into(),
-            retry_after_secs: None,
-            sealed_body: None,
-        };
+        let err = crate::work::cancelled();
         self.send(failure(self.engine.claims.is_exit(), request_id, err));
     }
 

@@ -351,7 +351,8 @@ impl StageServer {
         }
         let sink = self.sink.lock().await.take();
         let feedback = self.feedback.lock().await.take();
-        // Not awaited here: a send stuck on a dead peer holds the lock.
+        // Not awaited here: a writer stuck on a dead peer delays its
+        // shutdown (which waits for what was queued before it).
         tokio::spawn(async move {
             if let Some(s) = sink {
                 s.tx.shutdown().await;

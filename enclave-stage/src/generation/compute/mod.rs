@@ -458,13 +458,7 @@ impl Generator {
         }
         if self.forget(request_id).is_some() {
             tracing::info!(request_id, "request cancelled by the client; freed");
-            let err = PipelineError {
-                kind: ErrorKind::Internal,
-                status: 499,
-                message: "the client closed the request".into(),
-                retry_after_secs: None,
-                sealed_body: None,
-            };
+            let err = crate::work::cancelled();
             self.send(failure(self.is_exit(), request_id, err));
         }
     }
