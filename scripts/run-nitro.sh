@@ -4,6 +4,10 @@
 # `gateway host-proxy` relaying stage i-1 -> stage i (and, for completions,
 # the exit stage's feedback to the entry stage), and the gateway with
 # config/gateway-nitro.toml (vsock addresses and the PCR policy set here).
+# The enclaves and the proxy are started and supervised (a dead enclave or
+# proxy is restarted) by the one enclave runner that the Kubernetes overlay
+# uses too, docker/k8s/overlays/nitro/run-enclaves.sh; the gateway starts
+# once every enclave runs, and stopping this script stops them all.
 #
 # Usage: scripts/run-nitro.sh [--build DIR] [options] [--dry-run]
 #   --build DIR            target/eif/NAME from build-eif.sh (reads its eif.env;
@@ -20,7 +24,9 @@
 # memory sizing), MEMORY_MIB, CPU_COUNT, KV_BYTES_PER_TOKEN_LAYER (below).
 #
 # Sizing, per stage, in MiB (printed; every term rounded up):
-#   memory = roundup_256(eif + weights + kv + activations + 512)
+#   memory = max(roundup_256(eif + weights + kv + activations + 512),
+#                roundup_256(4 x eif))
+#     (nitro-cli refuses an enclave smaller than 4 x its EIF: error E26)
 #     eif          the EIF file (its initramfs, binary and all model files,
 #                  lives in enclave memory; estimated as model folder + 64
 #                  when the EIF does not exist yet, e.g. in a dry run)
@@ -37,10 +43,14 @@
 #                  KV heads x 64 dims x 4 bytes, SmolLM2-135M)
 #     activations  embedding models: the stage's --memory-budget-mib, 192
 #     512          kernel, runtime, channel buffers
-#   cpus = 2 if weights < 1024 MiB, 4 if < 4096, else 8 (even: Nitro gives
-#          whole cores; override with CPU_COUNT)
-# nitro-cli refuses a memory size below what the EIF needs and names the
-# minimum (error E26); raise it with MEMORY_MIB.
+#   cpus = 2 if weights < 1024 MiB, 4 if < 4096, else 8 (override with
+#          CPU_COUNT): even, because an enclave gets whole cores (two vCPUs
+#          each on x86)
+# The parent: the allocator (/etc/nitro_enclaves/allocator.yaml) reserves the
+# sum over the stages, printed as the file to write; it keeps CPU 0 and its
+# sibling for the parent, so the instance needs that many vCPUs plus 2, and
+# the memory plus 4 GiB for the parent (gateway, host proxy, page cache); the
+# smallest m6i size that fits is printed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -48,7 +58,7 @@ BUILD=target/eif/all-minilm-l6-v2
 EIF="" POLICY="" MODEL_DIR="" LAYERS="" CID_BASE="" PORT=""
 PROXY_BASE=8000
 KV_TOKENS=16384
-DEBUG=()
+DEBUG_MODE=0
 CONFIG=config/gateway-nitro.toml
 DRY_RUN=0
 declare -A SET=()
@@ -63,10 +73,10 @@ while [[ $# -gt 0 ]]; do
     --port) SET[PORT]="$2"; shift 2 ;;
     --proxy-port-base) PROXY_BASE="$2"; shift 2 ;;
     --kv-cache-tokens) KV_TOKENS="$2"; shift 2 ;;
-    --debug-mode) DEBUG=(--debug-mode); shift ;;
+    --debug-mode) DEBUG_MODE=1; shift ;;
     --config) CONFIG="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,54p' "$0"; exit 0 ;;
     *) echo "run-nitro: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -117,10 +127,16 @@ if [[ -n "${CPU_COUNT:-}" ]]; then cpus=$CPU_COUNT
 elif (( weights_mib < 1024 )); then cpus=2
 elif (( weights_mib < 4096 )); then cpus=4
 else cpus=8; fi
+if ! [[ "$cpus" =~ ^[0-9]+$ ]] || (( cpus < 2 || cpus % 2 != 0 )); then
+  echo "run-nitro: CPU_COUNT must be even and at least 2: an enclave gets whole cores (2 vCPUs each)" >&2
+  exit 2
+fi
 
 run() {
   if [[ $DRY_RUN == 1 ]]; then printf '+'; printf ' %q' "$@"; printf '\n'; else "$@"; fi
 }
+RUNNER=docker/k8s/overlays/nitro/run-enclaves.sh
+GATEWAY=target/release/gateway
 if [[ $DRY_RUN == 0 ]]; then
   command -v nitro-cli >/dev/null || {
     echo "run-nitro: nitro-cli is not installed: run this on an AWS Nitro Enclaves parent instance (docs/deploy-nitro.md); --dry-run prints the commands" >&2
@@ -132,10 +148,11 @@ fi
 
 echo "== sizing ($ARCH, $N stages): eif $eif_mib MiB ($eif_how), weights $weights_mib MiB, cpus $cpus"
 routes=()
+mems=()
 # Embedding models are [pipeline], llama models [completions] in the config.
 S=PIPELINE
 [[ "$ARCH" == llama ]] && S=COMPLETIONS
-env_over=(GATEWAY_${S}__POLICY="$POLICY" GATEWAY_${S}__MODEL_DIR="$MODEL_DIR")
+env_over=("GATEWAY_${S}__POLICY=$POLICY" "GATEWAY_${S}__MODEL_DIR=$MODEL_DIR")
 for i in "${!RANGES[@]}"; do
   r="${RANGES[$i]}"; start=${r%%..*}; end=${r##*..}
   if [[ "$ARCH" == llama ]]; then
@@ -146,32 +163,66 @@ for i in "${!RANGES[@]}"; do
   fi
   sum=$(( eif_mib + weights_mib + kv_mib + act_mib + 512 ))
   mem=$(( (sum + 255) / 256 * 256 ))
+  floor=$(( (4 * eif_mib + 255) / 256 * 256 ))
+  if (( floor > mem )); then
+    mem=$floor; why="4 x eif ($eif_mib), nitro-cli's minimum, above"
+  else
+    why="="
+  fi
   mem="${MEMORY_MIB:-$mem}"
+  if (( mem < 4 * eif_mib )); then
+    echo "run-nitro: MEMORY_MIB=$mem is below 4 x the EIF ($eif_mib MiB): nitro-cli would refuse it (E26)" >&2
+    exit 2
+  fi
   cid=$(( CID_BASE + i ))
-  echo "stage $i: layers $start..$end cid $cid: memory $mem MiB = roundup_256($eif_mib eif + $weights_mib weights + $kv_mib kv + $act_mib activations + 512), cpus $cpus"
-  run nitro-cli run-enclave --eif-path "$EIF" --cpu-count "$cpus" --memory "$mem" --enclave-cid "$cid" "${DEBUG[@]}"
-  routes+=(--route "vsock://any:$(( PROXY_BASE + i ))=vsock://$cid:$PORT")
-  env_over+=(GATEWAY_${S}__STAGES__${i}__LAYERS="[$start, $end]" GATEWAY_${S}__STAGES__${i}__ADDRESS="vsock://$cid:$PORT")
+  echo "stage $i: layers $start..$end cid $cid: memory $mem MiB $why roundup_256($eif_mib eif + $weights_mib weights + $kv_mib kv + $act_mib activations + 512), cpus $cpus"
+  mems+=("$mem")
+  routes+=("vsock://any:$(( PROXY_BASE + i ))=vsock://$cid:$PORT")
+  env_over+=("GATEWAY_${S}__STAGES__${i}__LAYERS=[$start, $end]" "GATEWAY_${S}__STAGES__${i}__ADDRESS=vsock://$cid:$PORT")
   if (( i > 0 )); then
-    env_over+=(GATEWAY_${S}__STAGES__${i}__PEER_ADDRESS="vsock://3:$(( PROXY_BASE + i ))")
+    env_over+=("GATEWAY_${S}__STAGES__${i}__PEER_ADDRESS=vsock://3:$(( PROXY_BASE + i ))")
   elif [[ "$ARCH" == llama && $N -gt 1 ]]; then
     # The exit stage sends sampled tokens back to the entry stage.
-    env_over+=(GATEWAY_${S}__STAGES__0__PEER_ADDRESS="vsock://3:$PROXY_BASE")
+    env_over+=("GATEWAY_${S}__STAGES__0__PEER_ADDRESS=vsock://3:$PROXY_BASE")
   fi
 done
+total_mem=0
+for m in "${mems[@]}"; do total_mem=$(( total_mem + m )); done
+total_cpus=$(( N * cpus ))
+need_vcpus=$(( total_cpus + 2 ))
+need_mib=$(( total_mem + 4096 ))
+instance="none of m6i's sizes (at most 128 vCPUs, 512 GiB)"
+for size in large:2 xlarge:4 2xlarge:8 4xlarge:16 8xlarge:32 12xlarge:48 16xlarge:64 24xlarge:96 32xlarge:128; do
+  v=${size##*:}
+  if (( v >= need_vcpus && v * 4096 >= need_mib )); then instance="m6i.${size%%:*} ($v vCPUs, $(( v * 4 )) GiB)"; break; fi
+done
+echo "== parent: /etc/nitro_enclaves/allocator.yaml for this pipeline (add the other pipeline's, if any):"
+echo "memory_mib: $total_mem"
+echo "cpu_count: $total_cpus"
+echo "instance: at least $need_vcpus vCPUs ($total_cpus for the enclaves, CPU 0 and its sibling for the parent) and $need_mib MiB: $instance"
 if [[ "$ARCH" == llama ]]; then
   echo "note: these stages are the config's [completions] pipeline: $CONFIG must have one, and its"
   echo "      [pipeline] (embeddings) enclaves must run too (docs/deploy-nitro.md, two pipelines)."
 fi
 
-GATEWAY=target/release/gateway
-echo "== host proxy"
+runner_env=(EIF="$EIF" CID_BASE="$CID_BASE" STAGES="$N" ENCLAVE_CPUS="$cpus"
+  ENCLAVE_MEMORY_MIB="$(IFS=,; echo "${mems[*]}")" ROUTES="${routes[*]}" DEBUG_MODE="$DEBUG_MODE"
+  GATEWAY="$GATEWAY")
+echo "== enclaves and host proxy ($RUNNER)"
 if [[ $DRY_RUN == 1 ]]; then
-  run "$GATEWAY" host-proxy "${routes[@]}"
+  env "${runner_env[@]}" DRY_RUN=1 sh "$RUNNER"
 else
-  "$GATEWAY" host-proxy "${routes[@]}" &
-  proxy=$!
-  trap 'kill $proxy 2>/dev/null || true' EXIT
+  state="$(mktemp -d)"
+  env "${runner_env[@]}" READY_FILE="$state/ready" HEARTBEAT_FILE="$state/heartbeat" sh "$RUNNER" &
+  runner=$!
+  # TERM makes the runner terminate its enclaves and the proxy.
+  trap 'kill -TERM $runner 2>/dev/null; wait $runner 2>/dev/null; rm -rf "$state"' EXIT
+  for _ in $(seq 1 120); do
+    [[ -f "$state/ready" ]] && break
+    kill -0 $runner 2>/dev/null || { echo "run-nitro: the enclave runner stopped (see its log above)" >&2; exit 1; }
+    sleep 1
+  done
+  [[ -f "$state/ready" ]] || { echo "run-nitro: the enclaves were not all RUNNING after 120 s" >&2; exit 1; }
 fi
 echo "== gateway ($CONFIG)"
 run env "${env_over[@]}" "$GATEWAY" serve --config "$CONFIG"

@@ -2,8 +2,11 @@
 # Checks the Nitro deployment scripts without Nitro hardware (scripts/test.sh
 # runs it; a few seconds): build-eif.sh's PCR parsing and policy writing on
 # a sample of nitro-cli build-enclave's output, the policy loading in the
-# gateway's config check, the refusal without nitro-cli, and run-nitro.sh's
-# sizing and commands in a dry run. Needs target/release/gateway and the
+# gateway's config check, the refusal without nitro-cli, the enclave image's
+# command as nitro-cli takes it (CMD alone), run-nitro.sh's sizing rules
+# (4 x the EIF, whole cores, the parent's core, the allocator and instance)
+# and commands in a dry run, and the enclave runner both deployments use
+# (scripts/test-enclave-runner.sh). Needs target/release/gateway and the
 # models from scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -45,8 +48,15 @@ scripts/build-eif.sh --dry-run --model models/smollm2-135m-instruct --layers 0..
   --stage-args "--kv-cache-tokens 16384" >"$tmp/dry.out"
 grep -q "cargo build .*--features nitro" "$tmp/dry.out" || fail "dry run: static build"
 grep -q "MODEL=smollm2-135m-instruct" "$tmp/dry.out" || fail "dry run: MODEL build arg"
-grep -q 'CMD \["--attestation", "nitro", "--listen", "vsock://any:9000", "--stage-from-cid", "16", "--layers", "0..15,15..30", "--kv-cache-tokens", "16384"\]' "$tmp/dry.out" \
+# nitro-cli runs CMD alone (never ENTRYPOINT + CMD): the CMD is the whole
+# command line, program first, and ENTRYPOINT is cleared so that a container
+# of the image runs exactly what the enclave will.
+grep -q 'ENTRYPOINT \[\]; CMD \["/enclave-stage", "--policy", "/config/policy.toml", "--attestation", "nitro", "--listen", "vsock://any:9000", "--stage-from-cid", "16", "--layers", "0..15,15..30", "--threads", "0", "--kv-cache-tokens", "16384"\]' "$tmp/dry.out" \
   || { cat "$tmp/dry.out"; fail "dry run: enclave CMD"; }
+# Signing: both options or neither; the signed build passes them on.
+scripts/build-eif.sh --dry-run --signing-certificate "$SAMPLE" --private-key key.pem >"$tmp/signed.out"
+grep -q -- "build-enclave .* --signing-certificate $SAMPLE --private-key key.pem" "$tmp/signed.out" || fail "signing options"
+if scripts/build-eif.sh --dry-run --private-key key.pem >/dev/null 2>&1; then fail "a key without a certificate was accepted"; fi
 grep -q "nitro-cli build-enclave --docker-uri confidential-inference/enclave-stage-nitro:smollm2-135m-instruct" "$tmp/dry.out" \
   || fail "dry run: nitro-cli build-enclave"
 
@@ -59,6 +69,21 @@ up() { echo $(( ($1 + 1048575) / 1048576 )); }
 want=$(( ( ($(up "$mini_files") + 64) + $(up "$mini_weights") + 192 + 512 + 255) / 256 * 256 ))
 [[ $(grep -c "nitro-cli run-enclave --eif-path $tmp/none/stage.eif --cpu-count 2 --memory $want --enclave-cid 1[67]" "$tmp/run.out") == 2 ]] \
   || fail "embeddings: expected two enclaves of $want MiB, 2 CPUs"
+# The parent's share: the allocator reserves both enclaves, and the instance
+# keeps CPU 0 and its sibling (an m6i.xlarge's 4 vCPUs cannot host them).
+grep -q "^memory_mib: $(( 2 * want ))\$" "$tmp/run.out" || fail "allocator.yaml memory"
+grep -q "^cpu_count: 4\$" "$tmp/run.out" || fail "allocator.yaml cpus"
+grep -q "instance: at least 6 vCPUs .*: m6i.2xlarge" "$tmp/run.out" || fail "instance size"
+# nitro-cli needs 4 x the EIF: a 400 MiB EIF gets 1792 MiB, not the 1280 of the sum.
+mkdir -p "$tmp/big"
+truncate -s 400M "$tmp/big/stage.eif"
+scripts/run-nitro.sh --dry-run --build "$tmp/big" >"$tmp/big.out"
+[[ $(grep -c -- "--memory 1792 --enclave-cid" "$tmp/big.out") == 2 ]] || { cat "$tmp/big.out"; fail "4 x EIF floor"; }
+if MEMORY_MIB=1024 scripts/run-nitro.sh --dry-run --build "$tmp/big" >/dev/null 2>"$tmp/err"; then fail "MEMORY_MIB below 4 x EIF accepted"; fi
+grep -q "below 4 x the EIF" "$tmp/err" || fail "4 x EIF message"
+# Whole cores: an odd vCPU count is refused.
+if CPU_COUNT=3 scripts/run-nitro.sh --dry-run --build "$tmp/none" >/dev/null 2>"$tmp/err"; then fail "CPU_COUNT=3 accepted"; fi
+grep -q "whole cores" "$tmp/err" || fail "CPU_COUNT message"
 grep -q -- "host-proxy --route vsock://any:8000=vsock://16:9000 --route vsock://any:8001=vsock://17:9000" "$tmp/run.out" \
   || fail "host-proxy routes"
 grep -q "GATEWAY_PIPELINE__STAGES__1__PEER_ADDRESS=vsock://3:8001" "$tmp/run.out" || fail "peer address"
@@ -85,4 +110,6 @@ for weights in q4_1 f32; do
 done
 if WEIGHTS=int3 scripts/run-nitro.sh --dry-run --build "$tmp/none" >/dev/null 2>&1; then fail "WEIGHTS=int3 accepted"; fi
 grep -q "GATEWAY_COMPLETIONS__STAGES__0__PEER_ADDRESS=vsock://3:8000" "$tmp/run2.out" || fail "feedback route"
+echo "== the enclave runner (docker/k8s/overlays/nitro/run-enclaves.sh)"
+scripts/test-enclave-runner.sh
 echo "nitro scripts: OK"

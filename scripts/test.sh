@@ -8,7 +8,10 @@
 #      the stage (tests that start the binaries need it);
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
 #   4. the `nitro` feature's unit tests and the Nitro scripts' checks
-#      (scripts/test-nitro-scripts.sh, no hardware needed); the Kubernetes
+#      (scripts/test-nitro-scripts.sh, no hardware needed); where a Docker
+#      engine runs, the Nitro enclave image started as an enclave's init
+#      would start it, serving through a gateway (scripts/test-enclave-image.sh:
+#      a static musl build; ENCLAVE_IMAGE_E2E=0 skips it); the Kubernetes
 #      overlays rendered and schema-validated (scripts/test-k8s-manifests.sh);
 #   5. the stock `openai` Python SDK and LangChain's ChatOpenAI against a live
 #      gateway, directly and through `gateway proxy`;
@@ -40,6 +43,8 @@ cargo test --release -p proto --features nitro --lib
 cargo test --release -p enclave-stage --features nitro --lib -- provider role
 echo "== Nitro deployment scripts (docs/deploy-nitro.md; no hardware needed)"
 scripts/test-nitro-scripts.sh
+echo "== the Nitro enclave image, booted as an enclave's init would (scripts/test-enclave-image.sh; Docker)"
+scripts/test-enclave-image.sh
 echo "== Kubernetes manifests (docs/deploy-kubernetes.md; rendered and validated offline)"
 scripts/test-k8s-manifests.sh
 

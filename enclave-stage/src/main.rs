@@ -40,6 +40,12 @@ struct Args {
     /// `--stage-index` and `--num-stages`).
     #[arg(long, value_name = "BASE")]
     stage_from_cid: Option<u32>,
+    /// With `--stage-from-cid` and `--attestation mock` only: the CID to
+    /// read the stage from where there is no vsock device (the enclave image
+    /// run as a container, `scripts/test-enclave-image.sh`). Refused with
+    /// `--attestation nitro`, where the CID is the enclave's own.
+    #[arg(long, value_name = "CID", requires = "stage_from_cid")]
+    mock_cid: Option<u32>,
     /// Endpoint to listen on (`tcp://127.0.0.1:0` picks a port;
     /// `vsock://any:9000` inside a Nitro enclave).
     #[arg(long, default_value = "tcp://127.0.0.1:0")]
@@ -51,7 +57,9 @@ struct Args {
     /// Measurement policy used to verify neighbouring stages.
     #[arg(long)]
     policy: PathBuf,
-    /// Compute threads (sets RAYON_NUM_THREADS for Candle).
+    /// Compute threads (sets RAYON_NUM_THREADS for Candle); 0: one per CPU
+    /// this process may run on (an enclave's image does not know how many
+    /// CPUs `nitro-cli run-enclave --cpu-count` gives it).
     #[arg(long, default_value_t = 1)]
     threads: usize,
     /// Padded tokens per micro-batch.
@@ -102,13 +110,23 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let threads = match args.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
     // Before any thread exists: Candle reads these once.
-    std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
-    std::env::set_var("CANDLE_NUM_THREADS", args.threads.to_string());
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
     proto::logging::init();
     let spec = match args.stage_from_cid {
         Some(base) => {
-            let cid = proto::transport::local_cid()?;
+            let cid = match args.mock_cid {
+                Some(_) if args.attestation != AttestationKind::Mock => {
+                    anyhow::bail!("--mock-cid is for --attestation mock only: an enclave's CID is read from /dev/vsock")
+                }
+                Some(cid) => cid,
+                None => proto::transport::local_cid()?,
+            };
             let spec = role::from_cid(cid, base, &args.layers)?;
             tracing::info!(
                 cid,

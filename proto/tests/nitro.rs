@@ -23,7 +23,7 @@ use proto::attestation::{
 use proto::channel::{self, ChannelLimits, LocalIdentity, PeerInfo};
 use proto::digest::Sha256Digest;
 use proto::frames::StageClaims;
-use proto::nitro::{decode_document, parse_cose, NitroVerifier};
+use proto::nitro::{decode_document, parse_cose, NitroVerifier, MAX_CLOCK_SKEW_SECS};
 use proto::policy::{Policy, PolicyError};
 use proto::transport::BoxStream;
 use ring::rand::SystemRandom;
@@ -162,9 +162,16 @@ fn every_fixture_verifies_inside_its_window_only() {
             assert_eq!(v.nonce.len(), f.nonce_len, "{}", f.file);
             assert_eq!(pcrs_of(&v).is_debug(), f.debug, "{}", f.file);
         }
-        match verify_at(&doc, f.from - 1) {
+        // A verifier whose clock is behind the enclave's: a leaf that starts
+        // up to MAX_CLOCK_SKEW_SECS in its future is accepted, one further
+        // out is refused, naming the verifier's own time.
+        for behind in [1, MAX_CLOCK_SKEW_SECS] {
+            let v = verify_at(&doc, f.from - behind);
+            assert!(v.is_ok(), "{} {behind} s early: {v:?}", f.file);
+        }
+        match verify_at(&doc, f.from - MAX_CLOCK_SKEW_SECS - 1) {
             Err(AttestError::CertificateNotYetValid { now, not_before }) => {
-                assert_eq!(now, f.from - 1);
+                assert_eq!(now, f.from - MAX_CLOCK_SKEW_SECS - 1);
                 assert_eq!(not_before, f.from, "{}", f.file);
             }
             other => panic!("{} before its window: {other:?}", f.file),

@@ -85,7 +85,7 @@ impl GatewayConfig {
     pub(super) fn validate(&self) -> Result<()> {
         let k = |path: &str| self.key(path);
         let p = &self.pipeline;
-        validate_stages("pipeline", &p.stages, p.launch, &k)?;
+        validate_stages("pipeline", &p.stages, p.launch, false, &k)?;
         let served = |key: &str, w: WeightFormat, served: &[WeightFormat]| {
             w.served_by(served)
                 .map(|_| ())
@@ -95,7 +95,7 @@ impl GatewayConfig {
             served("pipeline.weights", w, &WeightFormat::EMBEDDING)?;
         }
         if let Some(c) = &self.completions {
-            validate_stages("completions", &c.stages, p.launch, &k)?;
+            validate_stages("completions", &c.stages, p.launch, true, &k)?;
             served("completions.weights", c.weights, &WeightFormat::GENERATION)?;
             for (key, v) in [
                 ("kv_cache_tokens", c.kv_cache_tokens),

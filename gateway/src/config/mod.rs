@@ -14,6 +14,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use proto::frames::WeightFormat;
+use proto::transport::Endpoint;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -277,13 +278,17 @@ pub struct TlsConfig {
     pub key: PathBuf,
 }
 
-/// Checks a stage list: contiguous non-empty layer ranges from 0, and an
-/// address for each stage when the stages are remote.
+/// Checks a stage list: contiguous non-empty layer ranges from 0, an
+/// address for each stage when the stages are remote, and a parent relay
+/// (`vsock://3:PORT`) as the `peer_address` of every stage a Nitro enclave
+/// dials: the next stage, and with `feedback` (a generation pipeline of
+/// several stages) the entry stage, which the exit stage sends tokens to.
 /// `k` names a key path (with the environment variable that set it, if any).
 fn validate_stages(
     section: &str,
     stages: &[StageConfig],
     launch: Launch,
+    feedback: bool,
     k: &dyn Fn(&str) -> String,
 ) -> Result<()> {
     if stages.is_empty() {
@@ -336,7 +341,39 @@ fn validate_stages(
             k(&format!("{section}.stages"))
         );
     }
+    let n = stages.len();
+    let feedback_dial = (feedback && n > 1).then_some((n - 1, 0));
+    for (from, to) in (1..n).map(|i| (i - 1, i)).chain(feedback_dial) {
+        if !is_enclave(&stages[from]) {
+            continue;
+        }
+        let relayed = stages[to]
+            .peer_address
+            .as_deref()
+            .and_then(|p| p.parse().ok())
+            .is_some_and(|e| {
+                matches!(e, Endpoint::Vsock { cid, .. } if cid == proto::transport::NITRO_PARENT_CID)
+            });
+        if !relayed {
+            bail!(
+                "{}: stage {from} is a Nitro enclave (its address is vsock://CID:PORT with a CID \
+                 above 3) and an enclave reaches only its parent, so stage {to} needs \
+                 peer_address = \"vsock://3:PORT\", a parent port that `gateway host-proxy` \
+                 relays to stage {to} (docs/deploy-nitro.md)",
+                k(&format!("{section}.stages[{to}].peer_address"))
+            );
+        }
+    }
     Ok(())
+}
+
+/// Whether a stage is a Nitro enclave: its address is a vsock CID other than
+/// the parent's (`any`, the host and the parent are not enclaves).
+fn is_enclave(stage: &StageConfig) -> bool {
+    matches!(
+        stage.address.as_deref().and_then(|a| a.parse().ok()),
+        Some(Endpoint::Vsock { cid, .. }) if cid > proto::transport::NITRO_PARENT_CID && cid != u32::MAX
+    )
 }
 
 /// Whether a `listen` address is on loopback (`127.0.0.0/8`, `::1`, `localhost`).

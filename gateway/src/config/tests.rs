@@ -53,6 +53,49 @@ fn nitro_config_has_vsock_stages_and_a_peer_address() {
 }
 
 #[test]
+fn a_stage_an_enclave_dials_must_be_relayed_by_the_parent() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway-nitro.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    // Stage 0 is the enclave at CID 16: it can reach stage 1 only through
+    // its parent (CID 3), never at stage 1's own CID or by TCP.
+    for peer in [None, Some("vsock://17:9000"), Some("tcp://10.0.0.2:9001")] {
+        let bad = match peer {
+            None => text.replace("peer_address = \"vsock://3:8001\"", ""),
+            Some(p) => text.replace("vsock://3:8001", p),
+        };
+        let e = format!("{:#}", GatewayConfig::parse(&bad, env(&[])).unwrap_err());
+        assert!(
+            e.contains("pipeline.stages[1].peer_address") && e.contains("vsock://3:PORT"),
+            "{peer:?}: {e}"
+        );
+    }
+    // A stage the gateway dials over TCP needs no relay.
+    let tcp = text
+        .replace("vsock://16:9000", "tcp://10.0.0.1:9000")
+        .replace("peer_address = \"vsock://3:8001\"", "");
+    GatewayConfig::parse(&tcp, env(&[])).unwrap();
+    // A generation pipeline of enclaves: the exit stage dials the entry
+    // stage too (its feedback), so the entry stage needs a relay as well.
+    let completions = format!(
+        "{text}\n[completions]\npolicy = \"config/policy-completions.toml\"\n\
+         model_dir = \"models/smollm2-135m-instruct\"\n\
+         [[completions.stages]]\nlayers = [0, 15]\naddress = \"vsock://20:9000\"\n\
+         [[completions.stages]]\nlayers = [15, 30]\naddress = \"vsock://21:9000\"\n\
+         peer_address = \"vsock://3:8101\"\n"
+    );
+    let e = format!(
+        "{:#}",
+        GatewayConfig::parse(&completions, env(&[])).unwrap_err()
+    );
+    assert!(e.contains("completions.stages[0].peer_address"), "{e}");
+    let fixed = completions.replace(
+        "address = \"vsock://20:9000\"",
+        "address = \"vsock://20:9000\"\npeer_address = \"vsock://3:8100\"",
+    );
+    GatewayConfig::parse(&fixed, env(&[])).unwrap();
+}
+
+#[test]
 fn auth_keys_are_validated_by_name() {
     let base = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/gateway.toml"),

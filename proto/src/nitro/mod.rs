@@ -25,7 +25,9 @@
 //!    checked with its issuer's key, and must be ECDSA P-384 with SHA-384
 //!    as all of AWS's chain is (`CHAIN_ALGS`), every certificate
 //!    below the root must be valid at the caller's "now"
-//!    ([`AttestError::CertificateExpired`] / [`AttestError::CertificateNotYetValid`]),
+//!    ([`AttestError::CertificateExpired`] / [`AttestError::CertificateNotYetValid`];
+//!    a `notBefore` up to [`MAX_CLOCK_SKEW_SECS`] ahead of "now" is
+//!    accepted, because an enclave's clock runs without NTP),
 //!    issuers must be CAs (basic constraints, path length), the leaf must
 //!    not be a CA, and unknown critical extensions are refused; the pinned
 //!    root's own validity window is checked here too;
@@ -66,6 +68,14 @@ pub const MAX_NONCE: usize = 512;
 pub const MAX_PUBLIC_KEY: usize = 1024;
 /// Number of PCRs the NSM has.
 pub const PCR_COUNT: u8 = 32;
+
+/// How far ahead of the verifier's clock a certificate's `notBefore` may
+/// lie (seconds). The NSM issues a leaf only seconds before the document
+/// (3–15 s in the recorded documents), and an enclave's clock has no NTP
+/// and drifts seconds per week, so a verifier a little behind the enclave
+/// would otherwise refuse fresh documents as not yet valid. Expiry is
+/// judged at the verifier's own clock, with no tolerance.
+pub const MAX_CLOCK_SKEW_SECS: u64 = 300;
 
 /// The payload of a Nitro attestation document.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -436,7 +446,7 @@ impl NitroVerifier {
 
         // 3. The chain, to the pinned root only.
         let (root_from, root_to) = validity(self.root.as_ref())?;
-        if now < root_from {
+        if now.saturating_add(MAX_CLOCK_SKEW_SECS) < root_from {
             return Err(AttestError::CertificateNotYetValid {
                 now,
                 not_before: root_from,
@@ -459,9 +469,13 @@ impl NitroVerifier {
             .iter()
             .map(|c| CertificateDer::from(c.as_slice()))
             .collect();
-        let time = UnixTime::since_unix_epoch(Duration::from_secs(now));
-        let path = leaf
-            .verify_for_usage(
+        // Judged at `now`; a certificate that is not yet valid but starts
+        // within the clock tolerance is judged again at its `notBefore`
+        // (at most once per certificate of the chain, each time later).
+        let mut at = now;
+        let path = loop {
+            let time = UnixTime::since_unix_epoch(Duration::from_secs(at));
+            match leaf.verify_for_usage(
                 CHAIN_ALGS,
                 std::slice::from_ref(&anchor),
                 &intermediates,
@@ -469,8 +483,23 @@ impl NitroVerifier {
                 AnyEku,
                 None,
                 None,
-            )
-            .map_err(chain_error)?;
+            ) {
+                Ok(path) => break path,
+                Err(webpki::Error::CertNotValidYet { not_before, .. })
+                    if not_before.as_secs() > at
+                        && not_before.as_secs() <= now.saturating_add(MAX_CLOCK_SKEW_SECS) =>
+                {
+                    at = not_before.as_secs();
+                }
+                Err(webpki::Error::CertNotValidYet { not_before, .. }) => {
+                    return Err(AttestError::CertificateNotYetValid {
+                        now,
+                        not_before: not_before.as_secs(),
+                    })
+                }
+                Err(e) => return Err(chain_error(e)),
+            }
+        };
         let chain_len = path.intermediate_certificates().count() + 2;
         let leaf_validity = validity(&payload.certificate)?;
 

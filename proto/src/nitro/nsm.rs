@@ -146,14 +146,20 @@ impl<D: NsmDevice> AttestationProvider for NitroProvider<D> {
 }
 
 /// This enclave's own measurement (its PCRs): a document the provider makes
-/// binding nothing, checked by `verifier` (the pinned AWS root). A stage
-/// accepts a neighbour running the same image with it (`trust_same_image`).
+/// binding nothing, checked against `verifier`'s root at the document's own
+/// time (the enclave's clock has no NTP: judged at "now", a clock that lags
+/// the NSM's would refuse the enclave's own fresh document, and "now" adds
+/// nothing to a document made a moment ago). A stage accepts a neighbour
+/// running the same image with it (`trust_same_image`).
 pub fn own_measurement(
     provider: &dyn AttestationProvider,
     verifier: &crate::nitro::NitroVerifier,
 ) -> Result<crate::evidence::Measurement, AttestError> {
     let evidence = provider.attest(&[], &[], &[])?;
-    Ok(verifier.verify(&evidence.document)?.document.measurement)
+    let at_its_time = verifier
+        .clone()
+        .with_time(crate::nitro::VerifyTime::DocumentTime);
+    Ok(at_its_time.verify(&evidence.document)?.document.measurement)
 }
 
 #[cfg(test)]
@@ -309,7 +315,10 @@ mod tests {
         let p = recorder(|| Response::Attestation {
             document: RECORDED.to_vec(),
         });
-        let m = own_measurement(&p, &NitroVerifier::aws().at(RECORDED_AT)).unwrap();
+        // Judged at the document's own time: with the system clock, today,
+        // its three-hour leaf has long expired.
+        assert!(NitroVerifier::aws().verify(RECORDED).is_err());
+        let m = own_measurement(&p, &NitroVerifier::aws()).unwrap();
         let crate::evidence::Measurement::Nitro(pcrs) = &m else {
             panic!("{m:?}")
         };
