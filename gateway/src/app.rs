@@ -390,6 +390,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             cfg.server.attestation_per_minute,
             Duration::from_secs(cfg.server.attestation_cache_secs),
         )),
+        in_flight: crate::in_flight::InFlightCap::new(cfg.server.max_in_flight),
     };
     let listener = serve::bind(&cfg.server.listen, cfg.server.send_buffer_bytes)
         .await

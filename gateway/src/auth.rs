@@ -15,7 +15,6 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt as _;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use subtle::ConstantTimeEq;
@@ -244,12 +243,7 @@ pub async fn require_key(State(keys): State<Arc<ApiKeys>>, req: Request, next: N
     match _permit {
         // The permit lives as long as the response body: a stream counts
         // against the key's limit until it ends or its client goes away.
-        Some(permit) => resp.map(|body| {
-            axum::body::Body::from_stream(body.into_data_stream().map(move |chunk| {
-                let _held = &permit;
-                chunk
-            }))
-        }),
+        Some(permit) => crate::in_flight::hold_until_body_ends(resp, permit),
         None => resp,
     }
 }

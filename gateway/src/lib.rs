@@ -16,6 +16,7 @@ pub mod attestation_limits;
 pub mod auth;
 pub mod config;
 pub mod host_proxy;
+pub mod in_flight;
 pub mod launcher;
 pub mod metrics;
 pub mod openai_error;

@@ -126,6 +126,20 @@ impl ApiError {
         }
     }
 
+    /// 503 `server_overloaded` + `Retry-After: 1` when the gateway already
+    /// has `max` requests in flight (`server.max_in_flight`).
+    pub fn overloaded(max: usize) -> Self {
+        Self {
+            code: Some("server_overloaded"),
+            retry_after: Some(1),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                format!("The gateway is at its limit of {max} requests in flight; retry shortly."),
+            )
+        }
+    }
+
     /// 429 `rate_limit_exceeded` + `Retry-After` (OpenAI's type `requests`).
     pub fn rate_limited(message: impl Into<String>, retry_after_secs: u64) -> Self {
         Self {

@@ -171,6 +171,51 @@ async fn a_stream_whose_client_never_reads_is_cancelled() {
     drop(conn);
 }
 
+/// `server.max_in_flight` bounds the POSTs the whole gateway works on: with
+/// a cap of 1, a request whose body is still arriving holds the one permit,
+/// the next POST gets 503 `server_overloaded` with `Retry-After` at once,
+/// probes are still answered, and once the first request is answered the
+/// next one is served.
+#[tokio::test]
+async fn past_max_in_flight_a_post_gets_503_and_probes_still_answer() {
+    use std::io::{Read, Write};
+    let (gw, addr) = start_with_server("max_in_flight = 1\n");
+    let body = br#"{"model":"all-MiniLM-L6-v2","input":"held open"}"#;
+    let mut slow = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        slow,
+        "POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    slow.write_all(&body[..10]).unwrap();
+    slow.flush().unwrap();
+    // The held request has its permit once the gateway has read its head.
+    let url = format!("{}/v1/embeddings", gw.url);
+    let req = json!({"model": "all-MiniLM-L6-v2", "input": "second"});
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let refused = loop {
+        let r = http_post(&url, &req).await;
+        if r.status() == 503 {
+            break r;
+        }
+        assert_eq!(r.status(), 200);
+        assert!(Instant::now() < deadline, "the cap never refused a request");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let v: serde_json::Value = refused.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "server_overloaded", "{v}");
+    assert_eq!(http_get(&format!("{}/healthz", gw.url)).await.status(), 200);
+    assert_eq!(http_get(&format!("{}/readyz", gw.url)).await.status(), 200);
+    // The held request completes and is answered; then its permit is back.
+    slow.write_all(&body[10..]).unwrap();
+    let mut answer = String::new();
+    slow.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(http_post(&url, &req).await.status(), 200);
+}
+
 /// A gateway with `server_extra` in `[server]`, and its `host:port`.
 fn start_with_server(server_extra: &str) -> (Gateway, String) {
     let gw = Gateway::start(Options {

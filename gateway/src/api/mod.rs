@@ -84,6 +84,8 @@ pub struct AppState {
     pub shutdown: Arc<crate::shutdown::Shutdown>,
     /// `/v1/attestation`'s per-client rate and evidence cache.
     pub attestation: Arc<crate::attestation_limits::AttestationLimits>,
+    /// The gateway-wide cap on requests in flight.
+    pub in_flight: Arc<crate::in_flight::InFlightCap>,
 }
 
 impl AppState {
@@ -270,6 +272,10 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             state.limits.routes.clone(),
             crate::timeouts::enforce,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.in_flight.clone(),
+            crate::in_flight::limit,
         ))
         .layer(axum::middleware::from_fn_with_state(
             state.shutdown.clone(),

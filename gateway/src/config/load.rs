@@ -149,6 +149,9 @@ impl GatewayConfig {
         if self.server.max_inputs == 0 {
             bail!("{}: must be at least 1", k("server.max_inputs"));
         }
+        if self.server.max_in_flight == 0 {
+            bail!("{}: must be at least 1", k("server.max_in_flight"));
+        }
         if self.server.max_connections == 0 {
             bail!("{}: must be at least 1", k("server.max_connections"));
         }

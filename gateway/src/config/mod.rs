@@ -225,6 +225,11 @@ pub struct ServerConfig {
     /// in the listen backlog until one closes.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Most `POST` requests the gateway works on at once, over all
+    /// connections; past it a request gets 503 `server_overloaded` with
+    /// `Retry-After: 1` before its body is read.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: usize,
     /// A connection that has not sent a request's whole head within this
     /// many seconds is closed (slow-header clients).
     #[serde(default = "default_header_read_timeout")]
@@ -495,6 +500,9 @@ fn default_shutdown_grace() -> u64 {
 }
 fn default_max_connections() -> usize {
     1024
+}
+fn default_max_in_flight() -> usize {
+    512
 }
 fn default_attestation_per_minute() -> u32 {
     60
