@@ -293,7 +293,8 @@ MALFORMED = [
      b"Content-Type: application/json\r\nContent-Length: 9000000\r\n\r\n{"),
     ("garbage request line", b"GARBAGE \x00\xff\r\n\r\n"),
     ("bad sealing headers", request("POST", "/v1/embeddings", os.urandom(64),
-                                    "hpke-key-id: 1\r\nhpke-aead: 1\r\nhpke-encapsulated-key: AAAA\r\n")),
+                                    "hpke-key-id: 1\r\nhpke-aead: 1\r\nhpke-encapsulated-key: AAAA\r\n"
+                                    "hpke-sealed-at: 0\r\n")),
     ("negative max_tokens", request("POST", "/v1/completions",
                                     b'{"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": -5}')),
 ]

@@ -28,6 +28,12 @@ pub fn digest(token: &[u8]) -> [u8; 32] {
     proto::digest::Sha256Digest::of(token).0
 }
 
+/// Who made a request, when `[auth]` is on: the name of its API key. The
+/// key middleware puts it in the request's extensions; the receipt store
+/// keeps it as the receipt's owner. Absent when `[auth]` is off.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller(pub Arc<str>);
+
 /// The configured keys, their limits and their live state.
 pub struct ApiKeys {
     enabled: bool,
@@ -194,7 +200,11 @@ fn bearer(req: &Request) -> Option<&[u8]> {
 /// the key's limits; otherwise runs the request holding one of the key's
 /// concurrency permits until its response body (a whole stream included)
 /// has been sent or dropped.
-pub async fn require_key(State(keys): State<Arc<ApiKeys>>, req: Request, next: Next) -> Response {
+pub async fn require_key(
+    State(keys): State<Arc<ApiKeys>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
     if !keys.enabled {
         return next.run(req).await;
     }
@@ -239,6 +249,8 @@ pub async fn require_key(State(keys): State<Arc<ApiKeys>>, req: Request, next: N
             );
         }
     }
+    req.extensions_mut()
+        .insert(Caller(key.name.as_str().into()));
     let resp = next.run(req).await;
     match _permit {
         // The permit lives as long as the response body: a stream counts

@@ -3,6 +3,9 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
+/// The code of a sealed request refused for its sealing time.
+pub const SEALED_REQUEST_STALE: &str = "sealed_request_stale";
+
 /// An error as the API returns it.
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -205,13 +208,30 @@ impl ApiError {
     /// A stage's refusal of a request, in OpenAI's shape (an unknown key
     /// keeps its `hpke_key_unknown` code, which clients act on).
     pub fn from_pipeline(e: proto::frames::PipelineError) -> Self {
-        let unknown_key = e.kind == proto::frames::ErrorKind::UnknownKey;
+        let kind = e.kind;
         let mut api = Self::from_stage(e.status, e.message);
-        if unknown_key {
-            api.param = Some("hpke-key-id");
-            api.code = Some("hpke_key_unknown");
+        match kind {
+            proto::frames::ErrorKind::UnknownKey => {
+                api.param = Some("hpke-key-id");
+                api.code = Some("hpke_key_unknown");
+            }
+            proto::frames::ErrorKind::Stale => {
+                api.param = Some(proto::sealing::HEADER_SEALED_AT);
+                api.code = Some(SEALED_REQUEST_STALE);
+            }
+            _ => {}
         }
         api
+    }
+
+    /// 400 `sealed_request_stale` for a sealed request the gateway opened
+    /// whose sealing time is too far from its clock.
+    pub fn stale(e: proto::sealing::SealError) -> Self {
+        Self {
+            param: Some(proto::sealing::HEADER_SEALED_AT),
+            code: Some(SEALED_REQUEST_STALE),
+            ..Self::invalid(None, format!("the sealed request is refused: {e}"))
+        }
     }
 
     /// 500 for a failure inside the pipeline.

@@ -59,6 +59,41 @@ async fn error_body(r: reqwest::Response, status: u16, code: &str) -> serde_json
     body
 }
 
+/// Issue 29, item 6: a receipt is read back by the API key that made the
+/// request only; another key gets the 404 of an unknown id, and so never
+/// the salt of the receipt's digests.
+#[tokio::test]
+async fn receipts_are_read_back_by_their_own_key_only() {
+    let gw = Gateway::start(Options {
+        extra: auth_table(),
+        env: vec![("GATEWAY_API_KEYS".into(), format!("env-d:{ENV}"))],
+        ..Options::default()
+    });
+    let r = client()
+        .post(format!("{}/v1/embeddings", gw.url))
+        .bearer_auth(TEAM)
+        .json(&json!({"model": MODEL, "input": "whose receipt"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let id = r.headers()["receipt-id"].to_str().unwrap().to_string();
+    let salt = r.headers()["receipt-digest-salt"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let url = format!("{}/v1/receipts/{id}", gw.url);
+    let own = get(&url, Some(TEAM)).await;
+    assert_eq!(own.status(), 200);
+    assert_eq!(own.headers()["receipt-digest-salt"], salt.as_str());
+    for other in [ENV, SLOW] {
+        let r = get(&url, Some(other)).await;
+        assert!(r.headers().get("receipt-digest-salt").is_none());
+        let b = error_body(r, 404, "receipt_not_found").await;
+        assert!(!b.to_string().contains(&salt), "{b}");
+    }
+}
+
 #[tokio::test]
 async fn keys_limits_and_open_routes() {
     let gw = Gateway::start(Options {

@@ -73,11 +73,12 @@ async fn the_host_relays_only_ciphertext() {
     let mut rb = client()
         .post(format!("{}/v1/embeddings", gw.url))
         .body(body);
-    let [(kid, _), (aead_h, aead_v), (enc_h, enc_v)] = headers.to_header_values();
+    let [(kid, _), (aead_h, aead_v), (enc_h, enc_v), (at_h, at_v)] = headers.to_header_values();
     rb = rb
         .header(kid, "128")
         .header(aead_h, aead_v)
-        .header(enc_h, enc_v);
+        .header(enc_h, enc_v)
+        .header(at_h, at_v);
     let r = rb.send().await.unwrap();
     expect_api_error(r, 400, "cannot be opened").await;
 

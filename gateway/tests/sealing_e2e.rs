@@ -202,6 +202,33 @@ async fn sealed_request_round_trip_replay_and_unknown_key() {
     let e = expect_api_error(r, 400, "/.well-known/hpke-keys").await;
     assert_eq!(e["error"]["code"], "hpke_key_unknown");
 
+    // Issue 29, item 4: a sealed request older than MAX_REQUEST_AGE_SECS is
+    // refused outright, whichever key it is sealed to (so no replay
+    // outlives the replay guard's window), and a host that moves its
+    // sealing time to look fresh gets a body that does not open.
+    let request = serde_json::to_vec(&json!({"model": MODEL, "input": "old"})).unwrap();
+    let old = proto::sealing::unix_now() - proto::sealing::MAX_REQUEST_AGE_SECS - 5;
+    for key in [&keys[0], &gateway_keys[0]] {
+        let (headers, mut sealer, _) = proto::sealing::seal_request_stream_at(
+            key,
+            Aead::Aes128Gcm,
+            old,
+            &mut rand::rngs::OsRng,
+        )
+        .unwrap();
+        let body = sealer.seal(&request, true).unwrap();
+        let r = post_sealed(&gw.url, &headers, body.clone()).await;
+        let e = expect_api_error(r, 400, "sealed at").await;
+        assert_eq!(e["error"]["param"], "hpke-sealed-at", "{e}");
+        assert_eq!(e["error"]["code"], "sealed_request_stale", "{e}");
+        let moved = proto::sealing::SealedHeaders {
+            sealed_at: proto::sealing::unix_now(),
+            ..headers
+        };
+        let r = post_sealed(&gw.url, &moved, body).await;
+        expect_api_error(r, 400, "cannot be opened").await;
+    }
+
     // A tampered sealed body does not open in the enclave.
     let (headers, mut body, _) =
         seal_request(&keys[0], Aead::Aes128Gcm, b"{\"model\":\"x\"}").unwrap();

@@ -50,6 +50,9 @@ pub enum ErrorKind {
     /// The body is sealed to a key id the entry stage does not accept (any
     /// more): the client should fetch the current keys and seal again.
     UnknownKey,
+    /// The body opened but was sealed too long ago (or ahead) by the entry
+    /// stage's clock (`sealing::check_fresh`): seal it again.
+    Stale,
     /// The stage failed on this request (500).
     Internal,
 }

@@ -36,8 +36,10 @@ mod tests;
 
 use requests::*;
 
-/// How long an encapsulated key is remembered to refuse replays.
-const REPLAY_WINDOW: Duration = Duration::from_secs(600);
+/// How long an encapsulated key is remembered to refuse replays: every time
+/// at which its request is still fresh (older ones are refused for their
+/// sealing time, `proto::sealing::check_fresh`).
+const REPLAY_WINDOW: Duration = proto::sealing::REPLAY_WINDOW;
 /// Most encapsulated keys remembered at once for requests clients sealed
 /// to the enclave key.
 const REPLAY_CAPACITY: usize = 1 << 20;

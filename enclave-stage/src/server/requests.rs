@@ -298,8 +298,8 @@ impl StageServer {
             .map_err(|e| replay_refusal(e, guard.retry_after(now)))
     }
 
-    /// Checks the key id and opens the body (replays are refused once it
-    /// validated: [`Self::record_replay`]).
+    /// Checks the key id, opens the body and checks its sealing time
+    /// (replays are refused once it validated: [`Self::record_replay`]).
     pub(super) fn open(
         &self,
         req: &SealedRequest,
@@ -328,6 +328,14 @@ impl StageServer {
             })?;
         let (plaintext, material) = open_request(&key, &req.headers, &req.body)
             .map_err(|e| sealing_error(400, format!("the sealed request cannot be opened: {e}")))?;
+        // Its sealing time opened with it (bound in the HPKE info): an old
+        // request is refused outright, so no replay outlives the guard.
+        proto::sealing::check_fresh(&req.headers, proto::sealing::unix_now()).map_err(|e| {
+            PipelineError {
+                kind: ErrorKind::Stale,
+                ..sealing_error(400, format!("the sealed request is refused: {e}"))
+            }
+        })?;
         Ok((plaintext, material))
     }
 

@@ -14,7 +14,8 @@
 //!   ciphertext` chunks, `docs/protocol.md` §6.4); send it unchanged.
 //! - **headers** (`--headers`): one `name: value` per line, as `curl -H
 //!   @file` reads them: `hpke-key-id`, `hpke-aead`, `hpke-encapsulated-key`,
-//!   `content-type: application/octet-stream` and, unless
+//!   `hpke-sealed-at` (send it within 5 minutes: older sealed requests are
+//!   refused), `content-type: application/octet-stream` and, unless
 //!   `--no-receipt-nonce`, a fresh `receipt-nonce`.
 //! - **client key** (`--key-out`, written with mode 0600): JSON with what
 //!   opens the response (the secret exported from the request's HPKE

@@ -8,7 +8,7 @@
 //! parse encode back to what parses the same.
 
 use proto::sealing::{
-    open_request_stream, seal_request_stream_with_rng, Aead, ClientResponseKey, KeyConfig,
+    open_request_stream, seal_request_stream_at, Aead, ClientResponseKey, KeyConfig,
     ResponseOpener, ResponseSealer, SealLimits, SealedHeaders, ServerKey,
 };
 use std::sync::OnceLock;
@@ -28,8 +28,14 @@ pub fn sealed_request(
     proto::sealing::ChunkSealer,
     ClientResponseKey,
 ) {
-    seal_request_stream_with_rng(&server_key().config(), aead, &mut crate::rng())
-        .expect("the server key supports every AEAD")
+    // A fixed sealing time keeps the seeds the same from run to run.
+    seal_request_stream_at(
+        &server_key().config(),
+        aead,
+        1_800_000_000,
+        &mut crate::rng(),
+    )
+    .expect("the server key supports every AEAD")
 }
 
 fn aead(b: u8) -> Aead {
@@ -68,11 +74,12 @@ fn headers(bytes: &[u8]) {
     let Ok(text) = std::str::from_utf8(bytes) else {
         return;
     };
-    let values: Vec<&str> = text.splitn(3, '\n').collect();
+    let values: Vec<&str> = text.splitn(4, '\n').collect();
     let names = [
         proto::sealing::HEADER_KEY_ID,
         proto::sealing::HEADER_AEAD,
         proto::sealing::HEADER_ENCAPSULATED_KEY,
+        proto::sealing::HEADER_SEALED_AT,
     ];
     let get = |name: &'static str| {
         names

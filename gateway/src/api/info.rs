@@ -88,7 +88,15 @@ pub(super) async fn readyz(State(s): State<AppState>) -> Response {
     Json(body).into_response()
 }
 
-pub(super) async fn get_receipt(State(s): State<AppState>, Path(id): Path<String>) -> Response {
+/// `GET /v1/receipts/{id}`: the receipt, and the salt of its digests where
+/// the gateway holds it, to whoever [`Stored::readable_by`] allows; anyone
+/// else gets the same 404 as for an id that was never issued.
+pub(super) async fn get_receipt(
+    State(s): State<AppState>,
+    caller: Option<Extension<Caller>>,
+    Path(id): Path<String>,
+) -> Response {
+    let caller = owner_of(caller);
     let wanted = hex::decode(&id)
         .ok()
         .and_then(|b| <[u8; 16]>::try_from(b).ok());
@@ -102,8 +110,10 @@ pub(super) async fn get_receipt(State(s): State<AppState>, Path(id): Path<String
             }
         },
     };
-    match found {
-        Some(mut kept) => {
+    match found.filter(|kept| kept.readable_by(caller.as_deref())) {
+        Some(Stored {
+            trailer: mut kept, ..
+        }) => {
             let receipt = std::mem::take(&mut kept.receipt);
             let mut r = ([(header::CONTENT_TYPE, "application/cose")], receipt).into_response();
             if let Some(v) = kept

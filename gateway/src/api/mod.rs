@@ -1,17 +1,17 @@
 //! The HTTP API: routes, body limits, sealing for plain clients, relaying
 //! for sealed clients, receipts, evidence and published keys.
 
-use crate::auth::ApiKeys;
+use crate::auth::{ApiKeys, Caller};
 use crate::metrics::Metrics;
 use crate::openai_error::ApiError;
 use crate::pipeline::{Failure, Replicas, Reply, Submission};
-use crate::receipts::ReceiptStore;
+use crate::receipts::{ReceiptStore, Stored};
 use axum::body::{to_bytes, Body, Bytes};
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use base64::Engine as _;
 use proto::bundle::{EvidenceBundle, StageEvidence};
 use proto::openai::ApiEndpoint;
@@ -51,6 +51,10 @@ pub const HEADER_RECEIPT_NONCE: &str = "receipt-nonce";
 pub const HEADER_REPLICA: &str = "pipeline-replica";
 /// Largest receipt sent in a header.
 const MAX_RECEIPT_HEADER: usize = 8 * 1024;
+
+/// Whose a request's receipt is: the name of the API key that made it
+/// (`[auth]` on), or nobody's (`None`, `[auth]` off).
+type Owner = Option<Arc<str>>;
 
 /// Settings the handlers need.
 #[derive(Clone, Debug)]
@@ -131,7 +135,7 @@ impl GatewayKey {
                 None,
             )]),
             rotation,
-            replay: std::sync::Mutex::new(ReplayGuard::new(Duration::from_secs(600), 1 << 20)),
+            replay: std::sync::Mutex::new(ReplayGuard::new(proto::sealing::REPLAY_WINDOW, 1 << 20)),
         }
     }
 
@@ -212,6 +216,8 @@ impl GatewayKey {
                 format!("the sealed request cannot be opened: {e}"),
             )
         })?;
+        // An old request is refused outright, so no replay outlives the guard.
+        proto::sealing::check_fresh(sealed, proto::sealing::unix_now()).map_err(ApiError::stale)?;
         let mut guard = self.replay.lock().unwrap();
         guard
             .check_and_insert(&sealed.enc, now)
@@ -238,9 +244,12 @@ pub fn router(state: AppState) -> Router {
     for e in [ApiEndpoint::ChatCompletions, ApiEndpoint::Completions] {
         keyed = keyed.route(
             e.path(),
-            post(move |State(s): State<AppState>, h: HeaderMap, b: Body| {
-                generation_handler(s, e, h, b)
-            }),
+            post(
+                move |State(s): State<AppState>,
+                      caller: Option<Extension<Caller>>,
+                      h: HeaderMap,
+                      b: Body| { generation_handler(s, e, owner_of(caller), h, b) },
+            ),
         );
     }
     let keyed = keyed

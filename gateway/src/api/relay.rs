@@ -13,15 +13,22 @@ pub(super) fn failure_response(s: &AppState, f: Failure) -> Response {
 
 pub(super) async fn embeddings_handler(
     State(s): State<AppState>,
+    caller: Option<Extension<Caller>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let started = Instant::now();
     let replicas = s.pipeline.clone();
     let endpoint = replicas.primary().endpoint;
-    let resp = relay(&s, &replicas, endpoint, &headers, body).await;
+    let owner = owner_of(caller);
+    let resp = relay(&s, &replicas, endpoint, &owner, &headers, body).await;
     log_request(endpoint, started, &resp);
     resp
+}
+
+/// The receipt owner of a request: its API key's name (`[auth]` on).
+pub(super) fn owner_of(caller: Option<Extension<Caller>>) -> Owner {
+    caller.map(|Extension(Caller(name))| name)
 }
 
 /// One log line per model request: endpoint, status and latency (never
@@ -58,6 +65,7 @@ pub(super) async fn read_body(
 pub(super) async fn generation_handler(
     s: AppState,
     endpoint: ApiEndpoint,
+    owner: Owner,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -76,7 +84,7 @@ pub(super) async fn generation_handler(
         }
         .into_response();
     };
-    let resp = relay(&s, &pipeline, endpoint, &headers, body).await;
+    let resp = relay(&s, &pipeline, endpoint, &owner, &headers, body).await;
     log_request(endpoint, started, &resp);
     resp
 }
@@ -86,10 +94,11 @@ pub(super) async fn relay(
     s: &AppState,
     replicas: &Arc<Replicas>,
     endpoint: ApiEndpoint,
+    owner: &Owner,
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
-    match relay_inner(s, replicas, endpoint, headers, body).await {
+    match relay_inner(s, replicas, endpoint, owner, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -99,6 +108,7 @@ pub(super) async fn relay_inner(
     s: &AppState,
     replicas: &Arc<Replicas>,
     endpoint: ApiEndpoint,
+    owner: &Owner,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
@@ -126,7 +136,7 @@ pub(super) async fn relay_inner(
         .map_err(|e| ApiError::invalid(Some(HEADER_KEY_ID), format!("Bad sealing headers: {e}")))?;
         if GatewayKey::owns(sealed.key_id) {
             s.metrics.sealing(Sealing::Gateway);
-            return via_gateway_key(s, replicas, endpoint, &sealed, &bytes, nonce).await;
+            return via_gateway_key(s, replicas, endpoint, owner, &sealed, &bytes, nonce).await;
         }
         // The key names the replica whose entry stage holds it: only that
         // one can open the request.
@@ -147,7 +157,7 @@ pub(super) async fn relay_inner(
             .map_err(|f| failure_error(s, f))?;
         return Ok(match reply {
             Reply::StreamStart { receipt_id } => {
-                stream_response(s, sub, receipt_id, StreamMode::Relay)
+                stream_response(s, owner, sub, receipt_id, StreamMode::Relay)
             }
             Reply::Response(w) => {
                 let mut r = sealed_response(w.status, w.body);
@@ -157,7 +167,7 @@ pub(super) async fn relay_inner(
                     receipt: w.receipt,
                     digest_salt: None,
                 };
-                attach_receipt(s, &mut r, w.receipt_id, kept).await;
+                attach_receipt(s, owner, &mut r, w.receipt_id, kept).await;
                 r
             }
             Reply::Failed(mut e) => {
@@ -178,13 +188,13 @@ pub(super) async fn relay_inner(
         match seal_to_entry(s, replicas, endpoint, &bytes, nonce, Sealing::Plain).await? {
             Answer::Whole(mut w) => {
                 let r = json_response(w.status, std::mem::take(&mut w.body));
-                w.finish(s, r).await
+                w.finish(s, owner, r).await
             }
             Answer::Stream {
                 receipt_id,
                 sub,
                 client_key,
-            } => stream_response(s, sub, receipt_id, StreamMode::Open(client_key)),
+            } => stream_response(s, owner, sub, receipt_id, StreamMode::Open(client_key)),
         },
     )
 }
@@ -213,9 +223,9 @@ pub(super) struct Whole {
 impl Whole {
     /// `r` (made from this answer's body) with its receipt headers, kept
     /// receipt and `Retry-After`.
-    async fn finish(self, s: &AppState, mut r: Response) -> Response {
+    async fn finish(self, s: &AppState, owner: &Owner, mut r: Response) -> Response {
         if let Some((id, receipt)) = self.receipt {
-            attach_receipt(s, &mut r, id, receipt).await;
+            attach_receipt(s, owner, &mut r, id, receipt).await;
         }
         set_retry_after(&mut r, self.retry_after);
         r
@@ -343,6 +353,7 @@ pub(super) async fn via_gateway_key(
     s: &AppState,
     replicas: &Arc<Replicas>,
     endpoint: ApiEndpoint,
+    owner: &Owner,
     sealed: &SealedHeaders,
     bytes: &[u8],
     nonce: Option<Vec<u8>>,
@@ -357,7 +368,7 @@ pub(super) async fn via_gateway_key(
             }
             .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
             let r = sealed_response(w.status, sealed_body);
-            Ok(w.finish(s, r).await)
+            Ok(w.finish(s, owner, r).await)
         }
         Answer::Stream {
             receipt_id,
@@ -367,6 +378,7 @@ pub(super) async fn via_gateway_key(
             let sealer = reseal(&material)?;
             Ok(stream_response(
                 s,
+                owner,
                 sub,
                 receipt_id,
                 StreamMode::Reseal(client_key, sealer),
@@ -414,9 +426,10 @@ pub(super) fn sealed_response(status: u16, body: Vec<u8>) -> Response {
 
 /// Puts the receipt's id, the receipt (if it fits) and the salt of its
 /// digests (if the gateway knows it) in the response headers, and keeps the
-/// receipt for `GET /v1/receipts/{id}`.
+/// receipt for `GET /v1/receipts/{id}` with its owner.
 pub(super) async fn attach_receipt(
     s: &AppState,
+    owner: &Owner,
     r: &mut Response,
     id: [u8; 16],
     kept: ReceiptTrailer,
@@ -440,7 +453,11 @@ pub(super) async fn attach_receipt(
     // Stored before the response leaves, so that any gateway sharing the
     // store answers for it at once. A store that fails does not fail the
     // request: the client has the receipt in the response.
-    if let Err(e) = s.receipts.insert(id, kept).await {
+    let stored = Stored {
+        trailer: kept,
+        owner: owner.as_deref().map(str::to_string),
+    };
+    if let Err(e) = s.receipts.insert(id, stored).await {
         tracing::warn!(error = %format!("{e:#}"), "a receipt was not stored");
         s.metrics.receipt_not_stored();
     }

@@ -26,6 +26,7 @@ impl StreamMode {
 /// dropped and the request is cancelled in the stages.
 pub(super) fn stream_response(
     s: &AppState,
+    owner: &Owner,
     sub: Submission,
     receipt_id: [u8; 16],
     mode: StreamMode,
@@ -33,13 +34,15 @@ pub(super) fn stream_response(
     let plain = mode.is_plain();
     // A short queue: what a client does not read waits in the socket.
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
-    let receipts = s.receipts.clone();
     let metrics = s.metrics.clone();
     // A stream may run long; only a silence this long ends it.
     let idle = s.limits.routes.for_route(crate::timeouts::COMPLETIONS);
-    tokio::spawn(pump_stream(
-        sub, mode, tx, receipts, metrics, receipt_id, idle,
-    ));
+    let kept_for = Kept {
+        receipts: s.receipts.clone(),
+        id: receipt_id,
+        owner: owner.clone(),
+    };
+    tokio::spawn(pump_stream(sub, mode, tx, kept_for, metrics, idle));
     let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
             .await
@@ -73,13 +76,19 @@ pub(super) fn stream_response(
     r
 }
 
+/// Where a stream's receipt is kept, under which id, and whose it is.
+pub(super) struct Kept {
+    receipts: Arc<ReceiptStore>,
+    id: [u8; 16],
+    owner: Owner,
+}
+
 pub(super) async fn pump_stream(
     mut sub: Submission,
     mut mode: StreamMode,
     tx: tokio::sync::mpsc::Sender<Bytes>,
-    receipts: Arc<ReceiptStore>,
+    kept_for: Kept,
     metrics: Arc<Metrics>,
-    receipt_id: [u8; 16],
     idle: Duration,
 ) {
     let mut opener = match &mode {
@@ -138,11 +147,14 @@ pub(super) async fn pump_stream(
                 .and_then(|o| o.trailer())
                 .and_then(|t| ReceiptTrailer::decode(t).ok())
                 .and_then(|t| t.digest_salt);
-            let kept = ReceiptTrailer {
-                receipt,
-                digest_salt,
+            let kept = Stored {
+                trailer: ReceiptTrailer {
+                    receipt,
+                    digest_salt,
+                },
+                owner: kept_for.owner.as_deref().map(str::to_string),
             };
-            if let Err(e) = receipts.insert(receipt_id, kept).await {
+            if let Err(e) = kept_for.receipts.insert(kept_for.id, kept).await {
                 tracing::warn!(error = %format!("{e:#}"), "a receipt was not stored");
                 metrics.receipt_not_stored();
             }

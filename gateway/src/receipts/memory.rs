@@ -1,12 +1,12 @@
 //! Receipts in this process's memory (`[receipts] store = "memory"`): the
 //! newest `capacity` receipts are kept; older ones are dropped first.
 
-use proto::receipt::ReceiptTrailer;
+use super::Stored;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 /// Receipts by id, and their ids oldest first.
-type Kept = (HashMap<[u8; 16], ReceiptTrailer>, VecDeque<[u8; 16]>);
+type Kept = (HashMap<[u8; 16], Stored>, VecDeque<[u8; 16]>);
 
 /// The in-memory store.
 pub struct MemoryStore {
@@ -23,8 +23,8 @@ impl MemoryStore {
         }
     }
 
-    /// Keeps a receipt (and the salt of its digests, if known).
-    pub fn insert(&self, id: [u8; 16], receipt: ReceiptTrailer) {
+    /// Keeps a receipt (and the salt of its digests, if known, and its owner).
+    pub fn insert(&self, id: [u8; 16], receipt: Stored) {
         if self.capacity == 0 {
             return;
         }
@@ -41,7 +41,7 @@ impl MemoryStore {
     }
 
     /// A kept receipt.
-    pub fn get(&self, id: &[u8; 16]) -> Option<ReceiptTrailer> {
+    pub fn get(&self, id: &[u8; 16]) -> Option<Stored> {
         self.inner.lock().unwrap().0.get(id).cloned()
     }
 }
@@ -49,12 +49,16 @@ impl MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proto::receipt::ReceiptTrailer;
 
     #[test]
     fn keeps_the_newest() {
-        let kept = |b: u8| ReceiptTrailer {
-            receipt: vec![b],
-            digest_salt: None,
+        let kept = |b: u8| Stored {
+            trailer: ReceiptTrailer {
+                receipt: vec![b],
+                digest_salt: None,
+            },
+            owner: Some("team-a".into()),
         };
         let s = MemoryStore::new(2);
         s.insert([1; 16], kept(1));

@@ -11,7 +11,9 @@
 //! Each keeps the newest `server.receipt_retention` receipts. A receipt is
 //! kept with the salt of its digests where the gateway knows it (requests it
 //! saw in plaintext); for requests sealed to the enclave only the client has
-//! the salt. Nothing else of a request is stored.
+//! the salt. With it is kept the name of the API key that made the request
+//! (its owner, when `[auth]` is on), which decides who may read it back
+//! ([`Stored::readable_by`]). Nothing else of a request is stored.
 
 use anyhow::{bail, Result};
 use proto::receipt::ReceiptTrailer;
@@ -108,6 +110,29 @@ fn url_has_password(url: &str) -> bool {
     in_userinfo || in_query
 }
 
+/// A kept receipt and whose it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// The receipt, and the salt of its digests where the gateway knew it.
+    pub trailer: ReceiptTrailer,
+    /// The name of the API key that made the request; `None` when `[auth]`
+    /// was off.
+    pub owner: Option<String>,
+}
+
+impl Stored {
+    /// Whether `caller` may read it back (and the salt of its digests,
+    /// where the gateway holds it): with `[auth]` on (`caller` is the key's
+    /// name), only the key that made the request, so no other tenant gets
+    /// its salt; with `[auth]` off (`None`) the gateway cannot tell clients
+    /// apart, and a receipt made with `[auth]` off is readable by anyone
+    /// (one tenant: a plain streaming client gets its salt only here). A
+    /// receipt made with `[auth]` on is never readable with it off.
+    pub fn readable_by(&self, caller: Option<&str>) -> bool {
+        self.owner.as_deref() == caller
+    }
+}
+
 /// The receipt store the API reads and writes.
 pub enum ReceiptStore {
     /// This process only.
@@ -136,8 +161,8 @@ impl ReceiptStore {
         Self::Memory(memory::MemoryStore::new(retention))
     }
 
-    /// Keeps a receipt (and the salt of its digests, if known).
-    pub async fn insert(&self, id: [u8; 16], receipt: ReceiptTrailer) -> Result<()> {
+    /// Keeps a receipt (and the salt of its digests, if known, and its owner).
+    pub async fn insert(&self, id: [u8; 16], receipt: Stored) -> Result<()> {
         match self {
             Self::Memory(m) => {
                 m.insert(id, receipt);
@@ -148,7 +173,7 @@ impl ReceiptStore {
     }
 
     /// A kept receipt; `Err` when the store cannot be read.
-    pub async fn get(&self, id: &[u8; 16]) -> Result<Option<ReceiptTrailer>> {
+    pub async fn get(&self, id: &[u8; 16]) -> Result<Option<Stored>> {
         match self {
             Self::Memory(m) => Ok(m.get(id)),
             Self::Sql(s) => s.get(id).await,
@@ -167,6 +192,26 @@ impl ReceiptStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn who_may_read_a_receipt() {
+        let stored = |owner: Option<&str>| Stored {
+            trailer: ReceiptTrailer {
+                receipt: vec![1],
+                digest_salt: Some([2; 32]),
+            },
+            owner: owner.map(str::to_string),
+        };
+        let a = stored(Some("team-a"));
+        assert!(a.readable_by(Some("team-a")));
+        assert!(!a.readable_by(Some("team-b")));
+        // Made with [auth] on: not readable once it is off.
+        assert!(!a.readable_by(None));
+        let anonymous = stored(None);
+        assert!(anonymous.readable_by(None));
+        // Made with [auth] off: no key owns it.
+        assert!(!anonymous.readable_by(Some("team-a")));
+    }
 
     #[test]
     fn passwords_stay_out_of_the_url() {

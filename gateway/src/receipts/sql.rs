@@ -8,6 +8,7 @@
 //! | `receipt` | the COSE_Sign1 receipt |
 //! | `digest_salt` | the salt of its digests, where the gateway knows it |
 //! | `created_at` | Unix seconds |
+//! | `owner` | the name of the API key that made the request (NULL: `[auth]` off); added to older tables when the store opens |
 //!
 //! Writes are group-committed: receipts that arrive while a write is in
 //! progress go to the database together, one multi-row `INSERT` and one
@@ -21,6 +22,7 @@
 //! kept for a moment; PostgreSQL sequences may skip values, so a fleet
 //! keeps about `retention`, sometimes a few less).
 
+use super::Stored;
 use anyhow::{Context, Result};
 use proto::receipt::ReceiptTrailer;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -51,11 +53,7 @@ pub struct SqlStore {
 }
 
 /// A receipt to write, and where to report the outcome.
-type Pending = (
-    [u8; 16],
-    ReceiptTrailer,
-    oneshot::Sender<Result<(), String>>,
-);
+type Pending = ([u8; 16], Stored, oneshot::Sender<Result<(), String>>);
 
 /// Most receipts in one group write.
 const MAX_GROUP: usize = 256;
@@ -65,32 +63,43 @@ const SQLITE_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS receipts (
     id BLOB NOT NULL UNIQUE,
     receipt BLOB NOT NULL,
     digest_salt BLOB,
-    created_at INTEGER NOT NULL)";
+    created_at INTEGER NOT NULL,
+    owner TEXT)";
 
 const POSTGRES_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS receipts (
     seq BIGSERIAL PRIMARY KEY,
     id BYTEA NOT NULL UNIQUE,
     receipt BYTEA NOT NULL,
     digest_salt BYTEA,
-    created_at BIGINT NOT NULL)";
+    created_at BIGINT NOT NULL,
+    owner TEXT)";
 
 /// The statements, in each database's placeholder syntax.
 struct Statements {
     schema: &'static str,
+    /// Counts an `owner` column (0 in a table made before it existed).
+    has_owner: &'static str,
+    add_owner: &'static str,
     prune: &'static str,
     get: &'static str,
 }
 
 const SQLITE: Statements = Statements {
     schema: SQLITE_SCHEMA,
+    has_owner: "SELECT COUNT(*) FROM pragma_table_info('receipts') WHERE name = 'owner'",
+    add_owner: "ALTER TABLE receipts ADD COLUMN owner TEXT",
     prune: "DELETE FROM receipts WHERE seq <= (SELECT MAX(seq) FROM receipts) - ?",
-    get: "SELECT receipt, digest_salt FROM receipts WHERE id = ?",
+    get: "SELECT receipt, digest_salt, owner FROM receipts WHERE id = ?",
 };
 
 const POSTGRES: Statements = Statements {
     schema: POSTGRES_SCHEMA,
+    has_owner: "SELECT COUNT(*) FROM information_schema.columns \
+                WHERE table_schema = current_schema() AND table_name = 'receipts' \
+                AND column_name = 'owner'",
+    add_owner: "ALTER TABLE receipts ADD COLUMN IF NOT EXISTS owner TEXT",
     prune: "DELETE FROM receipts WHERE seq <= (SELECT MAX(seq) FROM receipts) - $1",
-    get: "SELECT receipt, digest_salt FROM receipts WHERE id = $1",
+    get: "SELECT receipt, digest_salt, owner FROM receipts WHERE id = $1",
 };
 
 /// Runs `body` with `p` bound to the pool and `sql` to its statements:
@@ -138,11 +147,11 @@ impl SqlStore {
             .connect_with(options)
             .await
             .with_context(|| format!("receipts.path: opening {}", path.display()))?;
-        sqlx::query(SQLITE.schema)
-            .execute(&pool)
+        let pool = Pool::Sqlite(pool);
+        create_table(&pool)
             .await
             .with_context(|| format!("receipts.path: creating the table in {}", path.display()))?;
-        Ok(Self::start(Pool::Sqlite(pool), retention))
+        Ok(Self::start(pool, retention))
     }
 
     /// Connects to PostgreSQL at `url` (password from `PGPASSWORD`) and
@@ -158,11 +167,11 @@ impl SqlStore {
             .connect_with(options)
             .await
             .with_context(|| format!("receipts.url: connecting to {shown}"))?;
-        sqlx::query(POSTGRES.schema)
-            .execute(&pool)
+        let pool = Pool::Postgres(pool);
+        create_table(&pool)
             .await
             .with_context(|| format!("receipts.url: creating the table at {shown}"))?;
-        Ok(Self::start(Pool::Postgres(pool), retention))
+        Ok(Self::start(pool, retention))
     }
 
     /// The store over `pool`, with its writer task.
@@ -188,7 +197,7 @@ impl SqlStore {
 
     /// Keeps a receipt (a second insert of the same id changes nothing):
     /// returns once it is written, in a group with whatever else arrived.
-    pub async fn insert(&self, id: [u8; 16], r: ReceiptTrailer) -> Result<()> {
+    pub async fn insert(&self, id: [u8; 16], r: Stored) -> Result<()> {
         if self.retention == 0 {
             return Ok(());
         }
@@ -204,16 +213,17 @@ impl SqlStore {
     }
 
     /// A kept receipt.
-    pub async fn get(&self, id: &[u8; 16]) -> Result<Option<ReceiptTrailer>> {
-        let row: Option<(Vec<u8>, Option<Vec<u8>>)> = on_pool!(&*self.pool, |p, sql| {
+    pub async fn get(&self, id: &[u8; 16]) -> Result<Option<Stored>> {
+        type Row = (Vec<u8>, Option<Vec<u8>>, Option<String>);
+        let row: Option<Row> = on_pool!(&*self.pool, |p, sql| {
             sqlx::query(sql.get)
                 .bind(&id[..])
                 .fetch_optional(p)
                 .await
                 .context("reading a receipt")?
-                .map(|r| (r.get(0), r.get(1)))
+                .map(|r| (r.get(0), r.get(1), r.get(2)))
         });
-        let Some((receipt, salt)) = row else {
+        let Some((receipt, salt, owner)) = row else {
             return Ok(None);
         };
         let digest_salt = match salt {
@@ -223,11 +233,28 @@ impl SqlStore {
                     .map_err(|_| anyhow::anyhow!("a stored digest salt has the wrong length"))?,
             ),
         };
-        Ok(Some(ReceiptTrailer {
-            receipt,
-            digest_salt,
+        Ok(Some(Stored {
+            trailer: ReceiptTrailer {
+                receipt,
+                digest_salt,
+            },
+            owner,
         }))
     }
+}
+
+/// Creates the table if it is missing, and adds the `owner` column to a
+/// table made before it existed (its rows keep a NULL owner: with `[auth]`
+/// on, no key may read them).
+async fn create_table(pool: &Pool) -> Result<()> {
+    on_pool!(pool, |p, sql| {
+        sqlx::query(sql.schema).execute(p).await?;
+        let has: i64 = sqlx::query(sql.has_owner).fetch_one(p).await?.get(0);
+        if has == 0 {
+            sqlx::query(sql.add_owner).execute(p).await?;
+        }
+    });
+    Ok(())
 }
 
 /// The writer task: takes the receipts that are waiting (up to
@@ -264,13 +291,15 @@ async fn write_groups(pool: Arc<Pool>, retention: i64, mut rx: mpsc::Receiver<Pe
 async fn write_group(pool: &Pool, retention: i64, group: &[Pending], prune: bool) -> Result<()> {
     let created = now();
     on_pool!(pool, |p, sql| {
-        let mut insert =
-            sqlx::QueryBuilder::new("INSERT INTO receipts (id, receipt, digest_salt, created_at) ");
+        let mut insert = sqlx::QueryBuilder::new(
+            "INSERT INTO receipts (id, receipt, digest_salt, created_at, owner) ",
+        );
         insert.push_values(group, |mut row, (id, r, _)| {
             row.push_bind(id.to_vec())
-                .push_bind(r.receipt.clone())
-                .push_bind(r.digest_salt.map(|s| s.to_vec()))
-                .push_bind(created);
+                .push_bind(r.trailer.receipt.clone())
+                .push_bind(r.trailer.digest_salt.map(|s| s.to_vec()))
+                .push_bind(created)
+                .push_bind(r.owner.clone());
         });
         insert.push(" ON CONFLICT (id) DO NOTHING");
         insert
@@ -306,11 +335,56 @@ fn owner_only(path: &Path) -> std::io::Result<()> {
 mod tests {
     use super::*;
 
-    fn kept(b: u8, salt: bool) -> ReceiptTrailer {
-        ReceiptTrailer {
-            receipt: vec![b; 40],
-            digest_salt: salt.then_some([b; 32]),
+    fn kept(b: u8, salt: bool) -> Stored {
+        Stored {
+            trailer: ReceiptTrailer {
+                receipt: vec![b; 40],
+                digest_salt: salt.then_some([b; 32]),
+            },
+            owner: salt.then(|| format!("key-{b}")),
         }
+    }
+
+    /// A table made before the `owner` column existed gets it when the
+    /// store opens; its old rows have no owner.
+    #[tokio::test]
+    async fn an_older_table_gains_the_owner_column() {
+        let dir = std::env::temp_dir().join(format!("receipts-owner-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("old.sqlite3");
+        {
+            let pool = SqlitePoolOptions::new()
+                .connect_with(
+                    SqliteConnectOptions::new()
+                        .filename(&path)
+                        .create_if_missing(true),
+                )
+                .await
+                .unwrap();
+            sqlx::query(
+                "CREATE TABLE receipts (seq INTEGER PRIMARY KEY, id BLOB NOT NULL UNIQUE, \
+                 receipt BLOB NOT NULL, digest_salt BLOB, created_at INTEGER NOT NULL)",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            sqlx::query("INSERT INTO receipts (id, receipt, created_at) VALUES (?, ?, 1)")
+                .bind(&[7u8; 16][..])
+                .bind(&[1u8, 2][..])
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        let s = SqlStore::sqlite(&path, 10).await.unwrap();
+        let old = s.get(&[7; 16]).await.unwrap().unwrap();
+        assert_eq!(old.owner, None);
+        s.insert([8; 16], kept(8, true)).await.unwrap();
+        assert_eq!(s.get(&[8; 16]).await.unwrap(), Some(kept(8, true)));
+        drop(s);
+        // Opening it again finds the column there.
+        SqlStore::sqlite(&path, 10).await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[tokio::test]

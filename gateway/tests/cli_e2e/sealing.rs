@@ -43,6 +43,7 @@ pub(super) async fn seal_open_checks(c: &Ctx) {
         "hpke-key-id:",
         "hpke-aead: 1",
         "hpke-encapsulated-key:",
+        "hpke-sealed-at:",
         "receipt-nonce:",
     ] {
         assert!(header_text.contains(name), "{name} in {header_text}");

@@ -58,6 +58,18 @@ pub enum SealError {
     /// request is refused rather than forgetting one (retry later).
     #[error("replay guard is full; retry later")]
     ReplayCacheFull,
+    /// The request was sealed too long before (or after) the receiver's
+    /// clock ([`MAX_REQUEST_AGE_SECS`]).
+    #[error(
+        "the request was sealed at {sealed_at} (Unix s) and the receiver's clock says {now}: \
+         more than 300 s apart; seal it again (and check the sender's clock)"
+    )]
+    Stale {
+        /// The request's sealing time.
+        sealed_at: u64,
+        /// The receiver's time.
+        now: u64,
+    },
     /// The final chunk was already sealed; nothing more can be sealed.
     #[error("the final chunk was already sealed")]
     Finished,

@@ -12,11 +12,14 @@ pub struct SealedHeaders {
     /// The HPKE encapsulated key ([`HEADER_ENCAPSULATED_KEY`]).
     #[serde(with = "serde_bytes")]
     pub enc: [u8; KEY_LEN],
+    /// When it was sealed, Unix seconds ([`HEADER_SEALED_AT`]; bound in the
+    /// HPKE `info`).
+    pub sealed_at: u64,
 }
 
 impl SealedHeaders {
-    /// `(name, value)` for each of the three headers.
-    pub fn to_header_values(&self) -> [(&'static str, String); 3] {
+    /// `(name, value)` for each of the four headers.
+    pub fn to_header_values(&self) -> [(&'static str, String); 4] {
         [
             (HEADER_KEY_ID, self.key_id.to_string()),
             (HEADER_AEAD, self.aead.id().to_string()),
@@ -24,6 +27,7 @@ impl SealedHeaders {
                 HEADER_ENCAPSULATED_KEY,
                 base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(self.enc),
             ),
+            (HEADER_SEALED_AT, self.sealed_at.to_string()),
         ]
     }
 
@@ -64,7 +68,22 @@ impl SealedHeaders {
                 SealError::MalformedHeader(format!("{HEADER_ENCAPSULATED_KEY} is not base64url"))
             })?;
         let enc: [u8; KEY_LEN] = enc.try_into().map_err(|_| SealError::BadEncapsulatedKey)?;
-        Ok(Self { key_id, aead, enc })
+        let at = field(HEADER_SEALED_AT)?;
+        let sealed_at =
+            (!at.is_empty() && at.len() <= 20 && at.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| at.parse::<u64>().ok())
+                .flatten()
+                .ok_or_else(|| {
+                    SealError::MalformedHeader(format!(
+                        "{HEADER_SEALED_AT} must be Unix seconds, a decimal number"
+                    ))
+                })?;
+        Ok(Self {
+            key_id,
+            aead,
+            enc,
+            sealed_at,
+        })
     }
 }
 

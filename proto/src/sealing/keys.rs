@@ -304,15 +304,17 @@ pub fn select_key<'a>(
 }
 
 /// The HPKE `info` of a request:
-/// `"confidential-inference request v1" ‖ 0x00 ‖ key_id ‖ u16be(kem_id) ‖
-/// u16be(kdf_id) ‖ u16be(aead_id)` (as the OHTTP header, RFC 9458 §4.3).
-pub fn request_info(key_id: u8, aead: Aead) -> Vec<u8> {
-    let mut info = Vec::with_capacity(REQUEST_INFO_LABEL.len() + 8);
+/// `"confidential-inference request v2" ‖ 0x00 ‖ key_id ‖ u16be(kem_id) ‖
+/// u16be(kdf_id) ‖ u16be(aead_id) ‖ u64be(sealed_at)` (the OHTTP header,
+/// RFC 9458 §4.3, and the sealing time).
+pub fn request_info(key_id: u8, aead: Aead, sealed_at: u64) -> Vec<u8> {
+    let mut info = Vec::with_capacity(REQUEST_INFO_LABEL.len() + 16);
     info.extend_from_slice(REQUEST_INFO_LABEL);
     info.push(0);
     info.push(key_id);
     info.extend_from_slice(&KEM_ID.to_be_bytes());
     info.extend_from_slice(&KDF_ID.to_be_bytes());
     info.extend_from_slice(&aead.id().to_be_bytes());
+    info.extend_from_slice(&sealed_at.to_be_bytes());
     info
 }

@@ -64,8 +64,9 @@ pub const LEN_PREFIX: usize = 4;
 /// Per-chunk wire overhead: length prefix and tag.
 pub const CHUNK_OVERHEAD: usize = LEN_PREFIX + TAG_LEN;
 
-/// First part of the HPKE `info` of a request (see [`request_info`]).
-pub const REQUEST_INFO_LABEL: &[u8] = b"confidential-inference request v1";
+/// First part of the HPKE `info` of a request (see [`request_info`]). v2
+/// binds the sealing time ([`HEADER_SEALED_AT`]).
+pub const REQUEST_INFO_LABEL: &[u8] = b"confidential-inference request v2";
 /// Exporter context for the response secret.
 pub const RESPONSE_EXPORT_LABEL: &[u8] = b"confidential-inference response v1";
 
@@ -76,6 +77,21 @@ pub const HEADER_KEY_ID: &str = "hpke-key-id";
 pub const HEADER_AEAD: &str = "hpke-aead";
 /// Header: the encapsulated key, base64url without padding (43 characters).
 pub const HEADER_ENCAPSULATED_KEY: &str = "hpke-encapsulated-key";
+/// Header: when the request was sealed, Unix seconds (decimal). Bound in
+/// the HPKE `info`, so a changed value fails to open; a receiver refuses a
+/// request sealed more than [`MAX_REQUEST_AGE_SECS`] from its own clock.
+pub const HEADER_SEALED_AT: &str = "hpke-sealed-at";
+
+/// How far a sealed request's time ([`HEADER_SEALED_AT`]) may be from the
+/// receiver's clock, either way, in seconds: 5 minutes, for clients' and
+/// enclaves' clocks that are not exactly right. Older requests are refused
+/// outright ([`SealError::Stale`]); a [`ReplayGuard`] that remembers
+/// requests for [`REPLAY_WINDOW`] (twice this) therefore catches every
+/// replay that is not refused for its age.
+pub const MAX_REQUEST_AGE_SECS: u64 = 300;
+/// How long a receiver must remember a sealed request to refuse its
+/// replays: every time at which the request is still fresh.
+pub const REPLAY_WINDOW: Duration = Duration::from_secs(2 * MAX_REQUEST_AGE_SECS);
 /// Media type of a key configuration list (RFC 9540 §3).
 pub const KEYS_MEDIA_TYPE: &str = "application/ohttp-keys";
 
@@ -92,6 +108,7 @@ const AEAD_NONCE_LEN: usize = 12;
 mod chunks;
 mod cipher;
 mod error;
+mod freshness;
 mod headers;
 mod keys;
 mod replay;
@@ -104,6 +121,7 @@ mod tests;
 pub use chunks::*;
 use cipher::*;
 pub use error::*;
+pub use freshness::*;
 pub use headers::*;
 pub use keys::*;
 pub use replay::*;

@@ -18,10 +18,21 @@ pub fn seal_request_stream_with_rng<R: CryptoRng + RngCore>(
     aead: Aead,
     rng: &mut R,
 ) -> Result<(SealedHeaders, ChunkSealer, ClientResponseKey), SealError> {
+    seal_request_stream_at(config, aead, unix_now(), rng)
+}
+
+/// [`seal_request_stream_with_rng`] with the sealing time given (Unix
+/// seconds) instead of the system clock's.
+pub fn seal_request_stream_at<R: CryptoRng + RngCore>(
+    config: &KeyConfig,
+    aead: Aead,
+    sealed_at: u64,
+    rng: &mut R,
+) -> Result<(SealedHeaders, ChunkSealer, ClientResponseKey), SealError> {
     if !config.supports(aead) {
         return Err(SealError::UnsupportedAead(aead.id()));
     }
-    let info = request_info(config.key_id, aead);
+    let info = request_info(config.key_id, aead, sealed_at);
     let (enc, ctx) = HpkeSender::setup(&config.public_key, &info, aead, rng)?;
     let mut secret = vec![0u8; aead.key_len()];
     ctx.export(RESPONSE_EXPORT_LABEL, &mut secret)?;
@@ -29,13 +40,15 @@ pub fn seal_request_stream_with_rng<R: CryptoRng + RngCore>(
         key_id: config.key_id,
         aead,
         enc,
+        sealed_at,
     };
     let key = ClientResponseKey(ResponseKeyMaterial { aead, enc, secret });
     Ok((headers, ChunkSealer::new(SealCipher::Hpke(ctx)), key))
 }
 
 /// Starts opening a sealed request with `key`. Returns the body opener and
-/// the material to seal the response with.
+/// the material to seal the response with. The request's age is the
+/// caller's to check ([`check_fresh`]) once it opened.
 ///
 /// Errors: [`SealError::UnknownKeyId`] if `headers` name another key;
 /// [`SealError::BadEncapsulatedKey`] if decapsulation fails.
@@ -47,7 +60,7 @@ pub fn open_request_stream(
     if headers.key_id != key.key_id {
         return Err(SealError::UnknownKeyId(headers.key_id));
     }
-    let info = request_info(key.key_id, headers.aead);
+    let info = request_info(key.key_id, headers.aead, headers.sealed_at);
     let ctx = HpkeReceiver::setup(key, &headers.enc, &info, headers.aead)?;
     let mut secret = vec![0u8; headers.aead.key_len()];
     ctx.export(RESPONSE_EXPORT_LABEL, &mut secret)?;

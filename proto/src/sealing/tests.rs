@@ -109,7 +109,7 @@ fn wire_layout_of_request_chunks() {
     assert_eq!(body.len(), 4 + 5 + TAG_LEN);
     assert_eq!(&body[..4], &(5u32 + 16).to_be_bytes());
     // Built by hand with the HPKE receiver: chunk 0, AAD 0x01.
-    let info = request_info(7, Aead::Aes128Gcm);
+    let info = request_info(7, Aead::Aes128Gcm, h.sealed_at);
     let mut r = HpkeReceiver::setup(&key(), &h.enc, &info, Aead::Aes128Gcm).unwrap();
     assert!(r.open(&body[4..], &[0x00]).unwrap().is_none());
     assert_eq!(r.open(&body[4..], &[0x01]).unwrap().unwrap(), b"hello");
@@ -371,7 +371,7 @@ fn response_key_schedule_matches_rfc9458_by_hand() {
         .unwrap();
     assert_eq!(pt1, b"second");
     // And the exported secret is the HPKE export with our label.
-    let info = request_info(7, Aead::Aes128Gcm);
+    let info = request_info(7, Aead::Aes128Gcm, h.sealed_at);
     let r = HpkeReceiver::setup(&key(), &h.enc, &info, Aead::Aes128Gcm).unwrap();
     let mut s = [0u8; 16];
     r.export(RESPONSE_EXPORT_LABEL, &mut s).unwrap();
@@ -453,11 +453,15 @@ fn headers_round_trip_and_errors() {
     };
     let parse = |vals: Vec<(&'static str, String)>| {
         let l = lookup(vals);
-        let owned: Vec<(&'static str, Option<String>)> =
-            [HEADER_KEY_ID, HEADER_AEAD, HEADER_ENCAPSULATED_KEY]
-                .iter()
-                .map(|n| (*n, l(n)))
-                .collect();
+        let owned: Vec<(&'static str, Option<String>)> = [
+            HEADER_KEY_ID,
+            HEADER_AEAD,
+            HEADER_ENCAPSULATED_KEY,
+            HEADER_SEALED_AT,
+        ]
+        .iter()
+        .map(|n| (*n, l(n)))
+        .collect();
         SealedHeaders::from_header_values(|n| {
             owned
                 .iter()
@@ -481,9 +485,72 @@ fn headers_round_trip_and_errors() {
         Err(SealError::MalformedHeader(_))
     ));
     assert_eq!(with(2, "AAAA"), Err(SealError::BadEncapsulatedKey));
-    let mut missing = values.to_vec();
-    missing.remove(2);
-    assert!(matches!(parse(missing), Err(SealError::MalformedHeader(_))));
+    for bad in ["", "-5", "1e9", "18446744073709551616", " 12x"] {
+        assert!(
+            matches!(with(3, bad), Err(SealError::MalformedHeader(_))),
+            "{bad:?}"
+        );
+    }
+    for i in 0..4 {
+        let mut missing = values.to_vec();
+        missing.remove(i);
+        assert!(matches!(parse(missing), Err(SealError::MalformedHeader(_))));
+    }
+}
+
+#[test]
+fn the_sealing_time_is_bound_and_judged_at_the_receivers_clock() {
+    let sk = key();
+    let now = unix_now();
+    let (h, mut s, _) = seal_request_stream_at(
+        &sk.config(),
+        Aead::Aes128Gcm,
+        now - 10,
+        &mut rand::rngs::OsRng,
+    )
+    .unwrap();
+    assert_eq!(h.sealed_at, now - 10);
+    assert_eq!(
+        h.to_header_values()[3],
+        (HEADER_SEALED_AT, (now - 10).to_string())
+    );
+    let body = s.seal(b"{}", true).unwrap();
+    assert_eq!(open_request(&sk, &h, &body).unwrap().0, b"{}");
+    // The time is bound in the HPKE info: a host that moves it (to make an
+    // old request look fresh) gets a body that does not open.
+    for moved in [now, now - 11, now + 3600] {
+        let relabelled = SealedHeaders {
+            sealed_at: moved,
+            ..h.clone()
+        };
+        assert_eq!(
+            open_request(&sk, &relabelled, &body).map(|_| ()),
+            Err(SealError::Open)
+        );
+    }
+    // Fresh within MAX_REQUEST_AGE_SECS of the receiver's clock, either way.
+    let at = |t: u64| SealedHeaders {
+        sealed_at: t,
+        ..h.clone()
+    };
+    for ok in [now, now - MAX_REQUEST_AGE_SECS, now + MAX_REQUEST_AGE_SECS] {
+        assert_eq!(check_fresh(&at(ok), now), Ok(()));
+    }
+    for stale in [
+        now - MAX_REQUEST_AGE_SECS - 1,
+        now + MAX_REQUEST_AGE_SECS + 1,
+        0,
+    ] {
+        assert_eq!(
+            check_fresh(&at(stale), now),
+            Err(SealError::Stale {
+                sealed_at: stale,
+                now
+            })
+        );
+    }
+    // Every time at which a request is fresh falls inside the replay window.
+    assert!(REPLAY_WINDOW.as_secs() >= 2 * MAX_REQUEST_AGE_SECS);
 }
 
 #[test]
@@ -492,6 +559,7 @@ fn low_order_encapsulated_key_is_rejected() {
         key_id: 7,
         aead: Aead::Aes128Gcm,
         enc: [0u8; 32],
+        sealed_at: unix_now(),
     };
     assert_eq!(
         open_request_stream(&key(), &h, limits()).map(|_| ()),

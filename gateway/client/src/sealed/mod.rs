@@ -214,7 +214,8 @@ pub struct Sealed {
     /// The key id it is sealed to.
     pub key_id: u8,
     /// The sealing headers (`hpke-key-id`, `hpke-aead`,
-    /// `hpke-encapsulated-key`); [`Sealed::send_headers`] adds the rest.
+    /// `hpke-encapsulated-key`, `hpke-sealed-at`); [`Sealed::send_headers`]
+    /// adds the rest.
     headers: Vec<(&'static str, String)>,
     /// The sealed body to send.
     pub body: Vec<u8>,

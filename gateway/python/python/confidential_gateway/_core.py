@@ -28,7 +28,7 @@ SUSPECT_REATTEST_SECS = 10.0
 UNKNOWN_SIGNER = ("unknown_signer", "link_unknown_signer")
 # Request headers not forwarded: the sealing replaces them.
 _DROP = {"content-type", "content-length", "transfer-encoding", "receipt-nonce",
-         "hpke-key-id", "hpke-aead", "hpke-encapsulated-key"}
+         "hpke-key-id", "hpke-aead", "hpke-encapsulated-key", "hpke-sealed-at"}
 _KEEP_FROM_UPSTREAM = ("retry-after", "x-request-id")
 
 PathLike = Union[str, "os.PathLike[str]"]
