@@ -373,6 +373,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let shutdown = shutdown::Shutdown::new(Duration::from_secs(cfg.server.shutdown_grace_secs));
     let gateway_key = std::sync::Arc::new(api::GatewayKey::rotating(cfg.keys.rotation()));
     tokio::spawn(gateway_key.clone().run());
+    // An answer holds its in-flight permit at most this long.
+    let longest_route = routes
+        .for_route(timeouts::COMPLETIONS)
+        .max(routes.for_route(timeouts::EMBEDDINGS));
     let state = api::AppState {
         pipeline: pipeline.clone(),
         completions,
@@ -390,7 +394,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             cfg.server.attestation_per_minute,
             Duration::from_secs(cfg.server.attestation_cache_secs),
         )),
-        in_flight: crate::in_flight::InFlightCap::new(cfg.server.max_in_flight),
+        in_flight: crate::in_flight::InFlightCap::new(cfg.server.max_in_flight, longest_route),
     };
     let listener = serve::bind(&cfg.server.listen, cfg.server.send_buffer_bytes)
         .await

@@ -28,11 +28,23 @@ pub fn digest(token: &[u8]) -> [u8; 32] {
     proto::digest::Sha256Digest::of(token).0
 }
 
-/// Who made a request, when `[auth]` is on: the name of its API key. The
-/// key middleware puts it in the request's extensions; the receipt store
-/// keeps it as the receipt's owner. Absent when `[auth]` is off.
+/// Who made a request, when `[auth]` is on: its API key's owner id
+/// ([`owner_id`]). The key middleware puts it in the request's extensions;
+/// the receipt store keeps it as the receipt's owner. Absent when `[auth]`
+/// is off.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller(pub Arc<str>);
+
+/// The owner id of the key whose token has SHA-256 `digest`: hex of
+/// SHA-256(`"confidential-inference receipt owner v1" ‖ digest`). It follows
+/// the token, not the key's name (a label, which may be given to another
+/// token later), is the same on every gateway that knows the token, and is
+/// not the digest itself (which the config holds).
+pub fn owner_id(digest: &[u8; 32]) -> String {
+    let mut input = b"confidential-inference receipt owner v1".to_vec();
+    input.extend_from_slice(digest);
+    proto::digest::Sha256Digest::of(&input).hex()
+}
 
 /// The configured keys, their limits and their live state.
 pub struct ApiKeys {
@@ -44,6 +56,7 @@ pub struct ApiKeys {
 struct Key {
     name: String,
     digest: [u8; 32],
+    owner: Arc<str>,
     bucket: Option<Mutex<Bucket>>,
     concurrency: Option<Arc<Semaphore>>,
 }
@@ -87,6 +100,7 @@ impl ApiKeys {
         let key = |name: String, digest: [u8; 32], rpm: Option<u32>, conc: Option<u32>| Key {
             name,
             digest,
+            owner: owner_id(&digest).into(),
             bucket: rpm
                 .or(cfg.default_requests_per_minute)
                 .map(|r| Mutex::new(Bucket::per_minute(r))),
@@ -249,8 +263,7 @@ pub async fn require_key(
             );
         }
     }
-    req.extensions_mut()
-        .insert(Caller(key.name.as_str().into()));
+    req.extensions_mut().insert(Caller(key.owner.clone()));
     let resp = next.run(req).await;
     match _permit {
         // The permit lives as long as the response body: a stream counts

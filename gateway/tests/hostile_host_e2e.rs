@@ -324,9 +324,8 @@ async fn replays_are_refused_under_every_label() {
     let mut p = rig.pipeline().await;
     let (victim, _) = embedding_clients(&mut p).await;
     // (first delivery's label, the replay's label); each pair with a
-    // request of its own. Relabelled replays (the host picks the replay
-    // guard's partition) are issue 29, item 4: they may be answered until
-    // the guard's partition follows what the stage verifies.
+    // request of its own. The host picks the replay guard's partition, so
+    // a replay is looked for in both: a relabelled one is refused too.
     let pairs = [
         (Enclave, Enclave),
         (Enclave, Plain),

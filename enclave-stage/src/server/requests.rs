@@ -123,7 +123,7 @@ impl StageServer {
         sealed_error: &(dyn Fn(ApiError, ErrorKind) -> PipelineError + Send + Sync),
     ) {
         let request_id = req.request_id;
-        let replay = (req.headers.enc, req.sealing);
+        let replay = (req.headers.clone(), req.sealing);
         let prepared = self
             .prepare_completion(model, req, &plaintext, key)
             .await
@@ -275,14 +275,15 @@ impl StageServer {
     /// which the stage cannot verify, so a replay is looked for in both:
     /// relabelling a client's request does not let it through again.
     pub(super) fn record_replay(&self, req: &SealedRequest) -> Result<(), PipelineError> {
-        self.record_replay_of(&req.headers.enc, req.sealing)
+        self.record_replay_of(&req.headers, req.sealing)
     }
 
     fn record_replay_of(
         &self,
-        enc: &[u8; proto::sealing::KEY_LEN],
+        headers: &proto::sealing::SealedHeaders,
         sealing: Sealing,
     ) -> Result<(), PipelineError> {
+        let enc = &headers.enc;
         let mut guards = self.replay.lock().expect("replay guard lock");
         let ReplayGuards { client, host } = &mut *guards;
         let (guard, other) = match sealing {
@@ -290,6 +291,10 @@ impl StageServer {
             Sealing::Gateway | Sealing::Plain => (host, client),
         };
         let now = Instant::now();
+        // Fresh at the moment it is recorded (validation took time since
+        // `open`): the guard then outlasts every moment it is fresh.
+        proto::sealing::check_fresh(headers, proto::sealing::unix_now())
+            .map_err(|e| replay_refusal(e, Duration::ZERO))?;
         if other.contains(enc, now) {
             return Err(replay_refusal(SealError::Replay, Duration::ZERO));
         }
@@ -385,7 +390,10 @@ pub(super) fn replay_refusal(e: SealError, retry_after: Duration) -> PipelineErr
         _ => (400, None),
     };
     PipelineError {
-        kind: ErrorKind::Sealing,
+        kind: match e {
+            SealError::Stale { .. } => ErrorKind::Stale,
+            _ => ErrorKind::Sealing,
+        },
         status,
         message: match retry_after_secs {
             Some(s) => format!("refused: {e}; retry in {s} s"),

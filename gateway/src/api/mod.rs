@@ -216,9 +216,11 @@ impl GatewayKey {
                 format!("the sealed request cannot be opened: {e}"),
             )
         })?;
-        // An old request is refused outright, so no replay outlives the guard.
-        proto::sealing::check_fresh(sealed, proto::sealing::unix_now()).map_err(ApiError::stale)?;
         let mut guard = self.replay.lock().unwrap();
+        // An old request is refused outright; checked under the guard's lock,
+        // at the moment it is recorded, so no replay outlives the guard.
+        proto::sealing::check_fresh(sealed, proto::sealing::unix_now()).map_err(ApiError::stale)?;
+        let now = Instant::now();
         guard
             .check_and_insert(&sealed.enc, now)
             .map_err(|e| match e {
@@ -256,6 +258,12 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/receipts/{id}", get(get_receipt))
+        // Inside the key check (the later route_layer runs first): a
+        // request without a valid key never takes an in-flight permit.
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.in_flight.clone(),
+            crate::in_flight::limit,
+        ))
         .route_layer(axum::middleware::from_fn_with_state(
             state.auth.clone(),
             crate::auth::require_key,
@@ -281,10 +289,6 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             state.limits.routes.clone(),
             crate::timeouts::enforce,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
-            state.in_flight.clone(),
-            crate::in_flight::limit,
         ))
         .layer(axum::middleware::from_fn_with_state(
             state.shutdown.clone(),

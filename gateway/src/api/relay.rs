@@ -325,6 +325,18 @@ pub(super) async fn seal_to_entry(
             let retry_after = e.retry_after_secs;
             let (status, body) = match e.sealed_body.take() {
                 Some(body) => (e.status, open(&body)?),
+                // The gateway sealed this request with its own clock: a
+                // stale one says the gateway's and the stage's clocks differ.
+                None if e.kind == proto::frames::ErrorKind::Stale => {
+                    tracing::error!(
+                        "the entry stage refused a request the gateway sealed as stale: \
+                         the gateway's clock and the stage's differ by more than 300 s"
+                    );
+                    let api = ApiError::internal(
+                        "The gateway's clock and the inference pipeline's disagree; the request was not run.",
+                    );
+                    (api.status.as_u16(), api.body_bytes())
+                }
                 None => {
                     let api = ApiError::from_pipeline(e);
                     (api.status.as_u16(), api.body_bytes())

@@ -11,8 +11,8 @@
 //! Each keeps the newest `server.receipt_retention` receipts. A receipt is
 //! kept with the salt of its digests where the gateway knows it (requests it
 //! saw in plaintext); for requests sealed to the enclave only the client has
-//! the salt. With it is kept the name of the API key that made the request
-//! (its owner, when `[auth]` is on), which decides who may read it back
+//! the salt. With it is kept the owner id of the API key that made the
+//! request (when `[auth]` is on), which decides who may read it back
 //! ([`Stored::readable_by`]). Nothing else of a request is stored.
 
 use anyhow::{bail, Result};
@@ -115,15 +115,15 @@ fn url_has_password(url: &str) -> bool {
 pub struct Stored {
     /// The receipt, and the salt of its digests where the gateway knew it.
     pub trailer: ReceiptTrailer,
-    /// The name of the API key that made the request; `None` when `[auth]`
-    /// was off.
+    /// The owner id of the API key that made the request
+    /// (`auth::owner_id`); `None` when `[auth]` was off.
     pub owner: Option<String>,
 }
 
 impl Stored {
     /// Whether `caller` may read it back (and the salt of its digests,
     /// where the gateway holds it): with `[auth]` on (`caller` is the key's
-    /// name), only the key that made the request, so no other tenant gets
+    /// owner id), only the key that made the request, so no other tenant gets
     /// its salt; with `[auth]` off (`None`) the gateway cannot tell clients
     /// apart, and a receipt made with `[auth]` off is readable by anyone
     /// (one tenant: a plain streaming client gets its salt only here). A

@@ -8,7 +8,7 @@
 //! | `receipt` | the COSE_Sign1 receipt |
 //! | `digest_salt` | the salt of its digests, where the gateway knows it |
 //! | `created_at` | Unix seconds |
-//! | `owner` | the name of the API key that made the request (NULL: `[auth]` off); added to older tables when the store opens |
+//! | `owner` | the owner id of the API key that made the request (NULL: `[auth]` off); added to older tables when the store opens, their rows given `-`, which no caller is, so no one reads them back |
 //!
 //! Writes are group-committed: receipts that arrive while a write is in
 //! progress go to the database together, one multi-row `INSERT` and one
@@ -80,6 +80,8 @@ struct Statements {
     /// Counts an `owner` column (0 in a table made before it existed).
     has_owner: &'static str,
     add_owner: &'static str,
+    /// Rows from before the `owner` column: nobody's.
+    orphan_rows: &'static str,
     prune: &'static str,
     get: &'static str,
 }
@@ -88,6 +90,7 @@ const SQLITE: Statements = Statements {
     schema: SQLITE_SCHEMA,
     has_owner: "SELECT COUNT(*) FROM pragma_table_info('receipts') WHERE name = 'owner'",
     add_owner: "ALTER TABLE receipts ADD COLUMN owner TEXT",
+    orphan_rows: "UPDATE receipts SET owner = '-' WHERE owner IS NULL",
     prune: "DELETE FROM receipts WHERE seq <= (SELECT MAX(seq) FROM receipts) - ?",
     get: "SELECT receipt, digest_salt, owner FROM receipts WHERE id = ?",
 };
@@ -98,6 +101,7 @@ const POSTGRES: Statements = Statements {
                 WHERE table_schema = current_schema() AND table_name = 'receipts' \
                 AND column_name = 'owner'",
     add_owner: "ALTER TABLE receipts ADD COLUMN IF NOT EXISTS owner TEXT",
+    orphan_rows: "UPDATE receipts SET owner = '-' WHERE owner IS NULL",
     prune: "DELETE FROM receipts WHERE seq <= (SELECT MAX(seq) FROM receipts) - $1",
     get: "SELECT receipt, digest_salt, owner FROM receipts WHERE id = $1",
 };
@@ -244,14 +248,16 @@ impl SqlStore {
 }
 
 /// Creates the table if it is missing, and adds the `owner` column to a
-/// table made before it existed (its rows keep a NULL owner: with `[auth]`
-/// on, no key may read them).
+/// table made before it existed. Who made its rows is not known, so they
+/// get the owner `-`, which no caller is: no one reads them back (with or
+/// without `[auth]`), as no receipt is handed to anyone but its owner.
 async fn create_table(pool: &Pool) -> Result<()> {
     on_pool!(pool, |p, sql| {
         sqlx::query(sql.schema).execute(p).await?;
         let has: i64 = sqlx::query(sql.has_owner).fetch_one(p).await?.get(0);
         if has == 0 {
             sqlx::query(sql.add_owner).execute(p).await?;
+            sqlx::query(sql.orphan_rows).execute(p).await?;
         }
     });
     Ok(())
@@ -378,7 +384,8 @@ mod tests {
         }
         let s = SqlStore::sqlite(&path, 10).await.unwrap();
         let old = s.get(&[7; 16]).await.unwrap().unwrap();
-        assert_eq!(old.owner, None);
+        assert_eq!(old.owner.as_deref(), Some("-"));
+        assert!(!old.readable_by(None) && !old.readable_by(Some("x")));
         s.insert([8; 16], kept(8, true)).await.unwrap();
         assert_eq!(s.get(&[8; 16]).await.unwrap(), Some(kept(8, true)));
         drop(s);

@@ -71,10 +71,11 @@ pub const PCR_COUNT: u8 = 32;
 
 /// How far ahead of the verifier's clock a certificate's `notBefore` may
 /// lie (seconds). The NSM issues a leaf only seconds before the document
-/// (3–15 s in the recorded documents), and an enclave's clock has no NTP
-/// and drifts seconds per week, so a verifier a little behind the enclave
-/// would otherwise refuse fresh documents as not yet valid. Expiry is
-/// judged at the verifier's own clock, with no tolerance.
+/// (3–15 s in the recorded documents), so a verifier whose clock is a
+/// little behind the NSM's (an enclave's clock has no NTP and drifts
+/// seconds per week; so may a client's) would otherwise refuse fresh
+/// documents as not yet valid. Expiry is judged at the verifier's own
+/// clock, with no tolerance.
 pub const MAX_CLOCK_SKEW_SECS: u64 = 300;
 
 /// The payload of a Nitro attestation document.

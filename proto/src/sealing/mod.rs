@@ -86,12 +86,16 @@ pub const HEADER_SEALED_AT: &str = "hpke-sealed-at";
 /// receiver's clock, either way, in seconds: 5 minutes, for clients' and
 /// enclaves' clocks that are not exactly right. Older requests are refused
 /// outright ([`SealError::Stale`]); a [`ReplayGuard`] that remembers
-/// requests for [`REPLAY_WINDOW`] (twice this) therefore catches every
-/// replay that is not refused for its age.
+/// requests for [`REPLAY_WINDOW`] therefore catches every replay that is
+/// not refused for its age.
 pub const MAX_REQUEST_AGE_SECS: u64 = 300;
 /// How long a receiver must remember a sealed request to refuse its
-/// replays: every time at which the request is still fresh.
-pub const REPLAY_WINDOW: Duration = Duration::from_secs(2 * MAX_REQUEST_AGE_SECS);
+/// replays: longer than every span in which it is fresh. A request is
+/// fresh for `2 × MAX_REQUEST_AGE_SECS` whole seconds of the receiver's
+/// clock, both ends included (601 s of real time at most, since the
+/// seconds are rounded down); the guard records it at a moment it is fresh
+/// ([`check_fresh`] again under the guard's lock) and keeps it 2 s beyond.
+pub const REPLAY_WINDOW: Duration = Duration::from_secs(2 * MAX_REQUEST_AGE_SECS + 2);
 /// Media type of a key configuration list (RFC 9540 §3).
 pub const KEYS_MEDIA_TYPE: &str = "application/ohttp-keys";
 

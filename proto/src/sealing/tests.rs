@@ -549,8 +549,30 @@ fn the_sealing_time_is_bound_and_judged_at_the_receivers_clock() {
             })
         );
     }
-    // Every time at which a request is fresh falls inside the replay window.
-    assert!(REPLAY_WINDOW.as_secs() >= 2 * MAX_REQUEST_AGE_SECS);
+    // A request recorded at the first moment it is fresh (now = sealed_at
+    // - 300) is still fresh at sealed_at + 300 and up to a second after,
+    // rounded down: the guard must still hold it then.
+    assert!(REPLAY_WINDOW.as_secs() > 2 * MAX_REQUEST_AGE_SECS + 1);
+    // The edge a host would use: delivered at the first second it is fresh
+    // (the receiver's clock at sealed_at - 300), recorded then, replayed
+    // 600.9 s later, when the clock (rounded down) reads sealed_at + 300 and
+    // it is still fresh: the guard must still hold it.
+    let sealed = at(now + MAX_REQUEST_AGE_SECS);
+    let mut guard = ReplayGuard::new(REPLAY_WINDOW, 4);
+    let t0 = Instant::now();
+    assert_eq!(check_fresh(&sealed, now), Ok(()));
+    guard.check_and_insert(&sealed.enc, t0).unwrap();
+    let later = t0 + Duration::from_millis(600_900);
+    assert_eq!(check_fresh(&sealed, now + 600), Ok(()));
+    assert_eq!(
+        guard.check_and_insert(&sealed.enc, later),
+        Err(SealError::Replay)
+    );
+    // A second later it is stale, whatever the guard holds.
+    assert!(matches!(
+        check_fresh(&sealed, now + 601),
+        Err(SealError::Stale { .. })
+    ));
 }
 
 #[test]

@@ -42,11 +42,7 @@ impl Proxy {
     /// Seals the request to the trusted entry key and sends it; re-attests
     /// once if the upstream no longer knows the key. Any answer but a sealed
     /// success is the error the client gets.
-    pub(super) async fn send_sealed(
-        &self,
-        x: &Exchange,
-        auth: Option<&HeaderValue>,
-    ) -> Result<Sent, ProxyError> {
+    pub(super) async fn send_sealed(&self, x: &Exchange) -> Result<Sent, ProxyError> {
         let route = &self.routes[x.route];
         let mut trusted = route.current();
         let mut refreshed = false;
@@ -70,7 +66,7 @@ impl Proxy {
             for (k, v) in sealed.send_headers() {
                 rb = rb.header(k, v);
             }
-            if let Some(a) = auth {
+            if let Some(a) = &x.auth {
                 rb = rb.header(header::AUTHORIZATION, a.clone());
             }
             let response = rb.send().await.map_err(|e| {
@@ -181,7 +177,7 @@ impl Proxy {
             // An upstream that seals no trailer: the receipt without the
             // salt of its digests, which fails to verify if they are salted.
             None => ReceiptTrailer {
-                receipt: self.receipt_for(&headers).await?,
+                receipt: self.receipt_for(&headers, x.auth.as_ref()).await?,
                 digest_salt: None,
             },
         };
@@ -271,10 +267,12 @@ impl Proxy {
     }
 
     /// The receipt of a response from an upstream that sends no trailer:
-    /// its header, or fetched by id.
+    /// its header, or fetched by id with the caller's API key (a gateway
+    /// serves a receipt to the key that made the request only).
     pub(super) async fn receipt_for(
         &self,
         headers: &reqwest::header::HeaderMap,
+        auth: Option<&HeaderValue>,
     ) -> Result<Vec<u8>, ApiError> {
         if let Some(v) = headers.get(HEADER_RECEIPT).and_then(|v| v.to_str().ok()) {
             return base64::engine::general_purpose::URL_SAFE_NO_PAD
@@ -297,9 +295,11 @@ impl Proxy {
                 )
             })?;
         let url = format!("{}/v1/receipts/{id}", self.upstream);
-        let r = self
-            .client
-            .get(&url)
+        let mut rb = self.client.get(&url);
+        if let Some(a) = auth {
+            rb = rb.header(header::AUTHORIZATION, a.clone());
+        }
+        let r = rb
             .send()
             .await
             .map_err(|e| bad_gateway("upstream_unreachable", format!("GET {url}: {e}")))?;

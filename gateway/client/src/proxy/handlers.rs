@@ -53,14 +53,14 @@ pub(super) async fn sealed_inner(
                 )
             })?,
     };
-    let auth = headers.get(header::AUTHORIZATION);
     let x = Exchange {
         endpoint,
         route,
         request,
         nonce,
+        auth: headers.get(header::AUTHORIZATION).cloned(),
     };
-    let sent = s.send_sealed(&x, auth).await?;
+    let sent = s.send_sealed(&x).await?;
     if stream {
         return finish_streaming(s.clone(), x, sent).await;
     }

@@ -205,6 +205,9 @@ struct Exchange {
     route: usize,
     request: Bytes,
     nonce: Vec<u8>,
+    /// The caller's `Authorization`, for the gateway (the request and a
+    /// receipt fetched by id).
+    auth: Option<HeaderValue>,
 }
 
 fn error(status: StatusCode, kind: &'static str, code: &'static str, msg: String) -> ApiError {
