@@ -13,6 +13,7 @@ pub mod channel;
 pub mod config;
 pub mod evidence;
 pub mod frames;
+pub mod host_channel;
 pub mod openai;
 pub mod receipt;
 pub mod sealing;
@@ -28,6 +29,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("config", config::run),
     ("evidence", evidence::run),
     ("frames", frames::run),
+    ("host_channel", host_channel::run),
     ("openai", openai::run),
     ("receipt", receipt::run),
     ("sealing", sealing::run),

@@ -55,8 +55,31 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
         add("sse", 7, stream.as_bytes());
         add("sse", 1, stream.as_bytes());
     }
+    for moves in HOST_CHANNEL {
+        out.push(("host_channel", moves.to_vec()));
+    }
     out
 }
+
+/// Host moves for `host_channel` (pairs of move and argument; see its
+/// table): the hostile-host suite's cases as sequences.
+const HOST_CHANNEL: &[&[u8]] = &[
+    // Three clients, fresh increasing ids: all answered.
+    &[0, 0, 1, 1, 2, 2],
+    // A victim and the attacker under one id, in both orders.
+    &[0, 5, 2, 5],
+    &[2, 7, 0, 7],
+    // An id that goes down.
+    &[0, 9, 1, 3],
+    // A replay, then relabelled replays.
+    &[0, 1, 0, 2, 3, 1, 3, 3],
+    // A cancel of a live request, then another client.
+    &[0, 4, 4, 4, 1, 6],
+    // A second Configure between requests.
+    &[0, 1, 5, 0, 1, 2],
+    // Evidence and waits between the moves.
+    &[0, 1, 6, 9, 7, 5, 1, 2, 7, 7, 2, 3],
+];
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")

@@ -59,6 +59,18 @@ fn seeds_reach_past_the_first_check() {
     let last = flipped.len() - 1;
     flipped[last] ^= 1;
     assert!(!fuzz::receipt::verifies(&flipped));
+    // The hostile host's first seed (three clients, fresh ids) gets all
+    // three answers accepted; sharing one id, at most one is.
+    if let Some(n) = fuzz::host_channel::accepted(&[0, 0, 1, 1, 2, 2]) {
+        assert_eq!(n, 3, "host_channel: clean moves");
+        let shared = fuzz::host_channel::accepted(&[0, 5, 2, 5]).expect("the rig runs");
+        assert!(
+            shared <= 1,
+            "host_channel: one id, {shared} answers accepted"
+        );
+    } else {
+        println!("host_channel: no model files, not run");
+    }
 }
 
 /// Every libFuzzer entry point is in `TARGETS` (so CI replays its corpus),

@@ -10,7 +10,7 @@ use super::{
     cosine, model_dir, remote_stage_policies_for, smollm_dir, temp_dir, vectors, StageProc,
     StageSpec,
 };
-use client::sealed::{refusal, Attested, Sealed};
+use client::sealed::{Attested, Sealed};
 use proto::attestation::Evidence;
 use proto::bundle::{EvidenceBundle, StageEvidence};
 use proto::channel::{ChannelLimits, ChannelSender, LocalIdentity, PeerInfo};
@@ -18,7 +18,7 @@ use proto::frames::{HostMessage, ResultMessage, SealedRequest, StageReply};
 use proto::manifest::LoadedManifest;
 use proto::policy::Policy;
 use proto::receipt::Sealing;
-use proto::sealing::{Aead, SealedHeaders};
+use proto::sealing::Aead;
 use rand::RngCore;
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -594,20 +594,7 @@ fn same_want(a: &Want, b: &Want) -> bool {
 
 /// The sealed request a host sends for `sealed`.
 pub fn request(sealed: &Sealed, request_id: u64, sealing: Sealing) -> SealedRequest {
-    let h = sealed.send_headers();
-    let headers = SealedHeaders::from_header_values(|n| {
-        h.iter().find(|(k, _)| *k == n).map(|(_, v)| v.as_str())
-    })
-    .unwrap();
-    SealedRequest {
-        request_id,
-        endpoint: sealed.endpoint.clone(),
-        headers,
-        body: sealed.body.clone(),
-        client_nonce: Some(sealed.nonce.clone()),
-        sealing,
-        trace: None,
-    }
+    sealed.stage_request(request_id, sealing)
 }
 
 /// What the client makes of result `r`: its opened JSON when it opens with
@@ -618,15 +605,9 @@ pub fn accept(attested: &Attested, sealed: &Sealed, r: &ResultMessage) -> Result
     let ResultMessage::Response { status, body, .. } = r else {
         return Err(format!("not a response: {r:?}"));
     };
-    let (plain, trailer) = sealed.open(body).map_err(|e| e.to_string())?;
-    let receipt = trailer.ok_or("no receipt trailer")?;
-    let report = sealed.check(attested, &receipt, &plain);
-    if let Some(refused) = refusal(&report) {
-        return Err(refused.to_string());
-    }
-    if *status != 200 {
-        return Err(format!("status {status}"));
-    }
+    let plain = sealed
+        .accept(attested, *status, body)
+        .map_err(|e| e.to_string())?;
     serde_json::from_slice(&plain).map_err(|e| e.to_string())
 }
 

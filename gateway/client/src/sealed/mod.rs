@@ -20,7 +20,9 @@ use proto::receipt::{
     verify_receipt, Check, CheckStatus, ReceiptError, ReceiptTrailer, SealedTo, Sealing,
     VerifyInputs, VerifyReport,
 };
-use proto::sealing::{open_response_with_trailer, seal_request, Aead, ClientResponseKey};
+use proto::sealing::{
+    open_response_with_trailer, seal_request, Aead, ClientResponseKey, SealedHeaders,
+};
 
 mod archive;
 pub mod sse;
@@ -255,6 +257,63 @@ impl Sealed {
         h.push(("content-type", "application/octet-stream".into()));
         h.push(("receipt-nonce", hex::encode(&self.nonce)));
         h
+    }
+
+    /// The sealing headers as the entry stage receives them.
+    pub fn sealing_headers(&self) -> SealedHeaders {
+        SealedHeaders::from_header_values(|n| {
+            self.headers
+                .iter()
+                .find(|(k, _)| *k == n)
+                .map(|(_, v)| v.as_str())
+        })
+        .expect("the headers this request was sealed with parse")
+    }
+
+    /// The message a gateway sends the entry stage for this request, under
+    /// `request_id` and the sealing label `sealing` (the gateway relays the
+    /// ciphertext as is; tests and the fuzz targets play a hostile gateway
+    /// with it).
+    pub fn stage_request(
+        &self,
+        request_id: u64,
+        sealing: proto::receipt::Sealing,
+    ) -> proto::frames::SealedRequest {
+        proto::frames::SealedRequest {
+            request_id,
+            endpoint: self.endpoint.clone(),
+            headers: self.sealing_headers(),
+            body: self.body.clone(),
+            client_nonce: Some(self.nonce.clone()),
+            sealing,
+            trace: None,
+        }
+    }
+
+    /// A whole sealed success as the client takes it: the plaintext, when
+    /// `body` opens with this request's key, carries a receipt trailer and
+    /// the receipt passes every check ([`Self::check`]) and `status` is 200;
+    /// otherwise why not. (A hostile host may offer any answer to anyone:
+    /// this is what decides whether the client believes it.)
+    pub fn accept(
+        &self,
+        attested: &Attested,
+        status: u16,
+        body: &[u8],
+    ) -> Result<Vec<u8>, Refused> {
+        let (plain, receipt) = self.open(body)?;
+        let receipt = receipt
+            .ok_or_else(|| Refused::new("receipt_verification_failed", "no receipt trailer"))?;
+        if let Some(refused) = refusal(&self.check(attested, &receipt, &plain)) {
+            return Err(refused);
+        }
+        if status != 200 {
+            return Err(Refused::new(
+                "upstream_status_mismatch",
+                format!("a sealed success under HTTP {status}"),
+            ));
+        }
+        Ok(plain)
     }
 
     /// What the receipt must name about this request.
