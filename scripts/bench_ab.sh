@@ -10,11 +10,15 @@
 #
 #   scripts/bench_ab.sh OLD_COMMIT [PASSES]      (PASSES default 2)
 #
-# OLD's binaries are built in a git worktree (target/ab/worktree) into this
-# checkout's target directory, so only the workspace crates compile, then
-# copied to target/ab/old-bin; this checkout's are rebuilt afterwards. Takes
-# about 6 minutes per pass on 2 cores, plus the builds; the numbers only
-# mean something on an otherwise idle machine. Needs scripts/setup.sh's models.
+# OLD's binaries are built in a git worktree (target/ab/worktree) with a
+# target directory of their own (target/ab/target: cargo hashes workspace
+# crates by their path inside the workspace, so a shared target directory
+# would mix the two checkouts' builds), then copied to target/ab/old-bin.
+# The script checks that the two sides' binaries differ and that each
+# gateway accepts its own config. Takes about 6 minutes per pass on 2
+# cores, plus the builds (the first old build compiles every dependency,
+# about 10 minutes); the numbers only mean something on an otherwise idle
+# machine. Needs scripts/setup.sh's models.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OLD="${1:?usage: scripts/bench_ab.sh OLD_COMMIT [PASSES]}"
@@ -31,8 +35,8 @@ echo "== old: $OLD_SHA"
 git worktree remove --force "$WT" 2>/dev/null || rm -rf "$WT"
 git worktree add --detach "$WT" "$OLD_SHA" >/dev/null
 ln -sfn "$PWD/models" "$WT/models"
-(cd "$WT" && CARGO_TARGET_DIR="$PWD/../../../target" cargo build --release -p gateway -p enclave-stage --bin gateway --bin enclave-stage)
-cp target/release/gateway target/release/enclave-stage "$AB/old-bin/"
+(cd "$WT" && CARGO_TARGET_DIR="$PWD/../target" cargo build --release -p gateway -p enclave-stage --bin gateway --bin enclave-stage)
+cp "$AB/target/release/gateway" "$AB/target/release/enclave-stage" "$AB/old-bin/"
 cp "$WT/config/gateway.toml" "$AB/old-gateway.toml"
 git worktree remove --force "$WT"
 
@@ -41,6 +45,14 @@ cargo build --release --bin gateway --bin enclave-stage
 cargo build --release -p gateway --example bench_embeddings --example bench_completions
 # The completions harness takes its binaries from the folder above its own.
 cp target/release/examples/bench_completions "$AB/old-bin/examples/"
+for b in gateway enclave-stage; do
+  if cmp -s "target/release/$b" "$AB/old-bin/$b"; then
+    echo "bench_ab: the old and new $b are the same file: nothing to compare" >&2
+    exit 1
+  fi
+done
+target/release/gateway check-config --config config/gateway.toml >/dev/null
+"$AB/old-bin/gateway" check-config --config "$AB/old-gateway.toml" >/dev/null
 
 EMB=(--threads-per-stage 2 --token-budget 4096 --weights bf16 --rounds 3)
 COMPL=(--completions-config 'threads_per_stage = 2')
