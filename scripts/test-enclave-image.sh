@@ -22,8 +22,8 @@
 #   4. a gateway (target/release/gateway) attests both stages against a
 #      policy pinning the mock measurement of the image's binary, manifest
 #      and that policy, and serves embeddings through them.
-# Needs Docker, musl-gcc (Debian: musl-tools) and the musl Rust target (added
-# with rustup); without a Docker engine it says SKIPPED and exits 0.
+# Needs Docker; installs Debian's musl-tools and the musl Rust target (rustup)
+# when missing; without a Docker engine it says SKIPPED and exits 0.
 # Env: ENCLAVE_IMAGE_E2E=0 skips it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,6 +35,15 @@ if ! docker info >/dev/null 2>&1; then
 fi
 rustup target list --installed 2>/dev/null | grep -qx x86_64-unknown-linux-musl \
   || rustup target add x86_64-unknown-linux-musl
+# The static build's C parts (ring) need Debian's musl-gcc: installed here, as
+# scripts/test.sh installs PostgreSQL, so the README's test command works on
+# a fresh machine with Docker.
+if ! command -v musl-gcc >/dev/null; then
+  echo "== installing Debian's musl-tools (the enclave image is a static musl build)"
+  SUDO=""; [[ "$(id -u)" == 0 ]] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq musl-tools >/dev/null
+fi
 fail() { echo "FAIL: $*" >&2; exit 1; }
 [[ -x target/release/gateway ]] || fail "no target/release/gateway (cargo build --release -p gateway)"
 
