@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs/layout.md"
-CRATES = ["proto", "enclave-stage", "gateway"]
+CRATES = ["proto", "enclave-stage", "gateway", "client"]
 
 
 def tracked(prefix):

@@ -16,7 +16,7 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CRATES = ["proto", "gateway", "gateway/client", "gateway/fuzz", "enclave-stage"]
+CRATES = ["proto", "gateway", "client", "gateway/fuzz", "enclave-stage"]
 PATH = re.compile(r"\b(crate|super)((?:::(?:super|[a-z_][a-z0-9_]*))+)")
 
 

@@ -15,9 +15,9 @@
 #      overlays rendered and schema-validated (scripts/test-k8s-manifests.sh);
 #   5. the stock `openai` Python SDK and LangChain's ChatOpenAI against a live
 #      gateway, directly and through `gateway proxy`;
-#   6. the Python package (gateway/python): its wheel built with maturin from
+#   6. the Python package (client/python): its wheel built with maturin from
 #      PyPI, installed with `openai` into a clean virtualenv, and
-#      gateway/python/tests/test_client.py run against the live gateway.
+#      client/python/tests/test_client.py run against the live gateway.
 # CONTAINERS_E2E=1 adds the multi-container test (gateway/tests/containers_e2e.rs:
 # static musl build, images, compose; needs Docker, docs/containers.md). Off by
 # default: its static build is a second release build.
@@ -90,18 +90,18 @@ done
 [[ -n "$purl" ]] || { cat "$log.proxy"; echo "proxy did not start" >&2; exit 1; }
 python3 scripts/test_openai_sdk.py --base-url "$purl/v1" --expect-verified
 
-echo "== the Python package (gateway/python): wheel built with maturin, clean virtualenv, openai SDK"
+echo "== the Python package (client/python): wheel built with maturin, clean virtualenv, openai SDK"
 [[ -x target/py-build-venv/bin/maturin ]] || {
   python3 -m venv target/py-build-venv
   target/py-build-venv/bin/pip install -q --disable-pip-version-check maturin==1.16.0
 }
 rm -rf target/wheels/confidential_gateway-*.whl target/py-client-venv
-target/py-build-venv/bin/maturin build --release -m gateway/python/Cargo.toml --out target/wheels
+target/py-build-venv/bin/maturin build --release -m client/python/Cargo.toml --out target/wheels
 python3 -m venv target/py-client-venv
 target/py-client-venv/bin/pip install -q --disable-pip-version-check \
   target/wheels/confidential_gateway-*.whl openai==3.54.0
 # (The script's folder holds no package source: the installed wheel is what runs.)
-target/py-client-venv/bin/python gateway/python/tests/test_client.py \
+target/py-client-venv/bin/python client/python/tests/test_client.py \
   --base-url "$url" --policy "$log.policy0.toml" --policy "$log.policy1.toml"
 
 if [[ "${CONTAINERS_E2E:-}" == 1 ]]; then

@@ -10,8 +10,8 @@ use enclave_stage::provider::{self, AttestationKind};
 use enclave_stage::role::{self, StageSpec};
 use enclave_stage::server::{StageServer, StageSetup};
 use proto::digest::Sha256Digest;
+use proto::io::transport::{Endpoint, Listener};
 use proto::policy::Policy;
-use proto::transport::{Endpoint, Listener};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -117,7 +117,7 @@ fn main() -> Result<()> {
     // Before any thread exists: Candle reads these once.
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
-    proto::logging::init();
+    proto::io::logging::init();
     let spec = match args.stage_from_cid {
         Some(base) => {
             let cid = match args.mock_cid {
@@ -125,7 +125,7 @@ fn main() -> Result<()> {
                     anyhow::bail!("--mock-cid is for --attestation mock only: an enclave's CID is read from /dev/vsock")
                 }
                 Some(cid) => cid,
-                None => proto::transport::local_cid()?,
+                None => proto::io::transport::local_cid()?,
             };
             let spec = role::from_cid(cid, base, &args.layers)?;
             tracing::info!(

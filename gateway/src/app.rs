@@ -483,7 +483,10 @@ async fn start_pipeline(
                 let eps = match &slots[replica] {
                     Some(chain) => discovery::endpoints(chain),
                     None => {
-                        vec![proto::transport::Endpoint::Tcp("0.0.0.0:0".into()); spec.stages.len()]
+                        vec![
+                            proto::io::transport::Endpoint::Tcp("0.0.0.0:0".into());
+                            spec.stages.len()
+                        ]
                     }
                 };
                 (None, eps, None)

@@ -14,7 +14,7 @@
 //! counts, never contents.
 
 use anyhow::{Context, Result};
-use proto::transport::{self, BoxStream, Endpoint, Listener};
+use proto::io::transport::{self, BoxStream, Endpoint, Listener};
 use std::sync::Arc;
 use std::time::Duration;
 

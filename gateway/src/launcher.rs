@@ -8,7 +8,7 @@
 
 use crate::config::{GatewayConfig, PipelineSpec};
 use anyhow::{bail, Context, Result};
-use proto::transport::Endpoint;
+use proto::io::transport::Endpoint;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;

@@ -7,7 +7,7 @@
 //!   [`host_proxy`] (Nitro), [`receipts`];
 //! - operations: [`config`], [`metrics`], [`stage_metrics`], [`telemetry`];
 //! - the client verbs, which run in the client's trust domain (`verify`,
-//!   `seal`, `open`, `proxy`), are the `client` crate (`gateway/client/`);
+//!   `seal`, `open`, `proxy`), are the `client` crate (`client/`);
 //!   the binary only dispatches to them.
 
 pub mod api;

@@ -118,7 +118,7 @@ static EXPORTING: OnceLock<Exporting> = OnceLock::new();
 /// exporter.
 pub fn init_logging(cfg: Option<TelemetryConfig>) {
     let Some((cfg, url)) = cfg.and_then(|c| c.traces_url().map(|u| (c, u))) else {
-        proto::logging::init();
+        proto::io::logging::init();
         return;
     };
     match build(&cfg, &url) {
@@ -130,12 +130,12 @@ pub fn init_logging(cfg: Option<TelemetryConfig>) {
                         .with_target(TARGET, tracing::Level::INFO),
                 )
                 .boxed();
-            proto::logging::init_with(Some(layer));
+            proto::io::logging::init_with(Some(layer));
             let _ = EXPORTING.set(x);
             tracing::info!(endpoint = %url, sample_ratio = cfg.sample_ratio, "exporting traces over OTLP/HTTP");
         }
         Err(e) => {
-            proto::logging::init();
+            proto::io::logging::init();
             tracing::error!(endpoint = %url, error = %e, "OTLP exporter not started; no traces");
         }
     }

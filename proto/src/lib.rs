@@ -6,19 +6,25 @@
 //! verifiers ([`attestation`], AWS Nitro documents in [`nitro`]), measurement policies ([`policy`]), model
 //! manifests ([`manifest`]), HPKE body sealing for client requests and
 //! responses ([`sealing`]) and signed receipts ([`receipt`]).
+//!
+//! None of it does I/O. The tokio driver of the channel, the transports
+//! (TCP, vsock) and the binaries' logging setup are `io`, behind the
+//! feature `io` that the gateway and the stage enable; the client crate
+//! and the Python package build without it (no tokio-vsock, no
+//! tracing-subscriber).
 
 pub mod attestation;
 pub mod bundle;
 pub mod cbor;
 pub mod channel;
-pub mod channel_queue;
 pub mod chat;
 pub mod claims;
 pub mod completions;
 pub mod digest;
 pub mod evidence;
 pub mod frames;
-pub mod logging;
+#[cfg(feature = "io")]
+pub mod io;
 pub mod manifest;
 pub mod nitro;
 pub mod openai;
@@ -27,5 +33,4 @@ pub mod receipt;
 pub mod sealing;
 pub mod tensor;
 pub mod text;
-pub mod transport;
 pub mod wipe;

@@ -2,13 +2,13 @@
 //! finding 1), over real TCP sockets on 127.0.0.1: a send dropped part-way
 //! (its peer reads slowly, the message is large) must never leave a spent
 //! nonce or half a message for the next send, and the queued writer
-//! ([`proto::channel_queue`]) that cancellable callers use must stay usable,
+//! ([`proto::io::queue`]) that cancellable callers use must stay usable,
 //! delivering every message that was queued whole and in order.
 
 mod channel_support;
 
 use channel_support::*;
-use proto::channel_queue::QueuedSender;
+use proto::io::queue::QueuedSender;
 
 /// A message far larger than loopback's socket buffers, so that its send
 /// blocks until the peer reads.

@@ -20,12 +20,13 @@ use proto::attestation::{
     attest_claims, claims_binding, AnyVerifier, AttestError, AttestationProvider, BindingError,
     Evidence, EvidenceFormat, EvidencePurpose, ExpectedBinding, Measurement, VerifiedDocument,
 };
-use proto::channel::{self, ChannelLimits, LocalIdentity, PeerInfo};
+use proto::channel::{ChannelLimits, LocalIdentity, PeerInfo};
 use proto::digest::Sha256Digest;
 use proto::frames::StageClaims;
+use proto::io::channel;
+use proto::io::transport::BoxStream;
 use proto::nitro::{decode_document, parse_cose, NitroVerifier, MAX_CLOCK_SKEW_SECS};
 use proto::policy::{Policy, PolicyError};
-use proto::transport::BoxStream;
 use ring::rand::SystemRandom;
 use ring::signature::{EcdsaKeyPair, ECDSA_P384_SHA384_FIXED_SIGNING};
 use std::path::PathBuf;

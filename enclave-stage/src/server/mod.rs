@@ -8,10 +8,7 @@ use crate::keys::StageKeys;
 use crate::model::StageModel;
 use crate::work::{failure, Output, Work};
 use proto::attestation::{attest_claims, AttestationProvider, EvidencePurpose, Measurement};
-use proto::channel::{
-    self, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
-};
-use proto::channel_queue::QueuedSender;
+use proto::channel::{ChannelLimits, LocalIdentity, PeerInfo};
 use proto::chat::parse_chat;
 use proto::completions::{context_length_error, parse_completions, Api, Prompt};
 use proto::digest::Sha256Digest;
@@ -19,11 +16,13 @@ use proto::frames::{
     ActivationMessage, BatchItem, Envelope, ErrorKind, FeedbackMessage, GenerationContext,
     HostMessage, PipelineError, PromptInfo, RequestContext, SealedRequest, StageClaims, StageReply,
 };
+use proto::io::channel::{self, ChannelReceiver, ChannelSender};
+use proto::io::queue::QueuedSender;
+use proto::io::transport::{self, Endpoint, Listener};
 use proto::openai::{parse_embeddings, ApiEndpoint, ApiError};
 use proto::policy::Policy;
 use proto::receipt::{OpenedKey, ReceiptId, Sealing};
 use proto::sealing::{open_request, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
-use proto::transport::{self, Endpoint, Listener};
 use rand::RngCore;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -72,7 +71,7 @@ pub struct StageSetup {
     pub max_inputs: usize,
 }
 
-/// A channel's writer task ([`proto::channel_queue`]): sends are cancel-safe.
+/// A channel's writer task ([`proto::io::queue`]): sends are cancel-safe.
 type SharedSender = QueuedSender;
 
 /// Requests with at most this many bytes of text are tokenized inline.
@@ -532,7 +531,7 @@ impl StageServer {
         &self,
         ep: &Endpoint,
         what: &str,
-        check: channel::PeerCheck<'_>,
+        check: proto::channel::PeerCheck<'_>,
     ) -> Result<(ChannelSender, ChannelReceiver), String> {
         let stream = transport::connect(ep)
             .await

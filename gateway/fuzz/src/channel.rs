@@ -7,10 +7,11 @@
 //! error or a clean close, within the handshake timeout; nothing panics.
 
 use proto::attestation::{mock_measurement, Measurement, MockProvider};
-use proto::channel::{initiate, respond, ChannelLimits, LocalIdentity, PeerInfo};
+use proto::channel::{ChannelLimits, LocalIdentity, PeerInfo};
 use proto::digest::Sha256Digest;
 use proto::frames::StageClaims;
-use proto::transport::BoxStream;
+use proto::io::channel::{initiate, respond};
+use proto::io::transport::BoxStream;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 

@@ -36,14 +36,15 @@ use enclave_stage::provider::{self, AttestationKind};
 use enclave_stage::role::StageSpec;
 use enclave_stage::server::{StageServer, StageSetup};
 use proto::bundle::{EvidenceBundle, StageEvidence};
-use proto::channel::{ChannelLimits, ChannelSender, LocalIdentity, PeerInfo};
+use proto::channel::{ChannelLimits, LocalIdentity, PeerInfo};
 use proto::digest::Sha256Digest;
 use proto::frames::{HostMessage, ResultMessage, StageReply};
+use proto::io::channel::ChannelSender;
+use proto::io::transport::{Endpoint, Listener};
 use proto::manifest::LoadedManifest;
 use proto::policy::Policy;
 use proto::receipt::Sealing;
 use proto::sealing::Aead;
-use proto::transport::{Endpoint, Listener};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -228,8 +229,8 @@ impl Host {
     async fn configured(rig: &Rig) -> Option<Host> {
         for _ in 0..200 {
             let ep: Endpoint = rig.endpoint.parse().ok()?;
-            let stream = proto::transport::connect(&ep).await.ok()?;
-            let (mut tx, mut rx, peer): (_, _, PeerInfo) = proto::channel::initiate(
+            let stream = proto::io::transport::connect(&ep).await.ok()?;
+            let (mut tx, mut rx, peer): (_, _, PeerInfo) = proto::io::channel::initiate(
                 stream,
                 &LocalIdentity::host(),
                 ChannelLimits::default(),

@@ -144,8 +144,8 @@ fn recorded_handshake() -> (Vec<u8>, Vec<u8>) {
         let accept = |_: &PeerInfo| Ok(());
         let host = proto::channel::LocalIdentity::host();
         let (h, s) = tokio::join!(
-            proto::channel::initiate(Box::new(host_side), &host, channel::limits(), &accept),
-            proto::channel::respond(
+            proto::io::channel::initiate(Box::new(host_side), &host, channel::limits(), &accept),
+            proto::io::channel::respond(
                 Box::new(stage_side),
                 channel::stage(),
                 channel::limits(),

@@ -14,7 +14,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use proto::frames::WeightFormat;
-use proto::transport::Endpoint;
+use proto::io::transport::Endpoint;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -317,7 +317,7 @@ fn validate_stages(
             if launch != Launch::Remote {
                 bail!("{key}: only with pipeline.launch = \"remote\"");
             }
-            p.parse::<proto::transport::Endpoint>()
+            p.parse::<proto::io::transport::Endpoint>()
                 .map_err(|e| anyhow!("{key}: {e}"))?;
         }
         if launch == Launch::Remote && s.address.is_none() {
@@ -357,7 +357,7 @@ fn validate_stages(
             .as_deref()
             .and_then(|p| p.parse().ok())
             .is_some_and(|e| {
-                matches!(e, Endpoint::Vsock { cid, .. } if cid == proto::transport::NITRO_PARENT_CID)
+                matches!(e, Endpoint::Vsock { cid, .. } if cid == proto::io::transport::NITRO_PARENT_CID)
             });
         if !relayed {
             bail!(
@@ -377,7 +377,7 @@ fn validate_stages(
 fn is_enclave(stage: &StageConfig) -> bool {
     matches!(
         stage.address.as_deref().and_then(|a| a.parse().ok()),
-        Some(Endpoint::Vsock { cid, .. }) if cid > proto::transport::NITRO_PARENT_CID && cid != u32::MAX
+        Some(Endpoint::Vsock { cid, .. }) if cid > proto::io::transport::NITRO_PARENT_CID && cid != u32::MAX
     )
 }
 

@@ -15,21 +15,20 @@ use proto::attestation::{
     claims_binding, mock_measurement, verify_boot, Evidence, EvidenceFormat, EvidencePurpose,
     Measurement,
 };
-use proto::channel::{
-    self, ChannelError, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerInfo,
-};
-use proto::channel_queue::QueuedSender;
+use proto::channel::{ChannelError, ChannelLimits, LocalIdentity, PeerInfo};
 use proto::digest::Sha256Digest;
 use proto::frames::{
     HostMessage, PipelineError, RequestTelemetry, ResultMessage, SealedRequest, StageClaims,
     StageReply, StageStats,
 };
+use proto::io::channel::{self, ChannelReceiver, ChannelSender};
+use proto::io::queue::QueuedSender;
+use proto::io::transport::{self, Endpoint};
 use proto::manifest::LoadedManifest;
 use proto::openai::ApiEndpoint;
 use proto::policy::Policy;
 use proto::receipt::{ReceiptId, Sealing};
 use proto::sealing::{KeyConfig, SealedHeaders};
-use proto::transport::{self, Endpoint};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};

@@ -13,8 +13,9 @@ use super::{
 use client::sealed::{Attested, Sealed};
 use proto::attestation::Evidence;
 use proto::bundle::{EvidenceBundle, StageEvidence};
-use proto::channel::{ChannelLimits, ChannelSender, LocalIdentity, PeerInfo};
+use proto::channel::{ChannelLimits, LocalIdentity, PeerInfo};
 use proto::frames::{HostMessage, ResultMessage, SealedRequest, StageReply};
+use proto::io::channel::ChannelSender;
 use proto::manifest::LoadedManifest;
 use proto::policy::Policy;
 use proto::receipt::Sealing;
@@ -82,9 +83,9 @@ pub struct Host {
 impl Host {
     /// Opens a host channel to the stage at `endpoint`.
     pub async fn open(endpoint: &str) -> Host {
-        let ep: proto::transport::Endpoint = endpoint.parse().unwrap();
-        let stream = proto::transport::connect(&ep).await.unwrap();
-        let (tx, mut rx, peer) = proto::channel::initiate(
+        let ep: proto::io::transport::Endpoint = endpoint.parse().unwrap();
+        let stream = proto::io::transport::connect(&ep).await.unwrap();
+        let (tx, mut rx, peer) = proto::io::channel::initiate(
             stream,
             &LocalIdentity::host(),
             ChannelLimits::default(),

@@ -4,13 +4,11 @@
 #![allow(dead_code, unused_imports)]
 
 pub use proto::attestation::{mock_measurement, EvidenceFormat, MockProvider};
-pub use proto::channel::{
-    self, ChannelError, ChannelLimits, ChannelReceiver, ChannelSender, LocalIdentity, PeerCheck,
-    PeerInfo,
-};
+pub use proto::channel::{ChannelError, ChannelLimits, LocalIdentity, PeerCheck, PeerInfo};
 pub use proto::digest::Sha256Digest;
 pub use proto::frames::StageClaims;
-pub use proto::transport::BoxStream;
+pub use proto::io::channel::{self, ChannelReceiver, ChannelSender};
+pub use proto::io::transport::BoxStream;
 pub use std::net::SocketAddr;
 pub use std::sync::atomic::{AtomicUsize, Ordering};
 pub use std::sync::{Arc, Mutex};

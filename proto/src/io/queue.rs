@@ -12,7 +12,8 @@
 //! Every queued message is wiped once written, or when it is dropped unsent
 //! (encoded messages carry response keys and digest salts).
 
-use crate::channel::{ChannelError, ChannelSender};
+use super::channel::ChannelSender;
+use crate::channel::ChannelError;
 use crate::wipe::WipeOnDrop;
 use serde::Serialize;
 use tokio::sync::mpsc;

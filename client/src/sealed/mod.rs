@@ -1,6 +1,6 @@
 //! One request sealed to verified evidence, and the opening and checking of
 //! its answer, with no I/O: `gateway proxy` and the Python package
-//! (`gateway/python`) wrap their own HTTP stacks around this same code, so
+//! (`client/python`) wrap their own HTTP stacks around this same code, so
 //! what is refused is refused alike in both.
 //!
 //! 1. [`Attested::verify`]: an evidence bundle, fetched with a fresh nonce,

@@ -1,4 +1,4 @@
-"""Type stubs of the Rust extension (gateway/python/src/lib.rs)."""
+"""Type stubs of the Rust extension (client/python/src/lib.rs)."""
 
 from typing import List, Optional, Tuple
 

@@ -1,4 +1,4 @@
-//! `confidential_gateway._native`: the client crate (`gateway/client`) for
+//! `confidential_gateway._native`: the client crate (`client`) for
 //! Python. Evidence verification, sealing, opening and receipt checks here
 //! are the very functions `gateway verify` and `gateway proxy` run
 //! ([`client::sealed`]); the Python side (`python/confidential_gateway/`)
