@@ -10,14 +10,11 @@
 #
 #   scripts/bench_ab.sh OLD_COMMIT [PASSES]      (PASSES default 2)
 #
-# OLD's binaries are built in a git worktree (target/ab/worktree) with a
-# target directory of their own (target/ab/target: cargo hashes workspace
-# crates by their path inside the workspace, so a shared target directory
-# would mix the two checkouts' builds), then copied to target/ab/old-bin.
+# OLD's binaries are built by scripts/build_old.sh (a worktree and a target
+# directory of their own) into target/ab/old-bin.
 # The script checks that the two sides' binaries differ and that each
 # gateway accepts its own config. Takes about 6 minutes per pass on 2
-# cores, plus the builds (the first old build compiles every dependency,
-# about 10 minutes); the numbers only mean something on an otherwise idle
+# cores, plus the builds; the numbers only mean something on an otherwise idle
 # machine. Needs scripts/setup.sh's models.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,18 +24,10 @@ OLD_SHA="$(git rev-parse --verify "$OLD^{commit}")"
 NEW_SHA="$(git rev-parse HEAD)"
 [[ -z "$(git status --porcelain --untracked-files=no)" ]] || NEW_SHA="$NEW_SHA (with uncommitted changes)"
 AB=target/ab
-WT="$AB/worktree"
 mkdir -p "$AB"
 rm -rf "$AB/runs" && mkdir -p "$AB/runs" "$AB/old-bin/examples"
 
-echo "== old: $OLD_SHA"
-git worktree remove --force "$WT" 2>/dev/null || rm -rf "$WT"
-git worktree add --detach "$WT" "$OLD_SHA" >/dev/null
-ln -sfn "$PWD/models" "$WT/models"
-(cd "$WT" && CARGO_TARGET_DIR="$PWD/../target" cargo build --release -p gateway -p enclave-stage --bin gateway --bin enclave-stage)
-cp "$AB/target/release/gateway" "$AB/target/release/enclave-stage" "$AB/old-bin/"
-cp "$WT/config/gateway.toml" "$AB/old-gateway.toml"
-git worktree remove --force "$WT"
+scripts/build_old.sh "$OLD_SHA"
 
 echo "== new: $NEW_SHA"
 cargo build --release --bin gateway --bin enclave-stage

@@ -4,7 +4,9 @@
 
 mod common;
 
-use common::*;
+use common::{
+    assert_error_shape, client, completions_options, http_post, retry_after, Gateway, Options,
+};
 use serde_json::json;
 use std::io::Write as _;
 use std::time::{Duration, Instant};

@@ -14,9 +14,7 @@ mod proxy;
 #[path = "cli_e2e/sealing.rs"]
 mod sealing;
 
-use base64::Engine as _;
-use common::*;
-use serde_json::json;
+use common::{cli, client, client_policy_text, p, temp_dir, Gateway, Options};
 use std::path::{Path, PathBuf};
 
 const MODEL: &str = "all-MiniLM-L6-v2";

@@ -14,7 +14,10 @@
 
 mod common;
 
-use common::*;
+use common::{
+    client, cosine, embed, evidence_bundle, get_json, model_dir, reference, root, stage_binary,
+    vectors, Gateway, Options,
+};
 use proto::policy::Policy;
 use serde_json::json;
 use std::path::{Path, PathBuf};

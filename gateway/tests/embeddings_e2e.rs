@@ -2,7 +2,10 @@
 
 mod common;
 
-use common::*;
+use common::{
+    assert_error_shape, client, cosine, embed, evidence_bundle, get_json, max_diff, model_dir,
+    post_with_header, reference, signal, temp_dir, vectors, wait_gone, Gateway, Options,
+};
 use serde_json::json;
 
 const MODEL: &str = "all-MiniLM-L6-v2";

@@ -3,7 +3,10 @@
 
 mod common;
 
-use common::*;
+use common::{
+    assert_error_shape, cosine, embed, fault_env, get_bytes, http_get, http_post, max_diff,
+    post_sealed, reference, retry_after, signal, slow_stage, vectors, Gateway, Options,
+};
 use serde_json::json;
 
 const MODEL: &str = "all-MiniLM-L6-v2";

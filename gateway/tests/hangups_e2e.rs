@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::*;
+use common::{embed, metrics_text, sample, Gateway, Options};
 use serde_json::json;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt as _;

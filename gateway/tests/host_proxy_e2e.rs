@@ -8,7 +8,10 @@
 
 mod common;
 
-use common::*;
+use common::{
+    alive, assert_error_shape, cosine, embed, http_get, reference, remote_stage_policies, temp_dir,
+    vectors, Gateway, Options, StageProc,
+};
 use serde_json::json;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

@@ -6,7 +6,10 @@
 
 mod common;
 
-use common::*;
+use common::{
+    client, embed, expect_api_error, http_get, post_sealed, remote_stage_policies, temp_dir,
+    CaptureRelay, Gateway, Options, StageProc,
+};
 
 use proto::sealing::{seal_request, Aead, KeyConfig};
 use serde_json::json;

@@ -18,8 +18,11 @@
 
 mod common;
 
-use common::hostile::*;
-use common::*;
+use common::cosine;
+use common::hostile::{
+    accept, busy_inputs, completion_text, configure_at, fresh_id, request, request_id_of, serial,
+    Client, Configured, Host, Pipeline, Rig, Want, ANSWER, CLOSE,
+};
 use proto::frames::{HostMessage, ResultMessage};
 use proto::receipt::Sealing;
 use serde_json::json;

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::*;
+use common::{client, embed, get_bytes, http_get, post_sealed, sample, Gateway, Options};
 use proto::sealing::{seal_request, Aead, KeyConfig};
 use serde_json::json;
 

@@ -17,7 +17,10 @@
 
 mod common;
 
-use common::*;
+use common::{
+    assert_error_shape, cli, client, completions_options, http_get, http_post, p, pinned_policy,
+    python_openai_available, run_python_json, start_proxy, tampering_relay, Gateway, Tamper,
+};
 use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};

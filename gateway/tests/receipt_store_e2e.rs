@@ -11,7 +11,10 @@
 mod common;
 
 use base64::Engine as _;
-use common::*;
+use common::{
+    client_policy_text, evidence_bundle, http_get, metrics_text, post_exact, sample, signal,
+    temp_dir, Gateway, Options,
+};
 use proto::policy::Policy;
 use proto::receipt::{verify_receipt, DigestSalt, VerifyInputs};
 use serde_json::json;

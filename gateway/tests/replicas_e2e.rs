@@ -15,7 +15,11 @@
 
 mod common;
 
-use common::*;
+use common::{
+    assert_error_shape, attestation_cbor_query, client, client_policy_text, embed, evidence_bundle,
+    get_json, http_get, metrics_text, post_sealed, remote_stage_policies, sample, signal, temp_dir,
+    Gateway, Options, StageProc,
+};
 use proto::bundle::EvidenceBundle;
 use proto::policy::Policy;
 use proto::receipt::{verify_receipt, ReceiptTrailer, VerifyInputs};

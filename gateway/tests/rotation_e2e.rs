@@ -8,7 +8,10 @@
 
 mod common;
 
-use common::*;
+use common::{
+    client_policy_text, evidence_bundle, get_json, http_get, http_post, post_sealed, start_proxy,
+    temp_dir, Gateway, Options,
+};
 use proto::policy::Policy;
 use proto::sealing::{seal_request, Aead, KeyConfig};
 use serde_json::json;

@@ -4,7 +4,10 @@
 mod common;
 
 use base64::Engine as _;
-use common::*;
+use common::{
+    assert_error_shape, attestation_cbor, client, client_policy_text, evidence_bundle,
+    expect_api_error, http_get, post_exact, post_sealed, Gateway, Options,
+};
 use proto::bundle::EvidenceBundle;
 use proto::policy::Policy;
 use proto::receipt::{parse_unverified, verify_receipt, ReceiptTrailer, StageKeys, VerifyInputs};

@@ -3,7 +3,10 @@
 
 mod common;
 
-use common::*;
+use common::{
+    assert_error_shape, embed, http_get, metrics_text, post_with_header, root, sample, signal,
+    slow_stage, temp_dir, vectors, wait_gone, Gateway, StageProc,
+};
 use serde_json::json;
 
 const MODEL: &str = "all-MiniLM-L6-v2";

@@ -4,7 +4,10 @@
 
 mod common;
 
-use common::*;
+use common::{
+    assert_chat_serves, completions_options, http_get, http_post, metrics_text, sample, Gateway,
+    Options,
+};
 use serde_json::json;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};

@@ -13,7 +13,9 @@
 mod common;
 
 use axum::body::Bytes;
-use common::*;
+use common::{
+    client, dev_policy, http_post, metrics_text, sample, smollm_dir, temp_dir, Gateway, Options,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::Span;

@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::*;
+use common::{
+    client, p, root, seal_cli, signal, temp_dir, vectors, write_config, Gateway, Options,
+};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     KeyUsagePurpose, SerialNumber,

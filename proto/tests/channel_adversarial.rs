@@ -16,7 +16,19 @@
 
 mod channel_support;
 
-use channel_support::*;
+use channel_support::{
+    accept, at_frame, claims, direct, expect_failure, expect_message, expect_poisoned, flip,
+    framed, handshake, host, initiate_as_host, limits, listener, msg, ok, pass, pattern, recording,
+    recv, stage, Handshake, Out, Tamper, I2R_REC0, R2I_REC0, TAG, WAIT,
+};
+use proto::attestation::EvidenceFormat;
+use proto::channel::{ChannelError, PeerInfo};
+use proto::io::channel::{self, ChannelReceiver, ChannelSender};
+use proto::io::transport::BoxStream;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use tokio::net::TcpStream;
+use tokio::time::timeout;
 
 // ---------------------------------------------------------------------------
 // 1. Happy path

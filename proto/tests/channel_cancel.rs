@@ -7,8 +7,10 @@
 
 mod channel_support;
 
-use channel_support::*;
+use channel_support::{direct, expect_message, host, ok, pattern, recv, stage, WAIT};
+use proto::channel::ChannelError;
 use proto::io::queue::QueuedSender;
+use std::time::Duration;
 
 /// A message far larger than loopback's socket buffers, so that its send
 /// blocks until the peer reads.

@@ -6,7 +6,14 @@
 
 mod channel_support;
 
-use channel_support::*;
+use channel_support::{
+    accept, at_frame, attested_field, bytes32_field, dial, direct, err, expect_rejected, flip,
+    flip_with, flipped_hello, handshake, host, initiate_as_host, listener, ok, pass, recording,
+    spawn_relay, stage, HandshakeResult, Hello, Out, Peer, Tamper, R2I_REC0,
+};
+use proto::channel::{ChannelError, PeerInfo};
+use proto::io::channel;
+use std::sync::{Arc, Mutex};
 
 // ---------------------------------------------------------------------------
 // 3. Handshake tampering

@@ -2,7 +2,21 @@
 //! the upstream's keys changed, opening a whole response and verifying its
 //! receipt.
 
-use super::*;
+use super::api_error::ApiError;
+use super::{
+    attest, bad_gateway, is_sealed, json_response, log_verified, Exchange, Proxy, Route, Sent,
+    Trusted, HEADER_RECEIPT, HEADER_RECEIPT_DIGEST_SALT, HEADER_RECEIPT_ID, HEADER_RECEIPT_NONCE,
+    HEADER_RECEIPT_SEALING, HEADER_RECEIPT_VERIFIED, MAX_RECEIPT_HEADER, RECEIPTS_KEPT,
+    SUSPECT_REATTEST_INTERVAL,
+};
+use crate::sealed::{archive, not_sealed, unknown_signer, Sealed};
+use axum::body::Bytes;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use proto::receipt::ReceiptTrailer;
+use std::sync::Arc;
+use std::time::Instant;
 
 impl Proxy {
     /// The route for a request's `model`.

@@ -1,6 +1,22 @@
 //! The proxy's HTTP handlers and router.
 
-use super::*;
+use super::api_error::ApiError;
+use super::exchange::ProxyError;
+use super::stream::finish_streaming;
+use super::{
+    bad_gateway, error, AppState, Exchange, Proxy, HEADER_RECEIPT_NONCE, HEADER_RECEIPT_VERIFIED,
+    RECEIPTS_KEPT,
+};
+use crate::client_key::aead_name;
+use crate::io::parse_hex;
+use crate::transport::random_nonce;
+use axum::body::{to_bytes, Body, Bytes};
+use axum::extract::{Path as UrlPath, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
 
 pub(super) async fn sealed_handler(
     s: AppState,

@@ -51,27 +51,19 @@
 //! not, the request fails with 502 `evidence_not_verified`.
 
 use crate::bundle::fetch_bundle;
-use crate::client_key::aead_name;
-use crate::io::parse_hex;
 use crate::seal::AeadArg;
-use crate::sealed::{archive, not_sealed, unknown_signer, Attested, Sealed};
+use crate::sealed::{Attested, Sealed};
 use crate::transport::{base_url, http_client, random_nonce};
 use crate::{EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, Context, Result};
 use api_error::ApiError;
-use axum::body::{to_bytes, Body, Bytes};
-use axum::extract::{Path as UrlPath, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::body::Bytes;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
-use base64::Engine as _;
 use clap::Args;
 use proto::bundle::VerifiedBundle;
 use proto::policy::Policy;
-use proto::receipt::ReceiptTrailer;
 use proto::sealing::Aead;
-use serde_json::json;
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
@@ -82,9 +74,7 @@ mod exchange;
 mod handlers;
 mod stream;
 
-use exchange::*;
-use handlers::*;
-use stream::*;
+use handlers::router;
 
 /// Response header the proxy adds when the receipt verified.
 pub const HEADER_RECEIPT_VERIFIED: &str = "receipt-verified";

@@ -1,7 +1,13 @@
 //! Streams: whole events forwarded as they open, `[DONE]` held back until
 //! the receipt over the whole event stream verifies.
 
-use super::*;
+use super::api_error::ApiError;
+use super::exchange::ProxyError;
+use super::{bad_gateway, Exchange, Proxy, Sent, HEADER_RECEIPT_ID, HEADER_RECEIPT_NONCE};
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use std::sync::Arc;
 
 /// A streamed answer: events are forwarded as they open; the `[DONE]` event
 /// waits for the receipt (the sealed stream's trailer) to verify.

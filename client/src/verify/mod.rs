@@ -7,18 +7,14 @@
 //! JSON document instead. Exit code 0 only when every check holds.
 
 use crate::bundle::load_bundle;
-use crate::client_key::ClientKeyFile;
 use crate::io::{parse_hex, read_input};
 use crate::{EXIT_FAILED, EXIT_OK};
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use clap::{Args, Subcommand};
 use proto::attestation::{AnyVerifier, AttestError, BindingError, ExpectedBinding, Measurement};
 use proto::bundle::{EvidenceBundle, LegacyEvidence, VerifiedBundle};
 use proto::nitro::{decode_document, NitroVerifier};
 use proto::policy::Policy;
-use proto::receipt::{
-    verify_receipt, CheckStatus, DigestSalt, ReceiptBody, Sealing, VerifyInputs, VerifyReport,
-};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -26,7 +22,8 @@ mod receipt;
 #[cfg(test)]
 mod tests;
 
-pub use receipt::*;
+use receipt::run_receipt;
+pub use receipt::ReceiptArgs;
 
 /// `gateway verify …`
 #[derive(Subcommand, Debug)]

@@ -3,7 +3,18 @@
 //! line asks of it (endpoint, sealing); a missing input fails unless
 //! `--insecure-partial`.
 
-use super::*;
+use super::{load_policy, print_lines, result_line, verify_evidence, Line, Status};
+use crate::bundle::load_bundle;
+use crate::client_key::ClientKeyFile;
+use crate::io::{parse_hex, read_input};
+use crate::{EXIT_FAILED, EXIT_OK};
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use proto::receipt::{
+    verify_receipt, CheckStatus, DigestSalt, ReceiptBody, Sealing, VerifyInputs, VerifyReport,
+};
+use serde_json::json;
+use std::path::PathBuf;
 
 /// `gateway verify receipt`
 #[derive(Args, Debug)]

@@ -1,6 +1,6 @@
 //! `gateway verify` unit tests.
 
-use super::*;
+use super::receipt::decode_receipt_text;
 use base64::Engine as _;
 
 #[test]

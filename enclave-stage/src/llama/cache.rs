@@ -1,6 +1,10 @@
 //! Packed batches ([`SeqSlice`]) and per-sequence KV caches.
 
-use super::*;
+use candle_core::{DType, Device, Tensor};
+
+// Named only in doc links.
+#[cfg(doc)]
+use super::LlamaPart;
 
 /// The tokens of one sequence inside a packed batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,7 +1,12 @@
 //! The model's hyper-parameters (from GGUF metadata) and what a
 //! teacher-forced pass measures.
 
-use super::*;
+use candle_core::quantized::gguf_file;
+use candle_core::DType;
+
+// Named only in doc links.
+#[cfg(doc)]
+use super::LlamaPart;
 
 /// What [`LlamaPart::teacher_forced`] measured, one entry per predicted
 /// position.

@@ -1,7 +1,11 @@
 //! One decoder block over a packed batch: rotary tables, attention with
 //! each sequence's cache, the causal mask.
 
-use super::*;
+use super::cache::{KvCache, SeqSlice};
+use super::config::LlamaConfig;
+use super::Block;
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
 
 /// `cos`/`sin` tables `[max_seq_len, head_dim / 2]`, computed in f32 as
 /// Hugging Face does (`inv_freq = 1 / theta^(2i/d)`, angle = pos × inv_freq).

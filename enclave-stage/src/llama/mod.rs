@@ -42,10 +42,8 @@ pub use forward::argmax_rows;
 use forward::{block_forward, rope_tables};
 use weights::{load_f32, Weight};
 
-use crate::qmatmul::{Kernel, QMatrix};
-use candle_core::quantized::{gguf_file, GgmlDType};
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::Linear;
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
 pub use proto::frames::WeightFormat;
 use std::collections::HashMap;
 use std::fs::File;

@@ -1,6 +1,11 @@
 //! Weight matrices in one of the [`WeightFormat`]s, applied as `x · Wᵀ`.
 
-use super::*;
+use crate::qmatmul::{Kernel, QMatrix};
+use candle_core::quantized::{gguf_file, GgmlDType};
+use candle_core::{Device, Module, Tensor};
+use candle_nn::Linear;
+use proto::frames::WeightFormat;
+use std::fs::File;
 
 /// Products with at least this many activation rows dequantize the weights
 /// and use the f32 GEMM; fewer use the quantized dot products, which read a

@@ -2,38 +2,27 @@
 //! (host) and from the previous stage, dials and attests the next stage when
 //! configured, and moves messages between the channels and the compute thread.
 
-use crate::embedding::batcher::Seq;
-use crate::generation::model::GenModel;
 use crate::keys::StageKeys;
 use crate::model::StageModel;
-use crate::work::{failure, Output, Work};
+use crate::work::{Output, Work};
 use proto::attestation::{attest_claims, AttestationProvider, EvidencePurpose, Measurement};
 use proto::channel::{ChannelLimits, LocalIdentity, PeerInfo};
-use proto::chat::parse_chat;
-use proto::completions::{context_length_error, parse_completions, Api, Prompt};
-use proto::digest::Sha256Digest;
-use proto::frames::{
-    ActivationMessage, BatchItem, Envelope, ErrorKind, FeedbackMessage, GenerationContext,
-    HostMessage, PipelineError, PromptInfo, RequestContext, SealedRequest, StageClaims, StageReply,
-};
+use proto::frames::{ActivationMessage, FeedbackMessage, HostMessage, StageClaims, StageReply};
 use proto::io::channel::{self, ChannelReceiver, ChannelSender};
 use proto::io::queue::QueuedSender;
 use proto::io::transport::{self, Endpoint, Listener};
-use proto::openai::{parse_embeddings, ApiEndpoint, ApiError};
 use proto::policy::Policy;
-use proto::receipt::{OpenedKey, ReceiptId, Sealing};
-use proto::sealing::{open_request, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
-use rand::RngCore;
+use proto::sealing::ReplayGuard;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{mpsc, Mutex};
 
 mod requests;
 #[cfg(test)]
 mod tests;
 
-use requests::*;
+use requests::ReplayGuards;
 
 /// How long an encapsulated key is remembered to refuse replays: every time
 /// at which its request is still fresh (older ones are refused for their

@@ -4,9 +4,26 @@
 //! to the compute thread; errors after the body opened are sealed to the
 //! client.
 
-use super::*;
+use super::{off_runtime_if_large, StageServer, DEFAULT_CHAT_MAX_TOKENS};
+use crate::embedding::batcher::Seq;
 use crate::embedding::compute::{admit_rows, rows_left};
 use crate::embedding::engine::Engine;
+use crate::generation::model::GenModel;
+use crate::model::StageModel;
+use crate::work::{failure, Work};
+use proto::chat::parse_chat;
+use proto::completions::{context_length_error, parse_completions, Api, Prompt};
+use proto::digest::Sha256Digest;
+use proto::frames::{
+    BatchItem, Envelope, ErrorKind, GenerationContext, PipelineError, PromptInfo, RequestContext,
+    SealedRequest,
+};
+use proto::openai::{parse_embeddings, ApiEndpoint, ApiError};
+use proto::receipt::{OpenedKey, ReceiptId, Sealing};
+use proto::sealing::{open_request, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
+use rand::RngCore;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// How many full-size embeddings requests' rows (`max_inputs` each) the
 /// entry stage queues before it answers 503 + `Retry-After`.

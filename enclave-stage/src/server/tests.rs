@@ -1,6 +1,8 @@
 //! Stage server unit tests.
 
-use super::*;
+use super::requests::replay_refusal;
+use proto::sealing::SealError;
+use std::time::Duration;
 
 #[test]
 fn a_full_replay_guard_asks_to_retry() {

@@ -1,7 +1,20 @@
 //! bench_embeddings: the gateway under test (a temporary config, start and
 //! stop, its stages' CPU and memory) and the concurrent clients that load it.
 
-use super::*;
+use super::measure::{
+    cpu_secs, load_avg, proc_mem, select_round, stage_children, summarize, summary_json,
+    system_busy_secs,
+};
+use super::report::f;
+use super::{Args, DIM, LEVELS, MAX_REQUESTS_PER_LEVEL, MODEL_ID, SENTENCES};
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 pub(super) struct Gateway {
     child: Child,

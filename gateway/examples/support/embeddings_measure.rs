@@ -1,7 +1,10 @@
 //! bench_embeddings: latency summaries and what /proc says about CPU time and
 //! memory of the gateway and its stages.
 
-use super::*;
+use super::stage_procs;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::process::Command;
 
 #[derive(Clone, Debug)]
 pub(super) struct Summary {

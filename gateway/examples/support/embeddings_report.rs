@@ -1,6 +1,9 @@
 //! bench_embeddings: the machine description and the markdown report.
 
-use super::*;
+use super::measure::load_avg;
+use super::{MIB, RSS_OVERHEAD_BYTES, SENTENCES};
+use serde_json::{json, Value};
+use std::process::Command;
 
 pub(super) fn machine_info() -> Value {
     let cpu_model = std::fs::read_to_string("/proc/cpuinfo")

@@ -2,7 +2,22 @@
 //! `/v1/models`, `/readyz`, `/v1/receipts/{id}`, `/.well-known/hpke-keys`
 //! and `/v1/attestation`.
 
-use super::*;
+use super::relay::{failure_response, owner_of};
+use super::{AppState, HEADER_RECEIPT_DIGEST_SALT, HEADER_REPLICA};
+use crate::auth::Caller;
+use crate::openai_error::ApiError;
+use crate::pipeline::{Failure, Replicas};
+use crate::receipts::Stored;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use base64::Engine as _;
+use proto::bundle::{EvidenceBundle, StageEvidence};
+use proto::sealing::{KeyConfig, KEYS_MEDIA_TYPE};
+use serde_json::json;
+use std::collections::HashMap;
+use std::sync::Arc;
 
 pub(super) async fn metrics_handler(State(s): State<AppState>) -> Response {
     let mut text = s.metrics.render(Some(&s.pipeline.health()));

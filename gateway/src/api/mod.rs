@@ -4,26 +4,19 @@
 use crate::auth::{ApiKeys, Caller};
 use crate::metrics::Metrics;
 use crate::openai_error::ApiError;
-use crate::pipeline::{Failure, Replicas, Reply, Submission};
-use crate::receipts::{ReceiptStore, Stored};
-use axum::body::{to_bytes, Body, Bytes};
-use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
-use axum::response::{IntoResponse, Response};
+use crate::pipeline::Replicas;
+use crate::receipts::ReceiptStore;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, Method, Uri};
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use base64::Engine as _;
-use proto::bundle::{EvidenceBundle, StageEvidence};
 use proto::openai::ApiEndpoint;
-use proto::receipt::{ReceiptTrailer, Sealing};
 use proto::sealing::{
-    open_request, open_response, open_response_with_trailer, seal_request, seal_response,
-    seal_response_with_trailer, Aead, ClientResponseKey, KeyConfig, ReplayGuard,
-    ResponseKeyMaterial, ResponseOpener, ResponseSealer, SealLimits, SealedHeaders, ServerKey,
-    HEADER_KEY_ID, KEYS_MEDIA_TYPE,
+    open_request, KeyConfig, ReplayGuard, SealedHeaders, ServerKey, HEADER_KEY_ID,
 };
 use serde_json::json;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,9 +24,8 @@ mod info;
 mod relay;
 mod stream;
 
-use info::*;
-use relay::*;
-use stream::*;
+use info::{attestation, get_model, get_receipt, hpke_keys, list_models, metrics_handler, readyz};
+use relay::{embeddings_handler, generation_handler, owner_of};
 
 /// Response header carrying the receipt id (hex).
 pub const HEADER_RECEIPT_ID: &str = "receipt-id";

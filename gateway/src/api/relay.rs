@@ -2,7 +2,30 @@
 //! as ciphertext, or sealing a plain (or gateway-key) request to the entry
 //! stage and opening its answer.
 
-use super::*;
+use super::stream::{stream_response, StreamMode};
+use super::{
+    AppState, GatewayKey, Owner, HEADER_RECEIPT, HEADER_RECEIPT_DIGEST_SALT, HEADER_RECEIPT_ID,
+    HEADER_RECEIPT_NONCE, MAX_RECEIPT_HEADER,
+};
+use crate::auth::Caller;
+use crate::openai_error::ApiError;
+use crate::pipeline::{Failure, Replicas, Reply, Submission};
+use crate::receipts::Stored;
+use axum::body::{to_bytes, Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use base64::Engine as _;
+use proto::openai::ApiEndpoint;
+use proto::receipt::{ReceiptTrailer, Sealing};
+use proto::sealing::{
+    open_response, open_response_with_trailer, seal_request, seal_response,
+    seal_response_with_trailer, Aead, ClientResponseKey, ResponseKeyMaterial, ResponseSealer,
+    SealedHeaders, HEADER_KEY_ID,
+};
+use std::sync::Arc;
+use std::time::Instant;
 
 pub(super) fn failure_response(s: &AppState, f: Failure) -> Response {
     match f {

@@ -2,8 +2,18 @@
 //! come (relayed, opened, or opened and sealed again), with idle timeouts
 //! and cancellation when the client goes away.
 
-use super::*;
-use crate::metrics::StreamCut;
+use super::{AppState, Owner, HEADER_RECEIPT_ID};
+use crate::metrics::{Metrics, StreamCut};
+use crate::openai_error::ApiError;
+use crate::pipeline::{Failure, Reply, Submission};
+use crate::receipts::{ReceiptStore, Stored};
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use proto::receipt::ReceiptTrailer;
+use proto::sealing::{ClientResponseKey, ResponseOpener, ResponseSealer, SealLimits};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// How the gateway passes a stream's sealed bytes to its client.
 pub(super) enum StreamMode {

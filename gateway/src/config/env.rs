@@ -1,7 +1,9 @@
 //! `GATEWAY_SECTION__KEY=value` environment overrides, applied to the TOML
 //! tree before it is parsed.
 
-use super::*;
+use super::{ENV_PREFIX, ENV_SEPARATOR};
+use anyhow::{anyhow, bail, Result};
+use std::collections::BTreeMap;
 
 /// `path` as errors show it: `VARIABLE (path)` when an environment variable
 /// set it (or a key inside it, or the table that holds it), else `path`.

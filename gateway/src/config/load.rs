@@ -1,7 +1,12 @@
 //! Loading a config file: parsing (errors name the key path), environment
 //! overrides, checks, and the effective config as TOML.
 
-use super::*;
+use super::env::{apply_env_overrides, key_name};
+use super::{dns_name, validate_stages, GatewayConfig, Launch, PipelineSpec, StageConfig};
+use anyhow::{anyhow, bail, Context, Result};
+use client::transport::is_loopback;
+use proto::frames::WeightFormat;
+use std::path::{Path, PathBuf};
 
 impl GatewayConfig {
     /// Reads the file, applies the environment overrides

@@ -12,20 +12,18 @@
 //! Relative paths are resolved against the current directory (run the
 //! gateway from the repository root, as the README does).
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use proto::frames::WeightFormat;
 use proto::io::transport::Endpoint;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 mod env;
 mod load;
 #[cfg(test)]
 mod tests;
-
-use env::*;
 
 /// Prefix of environment overrides.
 pub const ENV_PREFIX: &str = "GATEWAY_";

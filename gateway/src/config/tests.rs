@@ -1,6 +1,8 @@
 //! Config tests: the shipped files, every check, environment overrides.
 
-use super::*;
+use super::{GatewayConfig, Launch};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 #[test]
 fn shipped_config_loads_with_auth_off() {

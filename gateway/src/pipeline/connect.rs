@@ -2,7 +2,18 @@
 //! checking its boot evidence), the entry stage's signed key sets, reading
 //! each stage's channel, noticing a break, and rebuilding after one.
 
-use super::*;
+use super::{ConnectError, Connected, Pipeline, StageStatus, StageTarget, UNASSIGNED};
+use proto::attestation::{
+    claims_binding, verify_boot, Evidence, EvidenceFormat, EvidencePurpose, Measurement,
+};
+use proto::channel::{ChannelError, LocalIdentity, PeerInfo};
+use proto::frames::{HostMessage, StageClaims, StageReply};
+use proto::io::channel::{self, ChannelReceiver, ChannelSender};
+use proto::io::queue::QueuedSender;
+use proto::io::transport;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
 
 impl Pipeline {
     /// Connects once; on failure says why (naming the stage) and whether the

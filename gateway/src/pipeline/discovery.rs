@@ -9,8 +9,11 @@
 //! empty slots. So scaling a stage Deployment up or down needs no gateway
 //! change, up to `replicas` chains.
 
-use super::*;
+use super::Pipeline;
+use proto::io::transport::Endpoint;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Each slot's chain: one address per stage, or `None` (an empty slot).
 pub type Slots = Vec<Option<Vec<SocketAddr>>>;

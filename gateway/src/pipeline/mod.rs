@@ -11,28 +11,20 @@
 //! rebuilds) is [`connect`]; requests in flight (submitting, routing
 //! results, attestation and stats requests) are [`requests`].
 
-use proto::attestation::{
-    claims_binding, mock_measurement, verify_boot, Evidence, EvidenceFormat, EvidencePurpose,
-    Measurement,
-};
-use proto::channel::{ChannelError, ChannelLimits, LocalIdentity, PeerInfo};
+use proto::attestation::{mock_measurement, Evidence, Measurement};
+use proto::channel::ChannelLimits;
 use proto::digest::Sha256Digest;
-use proto::frames::{
-    HostMessage, PipelineError, RequestTelemetry, ResultMessage, SealedRequest, StageClaims,
-    StageReply, StageStats,
-};
-use proto::io::channel::{self, ChannelReceiver, ChannelSender};
+use proto::frames::{PipelineError, RequestTelemetry, StageClaims, StageStats};
 use proto::io::queue::QueuedSender;
-use proto::io::transport::{self, Endpoint};
+use proto::io::transport::Endpoint;
 use proto::manifest::LoadedManifest;
 use proto::openai::ApiEndpoint;
 use proto::policy::Policy;
-use proto::receipt::{ReceiptId, Sealing};
-use proto::sealing::{KeyConfig, SealedHeaders};
+use proto::receipt::ReceiptId;
+use proto::sealing::KeyConfig;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
-use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, Mutex, Notify};
 
 mod connect;

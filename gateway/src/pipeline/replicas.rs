@@ -7,8 +7,9 @@
 //! (each replica's entry stage draws its key ids from its own range, so a
 //! key id names one replica).
 
-use super::*;
-use std::sync::atomic::AtomicUsize;
+use super::Pipeline;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 /// The replicas of one model's pipeline, replica 0 first.
 pub struct Replicas {

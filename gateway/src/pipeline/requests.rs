@@ -2,7 +2,15 @@
 //! ([`Submission`]), routing the exit stage's results to their callers, and
 //! the stages' attestation and statistics requests.
 
-use super::*;
+use super::{Answer, Failure, Pipeline, Reply, StageStatus, WholeReply};
+use proto::attestation::Evidence;
+use proto::frames::{HostMessage, RequestTelemetry, ResultMessage, SealedRequest, StageStats};
+use proto::io::queue::QueuedSender;
+use proto::receipt::Sealing;
+use proto::sealing::SealedHeaders;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
 
 impl Pipeline {
     pub(super) fn on_result(&self, m: ResultMessage) {

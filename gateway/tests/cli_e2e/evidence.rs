@@ -1,6 +1,9 @@
 //! `verify evidence` and `verify receipt` sections.
 
-use super::*;
+use super::{verify_receipt, Ctx, MODEL};
+use crate::common::{cli, http_get, p, post_exact};
+use serde_json::json;
+use std::path::Path;
 
 pub(super) fn evidence_checks(c: &Ctx) {
     let nonce = hex::encode(&c.nonce);

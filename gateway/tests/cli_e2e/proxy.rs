@@ -1,6 +1,12 @@
 //! `gateway proxy` sections.
 
-use super::*;
+use super::{Ctx, MODEL};
+use crate::common::{
+    assert_error_shape, expect_api_error, get_json, http_get, http_post, post_with_header,
+    python_openai_available, run_python_json, start_proxy, tampering_relay, Tamper,
+};
+use base64::Engine as _;
+use serde_json::json;
 
 pub(super) const OPENAI_SCRIPT: &str = r#"
 import json, sys

@@ -1,6 +1,10 @@
 //! `seal` → HTTP → `open` sections, and the host that re-seals.
 
-use super::*;
+use super::{open_cli, verify_receipt, Ctx, MODEL};
+use crate::common::{cli, client, get_bytes, p, seal_cli, serve_on_thread};
+use base64::Engine as _;
+use serde_json::json;
+use std::path::Path;
 
 /// Sends what `gateway seal` wrote, as `curl --data-binary @BODY -H @HEADERS` would.
 pub(super) async fn post_sealed(url: &str, body: &Path, headers: &Path) -> reqwest::Response {

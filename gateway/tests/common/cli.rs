@@ -1,6 +1,8 @@
 //! The `gateway` binary's client verbs and `gateway proxy`, run as a user would, and Python scripts.
 
-use super::*;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 
 /// The `gateway` binary under test.
 pub fn gateway_bin() -> &'static str {

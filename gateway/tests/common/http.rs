@@ -1,6 +1,7 @@
 //! HTTP helpers for the tests: a client, requests and the checks on their answers.
 
-use super::*;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// `POST url` with `body` as JSON and one extra header (panics on a
 /// transport error).

@@ -7,11 +7,18 @@ pub mod hostile;
 mod http;
 mod relays;
 #[allow(unused_imports)]
-pub use cli::*;
+pub use cli::{
+    cli, gateway_bin, p, python_openai_available, run_python_json, seal_cli, start_proxy, ProxyProc,
+};
 #[allow(unused_imports)]
-pub use http::*;
+pub use http::{
+    assert_chat_serves, assert_error_shape, attestation_cbor, attestation_cbor_query, client,
+    client_policy_text, embed, evidence_bundle, expect_api_error, get_bytes, get_json, http_get,
+    http_post, metrics_text, pinned_policy, post_exact, post_json, post_sealed, post_with_header,
+    retry_after, sample, sse_events,
+};
 #[allow(unused_imports)]
-pub use relays::*;
+pub use relays::{serve_on_thread, tampering_relay, CaptureRelay, Tamper};
 
 #[path = "../support/embeddings_reference.rs"]
 mod embeddings_reference;

@@ -1,6 +1,6 @@
 //! Relays between a test and a gateway: one that records every byte, one that tampers with answers.
 
-use super::*;
+use super::http::client;
 
 /// A TCP relay that forwards to `target` and records every byte both ways.
 pub struct CaptureRelay {

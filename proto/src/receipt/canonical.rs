@@ -1,6 +1,8 @@
 //! Deterministic CBOR (RFC 8949 §4.2.1) and integer-keyed map fields.
 
-use super::*;
+use super::error::ReceiptError;
+use crate::digest::Sha256Digest;
+use ciborium::value::{Integer, Value};
 pub(super) fn encode(value: &Value) -> Vec<u8> {
     let mut out = Vec::new();
     ciborium::into_writer(value, &mut out).expect("CBOR serialization into a Vec cannot fail");

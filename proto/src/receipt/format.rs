@@ -1,7 +1,22 @@
 //! The payloads: format versions, the opened key, links, sealing and the
 //! receipt body, with their CBOR maps.
 
-use super::*;
+use super::canonical::{canonical_bytes, decode_canonical, int_map, uint, Fields};
+use super::error::ReceiptError;
+use super::sign::parse_signed;
+use super::{
+    ReceiptId, LINK_CONTENT_TYPE, LINK_CONTENT_TYPE_V1, LINK_CONTENT_TYPE_V2, RECEIPT_CONTENT_TYPE,
+    RECEIPT_CONTENT_TYPE_V2, RECEIPT_CONTENT_TYPE_V3,
+};
+use crate::digest::Sha256Digest;
+use ciborium::value::Value;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+// Named only in doc links.
+#[cfg(doc)]
+use super::{link_digest, salted_digest, sign_link, verify_receipt};
+
 /// Receipt format versions this code reads. It writes only
 /// [`ReceiptVersion::CURRENT`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -19,9 +19,12 @@
 //! seal to a key the stage has retired, which fails with `hpke_key_unknown`
 //! and sends the client back for the current set.
 
-use super::canonical::{int_map, uint, Fields};
-use super::*;
+use super::canonical::{canonical_bytes, decode_canonical, int_map, uint, Fields};
+use super::error::ReceiptError;
+use super::sign;
 use crate::sealing::KeyConfig;
+use ciborium::value::Value;
+use ed25519_dalek::SigningKey;
 
 /// COSE content type of a signed HPKE key set.
 pub const KEY_SET_CONTENT_TYPE: &str = "application/vnd.ci.hpke-key-set.v1+cbor";
@@ -118,6 +121,7 @@ impl KeySet {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::receipt::RECEIPT_CONTENT_TYPE;
     use crate::sealing::ServerKey;
 
     fn set() -> KeySet {

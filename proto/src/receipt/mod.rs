@@ -32,13 +32,6 @@
 //! response bytes and the expected nonce, and returns a [`VerifyReport`] with
 //! one line per check. The checks and their order are in `docs/receipts.md`.
 
-use crate::digest::Sha256Digest;
-use ciborium::value::{Integer, Value};
-use coset::{iana, CborSerializable, CoseSign1, CoseSign1Builder, HeaderBuilder};
-use ed25519_dalek::{Signer, SigningKey, VerifyingKey};
-use serde::{Deserialize, Serialize};
-use std::fmt;
-
 mod canonical;
 mod error;
 mod format;
@@ -49,13 +42,17 @@ mod sign;
 mod tests;
 mod verify;
 
-pub use canonical::*;
-pub use error::*;
-pub use format::*;
-pub use key_set::*;
-pub use salt::*;
-pub use sign::*;
-pub use verify::*;
+pub use canonical::{canonical_bytes, canonicalize, decode_canonical};
+pub use error::ReceiptError;
+pub use format::{Link, OpenedKey, ReceiptBody, ReceiptVersion, Sealing};
+pub use key_set::{KeySet, KEY_SET_CONTENT_TYPE};
+pub use salt::{salted_digest, DigestSalt, ReceiptTrailer, DIGEST_SALT_LEN};
+pub use sign::{
+    link_digest, parse_unverified, sign, sign_link, sign_link_as, sign_receipt, verify_link,
+};
+pub use verify::{
+    verify_receipt, Check, CheckStatus, SealedTo, StageKeys, VerifyInputs, VerifyReport,
+};
 
 /// COSE content type of a receipt (the current format, v4: salted digests).
 pub const RECEIPT_CONTENT_TYPE: &str = "application/vnd.ci.receipt.v4+cbor";

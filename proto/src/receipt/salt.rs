@@ -9,7 +9,9 @@
 //! request inside the attested channels and reaches the client only inside
 //! the sealed response, next to the receipt ([`ReceiptTrailer`]).
 
-use super::*;
+use super::error::ReceiptError;
+use crate::digest::Sha256Digest;
+use ciborium::value::Value;
 
 /// Length of a digest salt.
 pub const DIGEST_SALT_LEN: usize = 32;
@@ -161,6 +163,7 @@ impl ReceiptTrailer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::receipt::canonical::canonical_bytes;
 
     #[test]
     fn trailer_round_trips_and_reads_a_bare_receipt() {

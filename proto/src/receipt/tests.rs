@@ -1,6 +1,15 @@
 //! Receipt format, signing and verification tests.
 
-use super::*;
+use super::canonical::{canonical_bytes, decode_canonical, encode, uint};
+use super::error::ReceiptError;
+use super::format::{Link, OpenedKey, ReceiptBody, ReceiptVersion, Sealing};
+use super::salt::{salted_digest, DigestSalt};
+use super::sign::{link_digest, parse_unverified, sign, sign_link, sign_link_as, sign_receipt};
+use super::verify::{verify_receipt, CheckStatus, SealedTo, StageKeys, VerifyInputs, VerifyReport};
+use super::{ReceiptId, RECEIPT_CONTENT_TYPE};
+use crate::digest::Sha256Digest;
+use ciborium::value::Value;
+use ed25519_dalek::SigningKey;
 
 struct Fixture {
     keys: Vec<SigningKey>,

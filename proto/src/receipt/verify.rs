@@ -1,7 +1,13 @@
 //! Verification of a receipt against stage keys from verified evidence:
 //! one report line per check (`docs/receipts.md` §5).
 
-use super::*;
+use super::error::ReceiptError;
+use super::format::{Link, OpenedKey, ReceiptBody, ReceiptVersion, Sealing};
+use super::salt::{salted_digest, DigestSalt};
+use super::sign::{link_digest, parse_receipt, parse_signed, verifies};
+use crate::digest::Sha256Digest;
+use serde::{Deserialize, Serialize};
+use std::fmt;
 pub(super) mod hex_or_bytes {
     //! `[u8; 32]` as lower-case hex in human-readable formats (JSON) and as a
     //! byte string otherwise (CBOR).

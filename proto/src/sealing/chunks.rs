@@ -1,7 +1,12 @@
 //! Chunk framing: `u32be(len) ‖ AEAD(ct)` chunks with a final (or trailer)
 //! flag in the AAD, sealed and opened incrementally.
 
-use super::*;
+use super::cipher::{OpenCipher, SealCipher};
+use super::error::SealError;
+use super::headers::SealLimits;
+use super::{
+    AAD_FINAL, AAD_NOT_FINAL, AAD_TRAILER, CHUNK_OVERHEAD, DEFAULT_MAX_CHUNK, LEN_PREFIX, TAG_LEN,
+};
 
 /// Streaming sealer: turns plaintext pieces into framed chunks.
 ///

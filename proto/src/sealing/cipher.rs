@@ -1,7 +1,18 @@
 //! The ciphers behind the chunk framing: the HPKE sender and receiver
 //! contexts of a request, and the direct AEAD of a response.
 
-use super::*;
+use super::error::SealError;
+// Via the parent's re-exports, not `keys` / `response_key`: `keys` refers to
+// this module (no module circle, scripts/module_cycles.py).
+use super::{Aead, ResponseKeyMaterial, ServerKey};
+use super::{HpkeKem, AEAD_NONCE_LEN, KDF_ID, KEM_ID, KEY_LEN};
+use crate::wipe::SecretHkdf;
+use aes_gcm::aead::{Aead as _, KeyInit, Payload};
+use hpke::aead::{AeadCtxS, AesGcm128, ChaCha20Poly1305 as HpkeChaCha};
+use hpke::kdf::HkdfSha256;
+use hpke::rand_core::{CryptoRng, RngCore};
+use hpke::{Deserializable, OpModeS, Serializable};
+use zeroize::Zeroizing;
 
 pub(super) enum HpkeSender {
     Aes(Box<AeadCtxS<AesGcm128, HkdfSha256, HpkeKem>>),
@@ -309,6 +320,7 @@ impl OpenCipher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sealing::{request_info, ClientResponseKey};
 
     /// Issue 34, item 2: the chunk counter stops at its limit with a typed
     /// error instead of wrapping to 0 (which would reuse nonce 0, and every

@@ -1,7 +1,9 @@
 //! The age check of a sealed request: its sealing time, bound in the HPKE
 //! `info`, against the receiver's clock.
 
-use super::*;
+use super::error::SealError;
+use super::headers::SealedHeaders;
+use super::MAX_REQUEST_AGE_SECS;
 
 /// The current time, Unix seconds (0 before 1970).
 pub fn unix_now() -> u64 {

@@ -1,6 +1,13 @@
 //! The sealing parameters carried in HTTP headers, and size limits.
 
-use super::*;
+use super::error::SealError;
+use super::keys::Aead;
+use super::{
+    DEFAULT_MAX_BODY, DEFAULT_MAX_CHUNK, HEADER_AEAD, HEADER_ENCAPSULATED_KEY, HEADER_KEY_ID,
+    HEADER_SEALED_AT, KEY_LEN,
+};
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
 
 /// The sealing parameters that travel in HTTP headers.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

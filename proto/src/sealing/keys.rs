@@ -1,7 +1,20 @@
 //! The suite's AEADs, published key configurations (`application/ohttp-keys`)
 //! and the server's HPKE keys.
 
-use super::*;
+use super::error::SealError;
+// Via the parent's re-export, not `headers`: `headers` uses this module (no
+// module circle, scripts/module_cycles.py).
+use super::SealedHeaders;
+use super::{HpkeKem, AEAD_NONCE_LEN, KDF_ID, KEM_ID, KEY_LEN, REQUEST_INFO_LABEL};
+use hpke::rand_core::{CryptoRng, RngCore};
+use hpke::{Deserializable, Kem as _, Serializable};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use zeroize::Zeroizing;
+
+// Named only in doc links.
+#[cfg(doc)]
+use super::cipher::HpkeReceiver;
 
 /// An AEAD of the suite.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -35,19 +35,8 @@
 //! [`ChunkOpener`], [`ResponseSealer`], [`ResponseOpener`]). Replays of a
 //! sealed request (same encapsulated key) are caught by [`ReplayGuard`].
 
-use crate::wipe::SecretHkdf;
-use aes_gcm::aead::{Aead as _, KeyInit, Payload};
-use base64::Engine as _;
-use hpke::aead::{AeadCtxS, AesGcm128, ChaCha20Poly1305 as HpkeChaCha};
-use hpke::kdf::HkdfSha256;
 use hpke::kem::X25519HkdfSha256;
-use hpke::rand_core::{CryptoRng, RngCore};
-use hpke::{Deserializable, Kem as _, OpModeS, Serializable};
-use serde::{Deserialize, Serialize};
-use std::collections::{HashSet, VecDeque};
-use std::fmt;
-use std::time::{Duration, Instant};
-use zeroize::{Zeroize, Zeroizing};
+use std::time::Duration;
 
 type HpkeKem = X25519HkdfSha256;
 
@@ -122,13 +111,18 @@ mod response_key;
 #[cfg(test)]
 mod tests;
 
-pub use chunks::*;
-use cipher::*;
-pub use error::*;
-pub use freshness::*;
-pub use headers::*;
-pub use keys::*;
-pub use replay::*;
-pub use request::*;
-pub use response::*;
-pub use response_key::*;
+pub use chunks::{ChunkOpener, ChunkSealer};
+pub use error::SealError;
+pub use freshness::{check_fresh, unix_now};
+pub use headers::{SealLimits, SealedHeaders};
+pub use keys::{request_info, select_key, Aead, KeyConfig, ServerKey};
+pub use replay::ReplayGuard;
+pub use request::{
+    open_request, open_request_stream, seal_request, seal_request_stream, seal_request_stream_at,
+    seal_request_stream_with_rng,
+};
+pub use response::{
+    open_response, open_response_with_trailer, seal_response, seal_response_with_trailer,
+    ResponseOpener, ResponseSealer,
+};
+pub use response_key::{ClientResponseKey, ResponseKeyMaterial};

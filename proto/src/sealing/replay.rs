@@ -1,6 +1,9 @@
 //! Replay protection for sealed requests.
 
-use super::*;
+use super::error::SealError;
+use super::KEY_LEN;
+use std::collections::{HashSet, VecDeque};
+use std::time::{Duration, Instant};
 
 /// Remembers the encapsulated keys of sealed requests for a retention
 /// window and rejects a second request with the same one.

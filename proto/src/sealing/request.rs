@@ -1,6 +1,18 @@
 //! Sealing and opening request bodies.
 
-use super::*;
+use super::chunks::{ChunkOpener, ChunkSealer};
+use super::cipher::{HpkeReceiver, HpkeSender, OpenCipher, SealCipher};
+use super::error::SealError;
+use super::freshness::unix_now;
+use super::headers::{SealLimits, SealedHeaders};
+use super::keys::{request_info, Aead, KeyConfig, ServerKey};
+use super::response_key::{ClientResponseKey, ResponseKeyMaterial};
+use super::RESPONSE_EXPORT_LABEL;
+use hpke::rand_core::{CryptoRng, RngCore};
+
+// Named only in doc links.
+#[cfg(doc)]
+use super::freshness::check_fresh;
 
 /// Starts sealing a request to `config` with `aead` (OS randomness).
 /// Returns the headers to send, the body sealer and the key to open the

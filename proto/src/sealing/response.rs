@@ -1,6 +1,15 @@
 //! Sealing and opening response bodies (and their trailer).
 
-use super::*;
+use super::chunks::{ChunkOpener, ChunkSealer};
+use super::cipher::{Direct, OpenCipher, SealCipher};
+use super::error::SealError;
+use super::headers::SealLimits;
+use super::response_key::{ClientResponseKey, ResponseKeyMaterial};
+use hpke::rand_core::{CryptoRng, RngCore};
+
+// Named only in doc links.
+#[cfg(doc)]
+use super::DEFAULT_MAX_CHUNK;
 
 /// Streaming response sealer. The first output of [`ResponseSealer::seal`]
 /// starts with the random response nonce; then chunks as for requests.

@@ -1,6 +1,11 @@
 //! The key material that seals a response to one request's client.
 
-use super::*;
+use super::error::SealError;
+use super::keys::Aead;
+use super::KEY_LEN;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use zeroize::Zeroize;
 
 /// What the server side needs to seal a response to one request: the AEAD,
 /// the request's encapsulated key and the secret exported from its HPKE

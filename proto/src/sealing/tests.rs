@@ -1,7 +1,26 @@
 //! Sealing tests: RFC 9180 vectors, round trips, tampering, limits, replays.
 
-use super::*;
+use super::cipher::HpkeReceiver;
+use super::error::SealError;
+use super::freshness::{check_fresh, unix_now};
+use super::headers::{SealLimits, SealedHeaders};
+use super::keys::{request_info, select_key, Aead, KeyConfig, ServerKey};
+use super::replay::ReplayGuard;
+use super::request::{
+    open_request, open_request_stream, seal_request, seal_request_stream, seal_request_stream_at,
+};
+use super::response::{
+    open_response, open_response_with_trailer, seal_response, seal_response_with_trailer,
+    ResponseOpener, ResponseSealer,
+};
+use super::response_key::{ClientResponseKey, ResponseKeyMaterial};
+use super::{
+    CHUNK_OVERHEAD, HEADER_AEAD, HEADER_ENCAPSULATED_KEY, HEADER_KEY_ID, HEADER_SEALED_AT,
+    LEN_PREFIX, MAX_REQUEST_AGE_SECS, REPLAY_WINDOW, RESPONSE_EXPORT_LABEL, TAG_LEN,
+};
+use aes_gcm::aead::{Aead as _, KeyInit, Payload};
 use rand::{rngs::StdRng, SeedableRng};
+use std::time::{Duration, Instant};
 
 fn key() -> ServerKey {
     ServerKey::derive(7, b"sealing test key")

@@ -3,7 +3,7 @@
 //! relay, handshakes over real TCP, and receiving helpers.
 #![allow(dead_code, unused_imports)]
 
-pub use proto::attestation::{mock_measurement, EvidenceFormat, MockProvider};
+pub use proto::attestation::{mock_measurement, MockProvider};
 pub use proto::channel::{ChannelError, ChannelLimits, LocalIdentity, PeerCheck, PeerInfo};
 pub use proto::digest::Sha256Digest;
 pub use proto::frames::StageClaims;

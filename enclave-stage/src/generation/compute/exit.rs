@@ -2,7 +2,20 @@
 //! state and stream, and finishing (the response or the stream's tail, the
 //! receipt over the exact bytes, sealed to the client).
 
-use super::*;
+use super::{combine, GenRequest, Generator};
+use crate::generation::output::{ChoiceOut, ChoiceRules};
+use crate::sampling::SamplingParams;
+use crate::work::{failure, Output};
+use anyhow::{anyhow, Result};
+use proto::chat::{chat_chunk_event, chat_completion_id, Delta};
+use proto::completions::{
+    completion_id, stream_text_event, stream_usage_event, Api, FinishReason, StreamIdentity, Usage,
+    STREAM_DONE,
+};
+use proto::frames::{
+    ErrorKind, GenerationContext, PipelineError, RequestTelemetry, ResultMessage, StageTiming,
+};
+use proto::sealing::{seal_response_with_trailer, ResponseSealer};
 
 /// The response `id`: `cmpl-…` or `chatcmpl-…` and the receipt id.
 pub(super) fn response_id(api: Api, receipt_id: &[u8; 16]) -> String {

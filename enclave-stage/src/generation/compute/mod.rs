@@ -15,29 +15,20 @@
 //! sequence at a time, so only the sequences that fail alone fail.
 
 use super::model::GenModel;
-use super::output::{ChoiceOut, ChoiceRules};
-use super::scheduler::{Admission, Planned, Scheduler, SchedulerLimits};
+use super::scheduler::{Admission, Scheduler, SchedulerLimits};
 use crate::fault::Fault;
 use crate::keys::StageKeys;
-use crate::llama::{LlamaPart, SeqSlice};
-use crate::sampling::SamplingParams;
-use crate::stats::{unix_ns, RequestTimer, STATS};
+use crate::llama::LlamaPart;
+use crate::stats::{RequestTimer, STATS};
 use crate::work::{failure, Output, Work};
-use anyhow::{anyhow, bail, Result};
 use candle_core::Tensor;
-use proto::chat::{chat_chunk_event, chat_completion_id, Delta};
-use proto::completions::{
-    completion_id, stream_error_event, stream_text_event, stream_usage_event, Api, FinishReason,
-    StreamIdentity, Usage, STREAM_DONE,
-};
+use proto::completions::stream_error_event;
 use proto::digest::Sha256Digest;
 use proto::frames::{
-    ActivationMessage, BatchItem, ErrorKind, FeedbackMessage, GenerationContext, NextToken,
-    PipelineError, RequestTelemetry, ResultMessage, StageTiming, StepBatch, StepSeq,
+    ActivationMessage, ErrorKind, FeedbackMessage, GenerationContext, NextToken, PipelineError,
+    ResultMessage, StageTiming, StepSeq,
 };
 use proto::openai::ApiError;
-use proto::sealing::{seal_response_with_trailer, ResponseSealer};
-use proto::tensor::TensorFrame;
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
@@ -47,8 +38,8 @@ use tokio::sync::mpsc::Sender;
 mod exit;
 mod step;
 
-use exit::*;
-use step::*;
+use exit::{ExitState, Streaming};
+use step::request_ids;
 
 /// Budgets of a generation stage.
 #[derive(Clone, Copy, Debug)]

@@ -2,7 +2,19 @@
 //! batches through this stage's layers, retried one sequence at a time on
 //! failure, and the exit stage's sampling.
 
-use super::*;
+use super::{chain, seq_key, Generator, StepInput};
+use crate::generation::scheduler::Planned;
+use crate::llama::SeqSlice;
+use crate::stats::unix_ns;
+use crate::work::Output;
+use anyhow::{anyhow, bail, Result};
+use candle_core::Tensor;
+use proto::frames::{
+    ActivationMessage, BatchItem, FeedbackMessage, NextToken, ResultMessage, StepBatch, StepSeq,
+};
+use proto::tensor::TensorFrame;
+use std::collections::HashMap;
+use std::time::Instant;
 
 impl Generator {
     pub(super) fn run_entry_step(&mut self, plan: Vec<Planned>) {
