@@ -9,11 +9,11 @@ use proto::attestation::{
 };
 use proto::digest::Sha256Digest;
 use proto::frames::StageClaims;
-use proto::receipt::KeySet;
-use proto::sealing::{KeyConfig, ServerKey};
+use proto::key_rotation::{retirement, IdChoice, KeyRing};
+use proto::sealing::{unix_now, KeyConfig, ServerKey};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 /// Enclave-held HPKE key ids are drawn from this range at every start, so a
 /// client holding a restarted stage's old key is told to refetch (unknown key
@@ -37,14 +37,6 @@ pub fn parse_key_ids(s: &str) -> Result<std::ops::RangeInclusive<u8>, String> {
         return Err(format!("{s:?}: at least 4 ids are needed"));
     }
     Ok(lo..=hi)
-}
-
-/// An id in `ids` that no key in `held` has (`None`: all are taken).
-fn free_id(ids: &std::ops::RangeInclusive<u8>, held: &[Held]) -> Option<u8> {
-    use rand::seq::IteratorRandom;
-    ids.clone()
-        .filter(|id| held.iter().all(|h| h.key.key_id() != *id))
-        .choose(&mut rand::rngs::OsRng)
 }
 
 /// A fresh Ed25519 receipt-signing key. `SigningKey::generate` draws the
@@ -87,11 +79,11 @@ impl StageKeys {
         let receipt = receipt_key();
         let hpke = claims
             .is_entry()
-            .then(|| ServerKey::generate(free_id(&key_ids, &[]).unwrap_or(*key_ids.start())));
+            .then(|| KeyRing::generate(key_ids, IdChoice::Random));
         claims.receipt_key = receipt.verifying_key().to_bytes();
         claims.hpke_keys = hpke
             .as_ref()
-            .map(|k| KeyConfig::encode_list(&[k.config()]))
+            .map(|r| KeyConfig::encode_list(&[r.current().config()]))
             .unwrap_or_default();
         let boot_evidence = attest_claims(
             provider,
@@ -104,7 +96,7 @@ impl StageKeys {
             evidence_digest: boot_evidence.digest(),
             mock: provider.format() == EvidenceFormat::Mock,
             boot_evidence,
-            hpke: hpke.map(|k| Arc::new(HpkeKeys::new(k, receipt.clone(), rotation, key_ids))),
+            hpke: hpke.map(|r| Arc::new(HpkeKeys::new(r, receipt.clone(), rotation))),
             receipt,
             sequence: AtomicU64::new(0),
         })
@@ -125,72 +117,39 @@ pub struct Rotation {
     pub overlap: Duration,
 }
 
-/// A key the stage accepts, until `retires` when set.
-struct Held {
-    key: ServerKey,
-    retires: Option<(Instant, u64)>,
-}
-
-/// The entry stage's HPKE keys: the current one first, then those being
-/// retired; each change is published as a [`KeySet`] signed with the
-/// receipt key (watch [`HpkeKeys::subscribe`]).
+/// The entry stage's HPKE keys: a [`KeyRing`] (the current key first, then
+/// those being retired; random ids from the stage's range) whose every
+/// change is published as a [`KeySet`] signed with the receipt key (watch
+/// [`HpkeKeys::subscribe`]).
 pub struct HpkeKeys {
     receipt: SigningKey,
     rotation: Option<Rotation>,
-    /// The ids this stage's keys are drawn from.
-    ids: Mutex<std::ops::RangeInclusive<u8>>,
-    held: Mutex<Vec<Held>>,
+    ring: Mutex<KeyRing>,
     signed: tokio::sync::watch::Sender<Vec<u8>>,
 }
 
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 impl HpkeKeys {
-    fn new(
-        first: ServerKey,
-        receipt: SigningKey,
-        rotation: Option<Rotation>,
-        ids: std::ops::RangeInclusive<u8>,
-    ) -> Self {
-        let held = vec![Held {
-            key: first,
-            retires: None,
-        }];
-        let signed = Self::sign(&receipt, &held);
+    fn new(ring: KeyRing, receipt: SigningKey, rotation: Option<Rotation>) -> Self {
+        let signed = Self::sign(&receipt, &ring);
         Self {
             receipt,
             rotation,
-            ids: Mutex::new(ids),
-            held: Mutex::new(held),
+            ring: Mutex::new(ring),
             signed: tokio::sync::watch::channel(signed).0,
         }
     }
 
-    fn sign(receipt: &SigningKey, held: &[Held]) -> Vec<u8> {
-        KeySet {
-            issued_at: unix_now(),
-            keys: held
-                .iter()
-                .map(|h| (h.key.config(), h.retires.map(|(_, unix)| unix)))
-                .collect(),
-        }
-        .sign(receipt)
+    fn sign(receipt: &SigningKey, ring: &KeyRing) -> Vec<u8> {
+        ring.key_set(unix_now()).sign(receipt)
+    }
+
+    fn ring(&self) -> std::sync::MutexGuard<'_, KeyRing> {
+        self.ring.lock().expect("key lock")
     }
 
     /// The key with `key_id`, if the stage still accepts it.
     pub fn get(&self, key_id: u8) -> Option<ServerKey> {
-        let now = Instant::now();
-        self.held
-            .lock()
-            .expect("key lock")
-            .iter()
-            .find(|h| h.key.key_id() == key_id && h.retires.is_none_or(|(at, _)| at > now))
-            .map(|h| h.key.clone())
+        self.ring().get(key_id, Instant::now())
     }
 
     /// The current signed key set.
@@ -208,68 +167,38 @@ impl HpkeKeys {
     /// the range held (overlaps longer than the rotation period), the
     /// rotation waits for a key to retire.
     pub fn rotate(&self, overlap: Duration) {
-        let mut held = self.held.lock().expect("key lock");
-        let ids = self.ids.lock().expect("ids lock").clone();
-        let Some(id) = free_id(&ids, &held) else {
-            tracing::warn!("no free HPKE key id in this stage's range: rotation skipped");
-            return;
-        };
-        let retire = (
-            Instant::now() + overlap,
-            unix_now() + overlap.as_secs_f64().ceil() as u64,
-        );
-        for h in held.iter_mut().filter(|h| h.retires.is_none()) {
-            h.retires = Some(retire);
+        let mut ring = self.ring();
+        match ring.rotate(Instant::now(), retirement(overlap, unix_now())) {
+            Some(id) => {
+                self.signed.send_replace(Self::sign(&self.receipt, &ring));
+                tracing::info!(key_id = id, "HPKE key rotated");
+            }
+            None => tracing::warn!("no free HPKE key id in this stage's range: rotation skipped"),
         }
-        held.insert(
-            0,
-            Held {
-                key: ServerKey::generate(id),
-                retires: None,
-            },
-        );
-        self.signed.send_replace(Self::sign(&self.receipt, &held));
-        tracing::info!(key_id = id, "HPKE key rotated");
     }
 
     /// From now on draws key ids from `ids` only: keys outside it are
     /// dropped (they named this stage under an earlier assignment), and if
     /// the current key was one of them a new one is made at once.
     pub fn confine(&self, ids: std::ops::RangeInclusive<u8>) {
-        let mut held = self.held.lock().expect("key lock");
-        *self.ids.lock().expect("ids lock") = ids.clone();
-        let before = held.len();
-        held.retain(|h| ids.contains(&h.key.key_id()));
-        let mut changed = held.len() != before;
-        if held.iter().all(|h| h.retires.is_some()) {
-            changed = true;
-            let id = free_id(&ids, &held).unwrap_or(*ids.start());
-            held.retain(|h| h.key.key_id() != id);
-            held.insert(
-                0,
-                Held {
-                    key: ServerKey::generate(id),
-                    retires: None,
-                },
-            );
+        let mut ring = self.ring();
+        let (changed, made) = ring.confine(ids);
+        if let Some(id) = made {
             tracing::info!(
                 key_id = id,
                 "HPKE key replaced: the gateway assigned other key ids"
             );
         }
         if changed {
-            self.signed.send_replace(Self::sign(&self.receipt, &held));
+            self.signed.send_replace(Self::sign(&self.receipt, &ring));
         }
     }
 
     /// Drops the keys whose retirement has come; re-signs if any went.
     fn retire_due(&self) {
-        let now = Instant::now();
-        let mut held = self.held.lock().expect("key lock");
-        let before = held.len();
-        held.retain(|h| h.retires.is_none_or(|(at, _)| at > now));
-        if held.len() != before {
-            self.signed.send_replace(Self::sign(&self.receipt, &held));
+        let mut ring = self.ring();
+        if ring.retire_due(Instant::now()) {
+            self.signed.send_replace(Self::sign(&self.receipt, &ring));
             tracing::info!("retired HPKE key(s) no longer accepted");
         }
     }
@@ -282,13 +211,7 @@ impl HpkeKeys {
         };
         let mut next_rotation = Instant::now() + rotation.every;
         loop {
-            let next_retirement = self
-                .held
-                .lock()
-                .expect("key lock")
-                .iter()
-                .filter_map(|h| h.retires.map(|(at, _)| at))
-                .min();
+            let next_retirement = self.ring().next_retirement();
             let wake = next_retirement.map_or(next_rotation, |r| r.min(next_rotation));
             tokio::time::sleep_until(wake.into()).await;
             self.retire_due();
@@ -303,6 +226,7 @@ impl HpkeKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proto::key_rotation::KeySet;
 
     fn assert_zod<T: zeroize::ZeroizeOnDrop>() {}
 
@@ -319,10 +243,13 @@ mod tests {
 
     fn keys() -> HpkeKeys {
         HpkeKeys::new(
-            ServerKey::derive(5, b"first"),
+            KeyRing::with_key(
+                ServerKey::derive(5, b"first"),
+                ENCLAVE_HPKE_KEY_IDS,
+                IdChoice::Random,
+            ),
             SigningKey::from_bytes(&[3; 32]),
             None,
-            ENCLAVE_HPKE_KEY_IDS,
         )
     }
 
@@ -361,23 +288,20 @@ mod tests {
         }
         let ids = parse_key_ids("43-46").unwrap();
         let k = HpkeKeys::new(
-            ServerKey::derive(43, b"first"),
+            KeyRing::with_key(
+                ServerKey::derive(43, b"first"),
+                ids.clone(),
+                IdChoice::Random,
+            ),
             SigningKey::from_bytes(&[3; 32]),
             None,
-            ids.clone(),
         );
         // Overlaps longer than the rotations: four keys fill the range,
         // a fifth rotation waits for one to retire.
         for _ in 0..4 {
             k.rotate(Duration::from_secs(3600));
         }
-        let held: Vec<u8> = k
-            .held
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|h| h.key.key_id())
-            .collect();
+        let held: Vec<u8> = k.ring().held_ids();
         assert_eq!(held.len(), 4, "{held:?}");
         assert!(held.iter().all(|id| ids.contains(id)), "{held:?}");
         let mut distinct = held.clone();

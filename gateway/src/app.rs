@@ -6,8 +6,8 @@
 use crate::config::{GatewayConfig, Launch};
 use crate::pipeline::{discovery, Pipeline, Replicas, StageTarget};
 use crate::{
-    api, auth, config, host_proxy, launcher, metrics, receipts, serve, shutdown, telemetry,
-    timeouts, tls,
+    api, auth, config, host_proxy, launcher, metrics, receipts, serve, service, shutdown,
+    telemetry, timeouts, tls,
 };
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -371,22 +371,28 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let pipeline = models[0].clone();
     let completions = models.get(1).cloned();
     let shutdown = shutdown::Shutdown::new(Duration::from_secs(cfg.server.shutdown_grace_secs));
-    let gateway_key = std::sync::Arc::new(api::GatewayKey::rotating(cfg.keys.rotation()));
+    let gateway_key = std::sync::Arc::new(service::GatewayKey::rotating(cfg.keys.rotation()));
     tokio::spawn(gateway_key.clone().run());
     // An answer holds its in-flight permit at most this long.
     let longest_route = routes
         .for_route(timeouts::COMPLETIONS)
         .max(routes.for_route(timeouts::EMBEDDINGS));
-    let state = api::AppState {
-        pipeline: pipeline.clone(),
+    let routes = std::sync::Arc::new(routes);
+    let service = std::sync::Arc::new(service::Service {
+        embeddings: pipeline.clone(),
         completions,
+        gateway_key,
+        receipts: std::sync::Arc::new(receipt_store),
+        metrics: metrics.clone(),
+        timeout: routes.for_route(timeouts::EMBEDDINGS),
+        routes: routes.clone(),
+    });
+    let state = api::AppState {
+        service,
         limits: api::ApiLimits {
             max_body_bytes: cfg.server.max_body_bytes,
-            timeout: routes.for_route(timeouts::EMBEDDINGS),
-            routes: std::sync::Arc::new(routes),
+            routes,
         },
-        receipts: std::sync::Arc::new(receipt_store),
-        gateway_key,
         auth: std::sync::Arc::new(api_keys),
         metrics,
         shutdown: shutdown.clone(),

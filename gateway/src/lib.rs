@@ -1,7 +1,8 @@
 //! `gateway`: the host side of the confidential inference system, as a
 //! library with a thin binary (`main.rs` calls [`app::run`]).
 //!
-//! - the HTTP server and the OpenAI-compatible API: [`serve`], [`api`],
+//! - the HTTP server and the OpenAI-compatible API: [`serve`], [`api`]
+//!   (HTTP only) over [`service`] (replicas, sealing, relaying, receipts),
 //!   [`auth`], [`timeouts`], [`shutdown`], [`tls`], [`openai_error`];
 //! - the pipelines of attested stages: [`pipeline`], [`launcher`],
 //!   [`host_proxy`] (Nitro), [`receipts`];
@@ -23,6 +24,7 @@ pub mod openai_error;
 pub mod pipeline;
 pub mod receipts;
 pub mod serve;
+pub mod service;
 pub mod shutdown;
 pub mod stage_metrics;
 pub mod telemetry;

@@ -150,7 +150,7 @@ async fn keys_rotate_overlap_then_retire_and_the_proxy_follows() {
         .as_ref()
         .expect("stage 0's signed key set");
     let receipt_key = bundle.stages[0].claims.receipt_key;
-    let listed: Vec<u8> = proto::receipt::KeySet::verify(set, &receipt_key)
+    let listed: Vec<u8> = proto::key_rotation::KeySet::verify(set, &receipt_key)
         .unwrap()
         .configs()
         .iter()
@@ -170,7 +170,7 @@ async fn keys_rotate_overlap_then_retire_and_the_proxy_follows() {
     );
     let forged = {
         let mut b = bundle.clone();
-        let set = proto::receipt::KeySet {
+        let set = proto::key_rotation::KeySet {
             issued_at: 1,
             keys: vec![(
                 proto::sealing::ServerKey::derive(7, b"host's key").config(),

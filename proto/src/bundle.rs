@@ -9,8 +9,9 @@ use crate::attestation::{
 };
 use crate::digest::Sha256Digest;
 use crate::frames::StageClaims;
+use crate::key_rotation::KeySet;
 use crate::policy::Policy;
-use crate::receipt::{KeySet, StageKeys};
+use crate::receipt::StageKeys;
 use crate::sealing::KeyConfig;
 use serde::{Deserialize, Serialize};
 

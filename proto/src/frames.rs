@@ -211,7 +211,7 @@ pub enum StageReply {
         /// The boot evidence.
         boot_evidence: Evidence,
         /// The entry stage's current HPKE keys signed with its receipt key
-        /// ([`crate::receipt::KeySet`]); `None` elsewhere.
+        /// ([`crate::key_rotation::KeySet`]); `None` elsewhere.
         #[serde(default)]
         key_set: Option<serde_bytes::ByteBuf>,
     },

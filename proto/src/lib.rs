@@ -25,6 +25,7 @@ pub mod evidence;
 pub mod frames;
 #[cfg(feature = "io")]
 pub mod io;
+pub mod key_rotation;
 pub mod manifest;
 pub mod nitro;
 pub mod openai;

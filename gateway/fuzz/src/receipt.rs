@@ -7,9 +7,10 @@
 //! and a key set are accepted only in their one (deterministic) encoding.
 
 use proto::digest::Sha256Digest;
+use proto::key_rotation::KeySet;
 use proto::receipt::{
-    decode_canonical, parse_unverified, verify_receipt, DigestSalt, KeySet, Link, ReceiptTrailer,
-    SealedTo, StageKeys, VerifyInputs,
+    decode_canonical, parse_unverified, verify_receipt, DigestSalt, Link, ReceiptTrailer, SealedTo,
+    StageKeys, VerifyInputs,
 };
 use std::sync::OnceLock;
 

@@ -13,7 +13,8 @@ use proto::frames::{
     ActivationBatch, ActivationMessage, BatchItem, FeedbackMessage, HostMessage, NextToken,
     SealedRequest, StageReply,
 };
-use proto::receipt::{KeySet, ReceiptTrailer};
+use proto::key_rotation::KeySet;
+use proto::receipt::ReceiptTrailer;
 use proto::sealing::{Aead, ResponseSealer, SealLimits, ServerKey};
 use proto::tensor::TensorFrame;
 use std::path::{Path, PathBuf};

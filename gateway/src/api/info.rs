@@ -2,7 +2,7 @@
 //! `/v1/models`, `/readyz`, `/v1/receipts/{id}`, `/.well-known/hpke-keys`
 //! and `/v1/attestation`.
 
-use super::relay::{failure_response, owner_of};
+use super::models::owner_of;
 use super::{AppState, HEADER_RECEIPT_DIGEST_SALT, HEADER_REPLICA};
 use crate::auth::Caller;
 use crate::openai_error::ApiError;
@@ -20,8 +20,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub(super) async fn metrics_handler(State(s): State<AppState>) -> Response {
-    let mut text = s.metrics.render(Some(&s.pipeline.health()));
-    let views = futures_util::future::join_all(s.pipelines().into_iter().flat_map(|r| {
+    let mut text = s.metrics.render(Some(&s.service.embeddings.health()));
+    let views = futures_util::future::join_all(s.service.pipelines().into_iter().flat_map(|r| {
         let n = r.members().len();
         r.members().iter().map(move |p| p.view(n))
     }))
@@ -43,6 +43,7 @@ pub(super) fn model_json(id: &str) -> serde_json::Value {
 
 pub(super) async fn list_models(State(s): State<AppState>) -> Response {
     let data: Vec<_> = s
+        .service
         .pipelines()
         .iter()
         .map(|p| model_json(p.model_id()))
@@ -51,7 +52,7 @@ pub(super) async fn list_models(State(s): State<AppState>) -> Response {
 }
 
 pub(super) async fn get_model(State(s): State<AppState>, Path(id): Path<String>) -> Response {
-    if s.by_model(&id).is_some() {
+    if s.service.by_model(&id).is_some() {
         Json(model_json(&id)).into_response()
     } else {
         ApiError::model_not_found(&id).into_response()
@@ -61,7 +62,7 @@ pub(super) async fn get_model(State(s): State<AppState>, Path(id): Path<String>)
 pub(super) async fn readyz(State(s): State<AppState>) -> Response {
     let mut pipelines = Vec::new();
     let mut mock = false;
-    for r in s.pipelines() {
+    for r in s.service.pipelines() {
         // Ready while at least one replica is; every replica is listed,
         // an unready one with its reason.
         let mut first_ready = None;
@@ -93,7 +94,7 @@ pub(super) async fn readyz(State(s): State<AppState>) -> Response {
     }
     let mut body = json!({
         "status": "ready",
-        "model": s.pipeline.model_id(),
+        "model": s.service.embeddings.model_id(),
         "stages": pipelines[0]["stages"],
         "pipelines": pipelines,
     });
@@ -117,7 +118,7 @@ pub(super) async fn get_receipt(
         .and_then(|b| <[u8; 16]>::try_from(b).ok());
     let found = match wanted {
         None => None,
-        Some(wanted) => match s.receipts.get(&wanted).await {
+        Some(wanted) => match s.service.receipts.get(&wanted).await {
             Ok(found) => found,
             Err(e) => {
                 tracing::warn!(error = %format!("{e:#}"), "the receipt store cannot be read");
@@ -152,11 +153,11 @@ pub(super) async fn hpke_keys(
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
     let chosen: Vec<&Arc<Replicas>> = match q.get("model") {
-        Some(m) => match s.by_model(m) {
+        Some(m) => match s.service.by_model(m) {
             Some(p) => vec![p],
             None => return ApiError::model_not_found(m).into_response(),
         },
-        None => s.pipelines(),
+        None => s.service.pipelines(),
     };
     let mut keys = Vec::new();
     let mut serves = HashMap::new();
@@ -174,12 +175,12 @@ pub(super) async fn hpke_keys(
             }
         }
     }
-    keys.extend(s.gateway_key.configs());
+    keys.extend(s.service.gateway_key.configs());
     if q.get("format").map(String::as_str) == Some("json") {
         let list: Vec<_> = keys
             .iter()
             .map(|k| {
-                let gateway = super::GatewayKey::owns(k.key_id);
+                let gateway = crate::service::GatewayKey::owns(k.key_id);
                 json!({
                     "key_id": k.key_id,
                     "public_key": hex::encode(k.public_key),
@@ -221,11 +222,11 @@ pub(super) async fn attestation(
         }
     };
     let replicas = match q.get("model") {
-        Some(m) => match s.by_model(m) {
+        Some(m) => match s.service.by_model(m) {
             Some(p) => p.clone(),
             None => return ApiError::model_not_found(m).into_response(),
         },
-        None => s.pipeline.clone(),
+        None => s.service.embeddings.clone(),
     };
     // One replica's evidence: the one asked for, else the least loaded
     // (its entry keys are the ones a client then seals to).
@@ -280,7 +281,13 @@ pub(super) async fn attestation(
         .await;
     let bundle = match made {
         Ok(b) => b.clone(),
-        Err(f) => return failure_response(&s, f),
+        Err(f) => {
+            return match f {
+                Failure::NotReady(r) | Failure::NotSent(r) => ApiError::not_ready(&r),
+                Failure::Timeout => ApiError::timeout(wait.as_secs()),
+            }
+            .into_response()
+        }
     };
     let wants_cbor = headers
         .get(header::ACCEPT)

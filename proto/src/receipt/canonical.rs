@@ -58,19 +58,19 @@ pub fn decode_canonical(bytes: &[u8]) -> Result<Value, ReceiptError> {
     Ok(value)
 }
 
-pub(super) fn uint(n: u64) -> Value {
+pub(crate) fn uint(n: u64) -> Value {
     Value::Integer(Integer::from(n))
 }
 
-pub(super) fn int_map(entries: Vec<(u64, Value)>) -> Value {
+pub(crate) fn int_map(entries: Vec<(u64, Value)>) -> Value {
     Value::Map(entries.into_iter().map(|(k, v)| (uint(k), v)).collect())
 }
 
 /// Reads an integer-keyed map with exactly the keys `1..=n`.
-pub(super) struct Fields(Vec<Option<Value>>);
+pub(crate) struct Fields(Vec<Option<Value>>);
 
 impl Fields {
-    pub(super) fn new(value: Value, n: u64) -> Result<Self, String> {
+    pub(crate) fn new(value: Value, n: u64) -> Result<Self, String> {
         let Value::Map(entries) = value else {
             return Err("payload is not a map".into());
         };
@@ -92,11 +92,11 @@ impl Fields {
         Ok(Self(slots))
     }
 
-    pub(super) fn take(&mut self, k: u64) -> Value {
+    pub(crate) fn take(&mut self, k: u64) -> Value {
         self.0[k as usize - 1].take().expect("checked in new")
     }
 
-    pub(super) fn uint(&mut self, k: u64) -> Result<u64, String> {
+    pub(crate) fn uint(&mut self, k: u64) -> Result<u64, String> {
         match self.take(k) {
             Value::Integer(i) => u64::try_from(i).map_err(|_| format!("key {k}: not a uint")),
             _ => Err(format!("key {k}: not a uint")),
@@ -107,7 +107,7 @@ impl Fields {
         u32::try_from(self.uint(k)?).map_err(|_| format!("key {k}: out of range"))
     }
 
-    pub(super) fn bytes(&mut self, k: u64) -> Result<Vec<u8>, String> {
+    pub(crate) fn bytes(&mut self, k: u64) -> Result<Vec<u8>, String> {
         match self.take(k) {
             Value::Bytes(b) => Ok(b),
             _ => Err(format!("key {k}: not a byte string")),

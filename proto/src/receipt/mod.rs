@@ -35,7 +35,6 @@
 mod canonical;
 mod error;
 mod format;
-mod key_set;
 mod salt;
 mod sign;
 #[cfg(test)]
@@ -43,13 +42,16 @@ mod tests;
 mod verify;
 
 pub use canonical::{canonical_bytes, canonicalize, decode_canonical};
+// The COSE and canonical-CBOR helpers the signed key set
+// (`crate::key_rotation`) is built with too.
+pub(crate) use canonical::{int_map, uint, Fields};
 pub use error::ReceiptError;
 pub use format::{Link, OpenedKey, ReceiptBody, ReceiptVersion, Sealing};
-pub use key_set::{KeySet, KEY_SET_CONTENT_TYPE};
 pub use salt::{salted_digest, DigestSalt, ReceiptTrailer, DIGEST_SALT_LEN};
 pub use sign::{
     link_digest, parse_unverified, sign, sign_link, sign_link_as, sign_receipt, verify_link,
 };
+pub(crate) use sign::{parse_signed, verifies};
 pub use verify::{
     verify_receipt, Check, CheckStatus, SealedTo, StageKeys, VerifyInputs, VerifyReport,
 };

@@ -67,15 +67,15 @@ pub fn link_digest(signed_link: &[u8]) -> Sha256Digest {
 }
 
 /// A parsed, not yet verified COSE_Sign1 of ours.
-pub(super) struct Signed {
+pub(crate) struct Signed {
     pub(super) sign1: CoseSign1,
-    pub(super) kid: [u8; 32],
-    pub(super) payload: Vec<u8>,
+    pub(crate) kid: [u8; 32],
+    pub(crate) payload: Vec<u8>,
 }
 
 /// Parses a COSE_Sign1 and checks its headers: malformed structure →
 /// `Err(Malformed)`, unexpected headers → `Err(BadHeader)`.
-pub(super) fn parse_signed(bytes: &[u8], content_type: &str) -> Result<Signed, ReceiptError> {
+pub(crate) fn parse_signed(bytes: &[u8], content_type: &str) -> Result<Signed, ReceiptError> {
     parse_signed_any(bytes, &[content_type]).map(|(s, _)| s)
 }
 
@@ -152,7 +152,7 @@ pub(super) fn parse_receipt(bytes: &[u8]) -> Result<(Signed, ReceiptVersion), Re
 }
 
 /// Whether `signed` verifies under `key` (strict Ed25519).
-pub(super) fn verifies(signed: &Signed, key: &[u8; 32]) -> bool {
+pub(crate) fn verifies(signed: &Signed, key: &[u8; 32]) -> bool {
     let Ok(vk) = VerifyingKey::from_bytes(key) else {
         return false;
     };

@@ -19,9 +19,10 @@
 //! seal to a key the stage has retired, which fails with `hpke_key_unknown`
 //! and sends the client back for the current set.
 
-use super::canonical::{canonical_bytes, decode_canonical, int_map, uint, Fields};
-use super::error::ReceiptError;
-use super::sign;
+use crate::receipt::{
+    canonical_bytes, decode_canonical, int_map, parse_signed, sign, uint, verifies, Fields,
+    ReceiptError,
+};
 use crate::sealing::KeyConfig;
 use ciborium::value::Value;
 use ed25519_dalek::SigningKey;
@@ -98,15 +99,15 @@ impl KeySet {
 
     /// Signs the set with the stage's receipt key (COSE_Sign1).
     pub fn sign(&self, key: &SigningKey) -> Vec<u8> {
-        sign::sign(key, KEY_SET_CONTENT_TYPE, self.to_cbor())
+        sign(key, KEY_SET_CONTENT_TYPE, self.to_cbor())
     }
 
     /// Checks a signed set against the receipt key from the stage's verified
     /// evidence ([`ReceiptError::BadSignature`] if another key signed it)
     /// and returns it.
     pub fn verify(signed: &[u8], receipt_key: &[u8; 32]) -> Result<Self, ReceiptError> {
-        let parsed = sign::parse_signed(signed, KEY_SET_CONTENT_TYPE)?;
-        if parsed.kid != *receipt_key || !sign::verifies(&parsed, receipt_key) {
+        let parsed = parse_signed(signed, KEY_SET_CONTENT_TYPE)?;
+        if parsed.kid != *receipt_key || !verifies(&parsed, receipt_key) {
             return Err(ReceiptError::BadSignature);
         }
         Self::from_cbor(&parsed.payload)
@@ -148,7 +149,7 @@ mod tests {
         flipped[n - 70] ^= 1;
         assert!(KeySet::verify(&flipped, &key.verifying_key().to_bytes()).is_err());
         // A receipt signature is not a key set signature (content type).
-        let body = sign::sign(&key, RECEIPT_CONTENT_TYPE, set().to_cbor());
+        let body = sign(&key, RECEIPT_CONTENT_TYPE, set().to_cbor());
         assert!(KeySet::verify(&body, &key.verifying_key().to_bytes()).is_err());
     }
 

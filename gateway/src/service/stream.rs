@@ -1,15 +1,14 @@
-//! Streamed responses: the exit stage's sealed chunks passed on as they
-//! come (relayed, opened, or opened and sealed again), with idle timeouts
-//! and cancellation when the client goes away.
+//! Streamed answers: the exit stage's sealed chunks passed on as they come
+//! (relayed, opened, or opened and sealed again), with an idle timeout and
+//! cancellation when the client stops reading or goes away; the receipt
+//! kept when the stream ends.
 
-use super::{AppState, Owner, HEADER_RECEIPT_ID};
+use super::{keep_receipt, Owner, Service, StreamAnswer};
 use crate::metrics::{Metrics, StreamCut};
 use crate::openai_error::ApiError;
 use crate::pipeline::{Failure, Reply, Submission};
-use crate::receipts::{ReceiptStore, Stored};
-use axum::body::{Body, Bytes};
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use crate::receipts::ReceiptStore;
+use bytes::Bytes;
 use proto::receipt::ReceiptTrailer;
 use proto::sealing::{ClientResponseKey, ResponseOpener, ResponseSealer, SealLimits};
 use std::sync::Arc;
@@ -26,74 +25,49 @@ pub(super) enum StreamMode {
 }
 
 impl StreamMode {
-    pub(super) fn is_plain(&self) -> bool {
+    fn is_plain(&self) -> bool {
         matches!(self, StreamMode::Open(_))
     }
 }
 
-/// A streamed HTTP response fed by the exit stage's messages. If the client
-/// goes away, or stops reading for the route's deadline, the submission is
-/// dropped and the request is cancelled in the stages.
-pub(super) fn stream_response(
-    s: &AppState,
-    owner: &Owner,
-    sub: Submission,
-    receipt_id: [u8; 16],
-    mode: StreamMode,
-) -> Response {
-    let plain = mode.is_plain();
-    // A short queue: what a client does not read waits in the socket.
-    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
-    let metrics = s.metrics.clone();
-    // A stream may run long; only a silence this long ends it.
-    let idle = s.limits.routes.for_route(crate::timeouts::COMPLETIONS);
-    let kept_for = Kept {
-        receipts: s.receipts.clone(),
-        id: receipt_id,
-        owner: owner.clone(),
-    };
-    tokio::spawn(pump_stream(sub, mode, tx, kept_for, metrics, idle));
-    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
-    }));
-    let mut r = if plain {
-        (
-            StatusCode::OK,
-            [
-                (header::CONTENT_TYPE, "text/event-stream"),
-                (header::CACHE_CONTROL, "no-cache"),
-            ],
-            body,
-        )
-            .into_response()
-    } else {
-        (
-            StatusCode::OK,
-            [
-                (header::CONTENT_TYPE, "application/octet-stream"),
-                (header::HeaderName::from_static("hpke-sealed"), "response"),
-                (header::CACHE_CONTROL, "no-cache"),
-            ],
-            body,
-        )
-            .into_response()
-    };
-    if let Ok(v) = HeaderValue::from_str(&hex::encode(receipt_id)) {
-        r.headers_mut().insert(HEADER_RECEIPT_ID, v);
+impl Service {
+    /// Starts passing the exit stage's messages on to the client. If the
+    /// client goes away, or stops reading for the route's deadline, the
+    /// submission is dropped and the request is cancelled in the stages.
+    pub(super) fn stream(
+        &self,
+        owner: &Owner,
+        sub: Submission,
+        receipt_id: [u8; 16],
+        mode: StreamMode,
+    ) -> StreamAnswer {
+        let sealed = !mode.is_plain();
+        // A short queue: what a client does not read waits in the socket.
+        let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
+        // A stream may run long; only a silence this long ends it.
+        let idle = self.routes.for_route(crate::timeouts::COMPLETIONS);
+        let kept_for = Kept {
+            receipts: self.receipts.clone(),
+            id: receipt_id,
+            owner: owner.clone(),
+        };
+        tokio::spawn(pump(sub, mode, tx, kept_for, self.metrics.clone(), idle));
+        StreamAnswer {
+            receipt_id,
+            sealed,
+            chunks: rx,
+        }
     }
-    r
 }
 
 /// Where a stream's receipt is kept, under which id, and whose it is.
-pub(super) struct Kept {
+struct Kept {
     receipts: Arc<ReceiptStore>,
     id: [u8; 16],
     owner: Owner,
 }
 
-pub(super) async fn pump_stream(
+async fn pump(
     mut sub: Submission,
     mut mode: StreamMode,
     tx: tokio::sync::mpsc::Sender<Bytes>,
@@ -157,18 +131,18 @@ pub(super) async fn pump_stream(
                 .and_then(|o| o.trailer())
                 .and_then(|t| ReceiptTrailer::decode(t).ok())
                 .and_then(|t| t.digest_salt);
-            let kept = Stored {
-                trailer: ReceiptTrailer {
-                    receipt,
-                    digest_salt,
-                },
-                owner: kept_for.owner.as_deref().map(str::to_string),
+            let trailer = ReceiptTrailer {
+                receipt,
+                digest_salt,
             };
-            if let Err(e) = kept_for.receipts.insert(kept_for.id, kept).await {
-                tracing::warn!(error = %format!("{e:#}"), "a receipt was not stored");
-                metrics.receipt_not_stored();
-            }
-            metrics.receipt_issued();
+            keep_receipt(
+                &kept_for.receipts,
+                &metrics,
+                kept_for.id,
+                trailer,
+                &kept_for.owner,
+            )
+            .await;
         }
         if !out.is_empty() {
             match tokio::time::timeout(idle, tx.send(Bytes::from(out))).await {
