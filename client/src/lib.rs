@@ -7,7 +7,7 @@
 //!   against verified evidence and the request/response bytes the client
 //!   kept ([`verify`]);
 //! - `gateway seal` / `gateway open`: HPKE-seal a request body for `curl`
-//!   and open the sealed response ([`seal`]);
+//!   and open the sealed response ([`seal_open`]);
 //! - `gateway proxy`: a local OpenAI-compatible endpoint that verifies the
 //!   upstream's evidence, seals every request to the attested entry stage
 //!   and verifies every receipt ([`proxy`]).
@@ -20,7 +20,7 @@ pub mod bundle;
 pub mod client_key;
 pub mod io;
 pub mod proxy;
-pub mod seal;
+pub mod seal_open;
 pub mod sealed;
 pub mod transport;
 pub mod verify;
@@ -43,9 +43,9 @@ pub enum ClientCommand {
     #[command(subcommand)]
     Verify(verify::VerifyCommand),
     /// Seal a request body to the entry stage's HPKE key (for curl users).
-    Seal(seal::SealArgs),
+    Seal(seal_open::SealArgs),
     /// Open a sealed response with the key `gateway seal` wrote.
-    Open(seal::OpenArgs),
+    Open(seal_open::OpenArgs),
     /// A local OpenAI-compatible endpoint that verifies the upstream gateway's
     /// evidence, seals every request end to end and verifies every receipt.
     Proxy(proxy::ProxyArgs),
@@ -55,8 +55,8 @@ pub enum ClientCommand {
 pub fn run(cmd: ClientCommand) -> i32 {
     let result = match cmd {
         ClientCommand::Verify(c) => verify::run(c),
-        ClientCommand::Seal(a) => seal::run_seal(a).map(|()| EXIT_OK),
-        ClientCommand::Open(a) => seal::run_open(a),
+        ClientCommand::Seal(a) => seal_open::run_seal(a).map(|()| EXIT_OK),
+        ClientCommand::Open(a) => seal_open::run_open(a),
         ClientCommand::Proxy(a) => proxy::run(a),
     };
     match result {

@@ -5,7 +5,7 @@
 //!   (HTTP only) over [`service`] (replicas, sealing, relaying, receipts),
 //!   [`auth`], [`timeouts`], [`shutdown`], [`tls`], [`openai_error`];
 //! - the pipelines of attested stages: [`pipeline`], [`launcher`],
-//!   [`host_proxy`] (Nitro), [`receipts`];
+//!   [`host_proxy`] (Nitro), [`receipt_store`];
 //! - operations: [`config`], [`metrics`], [`stage_metrics`], [`telemetry`];
 //! - the client verbs, which run in the client's trust domain (`verify`,
 //!   `seal`, `open`, `proxy`), are the `client` crate (`client/`);
@@ -22,7 +22,7 @@ pub mod launcher;
 pub mod metrics;
 pub mod openai_error;
 pub mod pipeline;
-pub mod receipts;
+pub mod receipt_store;
 pub mod serve;
 pub mod service;
 pub mod shutdown;

@@ -51,7 +51,7 @@
 //! not, the request fails with 502 `evidence_not_verified`.
 
 use crate::bundle::fetch_bundle;
-use crate::seal::AeadArg;
+use crate::seal_open::AeadArg;
 use crate::sealed::{Attested, Sealed};
 use crate::transport::{base_url, http_client, random_nonce};
 use crate::{EXIT_FAILED, EXIT_OK};

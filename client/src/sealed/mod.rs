@@ -12,7 +12,7 @@
 //!    ([`Sealed::stream`], [`StreamOpen`]), or a sealed stage error opened
 //!    ([`Sealed::open_error`]).
 
-use crate::seal::pick_key;
+use crate::seal_open::pick_key;
 use crate::verify::{verify_evidence, Status};
 use proto::bundle::{EvidenceBundle, VerifiedBundle};
 use proto::policy::Policy;

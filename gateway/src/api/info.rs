@@ -7,7 +7,7 @@ use super::{AppState, HEADER_RECEIPT_DIGEST_SALT, HEADER_REPLICA};
 use crate::auth::Caller;
 use crate::openai_error::ApiError;
 use crate::pipeline::{Failure, Replicas};
-use crate::receipts::Stored;
+use crate::receipt_store::Stored;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};

@@ -56,7 +56,7 @@ pub struct GatewayConfig {
     pub keys: KeysConfig,
     /// Where receipts are kept (an SQLite file by default).
     #[serde(default)]
-    pub receipts: crate::receipts::ReceiptsConfig,
+    pub receipts: crate::receipt_store::ReceiptsConfig,
 }
 
 /// `[keys]`: rotation of the HPKE keys clients seal to: the gateway-held

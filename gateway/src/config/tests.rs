@@ -379,7 +379,7 @@ fn key_rotation_reaches_local_stages_and_needs_an_overlap() {
 #[test]
 fn receipt_store_is_sqlite_by_default_and_postgres_needs_a_url_without_a_password() {
     let cfg = GatewayConfig::parse(&shipped(), env(&[])).unwrap();
-    assert_eq!(cfg.receipts.store, crate::receipts::StoreKind::Sqlite);
+    assert_eq!(cfg.receipts.store, crate::receipt_store::StoreKind::Sqlite);
     assert_eq!(cfg.receipts.path, Path::new("data/receipts.sqlite3"));
     let e = format!(
         "{:#}",
@@ -477,7 +477,10 @@ fn kubernetes_configs_load_with_dns_stages() {
             "{file}"
         );
         assert!(spec.replicas > 1, "{file}");
-        assert_eq!(cfg.receipts.store, crate::receipts::StoreKind::Postgres);
+        assert_eq!(
+            cfg.receipts.store,
+            crate::receipt_store::StoreKind::Postgres
+        );
         assert_eq!(
             cfg.pipeline.stages[1].peer_address.as_deref(),
             peer,

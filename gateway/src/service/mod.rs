@@ -21,7 +21,7 @@ pub use gateway_key::{GatewayKey, GATEWAY_HPKE_KEY_IDS};
 use crate::metrics::Metrics;
 use crate::openai_error::ApiError;
 use crate::pipeline::{Failure, Replicas};
-use crate::receipts::{ReceiptStore, Stored};
+use crate::receipt_store::{ReceiptStore, Stored};
 use crate::timeouts::RouteTimeouts;
 use bytes::Bytes;
 use proto::openai::ApiEndpoint;
@@ -164,7 +164,6 @@ impl Service {
                 .await
             }
             Some(sealed) => {
-                self.metrics.sealing(Sealing::Enclave);
                 self.relay(
                     replicas,
                     req.endpoint,

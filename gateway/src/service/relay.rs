@@ -28,6 +28,8 @@ impl Service {
         let Some(pipeline) = replicas.holding(sealed.key_id, sealed.aead) else {
             return Err(ApiError::unknown_key(sealed.key_id));
         };
+        // Counted once it is known to be for an entry stage's key.
+        self.metrics.sealing(Sealing::Enclave);
         let (reply, sub) = pipeline
             .submit(
                 endpoint.path(),

@@ -7,7 +7,7 @@ use super::{keep_receipt, Owner, Service, StreamAnswer};
 use crate::metrics::{Metrics, StreamCut};
 use crate::openai_error::ApiError;
 use crate::pipeline::{Failure, Reply, Submission};
-use crate::receipts::ReceiptStore;
+use crate::receipt_store::ReceiptStore;
 use bytes::Bytes;
 use proto::receipt::ReceiptTrailer;
 use proto::sealing::{ClientResponseKey, ResponseOpener, ResponseSealer, SealLimits};

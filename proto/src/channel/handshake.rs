@@ -131,16 +131,15 @@ impl Initiator {
     }
 
     /// Takes message 2: verifies the responder's evidence and runs `check`
-    /// on it, then returns message 3, the keys and the peer. The
-    /// responder's verdict on us is the first record it sends
-    /// ([`read_verdict`]).
+    /// on it, then returns message 3 and the state that waits for the
+    /// responder's verdict on us (its first record).
     pub fn finish(
         self,
         local: &LocalIdentity,
         m2: &[u8],
         limits: ChannelLimits,
         check: PeerCheck<'_>,
-    ) -> Result<(Vec<u8>, Keys, PeerInfo), ChannelError> {
+    ) -> Result<(Vec<u8>, AwaitingVerdict), ChannelError> {
         let hello: ServerHello = decode(m2, "server hello")?;
         check_version(hello.version)?;
         let peer = verify_peer(
@@ -161,7 +160,28 @@ impl Initiator {
             send: RecordSealer::new(i2r, limits),
             recv: RecordOpener::new(r2i, limits),
         };
-        Ok((m3, keys, peer))
+        Ok((m3, AwaitingVerdict { keys, peer }))
+    }
+}
+
+/// The initiator after its finish, waiting for the responder's verdict:
+/// the keys are released only when the verdict accepts us.
+pub struct AwaitingVerdict {
+    keys: Keys,
+    peer: PeerInfo,
+}
+
+impl AwaitingVerdict {
+    /// The opener to read the verdict record with.
+    pub fn opener(&mut self) -> &mut RecordOpener {
+        &mut self.keys.recv
+    }
+
+    /// Takes the verdict (`None`: the responder closed before sending
+    /// one); when it accepts us, the keys and the peer.
+    pub fn verdict(self, msg: Option<&[u8]>) -> Result<(Keys, PeerInfo), ChannelError> {
+        read_verdict(msg)?;
+        Ok((self.keys, self.peer))
     }
 }
 
@@ -202,21 +222,22 @@ impl Responder {
         Ok((state, m2))
     }
 
-    /// Takes message 3: returns the keys and the verdict on the initiator
-    /// (its evidence, if it claimed to be attested, and `check`). The
-    /// verdict goes to the initiator as the first record
-    /// ([`verdict_message`]) whichever way it went.
+    /// Takes message 3 and judges the initiator (its evidence, if it
+    /// claimed to be attested, and `check`). Returns the verdict sealed as
+    /// the first record(s), to be sent whichever way it went, and, only
+    /// when the initiator is accepted, the keys and the peer.
+    #[allow(clippy::type_complexity)]
     pub fn finish(
         self,
         local: &LocalIdentity,
         m3: &[u8],
         limits: ChannelLimits,
         check: PeerCheck<'_>,
-    ) -> Result<(Keys, Result<PeerInfo, ChannelError>), ChannelError> {
+    ) -> Result<(Vec<u8>, Result<(Keys, PeerInfo), ChannelError>), ChannelError> {
         let finish: Finish = decode(m3, "finish")?;
         let [m1, m2] = &self.transcript;
         let (i2r, r2i) = derive_keys(self.secret, &self.peer_eph, &[m1, m2, m3])?;
-        let keys = Keys {
+        let mut keys = Keys {
             send: RecordSealer::new(r2i, limits),
             recv: RecordOpener::new(i2r, limits),
         };
@@ -241,21 +262,21 @@ impl Responder {
             check(&peer).map_err(ChannelError::PeerRejected)?;
             Ok(peer)
         });
-        Ok((keys, verdict))
+        let outcome = crate::cbor::to_vec(&match &verdict {
+            Ok(_) => Outcome::Accepted,
+            Err(e) => Outcome::Rejected(e.to_string()),
+        });
+        let mut records = Vec::new();
+        for (chunk, last) in keys.send.chunks(&outcome)? {
+            records.extend(keys.send.seal(chunk, last)?);
+        }
+        Ok((records, verdict.map(|peer| (keys, peer))))
     }
-}
-
-/// The responder's first record: its verdict on the initiator.
-pub fn verdict_message(verdict: &Result<PeerInfo, ChannelError>) -> Vec<u8> {
-    crate::cbor::to_vec(&match verdict {
-        Ok(_) => Outcome::Accepted,
-        Err(e) => Outcome::Rejected(e.to_string()),
-    })
 }
 
 /// Reads the responder's verdict (its first record) on the initiator;
 /// `None` is a close before any verdict.
-pub fn read_verdict(msg: Option<&[u8]>) -> Result<(), ChannelError> {
+fn read_verdict(msg: Option<&[u8]>) -> Result<(), ChannelError> {
     let Some(msg) = msg else {
         return Err(ChannelError::Truncated);
     };

@@ -105,6 +105,8 @@ pub struct RecordOpener {
     /// The message being reassembled, and whether one has begun.
     msg: Vec<u8>,
     mid_message: bool,
+    /// Set by the first error: a record layer that failed once stays failed.
+    poisoned: bool,
 }
 
 impl RecordOpener {
@@ -116,6 +118,7 @@ impl RecordOpener {
             limits,
             msg: Vec::new(),
             mid_message: false,
+            poisoned: false,
         }
     }
 
@@ -161,14 +164,36 @@ impl RecordOpener {
         Ok(())
     }
 
-    /// Opens one record (its header, already checked, and the sealed body
-    /// of the length the header gave). Returns the message it completes,
-    /// if it is the last of one.
+    /// Opens one record: its header and its sealed body, which must be as
+    /// long as the header says. Returns the message it completes, if it is
+    /// the last of one. Any error poisons the opener: every later record
+    /// is refused ([`ChannelError::Poisoned`]).
     pub fn open(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        body: Vec<u8>,
+    ) -> Result<Option<Vec<u8>>, ChannelError> {
+        if self.poisoned {
+            return Err(ChannelError::Poisoned);
+        }
+        let r = self.open_inner(header, body);
+        self.poisoned = r.is_err();
+        r
+    }
+
+    fn open_inner(
         &mut self,
         header: &[u8; HEADER_LEN],
         mut body: Vec<u8>,
     ) -> Result<Option<Vec<u8>>, ChannelError> {
+        let len = self.record_len(header[..4].try_into().expect("4 bytes"))?;
+        if body.len() != len - 8 {
+            return Err(ChannelError::Malformed(format!(
+                "record body of {} bytes, its header says {}",
+                body.len(),
+                len - 8
+            )));
+        }
         self.check_sequence(header)?;
         let seq = self.expected;
         self.cipher

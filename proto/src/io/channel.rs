@@ -4,7 +4,7 @@
 //! handshake timeout.
 
 use super::transport::BoxStream;
-use crate::channel::handshake::{read_verdict, verdict_message, Initiator, Keys, Responder};
+use crate::channel::handshake::{Initiator, Keys, Responder};
 use crate::channel::messages::{frame, frame_len};
 use crate::channel::record::{RecordOpener, RecordSealer, HEADER_LEN};
 use crate::channel::{ChannelError, ChannelLimits, LocalIdentity, PeerCheck, PeerInfo};
@@ -97,31 +97,7 @@ impl ChannelReceiver {
     }
 
     async fn recv_inner(&mut self) -> Result<Option<Vec<u8>>, ChannelError> {
-        loop {
-            let mut header = [0u8; HEADER_LEN];
-            // Only an end of stream before the first byte of a message is a
-            // clean close; one anywhere after it, even inside the length
-            // prefix, is a truncation.
-            let mut filled = 0;
-            while filled < 4 {
-                match self.r.read(&mut header[filled..4]).await? {
-                    0 if filled == 0 && !self.opener.mid_message() => return Ok(None),
-                    0 => return Err(ChannelError::Truncated),
-                    n => filled += n,
-                }
-            }
-            self.opener.begin_record();
-            let len = self
-                .opener
-                .record_len(header[..4].try_into().expect("4 bytes"))?;
-            read_exact_or_truncated(&mut self.r, &mut header[4..]).await?;
-            self.opener.check_sequence(&header)?;
-            let mut body = vec![0u8; len - 8];
-            read_exact_or_truncated(&mut self.r, &mut body).await?;
-            if let Some(msg) = self.opener.open(&header, body)? {
-                return Ok(Some(msg));
-            }
-        }
+        read_message(&mut self.r, &mut self.opener).await
     }
 
     /// Receives and decodes a CBOR value; `Ok(None)` on a clean close. The
@@ -136,6 +112,37 @@ impl ChannelReceiver {
                     ChannelError::Malformed(e)
                 })
             }
+        }
+    }
+}
+
+/// Reads records through `opener` until one completes a message; `Ok(None)`
+/// on a clean close between messages.
+async fn read_message(
+    r: &mut BufReader<ReadHalf<BoxStream>>,
+    opener: &mut RecordOpener,
+) -> Result<Option<Vec<u8>>, ChannelError> {
+    loop {
+        let mut header = [0u8; HEADER_LEN];
+        // Only an end of stream before the first byte of a message is a
+        // clean close; one anywhere after it, even inside the length
+        // prefix, is a truncation.
+        let mut filled = 0;
+        while filled < 4 {
+            match r.read(&mut header[filled..4]).await? {
+                0 if filled == 0 && !opener.mid_message() => return Ok(None),
+                0 => return Err(ChannelError::Truncated),
+                n => filled += n,
+            }
+        }
+        opener.begin_record();
+        let len = opener.record_len(header[..4].try_into().expect("4 bytes"))?;
+        read_exact_or_truncated(r, &mut header[4..]).await?;
+        opener.check_sequence(&header)?;
+        let mut body = vec![0u8; len - 8];
+        read_exact_or_truncated(r, &mut body).await?;
+        if let Some(msg) = opener.open(&header, body)? {
+            return Ok(Some(msg));
         }
     }
 }
@@ -170,8 +177,17 @@ async fn read_frame<R: AsyncReadExt + Unpin>(r: &mut R) -> Result<Vec<u8>, Chann
     Ok(buf)
 }
 
-fn halves(stream: BoxStream, keys: Keys) -> (ChannelSender, ChannelReceiver) {
+/// The stream's halves, reading through a buffer.
+fn split(stream: BoxStream) -> (BufReader<ReadHalf<BoxStream>>, WriteHalf<BoxStream>) {
     let (r, w) = tokio::io::split(stream);
+    (BufReader::with_capacity(256 * 1024, r), w)
+}
+
+fn halves(
+    r: BufReader<ReadHalf<BoxStream>>,
+    w: WriteHalf<BoxStream>,
+    keys: Keys,
+) -> (ChannelSender, ChannelReceiver) {
     (
         ChannelSender {
             w,
@@ -179,7 +195,7 @@ fn halves(stream: BoxStream, keys: Keys) -> (ChannelSender, ChannelReceiver) {
             poisoned: false,
         },
         ChannelReceiver {
-            r: BufReader::with_capacity(256 * 1024, r),
+            r,
             opener: keys.recv,
             poisoned: false,
         },
@@ -208,11 +224,14 @@ pub async fn initiate(
         let (state, m1) = Initiator::start(local);
         write_frame(&mut stream, &m1).await?;
         let m2 = read_frame(&mut stream).await?;
-        let (m3, keys, peer) = state.finish(local, &m2, limits, check)?;
+        let (m3, mut pending) = state.finish(local, &m2, limits, check)?;
         write_frame(&mut stream, &m3).await?;
-        let (tx, mut rx) = halves(stream, keys);
-        let verdict = rx.recv().await?.map(WipeOnDrop);
-        read_verdict(verdict.as_ref().map(|v| v.as_slice()))?;
+        let (mut r, w) = split(stream);
+        let verdict = read_message(&mut r, pending.opener())
+            .await?
+            .map(WipeOnDrop);
+        let (keys, peer) = pending.verdict(verdict.as_ref().map(|v| v.as_slice()))?;
+        let (tx, rx) = halves(r, w, keys);
         Ok((tx, rx, peer))
     })
     .await
@@ -232,16 +251,17 @@ pub async fn respond(
         let (state, m2) = Responder::hello(local, &m1)?;
         write_frame(&mut stream, &m2).await?;
         let m3 = read_frame(&mut stream).await?;
-        let (keys, verdict) = state.finish(local, &m3, limits, check)?;
-        let (mut tx, rx) = halves(stream, keys);
-        let outcome = tx.send(&verdict_message(&verdict)).await;
-        match verdict {
-            Ok(peer) => {
-                outcome?;
-                Ok((tx, rx, peer))
-            }
-            Err(e) => Err(e),
+        let (records, verdict) = state.finish(local, &m3, limits, check)?;
+        let sent = async {
+            stream.write_all(&records).await?;
+            stream.flush().await
         }
+        .await;
+        let (keys, peer) = verdict?;
+        sent?;
+        let (r, w) = split(stream);
+        let (tx, rx) = halves(r, w, keys);
+        Ok((tx, rx, peer))
     })
     .await
 }

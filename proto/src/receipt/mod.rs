@@ -35,6 +35,7 @@
 mod canonical;
 mod error;
 mod format;
+mod report;
 mod salt;
 mod sign;
 #[cfg(test)]
@@ -47,14 +48,13 @@ pub use canonical::{canonical_bytes, canonicalize, decode_canonical};
 pub(crate) use canonical::{int_map, uint, Fields};
 pub use error::ReceiptError;
 pub use format::{Link, OpenedKey, ReceiptBody, ReceiptVersion, Sealing};
+pub use report::{Check, CheckStatus, VerifyReport};
 pub use salt::{salted_digest, DigestSalt, ReceiptTrailer, DIGEST_SALT_LEN};
 pub use sign::{
     link_digest, parse_unverified, sign, sign_link, sign_link_as, sign_receipt, verify_link,
 };
 pub(crate) use sign::{parse_signed, verifies};
-pub use verify::{
-    verify_receipt, Check, CheckStatus, SealedTo, StageKeys, VerifyInputs, VerifyReport,
-};
+pub use verify::{verify_receipt, SealedTo, StageKeys, VerifyInputs};
 
 /// COSE content type of a receipt (the current format, v4: salted digests).
 pub const RECEIPT_CONTENT_TYPE: &str = "application/vnd.ci.receipt.v4+cbor";

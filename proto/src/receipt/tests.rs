@@ -3,9 +3,10 @@
 use super::canonical::{canonical_bytes, decode_canonical, encode, uint};
 use super::error::ReceiptError;
 use super::format::{Link, OpenedKey, ReceiptBody, ReceiptVersion, Sealing};
+use super::report::{CheckStatus, VerifyReport};
 use super::salt::{salted_digest, DigestSalt};
 use super::sign::{link_digest, parse_unverified, sign, sign_link, sign_link_as, sign_receipt};
-use super::verify::{verify_receipt, CheckStatus, SealedTo, StageKeys, VerifyInputs, VerifyReport};
+use super::verify::{verify_receipt, SealedTo, StageKeys, VerifyInputs};
 use super::{ReceiptId, RECEIPT_CONTENT_TYPE};
 use crate::digest::Sha256Digest;
 use ciborium::value::Value;

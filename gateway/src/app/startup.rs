@@ -1,234 +1,25 @@
-//! The `gateway` command: `gateway serve` reads `config/gateway.toml`,
-//! starts (or connects to) the attested stages, verifies them against the
-//! policy and serves the OpenAI-compatible API; the client verbs are the
-//! `client` crate's ([`client::run`]).
+//! `gateway serve`: loads the config, opens the receipt store, starts (or
+//! finds) every model's replicas of attested stages, builds the inference
+//! service and the HTTP API over it, and serves until shut down.
 
+use super::ServeArgs;
 use crate::config::{GatewayConfig, Launch};
 use crate::pipeline::{discovery, Pipeline, Replicas, StageTarget};
 use crate::{
-    api, auth, config, host_proxy, launcher, metrics, receipts, serve, service, shutdown,
-    telemetry, timeouts, tls,
+    api, auth, config, launcher, metrics, receipt_store, serve, service, shutdown, telemetry,
+    timeouts, tls,
 };
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
 use proto::manifest::LoadedManifest;
 use proto::policy::Policy;
-use std::path::PathBuf;
 use std::time::Duration;
-
-#[derive(Parser, Debug)]
-#[command(
-    version,
-    about = "Confidential inference gateway (OpenAI-compatible API over attested stages)"
-)]
-struct Cli {
-    #[command(subcommand)]
-    command: Option<Command>,
-}
-
-#[derive(Subcommand, Debug)]
-#[allow(clippy::large_enum_variant)] // parsed once at start
-enum Command {
-    /// Start the stages (local launch) or connect to them, verify them, and serve the API.
-    Serve(ServeArgs),
-    /// Print the SHA-256 (hex) of an API token read from stdin, for `[[auth.keys]] sha256`.
-    HashKey,
-    /// Load and validate the config (and the policy, model manifest and TLS
-    /// files it names) without starting anything; exit 0 when it is valid.
-    CheckConfig(CheckConfigArgs),
-    /// Print the mock measurement (`mock:<hex>`) of a stage binary serving a
-    /// model, computed from the files, for a policy's `[[stages]] measurements`
-    /// (e.g. of the binary copied into a container image).
-    Measure(MeasureArgs),
-    /// Relay bytes between endpoints (vsock <-> TCP) on a Nitro parent
-    /// instance; one `--route LISTEN=TARGET` per relay. Sees ciphertext only.
-    HostProxy(host_proxy::HostProxyArgs),
-    #[command(flatten)]
-    Client(client::ClientCommand),
-}
-
-#[derive(clap::Args, Debug, Default)]
-struct ServeArgs {
-    /// Config file.
-    #[arg(long, default_value = "config/gateway.toml")]
-    config: PathBuf,
-    /// Override `server.listen`.
-    #[arg(long)]
-    listen: Option<String>,
-}
-
-#[derive(clap::Args, Debug)]
-struct CheckConfigArgs {
-    /// Config file.
-    #[arg(long, default_value = "config/gateway.toml")]
-    config: PathBuf,
-}
-
-#[derive(clap::Args, Debug)]
-struct MeasureArgs {
-    /// The `enclave-stage` binary.
-    #[arg(long)]
-    stage_binary: PathBuf,
-    /// Model folder; its `manifest.json` is measured.
-    #[arg(long)]
-    model_dir: PathBuf,
-    /// The policy file the stage is started with (`--policy`): it is part
-    /// of the measurement.
-    #[arg(long)]
-    stage_policy: PathBuf,
-}
-
-/// Parses the command line and runs the verb: `serve` (the default), a
-/// client verb, `hash-key`, `measure` or `check-config`.
-pub fn run() -> Result<()> {
-    let cli = Cli::parse();
-    // `serve` reads its config first: traces need their exporter in the subscriber.
-    // A config that does not load is left to `serve` to report.
-    let serve_config = match &cli.command {
-        Some(Command::Serve(a)) => Some(a.config.as_path()),
-        None => Some(std::path::Path::new("config/gateway.toml")),
-        _ => None,
-    };
-    telemetry::init_logging(
-        serve_config
-            .and_then(|p| config::GatewayConfig::load(p).ok())
-            .map(|c| c.telemetry),
-    );
-    let args = match cli.command {
-        Some(Command::Serve(a)) => a,
-        Some(Command::Client(c)) => std::process::exit(client::run(c)),
-        Some(Command::HashKey) => return hash_key(),
-        Some(Command::CheckConfig(a)) => std::process::exit(check_config(&a.config)),
-        Some(Command::Measure(a)) => return measure(&a),
-        Some(Command::HostProxy(a)) => return host_proxy::main(a),
-        None => ServeArgs {
-            config: "config/gateway.toml".into(),
-            listen: None,
-        },
-    };
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(serve(args))
-}
-
-/// `gateway hash-key`: one token on stdin (a trailing newline is ignored).
-fn hash_key() -> Result<()> {
-    use std::io::Read;
-    let mut token = String::new();
-    std::io::stdin()
-        .read_to_string(&mut token)
-        .context("reading the token from stdin")?;
-    let token = token.trim_end_matches(['\n', '\r']);
-    if token.is_empty() {
-        anyhow::bail!("no token on stdin");
-    }
-    println!("{}", hex::encode(auth::digest(token.as_bytes())));
-    Ok(())
-}
-
-/// `gateway measure`: the measurement a mock stage running this binary with
-/// this model and this policy file reports, from the files themselves
-/// (nothing is run).
-fn measure(a: &MeasureArgs) -> Result<()> {
-    let manifest = LoadedManifest::load(&a.model_dir)
-        .with_context(|| format!("--model-dir {}", a.model_dir.display()))?;
-    let binary = proto::digest::Sha256Digest::of_file(&a.stage_binary)
-        .with_context(|| format!("--stage-binary {}", a.stage_binary.display()))?;
-    let policy = proto::digest::Sha256Digest::of_file(&a.stage_policy)
-        .with_context(|| format!("--stage-policy {}", a.stage_policy.display()))?;
-    let m = proto::attestation::mock_measurement(&binary, &manifest.digest, &policy);
-    println!("{}", m.pinned_form());
-    Ok(())
-}
-
-/// `gateway check-config`: `OK …` with a summary on stdout and exit 0, or
-/// the error (naming the bad key) on stderr and exit 1.
-fn check_config(path: &std::path::Path) -> i32 {
-    match check_config_summary(path) {
-        Ok((summary, effective)) => {
-            println!("OK {}: {summary}", path.display());
-            println!("# effective configuration (file, environment overrides, defaults):");
-            print!("{effective}");
-            0
-        }
-        Err(e) => {
-            eprintln!("config error: {e:#}");
-            1
-        }
-    }
-}
-
-fn check_config_summary(path: &std::path::Path) -> Result<(String, String)> {
-    let cfg = GatewayConfig::load(path)?;
-    let scheme = match &cfg.server.tls {
-        Some(t) => {
-            tls::load_pair(&t.cert, &t.key)
-                .map_err(|e| cfg.attribute(e))
-                .with_context(|| format!("config {}", path.display()))?;
-            "https"
-        }
-        None => "http",
-    };
-    let metrics = std::sync::Arc::new(metrics::Metrics::default());
-    let env_keys = std::env::var(auth::ENV_KEYS).ok();
-    let keys = auth::ApiKeys::from_config(&cfg.auth, env_keys.as_deref(), metrics)
-        .with_context(|| format!("config {}", path.display()))?;
-    let policy = Policy::load(&cfg.pipeline.policy).map_err(|e| {
-        anyhow::anyhow!(
-            "config {}: {}: {e}",
-            path.display(),
-            cfg.key("pipeline.policy")
-        )
-    })?;
-    let manifest = LoadedManifest::load(&cfg.pipeline.model_dir).map_err(|e| {
-        anyhow::anyhow!(
-            "config {}: {}: {}: {e}",
-            path.display(),
-            cfg.key("pipeline.model_dir"),
-            cfg.pipeline.model_dir.display()
-        )
-    })?;
-    if cfg.pipeline.launch == Launch::Local {
-        let bin = cfg.stage_binary()?;
-        if !bin.exists() {
-            anyhow::bail!(
-                "config {}: {}: {} does not exist",
-                path.display(),
-                cfg.key("pipeline.stage_binary"),
-                bin.display()
-            );
-        }
-    }
-    let auth = if keys.enabled() {
-        format!("auth on ({} keys)", keys.len())
-    } else {
-        "auth off".to_string()
-    };
-    let summary = format!(
-        "{scheme}://{}, model {}, {} stages ({}), {auth}, policy {}{}",
-        cfg.server.listen,
-        manifest.manifest.model_id,
-        cfg.pipeline.stages.len(),
-        match cfg.pipeline.launch {
-            Launch::Local => "local",
-            Launch::Remote => "remote",
-        },
-        cfg.pipeline.policy.display(),
-        if policy.allow_mock {
-            " (MOCK attestation allowed)"
-        } else {
-            ""
-        },
-    );
-    Ok((summary, cfg.effective_toml()))
-}
 
 /// How long connections may stay open after the shutdown deadline (for the
 /// cancelled requests' answers to be written) before they are dropped.
 const CLOSE_AFTER_DEADLINE: Duration = Duration::from_secs(1);
 
-async fn serve(args: ServeArgs) -> Result<()> {
+/// Runs `gateway serve` to its end.
+pub(super) async fn serve(args: ServeArgs) -> Result<()> {
     let mut cfg = GatewayConfig::load(&args.config)?;
     let routes = timeouts::RouteTimeouts::from_config(&cfg.server);
     if let Some(l) = args.listen {
@@ -294,7 +85,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     // The receipt store first: a database that cannot be reached stops the
     // start before any stage is launched.
     let receipt_store =
-        receipts::ReceiptStore::open(&cfg.receipts, cfg.server.receipt_retention).await?;
+        receipt_store::ReceiptStore::open(&cfg.receipts, cfg.server.receipt_retention).await?;
     tracing::info!(store = receipt_store.kind(), "receipt store open");
     let specs = cfg.pipelines();
     let mut policies = Vec::new();

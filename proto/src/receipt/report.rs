@@ -1,0 +1,188 @@
+//! The report of a receipt's verification: one line per check in the
+//! order they ran ([`Check`]), and the verdict ([`VerifyReport`]).
+
+use super::error::ReceiptError;
+use super::format::{ReceiptBody, Sealing};
+use serde::Serialize;
+use std::fmt;
+
+/// Outcome of one check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckStatus {
+    /// The check held.
+    Pass,
+    /// The check failed.
+    Fail,
+    /// Not checked (input not given).
+    Skipped,
+}
+
+/// One line of a verification report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Check {
+    /// Check name, e.g. `receipt.signature`, `link[1].data_flow`.
+    pub name: String,
+    /// Outcome.
+    pub status: CheckStatus,
+    /// Human-readable detail.
+    pub detail: String,
+    /// The reason, when it failed.
+    pub error: Option<ReceiptError>,
+}
+
+impl fmt::Display for Check {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self.status {
+            CheckStatus::Pass => "PASS",
+            CheckStatus::Fail => "FAIL",
+            CheckStatus::Skipped => "SKIP",
+        };
+        write!(f, "{s} {}: {}", self.name, self.detail)?;
+        if let Some(e) = &self.error {
+            write!(f, " [{}]", e.code())?;
+        }
+        Ok(())
+    }
+}
+
+/// The result of [`verify_receipt`]: every check in order and the verdict
+/// (the first failure).
+#[derive(Clone, Debug)]
+pub struct VerifyReport {
+    /// Checks in the order they ran.
+    pub checks: Vec<Check>,
+    /// The decoded receipt, once its signature and signer verified.
+    pub receipt: Option<ReceiptBody>,
+    /// Whether the receipt's `sealing` was proven against the client's own
+    /// encapsulated key (check `sealing` passed), rather than taken on the
+    /// host's word.
+    pub sealing_proven: bool,
+}
+
+impl VerifyReport {
+    /// `Some(sealing)` only when it was proven against the client's key:
+    /// `Some(Sealing::Enclave)` means the entry stage opened exactly what the
+    /// client sealed, so the host relayed ciphertext only.
+    pub fn proven_sealing(&self) -> Option<Sealing> {
+        self.receipt
+            .as_ref()
+            .filter(|_| self.sealing_proven && self.ok())
+            .map(|r| r.sealing)
+    }
+
+    /// Whether every check passed (skipped ones aside).
+    pub fn ok(&self) -> bool {
+        self.failure().is_none()
+    }
+
+    /// The first failed check's reason.
+    pub fn failure(&self) -> Option<&ReceiptError> {
+        self.checks.iter().find_map(|c| c.error.as_ref())
+    }
+
+    /// `Ok` or the first failure.
+    pub fn verdict(&self) -> Result<(), ReceiptError> {
+        self.failure().map_or(Ok(()), |e| Err(e.clone()))
+    }
+
+    /// Machine-readable form: `{ok, reason, checks: [{name, status, detail,
+    /// reason}], receipt: {…} | null}`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let checks: Vec<_> = self
+            .checks
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "name": c.name,
+                    "status": c.status,
+                    "detail": c.detail,
+                    "reason": c.error.as_ref().map(|e| e.code()),
+                })
+            })
+            .collect();
+        let receipt = self.receipt.as_ref().map(|r| {
+            serde_json::json!({
+                "receipt_id": hex::encode(r.receipt_id),
+                "issued_at_ms": r.issued_at_ms,
+                "endpoint": r.endpoint,
+                "model_id": r.model_id,
+                "manifest_digest": r.manifest_digest.hex(),
+                "request_digest": r.request_digest.hex(),
+                "response_digest": r.response_digest.hex(),
+                "client_nonce": r.client_nonce.as_ref().map(hex::encode),
+                "sequence": r.sequence,
+                "mock": r.mock,
+                "sealing": r.sealing.as_str(),
+                "sealing_proven": self.sealing_proven,
+                "version": r.version,
+                "stages": r.links(),
+            })
+        });
+        serde_json::json!({
+            "ok": self.ok(),
+            "reason": self.failure().map(|e| e.code()),
+            "checks": checks,
+            "receipt": receipt,
+        })
+    }
+}
+
+pub(super) struct Report(pub(super) Vec<Check>);
+
+impl Report {
+    pub(super) fn pass(&mut self, name: impl Into<String>, detail: impl Into<String>) {
+        self.0.push(Check {
+            name: name.into(),
+            status: CheckStatus::Pass,
+            detail: detail.into(),
+            error: None,
+        });
+    }
+
+    pub(super) fn skip(&mut self, name: impl Into<String>, detail: impl Into<String>) {
+        self.0.push(Check {
+            name: name.into(),
+            status: CheckStatus::Skipped,
+            detail: detail.into(),
+            error: None,
+        });
+    }
+
+    pub(super) fn fail(&mut self, name: impl Into<String>, error: ReceiptError) {
+        self.0.push(Check {
+            name: name.into(),
+            status: CheckStatus::Fail,
+            detail: error.to_string(),
+            error: Some(error),
+        });
+    }
+
+    /// The value of `result`, or `None` with its error recorded as a failed
+    /// check `name` (a passed check is the caller's to record, with detail).
+    pub(super) fn require<T>(
+        &mut self,
+        name: impl Into<String>,
+        result: Result<T, ReceiptError>,
+    ) -> Option<T> {
+        result.map_err(|e| self.fail(name, e)).ok()
+    }
+
+    /// Records `result`; returns whether it passed.
+    pub(super) fn check(
+        &mut self,
+        name: impl Into<String>,
+        result: Result<String, ReceiptError>,
+    ) -> bool {
+        match result {
+            Ok(detail) => {
+                self.pass(name, detail);
+                true
+            }
+            Err(e) => {
+                self.fail(name, e);
+                false
+            }
+        }
+    }
+}
