@@ -19,6 +19,9 @@ use std::time::Duration;
 use tokio::sync::{mpsc, Mutex};
 
 mod requests;
+mod work_gate;
+
+use work_gate::WorkGate;
 #[cfg(test)]
 mod tests;
 
@@ -63,9 +66,6 @@ pub struct StageSetup {
 /// A channel's writer task ([`proto::io::queue`]): sends are cancel-safe.
 type SharedSender = QueuedSender;
 
-/// Requests with at most this many bytes of text are tokenized inline.
-const INLINE_TOKENIZE_BYTES: usize = 2048;
-
 /// Where this stage's output currently goes.
 struct Sink {
     id: u64,
@@ -85,8 +85,9 @@ pub struct StageServer {
     local_measurement: Measurement,
     replay: std::sync::Mutex<ReplayGuards>,
     limits: ChannelLimits,
-    work: std::sync::mpsc::Sender<Work>,
-    out: mpsc::Sender<Output>,
+    /// The compute thread's input, gated by configuration epoch (bumped
+    /// when the owner's host channel closes), and its output queue.
+    gate: WorkGate,
     sink: Mutex<Option<Sink>>,
     /// Generation exit stage: the attested channel back to the entry stage.
     feedback: Mutex<Option<SharedSender>>,
@@ -96,11 +97,6 @@ pub struct StageServer {
     /// (and so take its output) until it closes.
     owner: std::sync::Mutex<Option<u64>>,
     next_session: AtomicU64,
-    /// Configuration epoch: bumped when the owner's host channel closes
-    /// (the pipeline it served is gone). Work reaches the compute thread
-    /// only from channels of the current epoch ([`Self::submit`]), so
-    /// nothing of a torn-down pipeline outlives its `Work::Reset`.
-    epoch: std::sync::Mutex<u64>,
     /// The epochs in which an upstream session, and a feedback session, was
     /// accepted: one of each per epoch ([`Self::claim_session`]), so that
     /// every request id, row and token this stage holds comes from one
@@ -143,14 +139,12 @@ impl StageServer {
                 ),
             }),
             limits: ChannelLimits::default(),
-            work,
-            out,
+            gate: WorkGate::new(work, out),
             sink: Mutex::new(None),
             feedback: Mutex::new(None),
             next_sink: AtomicU64::new(1),
             owner: std::sync::Mutex::new(None),
             next_session: AtomicU64::new(1),
-            epoch: std::sync::Mutex::new(0),
             sessions: std::sync::Mutex::new([None; 2]),
             max_inputs: setup.max_inputs,
         })
@@ -287,7 +281,7 @@ impl StageServer {
     /// are given again only after the host channel that configured the
     /// stage closed (a new epoch, every request dropped).
     fn claim_session(&self, session: PeerSession) -> Result<u64, String> {
-        let epoch = self.current_epoch();
+        let epoch = self.gate.current();
         if matches!(session, PeerSession::Upstream) && self.owner.lock().unwrap().is_none() {
             return Err("this stage is not configured; it takes no upstream stage yet".into());
         }
@@ -303,42 +297,13 @@ impl StageServer {
         Ok(epoch)
     }
 
-    /// The current configuration epoch.
-    fn current_epoch(&self) -> u64 {
-        *self.epoch.lock().unwrap()
-    }
-
-    /// Hands `works` to the compute thread if the stage is still in
-    /// configuration `epoch`; `false` (nothing sent) if the pipeline they
-    /// came from was torn down since. Checked and sent under one lock, so
-    /// no work of an old epoch can follow its `Work::Reset`.
-    pub(super) fn submit(&self, epoch: u64, works: impl IntoIterator<Item = Work>) -> bool {
-        let current = self.epoch.lock().unwrap();
-        if *current != epoch {
-            return false;
-        }
-        for w in works {
-            if self.work.send(w).is_err() {
-                tracing::error!("compute thread is gone");
-                return false;
-            }
-        }
-        true
-    }
-
     /// The host channel that configured the stage closed: its pipeline is
     /// gone. Every request of it is dropped in the compute thread (freeing
     /// trackers, sequences and KV cache), and the channels it set up (to
     /// the next stage, and the exit stage's feedback channel) are closed,
     /// so the stages beside this one drop theirs too.
     async fn tear_down(&self) {
-        {
-            let mut epoch = self.epoch.lock().unwrap();
-            *epoch += 1;
-            if self.work.send(Work::Reset).is_err() {
-                tracing::error!("compute thread is gone");
-            }
-        }
+        self.gate.reset();
         let sink = self.sink.lock().await.take();
         let feedback = self.feedback.lock().await.take();
         // Not awaited here: a writer stuck on a dead peer delays its
@@ -413,7 +378,7 @@ impl StageServer {
                     });
                     match configured {
                         Ok(()) => {
-                            my_epoch = Some(self.current_epoch());
+                            my_epoch = Some(self.gate.current());
                             if let Some(hpke) = &self.keys.hpke {
                                 if key_pusher.is_none() {
                                     key_pusher = Some(push_key_sets(hpke.subscribe(), tx.clone()));
@@ -443,7 +408,7 @@ impl StageServer {
                         tracing::warn!("cancellation from a host channel that did not configure the stage; closing");
                         break;
                     };
-                    self.submit(epoch, [Work::Cancel { request_id }]);
+                    self.gate.submit(epoch, [Work::Cancel { request_id }]);
                     None
                 }
                 HostMessage::Request(req) => {
@@ -604,7 +569,7 @@ impl StageServer {
     /// stage, accepted in configuration `epoch` and taken only while it lasts.
     async fn feedback_session(&self, mut rx: ChannelReceiver, epoch: u64) {
         while let Some(m) = received(rx.recv_msg::<FeedbackMessage>().await, "feedback") {
-            if !self.submit(epoch, [Work::Feedback(m)]) {
+            if !self.gate.submit(epoch, [Work::Feedback(m)]) {
                 tracing::info!("feedback channel of a torn-down pipeline; closing it");
                 return;
             }
@@ -638,15 +603,11 @@ impl StageServer {
                     Work::Failed { request_id, error }
                 }
             };
-            if !self.submit(epoch, [work]) {
+            if !self.gate.submit(epoch, [work]) {
                 tracing::info!("upstream channel of a torn-down pipeline; closing it");
                 return;
             }
         }
-    }
-
-    async fn emit(&self, o: Output) {
-        let _ = self.out.send(o).await;
     }
 
     /// Drops sink `id` (if still current) and tells the host that set it up.
@@ -700,22 +661,6 @@ impl StageServer {
                     .await;
             }
         }
-    }
-}
-
-/// Runs tokenizer work `f` over `bytes` of text: small inputs tokenize in
-/// microseconds, so inline rather than pay a thread hand-off; large ones go
-/// to the blocking pool so they never stall the runtime.
-async fn off_runtime_if_large<T: Send + 'static>(
-    bytes: usize,
-    f: impl FnOnce() -> Result<T, String> + Send + 'static,
-) -> Result<T, String> {
-    if bytes <= INLINE_TOKENIZE_BYTES {
-        f()
-    } else {
-        tokio::task::spawn_blocking(f)
-            .await
-            .map_err(|e| format!("tokenizer task failed: {e}"))?
     }
 }
 

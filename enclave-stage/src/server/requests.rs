@@ -4,7 +4,7 @@
 //! to the compute thread; errors after the body opened are sealed to the
 //! client.
 
-use super::{off_runtime_if_large, StageServer, DEFAULT_CHAT_MAX_TOKENS};
+use super::{StageServer, DEFAULT_CHAT_MAX_TOKENS};
 use crate::embedding::batcher::Seq;
 use crate::embedding::compute::{admit_rows, rows_left};
 use crate::embedding::engine::Engine;
@@ -42,7 +42,7 @@ impl StageServer {
         let request_id = req.request_id;
         let (plaintext, key) = match self.open(&req) {
             Ok(v) => v,
-            Err(e) => return self.emit(failure(exit, request_id, e)).await,
+            Err(e) => return self.gate.emit(failure(exit, request_id, e)).await,
         };
         // The details (which may echo request content, e.g. a model name) go
         // only into the sealed body; the host sees the status and a generic line.
@@ -66,7 +66,7 @@ impl StageServer {
                 param: None,
                 code: Some("unknown_url".into()),
             };
-            return self.emit(reject(api)).await;
+            return self.gate.emit(reject(api)).await;
         }
         let engine = match &self.model {
             StageModel::Embedding(e) => e.clone(),
@@ -78,7 +78,7 @@ impl StageServer {
         };
         let parsed =
             parse_embeddings(&plaintext, self.max_inputs, engine.hidden_size()).and_then(|r| {
-                if r.model == self.claims().model_id {
+                if r.model == self.model.claims().model_id {
                     Ok(r)
                 } else {
                     Err(ApiError::model_not_found(&r.model))
@@ -86,14 +86,17 @@ impl StageServer {
             });
         let mut request = match parsed {
             Ok(r) => r,
-            Err(api) => return self.emit(reject(api)).await,
+            Err(api) => return self.gate.emit(reject(api)).await,
         };
         let inputs = std::mem::take(&mut request.inputs);
         let n_inputs = inputs.len() as u32;
         let seqs = match self.tokenize(&engine, request_id, inputs).await {
             Ok(s) => s,
             Err(e) => {
-                return self.emit(reject(ApiError::invalid(Some("input"), e))).await;
+                return self
+                    .gate
+                    .emit(reject(ApiError::invalid(Some("input"), e)))
+                    .await;
             }
         };
         // A bounded queue: past it, 503 and retry (before the replay guard
@@ -109,11 +112,11 @@ impl StageServer {
             };
             let mut err = sealed_error(api, ErrorKind::BadInput);
             err.retry_after_secs = Some(1);
-            return self.emit(failure(exit, request_id, err)).await;
+            return self.gate.emit(failure(exit, request_id, err)).await;
         }
         if let Err(e) = self.record_replay(&req) {
             rows_left(rows);
-            return self.emit(failure(exit, request_id, e)).await;
+            return self.gate.emit(failure(exit, request_id, e)).await;
         }
         let mut receipt_id = [0u8; 16];
         rand::rngs::OsRng.fill_bytes(&mut receipt_id);
@@ -122,7 +125,10 @@ impl StageServer {
             request,
             n_inputs,
         };
-        if !self.submit(epoch, [Work::Begin(Box::new(ctx)), Work::Seqs(seqs)]) {
+        if !self
+            .gate
+            .submit(epoch, [Work::Begin(Box::new(ctx)), Work::Seqs(seqs)])
+        {
             rows_left(rows);
             tracing::info!("a request outlived its pipeline; dropped");
         }
@@ -152,12 +158,13 @@ impl StageServer {
                     ctx: Box::new(ctx),
                     prompts,
                 };
-                if !self.submit(epoch, [work]) {
+                if !self.gate.submit(epoch, [work]) {
                     tracing::info!("a request outlived its pipeline; dropped");
                 }
             }
             Err(err) => {
-                self.emit(failure(self.model.claims().is_exit(), request_id, err))
+                self.gate
+                    .emit(failure(self.model.claims().is_exit(), request_id, err))
                     .await
             }
         }
@@ -198,7 +205,7 @@ impl StageServer {
             Api::Chat => "messages",
             Api::Completions => "prompt",
         };
-        if request.model != self.claims().model_id {
+        if request.model != self.model.claims().model_id {
             return Err(ApiError::model_not_found(&request.model));
         }
         let prompts = std::mem::take(&mut request.prompts);
@@ -445,5 +452,24 @@ pub(super) fn envelope(
         opened: OpenedKey::of(req.headers.key_id, &req.headers.enc),
         response_key,
         trace: req.trace,
+    }
+}
+
+/// Requests with at most this many bytes of text are tokenized inline.
+const INLINE_TOKENIZE_BYTES: usize = 2048;
+
+/// Runs tokenizer work `f` over `bytes` of text: small inputs tokenize in
+/// microseconds, so inline rather than pay a thread hand-off; large ones go
+/// to the blocking pool so they never stall the runtime.
+async fn off_runtime_if_large<T: Send + 'static>(
+    bytes: usize,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    if bytes <= INLINE_TOKENIZE_BYTES {
+        f()
+    } else {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| format!("tokenizer task failed: {e}"))?
     }
 }
