@@ -26,12 +26,13 @@ use crate::bundle::{fetch_bundle, load_bundle};
 use crate::client_key::{aead_name, ClientKeyFile};
 use crate::io::{parse_hex, read_input, write_output};
 use crate::transport::{base_url, http_client, random_nonce, runtime};
-use crate::verify::{verify_evidence, Status};
+use crate::verify::verify_evidence;
 use crate::{EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use proto::policy::Policy;
 use proto::receipt::ReceiptTrailer;
+use proto::report::CheckStatus;
 use proto::sealing::{open_response_with_trailer, seal_request, Aead, KeyConfig};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -214,8 +215,8 @@ fn verified_keys(
     );
     let ok = out.ok();
     for l in &out.lines {
-        if !ok || l.status != Status::Pass {
-            eprintln!("{}", l.text());
+        if !ok || l.status != CheckStatus::Pass {
+            eprintln!("{l}");
         }
     }
     match out.verified.filter(|_| ok) {

@@ -12,6 +12,7 @@ use crate::frames::StageClaims;
 use crate::key_rotation::KeySet;
 use crate::policy::Policy;
 use crate::receipt::StageKeys;
+use crate::report::{Check, CheckStatus};
 use crate::sealing::KeyConfig;
 use serde::{Deserialize, Serialize};
 
@@ -78,21 +79,14 @@ pub enum LegacyEvidence {
     Accept,
 }
 
-/// One line of a verification report.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Check {
-    /// What was checked.
-    pub name: String,
-    /// Whether it held.
-    pub ok: bool,
-    /// Details or the reason it failed.
-    pub detail: String,
-}
-
 fn check(out: &mut Vec<Check>, name: String, r: Result<String, String>) -> bool {
     let ok = r.is_ok();
-    let detail = r.unwrap_or_else(|e| e);
-    out.push(Check { name, ok, detail });
+    let status = if ok {
+        CheckStatus::Pass
+    } else {
+        CheckStatus::Fail
+    };
+    out.push(Check::new(status, name, r.unwrap_or_else(|e| e)));
     ok
 }
 
@@ -434,7 +428,7 @@ mod tests {
             assert!(
                 lines
                     .iter()
-                    .any(|l| !l.ok && l.detail.contains("for its purpose (attestation)")),
+                    .any(|l| l.failed() && l.detail.contains("for its purpose (attestation)")),
                 "{lines:?}"
             );
         }
@@ -459,7 +453,9 @@ mod tests {
         let (lines, ok) = b.verify_accepting(&policy, b"nonce", &v, LegacyEvidence::Accept);
         assert!(ok.is_some(), "{lines:?}");
         assert!(
-            lines.iter().any(|l| l.ok && l.detail.contains("LEGACY")),
+            lines
+                .iter()
+                .any(|l| l.passed() && l.detail.contains("LEGACY")),
             "{lines:?}"
         );
         for (lines, ok) in [
@@ -470,7 +466,7 @@ mod tests {
             assert!(
                 lines
                     .iter()
-                    .any(|l| !l.ok && l.detail.contains("LEGACY claims binding")),
+                    .any(|l| l.failed() && l.detail.contains("LEGACY claims binding")),
                 "{lines:?}"
             );
         }
@@ -513,7 +509,7 @@ mod tests {
         assert!(
             lines
                 .iter()
-                .any(|l| !l.ok && l.detail.contains("signed HPKE key set")),
+                .any(|l| l.failed() && l.detail.contains("signed HPKE key set")),
             "{lines:?}"
         );
     }

@@ -31,6 +31,7 @@ pub mod nitro;
 pub mod openai;
 pub mod policy;
 pub mod receipt;
+pub mod report;
 pub mod sealing;
 pub mod tensor;
 pub mod text;

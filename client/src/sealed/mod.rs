@@ -13,7 +13,7 @@
 //!    ([`Sealed::open_error`]).
 
 use crate::seal_open::pick_key;
-use crate::verify::{verify_evidence, Status};
+use crate::verify::verify_evidence;
 use proto::bundle::{EvidenceBundle, VerifiedBundle};
 use proto::policy::Policy;
 use proto::receipt::{
@@ -100,8 +100,8 @@ impl Attested {
             None => Err(out
                 .lines
                 .iter()
-                .filter(|l| l.status == Status::Fail)
-                .map(|l| l.text())
+                .filter(|l| l.status == CheckStatus::Fail)
+                .map(|l| l.to_string())
                 .collect()),
         }
     }

@@ -2,10 +2,11 @@
 
 use super::sse::{ends_with_error_event, forwardable, is_error_object};
 use super::{check_receipt, RequestRecord};
-use crate::verify::{verify_evidence, Status};
+use crate::verify::verify_evidence;
 use proto::bundle::{EvidenceBundle, LegacyEvidence};
 use proto::completions::STREAM_DONE;
 use proto::policy::Policy;
+use proto::report::CheckStatus;
 
 #[test]
 fn whole_events_go_out_and_done_waits() {
@@ -256,7 +257,7 @@ fn legacy_evidence_only_offline() {
     assert!(offline
         .lines
         .iter()
-        .any(|l| l.status == Status::Pass && l.detail.contains("LEGACY")));
+        .any(|l| l.status == CheckStatus::Pass && l.detail.contains("LEGACY")));
     // Current evidence passes the online path.
     let (current, policy) = mock_bundle(nonce, false);
     let attested = super::Attested::verify(current, &policy, nonce).unwrap();

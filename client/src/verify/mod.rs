@@ -15,6 +15,7 @@ use proto::attestation::{AnyVerifier, AttestError, BindingError, ExpectedBinding
 use proto::bundle::{EvidenceBundle, LegacyEvidence, VerifiedBundle};
 use proto::nitro::{decode_document, NitroVerifier};
 use proto::policy::Policy;
+use proto::report::CheckStatus;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -91,74 +92,9 @@ pub struct EvidenceArgs {
     pub bundle: PathBuf,
 }
 
-/// Status of a line of output.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Status {
-    Pass,
-    Fail,
-    Skip,
-    Warn,
-    Info,
-}
-
-impl Status {
-    fn label(self) -> &'static str {
-        match self {
-            Status::Pass => "PASS",
-            Status::Fail => "FAIL",
-            Status::Skip => "SKIP",
-            Status::Warn => "WARN",
-            Status::Info => "INFO",
-        }
-    }
-
-    fn json(self) -> &'static str {
-        match self {
-            Status::Pass => "pass",
-            Status::Fail => "fail",
-            Status::Skip => "skipped",
-            Status::Warn => "warn",
-            Status::Info => "info",
-        }
-    }
-}
-
-/// One line of output.
-#[derive(Clone, Debug)]
-pub(crate) struct Line {
-    pub status: Status,
-    pub name: String,
-    pub detail: String,
-    pub reason: Option<&'static str>,
-}
-
-impl Line {
-    fn new(status: Status, name: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self {
-            status,
-            name: name.into(),
-            detail: detail.into(),
-            reason: None,
-        }
-    }
-
-    pub(crate) fn text(&self) -> String {
-        let mut s = format!("{} {}: {}", self.status.label(), self.name, self.detail);
-        if let Some(r) = self.reason {
-            s += &format!(" [{r}]");
-        }
-        s
-    }
-
-    fn to_json(&self) -> serde_json::Value {
-        json!({
-            "name": self.name,
-            "status": self.status.json(),
-            "detail": self.detail,
-            "reason": self.reason,
-        })
-    }
-}
+/// One line of output: the report line every verifier uses, with a
+/// stable reason code when a receipt check failed.
+pub(crate) type Line = proto::report::Check;
 
 /// The outcome of verifying a bundle.
 pub(crate) struct EvidenceOutcome {
@@ -171,7 +107,7 @@ pub(crate) struct EvidenceOutcome {
 impl EvidenceOutcome {
     /// Whether everything held.
     pub fn ok(&self) -> bool {
-        self.verified.is_some() && self.lines.iter().all(|l| l.status != Status::Fail)
+        self.verified.is_some() && self.lines.iter().all(|l| l.status != CheckStatus::Fail)
     }
 
     /// Machine-readable form.
@@ -221,7 +157,7 @@ pub(crate) fn verify_evidence(
     let nonce = nonce.unwrap_or(&bundle.nonce).to_vec();
     if !nonce_checked {
         lines.push(Line::new(
-            Status::Warn,
+            CheckStatus::Warn,
             "freshness",
             format!(
                 "no --nonce given: using the bundle's own nonce ({}), so this does not show \
@@ -238,7 +174,7 @@ pub(crate) fn verify_evidence(
     if let Some(t) = at {
         verifier.nitro = verifier.nitro.at(t);
         lines.push(Line::new(
-            Status::Info,
+            CheckStatus::Info,
             "time",
             format!("Nitro certificates are judged at {t} (Unix s), not now"),
         ));
@@ -246,16 +182,12 @@ pub(crate) fn verify_evidence(
     let (checks, verified) = bundle.verify_accepting(policy, &nonce, &verifier, legacy);
     let mut measurement_failed = false;
     for c in checks {
-        measurement_failed |= !c.ok && c.detail.contains("is not in the policy");
-        lines.push(Line::new(
-            if c.ok { Status::Pass } else { Status::Fail },
-            c.name,
-            c.detail,
-        ));
+        measurement_failed |= c.failed() && c.detail.contains("is not in the policy");
+        lines.push(Line::new(c.status, c.name, c.detail));
     }
     if measurement_failed && policy.trust_local_build {
         lines.push(Line::new(
-            Status::Info,
+            CheckStatus::Info,
             "hint",
             "trust_local_build applies only inside the gateway that launches the stages; an \
              offline verifier accepts pinned measurements only (see docs/curl.md)",
@@ -264,7 +196,7 @@ pub(crate) fn verify_evidence(
     if let Some(v) = &verified {
         if v.mock {
             lines.push(Line::new(
-                Status::Warn,
+                CheckStatus::Warn,
                 "mock",
                 format!(
                     "{} (accepted because the policy sets allow_mock = true)",
@@ -287,12 +219,15 @@ fn load_policy(path: &Path) -> Result<Policy> {
 
 fn print_lines(lines: &[Line]) {
     for l in lines {
-        println!("{}", l.text());
+        println!("{l}");
     }
 }
 
 fn result_line(ok: bool, what: &str, lines: &[Line]) {
-    let failed = lines.iter().filter(|l| l.status == Status::Fail).count();
+    let failed = lines
+        .iter()
+        .filter(|l| l.status == CheckStatus::Fail)
+        .count();
     if ok {
         println!("RESULT: OK ({what} verified)");
     } else {
@@ -347,7 +282,7 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
     let v = match result {
         Ok(v) => {
             lines.push(Line::new(
-                Status::Pass,
+                CheckStatus::Pass,
                 "document",
                 format!(
                     "COSE_Sign1 ({}), ES384, payload well formed",
@@ -355,7 +290,7 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
                 ),
             ));
             lines.push(Line::new(
-                Status::Pass,
+                CheckStatus::Pass,
                 "certificate chain",
                 format!(
                     "{} certificates up to the pinned AWS Nitro root G1 (sha256 {}), all valid at {} (Unix s); leaf valid {}..{}",
@@ -367,7 +302,7 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
                 ),
             ));
             lines.push(Line::new(
-                Status::Pass,
+                CheckStatus::Pass,
                 "signature",
                 "ES384 signature by the leaf certificate's key verifies",
             ));
@@ -377,11 +312,11 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
             let step = failed_step(&e);
             let at = steps.iter().position(|s| *s == step).unwrap_or(0);
             for s in &steps[..at] {
-                lines.push(Line::new(Status::Pass, *s, "ok"));
+                lines.push(Line::new(CheckStatus::Pass, *s, "ok"));
             }
-            lines.push(Line::new(Status::Fail, step, e.to_string()));
+            lines.push(Line::new(CheckStatus::Fail, step, e.to_string()));
             for s in &steps[at + 1..] {
-                lines.push(Line::new(Status::Skip, *s, "not checked"));
+                lines.push(Line::new(CheckStatus::Skipped, *s, "not checked"));
             }
             None
         }
@@ -391,29 +326,37 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
         let Measurement::Nitro(pcrs) = &d.measurement else {
             bail!("a Nitro document without PCRs");
         };
-        lines.push(Line::new(Status::Info, "module_id", d.module_id.clone()));
         lines.push(Line::new(
-            Status::Info,
+            CheckStatus::Info,
+            "module_id",
+            d.module_id.clone(),
+        ));
+        lines.push(Line::new(
+            CheckStatus::Info,
             "timestamp",
             format!("{} ms ({} Unix s)", d.timestamp_ms, d.timestamp_ms / 1000),
         ));
         for (i, p) in &pcrs.0 {
-            lines.push(Line::new(Status::Info, format!("PCR{i}"), hex::encode(p)));
+            lines.push(Line::new(
+                CheckStatus::Info,
+                format!("PCR{i}"),
+                hex::encode(p),
+            ));
         }
         lines.push(Line::new(
-            Status::Info,
+            CheckStatus::Info,
             "public_key",
             show_bytes(&d.public_key),
         ));
         lines.push(Line::new(
-            Status::Info,
+            CheckStatus::Info,
             "user_data",
             show_bytes(&d.user_data),
         ));
-        lines.push(Line::new(Status::Info, "nonce", show_bytes(&d.nonce)));
+        lines.push(Line::new(CheckStatus::Info, "nonce", show_bytes(&d.nonce)));
         if pcrs.is_debug() {
             lines.push(Line::new(
-                Status::Warn,
+                CheckStatus::Warn,
                 "debug",
                 "the enclave ran in debug mode (PCRs zero): the parent could read its memory",
             ));
@@ -440,11 +383,15 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
             };
             lines.push(match d.check_binding(&expected) {
                 Ok(()) => Line::new(
-                    Status::Pass,
+                    CheckStatus::Pass,
                     format!("binding {name}"),
                     "matches the expected value",
                 ),
-                Err(_) => Line::new(Status::Fail, format!("binding {name}"), err.to_string()),
+                Err(_) => Line::new(
+                    CheckStatus::Fail,
+                    format!("binding {name}"),
+                    err.to_string(),
+                ),
             });
         }
         if let Some(policy) = &policy {
@@ -465,12 +412,12 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
                 .collect();
             let line = match results.iter().find(|(_, r)| r.is_ok()) {
                 Some((s, _)) => Line::new(
-                    Status::Pass,
+                    CheckStatus::Pass,
                     "policy",
                     format!("PCRs accepted for stage {s} ({})", pcrs.pinned_form()),
                 ),
                 None => Line::new(
-                    Status::Fail,
+                    CheckStatus::Fail,
                     "policy",
                     results
                         .iter()
@@ -490,7 +437,7 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
             lines.push(line);
         }
     }
-    let ok = v.is_some() && lines.iter().all(|l| l.status != Status::Fail);
+    let ok = v.is_some() && lines.iter().all(|l| l.status != CheckStatus::Fail);
     if a.json {
         let d = v.as_ref().map(|v| &v.document);
         let pcrs = d.and_then(|d| match &d.measurement {
@@ -504,7 +451,7 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
         let doc = json!({
             "ok": ok,
             "at": a.at,
-            "checks": lines.iter().filter(|l| l.status != Status::Info).map(Line::to_json).collect::<Vec<_>>(),
+            "checks": lines.iter().filter(|l| l.status != CheckStatus::Info).map(Line::to_json).collect::<Vec<_>>(),
             "module_id": d.map(|d| d.module_id.clone()),
             "timestamp_ms": d.map(|d| d.timestamp_ms),
             "pcrs": pcrs,

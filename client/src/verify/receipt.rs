@@ -3,7 +3,7 @@
 //! line asks of it (endpoint, sealing); a missing input fails unless
 //! `--insecure-partial`.
 
-use super::{load_policy, print_lines, result_line, verify_evidence, Line, Status};
+use super::{load_policy, print_lines, result_line, verify_evidence, Line};
 use crate::bundle::load_bundle;
 use crate::client_key::ClientKeyFile;
 use crate::io::{parse_hex, read_input};
@@ -128,7 +128,7 @@ pub(super) fn receipt_info(r: &ReceiptBody, sealing_proven: bool, nonce_given: b
     // and "plain" say it did, so they need no proof.
     let sealing = if sealing_proven || r.sealing != Sealing::Enclave {
         Line::new(
-            Status::Info,
+            CheckStatus::Info,
             "sealing",
             format!(
                 "{}: {}{}",
@@ -143,7 +143,7 @@ pub(super) fn receipt_info(r: &ReceiptBody, sealing_proven: bool, nonce_given: b
         )
     } else {
         Line::new(
-            Status::Warn,
+            CheckStatus::Warn,
             "sealing",
             format!(
                 "NOT PROVEN: the receipt says \"enclave\", which is only the host's word ({}); \
@@ -158,7 +158,7 @@ pub(super) fn receipt_info(r: &ReceiptBody, sealing_proven: bool, nonce_given: b
     };
     let mut out = vec![
         Line::new(
-            Status::Info,
+            CheckStatus::Info,
             "receipt",
             format!(
                 "id {}, endpoint {}, model {}, issued at {} ms, sequence {}, {} stage(s)",
@@ -172,7 +172,11 @@ pub(super) fn receipt_info(r: &ReceiptBody, sealing_proven: bool, nonce_given: b
         ),
         sealing,
         Line::new(
-            if r.mock { Status::Warn } else { Status::Info },
+            if r.mock {
+                CheckStatus::Warn
+            } else {
+                CheckStatus::Info
+            },
             "mock",
             if r.mock {
                 format!("yes: {}", proto::attestation::MOCK_WARNING)
@@ -183,7 +187,7 @@ pub(super) fn receipt_info(r: &ReceiptBody, sealing_proven: bool, nonce_given: b
     ];
     if let (Some(n), false) = (&r.client_nonce, nonce_given) {
         out.push(Line::new(
-            Status::Info,
+            CheckStatus::Info,
             "nonce",
             format!(
                 "the receipt carries client nonce {} (not checked: pass --nonce)",
@@ -239,7 +243,7 @@ pub(super) fn run_receipt(a: ReceiptArgs) -> Result<i32> {
         proto::bundle::LegacyEvidence::Accept,
     );
     for l in &mut evidence.lines {
-        if matches!(l.status, Status::Pass | Status::Fail) {
+        if matches!(l.status, CheckStatus::Pass | CheckStatus::Fail) {
             l.name = format!("evidence.{}", l.name);
         }
     }
@@ -279,7 +283,7 @@ pub(super) fn run_receipt(a: ReceiptArgs) -> Result<i32> {
             evidence_nonce: evidence_nonce.is_some(),
         },
     );
-    let ok = report.ok() && !extra.iter().any(|l| l.status == Status::Fail);
+    let ok = report.ok() && !extra.iter().any(|l| l.status == CheckStatus::Fail);
 
     if a.json {
         let mut doc = json!({
@@ -287,7 +291,7 @@ pub(super) fn run_receipt(a: ReceiptArgs) -> Result<i32> {
             "reason": report
                 .failure()
                 .map(|e| e.code())
-                .or_else(|| extra.iter().find_map(|l| l.reason)),
+                .or_else(|| extra.iter().find_map(|l| l.error)),
             "evidence": evidence.to_json(),
             "receipt": report.to_json(),
             "inputs": extra.iter().map(Line::to_json).collect::<Vec<_>>(),
@@ -302,14 +306,10 @@ pub(super) fn run_receipt(a: ReceiptArgs) -> Result<i32> {
         let mut lines = evidence.lines.clone();
         for c in &report.checks {
             lines.push(Line {
-                status: match c.status {
-                    CheckStatus::Pass => Status::Pass,
-                    CheckStatus::Fail => Status::Fail,
-                    CheckStatus::Skipped => Status::Skip,
-                },
+                status: c.status,
                 name: c.name.clone(),
                 detail: c.detail.clone(),
-                reason: c.error.as_ref().map(|e| e.code()),
+                error: c.error.as_ref().map(|e| e.code()),
             });
         }
         lines.extend(extra.iter().cloned());
@@ -320,11 +320,14 @@ pub(super) fn run_receipt(a: ReceiptArgs) -> Result<i32> {
         let first = report
             .failure()
             .map(|e| e.code())
-            .or_else(|| extra.iter().find_map(|l| l.reason));
+            .or_else(|| extra.iter().find_map(|l| l.error));
         match first {
             None => result_line(true, "receipt", &lines),
             Some(code) => {
-                let failed = lines.iter().filter(|l| l.status == Status::Fail).count();
+                let failed = lines
+                    .iter()
+                    .filter(|l| l.status == CheckStatus::Fail)
+                    .count();
                 println!("RESULT: FAILED ({failed} check(s) failed; first: {code})");
             }
         }
@@ -373,20 +376,20 @@ pub(super) fn cli_checks(a: &ReceiptArgs, report: &VerifyReport, g: &Given) -> V
         }
         out.push(if a.insecure_partial {
             Line::new(
-                Status::Warn,
+                CheckStatus::Warn,
                 name,
                 format!("INSECURE (--insecure-partial): not checked: {what} was not given"),
             )
         } else {
             let mut l = Line::new(
-                Status::Fail,
+                CheckStatus::Fail,
                 name,
                 format!(
                     "not given: {what}; without it the receipt proves less than it seems \
                      (--insecure-partial accepts that)"
                 ),
             );
-            l.reason = Some("input_missing");
+            l.error = Some("input_missing");
             l
         });
     }
@@ -395,12 +398,16 @@ pub(super) fn cli_checks(a: &ReceiptArgs, report: &VerifyReport, g: &Given) -> V
     };
     let mut check = |name: &str, ok: bool, pass: String, fail: String, reason: &'static str| {
         let mut l = Line::new(
-            if ok { Status::Pass } else { Status::Fail },
+            if ok {
+                CheckStatus::Pass
+            } else {
+                CheckStatus::Fail
+            },
             name,
             if ok { pass } else { fail },
         );
         if !ok {
-            l.reason = Some(reason);
+            l.error = Some(reason);
         }
         out.push(l);
     };

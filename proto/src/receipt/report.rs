@@ -3,46 +3,15 @@
 
 use super::error::ReceiptError;
 use super::format::{ReceiptBody, Sealing};
-use serde::Serialize;
-use std::fmt;
+pub use crate::report::CheckStatus;
 
-/// Outcome of one check.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CheckStatus {
-    /// The check held.
-    Pass,
-    /// The check failed.
-    Fail,
-    /// Not checked (input not given).
-    Skipped,
-}
+/// One line of a receipt's verification report: the shared report line
+/// with the typed reason.
+pub type Check = crate::report::Check<ReceiptError>;
 
-/// One line of a verification report.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Check {
-    /// Check name, e.g. `receipt.signature`, `link[1].data_flow`.
-    pub name: String,
-    /// Outcome.
-    pub status: CheckStatus,
-    /// Human-readable detail.
-    pub detail: String,
-    /// The reason, when it failed.
-    pub error: Option<ReceiptError>,
-}
-
-impl fmt::Display for Check {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = match self.status {
-            CheckStatus::Pass => "PASS",
-            CheckStatus::Fail => "FAIL",
-            CheckStatus::Skipped => "SKIP",
-        };
-        write!(f, "{s} {}: {}", self.name, self.detail)?;
-        if let Some(e) = &self.error {
-            write!(f, " [{}]", e.code())?;
-        }
-        Ok(())
+impl crate::report::ReasonCode for ReceiptError {
+    fn code(&self) -> &'static str {
+        ReceiptError::code(self)
     }
 }
 
@@ -89,18 +58,7 @@ impl VerifyReport {
     /// Machine-readable form: `{ok, reason, checks: [{name, status, detail,
     /// reason}], receipt: {…} | null}`.
     pub fn to_json(&self) -> serde_json::Value {
-        let checks: Vec<_> = self
-            .checks
-            .iter()
-            .map(|c| {
-                serde_json::json!({
-                    "name": c.name,
-                    "status": c.status,
-                    "detail": c.detail,
-                    "reason": c.error.as_ref().map(|e| e.code()),
-                })
-            })
-            .collect();
+        let checks: Vec<_> = self.checks.iter().map(Check::to_json).collect();
         let receipt = self.receipt.as_ref().map(|r| {
             serde_json::json!({
                 "receipt_id": hex::encode(r.receipt_id),
