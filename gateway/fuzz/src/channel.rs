@@ -4,26 +4,19 @@
 //! with its evidence, then records) to the gateway that initiates.
 //!
 //! Property: every byte stream ends the handshake or the channel with an
-//! error or a clean close, within the handshake timeout; nothing panics.
+//! error or a clean close; nothing panics. The input drives the channel's
+//! I/O-free core (`proto::channel::handshake` and `record`) directly, as
+//! the tokio driver does with a socket's bytes: no runtime, no socket.
 
 use proto::attestation::{mock_measurement, Measurement, MockProvider};
-use proto::channel::{ChannelLimits, LocalIdentity, PeerInfo};
+use proto::channel::handshake::{Initiator, Responder};
+use proto::channel::messages::frame_len;
+use proto::channel::record::{RecordOpener, HEADER_LEN};
+use proto::channel::{ChannelError, ChannelLimits, LocalIdentity, PeerInfo};
 use proto::digest::Sha256Digest;
 use proto::frames::StageClaims;
-use proto::io::channel::{initiate, respond};
-use proto::io::transport::BoxStream;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-
-fn runtime() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime")
-    })
-}
 
 /// The claims of the stage the fuzzer talks to (an entry stage holding
 /// the `sealing` target's key).
@@ -74,12 +67,48 @@ pub fn limits() -> ChannelLimits {
     }
 }
 
-/// A stream that reads `input` and discards what is written to it.
-fn peer(input: &[u8]) -> BoxStream {
-    Box::new(tokio::io::join(
-        std::io::Cursor::new(input.to_vec()),
-        tokio::io::sink(),
-    ))
+/// Takes one handshake frame off the front of `input`.
+fn take_frame<'a>(input: &mut &'a [u8]) -> Option<&'a [u8]> {
+    let prefix: [u8; 4] = input.get(..4)?.try_into().ok()?;
+    let len = frame_len(prefix).ok()?;
+    let bytes = input.get(4..4 + len)?;
+    *input = &input[4 + len..];
+    Some(bytes)
+}
+
+/// Reads records off the front of `input` through `opener` until one
+/// completes a message: `Ok(None)` at a clean end between messages, an
+/// error for a truncated or refused record.
+fn take_message(
+    input: &mut &[u8],
+    opener: &mut RecordOpener,
+) -> Result<Option<Vec<u8>>, ChannelError> {
+    loop {
+        if input.is_empty() && !opener.mid_message() {
+            return Ok(None);
+        }
+        let prefix: [u8; 4] = input
+            .get(..4)
+            .ok_or(ChannelError::Truncated)?
+            .try_into()
+            .expect("4 bytes");
+        opener.begin_record();
+        let len = opener.record_len(prefix)?;
+        let header: [u8; HEADER_LEN] = input
+            .get(..HEADER_LEN)
+            .ok_or(ChannelError::Truncated)?
+            .try_into()
+            .expect("12 bytes");
+        opener.check_sequence(&header)?;
+        let body = input
+            .get(HEADER_LEN..4 + len)
+            .ok_or(ChannelError::Truncated)?;
+        let body = body.to_vec();
+        *input = &input[4 + len..];
+        if let Some(msg) = opener.open(&header, body)? {
+            return Ok(Some(msg));
+        }
+    }
 }
 
 /// Runs one input: the first byte picks our side (even: we respond).
@@ -89,23 +118,43 @@ pub fn run(data: &[u8]) {
 
 /// [`run`], telling whether the handshake completed.
 pub fn handshake(data: &[u8]) -> bool {
-    let Some((side, input)) = crate::selector(data) else {
+    let Some((side, mut input)) = crate::selector(data) else {
         return false;
     };
     let accept = |_: &PeerInfo| Ok(());
-    runtime().block_on(async {
-        let host = LocalIdentity::host();
-        let channel = if side % 2 == 0 {
-            respond(peer(input), stage(), limits(), &accept).await
-        } else {
-            initiate(peer(input), &host, limits(), &accept).await
+    let mut keys = if side % 2 == 0 {
+        // We respond: the input is the initiator's hello, finish, records.
+        let Some(m1) = take_frame(&mut input) else {
+            return false;
         };
-        match channel {
-            Ok((_tx, mut rx, _peer)) => {
-                while let Ok(Some(_)) = rx.recv().await {}
-                true
-            }
-            Err(_) => false,
+        let Ok((state, _m2)) = Responder::hello(stage(), m1) else {
+            return false;
+        };
+        let Some(m3) = take_frame(&mut input) else {
+            return false;
+        };
+        match state.finish(stage(), m3, limits(), &accept) {
+            Ok((_verdict, Ok((keys, _peer)))) => keys,
+            _ => return false,
         }
-    })
+    } else {
+        // We initiate: the input is the responder's hello, verdict, records.
+        let host = LocalIdentity::host();
+        let (state, _m1) = Initiator::start(&host);
+        let Some(m2) = take_frame(&mut input) else {
+            return false;
+        };
+        let Ok((_m3, mut pending)) = state.finish(&host, m2, limits(), &accept) else {
+            return false;
+        };
+        let Ok(verdict) = take_message(&mut input, pending.opener()) else {
+            return false;
+        };
+        match pending.verdict(verdict.as_deref()) {
+            Ok((keys, _peer)) => keys,
+            Err(_) => return false,
+        }
+    };
+    while let Ok(Some(_)) = take_message(&mut input, &mut keys.recv) {}
+    true
 }

@@ -8,7 +8,10 @@
 use crate::{channel, evidence, sealing};
 use proto::attestation::{attest_claims, EvidencePurpose, MockProvider};
 use proto::bundle::{EvidenceBundle, StageEvidence};
-use proto::channel::PeerInfo;
+use proto::channel::handshake::{Initiator, Keys, Responder};
+use proto::channel::messages::frame;
+use proto::channel::record::HEADER_LEN;
+use proto::channel::{LocalIdentity, PeerInfo};
 use proto::frames::{
     ActivationBatch, ActivationMessage, BatchItem, FeedbackMessage, HostMessage, NextToken,
     SealedRequest, StageReply,
@@ -18,10 +21,6 @@ use proto::receipt::ReceiptTrailer;
 use proto::sealing::{Aead, ResponseSealer, SealLimits, ServerKey};
 use proto::tensor::TensorFrame;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Every seed as `(target, input)`.
 pub fn all() -> Vec<(&'static str, Vec<u8>)> {
@@ -86,84 +85,59 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// A stream that records what is written to it.
-struct Recorder {
-    inner: tokio::io::DuplexStream,
-    log: Arc<Mutex<Vec<u8>>>,
-}
-
-impl AsyncRead for Recorder {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Recorder {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        data: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write(cx, data);
-        if let Poll::Ready(Ok(n)) = &r {
-            self.log.lock().expect("log").extend_from_slice(&data[..*n]);
-        }
-        r
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
 /// A real handshake between the gateway and a stage, then a message each
-/// way: what the gateway sent, and what the stage sent.
+/// way (run in memory through the channel's I/O-free core): the bytes the
+/// gateway sent, and the bytes the stage sent.
 fn recorded_handshake() -> (Vec<u8>, Vec<u8>) {
-    let (a, b) = tokio::io::duplex(1 << 20);
-    let (host_log, stage_log) = (Arc::default(), Arc::default());
-    let host_side = Recorder {
-        inner: a,
-        log: Arc::clone(&host_log),
+    let accept = |_: &PeerInfo| Ok(());
+    let host = LocalIdentity::host();
+    let (initiator, m1) = Initiator::start(&host);
+    let (responder, m2) = Responder::hello(channel::stage(), &m1).expect("hello");
+    let (m3, mut pending) = initiator
+        .finish(&host, &m2, channel::limits(), &accept)
+        .expect("finish");
+    let (verdict, accepted) = responder
+        .finish(channel::stage(), &m3, channel::limits(), &accept)
+        .expect("verdict");
+    let (mut stage_keys, _) = accepted.expect("accepted");
+    let mut host_bytes = [frame(&m1), frame(&m3)].concat();
+    let mut stage_bytes = [frame(&m2), verdict.clone()].concat();
+    // The gateway reads the verdict before it sends anything on the keys.
+    let mut opener_input: &[u8] = &verdict;
+    let mut msg = Vec::new();
+    while msg.is_empty() {
+        let prefix: [u8; 4] = opener_input[..4].try_into().expect("prefix");
+        let len = pending.opener().record_len(prefix).expect("record");
+        let header: [u8; HEADER_LEN] = opener_input[..HEADER_LEN].try_into().expect("header");
+        let body = opener_input[HEADER_LEN..4 + len].to_vec();
+        opener_input = &opener_input[4 + len..];
+        if let Some(m) = pending
+            .opener()
+            .open(&header, body)
+            .expect("verdict record")
+        {
+            msg = m;
+        }
+    }
+    let (mut host_keys, _) = pending.verdict(Some(&msg)).expect("accepted");
+    let seal = |keys: &mut Keys, msg: &[u8], out: &mut Vec<u8>| {
+        let chunks: Vec<_> = keys.send.chunks(msg).expect("size").collect();
+        for (chunk, last) in chunks {
+            out.extend(keys.send.seal(chunk, last).expect("seal"));
+        }
     };
-    let stage_side = Recorder {
-        inner: b,
-        log: Arc::clone(&stage_log),
-    };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    rt.block_on(async {
-        let accept = |_: &PeerInfo| Ok(());
-        let host = proto::channel::LocalIdentity::host();
-        let (h, s) = tokio::join!(
-            proto::io::channel::initiate(Box::new(host_side), &host, channel::limits(), &accept),
-            proto::io::channel::respond(
-                Box::new(stage_side),
-                channel::stage(),
-                channel::limits(),
-                &accept
-            ),
-        );
-        let ((mut htx, _hrx, _), (mut stx, mut srx, _)) = (h.expect("host"), s.expect("stage"));
-        htx.send_msg(&HostMessage::Stats).await.expect("send");
-        htx.send(&[0x5a; 3000]).await.expect("send");
-        srx.recv().await.expect("recv");
-        srx.recv().await.expect("recv");
-        stx.send_msg(&StageReply::DownstreamLost("gone".into()))
-            .await
-            .expect("send");
-    });
-    let take = |log: Arc<Mutex<Vec<u8>>>| log.lock().expect("log").clone();
-    (take(host_log), take(stage_log))
+    seal(
+        &mut host_keys,
+        &proto::cbor::to_vec(&HostMessage::Stats),
+        &mut host_bytes,
+    );
+    seal(&mut host_keys, &[0x5a; 3000], &mut host_bytes);
+    seal(
+        &mut stage_keys,
+        &proto::cbor::to_vec(&StageReply::DownstreamLost("gone".into())),
+        &mut stage_bytes,
+    );
+    (host_bytes, stage_bytes)
 }
 
 fn frames() -> Vec<(u8, Vec<u8>)> {
