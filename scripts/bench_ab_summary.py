@@ -13,6 +13,8 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 
+from bench_venv import run_plot
+
 
 def embeddings(path):
     e = json.load(open(os.path.join(path, "embeddings.json")))
@@ -116,14 +118,8 @@ def main():
 
 
 def plot(rows, path):
-    """new/old per metric, with the old side's own spread, through the
-    benchmark virtualenv's matplotlib (target/bench-venv)."""
-    venv = "target/bench-venv"
-    py = os.path.join(venv, "bin", "python")
-    if not os.path.exists(py):
-        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    if subprocess.run([py, "-c", "import matplotlib"], capture_output=True).returncode != 0:
-        subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "matplotlib"], check=True)
+    """new/old per metric, with the old side's own spread (matplotlib in
+    the benchmark virtualenv, bench_venv.py)."""
     code = r"""
 import json, sys
 import matplotlib
@@ -147,7 +143,7 @@ ax.legend(fontsize=8, loc="lower right")
 fig.tight_layout()
 fig.savefig(sys.argv[2], dpi=110)
 """
-    subprocess.run([py, "-c", code, json.dumps(rows), path], check=True)
+    run_plot(code, json.dumps(rows), path)
 
 
 if __name__ == "__main__":

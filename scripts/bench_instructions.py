@@ -33,17 +33,21 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
+from bench_venv import run_plot
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-SENTENCES = [
-    "The weather is lovely today.",
-    "Please send me the quarterly report by Friday.",
-    "How do I reset my password?",
-    "The cat sat quietly on the warm windowsill.",
-    "Our new office is located near the central train station.",
-    "Can you recommend a good Italian restaurant in the area?",
-    "The meeting has been moved to Thursday afternoon.",
-    "Patients should fast for eight hours before the procedure.",
-]
+BENCH_EMBEDDINGS = os.path.join(ROOT, "gateway/examples/bench_embeddings.rs")
+
+
+def sentences():
+    """The embeddings benchmark's sentences, read from its source (one list
+    for both benchmarks)."""
+    src = open(BENCH_EMBEDDINGS).read()
+    body = re.search(r"const SENTENCES: \[&str; \d+\] = \[(.*?)\];", src, re.S).group(1)
+    found = [json.loads(s) for s in re.findall(r'"(?:[^"\\]|\\.)*"', body)]
+    if not found:
+        sys.exit(f"bench_instructions: no SENTENCES in {BENCH_EMBEDDINGS}")
+    return found
 
 
 def config_for(src, workdir, port):
@@ -94,6 +98,7 @@ def totals(workdir, gateway_pid):
 
 
 def run_side(name, bin_dir, config_src, requests, warmup):
+    texts = sentences()
     workdir = tempfile.mkdtemp(prefix=f"instr-{name}-")
     port = 18600 if name == "old" else 18601
     config = config_for(config_src, workdir, port)
@@ -111,10 +116,10 @@ def run_side(name, bin_dir, config_src, requests, warmup):
                     raise RuntimeError(f"{name}: gateway did not come up (log: {workdir}/gateway.log)")
                 time.sleep(5)
         for i in range(warmup):
-            post(port, SENTENCES[i % len(SENTENCES)])
+            post(port, texts[i % len(texts)])
         subprocess.run(["callgrind_control", "-z"], check=True, capture_output=True)
         for i in range(requests):
-            post(port, SENTENCES[i % len(SENTENCES)])
+            post(port, texts[i % len(texts)])
         for f in glob.glob(f"{workdir}/cg.*"):
             os.remove(f)
         subprocess.run(["callgrind_control", "-d"], check=True, capture_output=True)
@@ -191,14 +196,8 @@ def main():
 
 
 def plot(old, new, path):
-    """Old and new bars per process, through the benchmark virtualenv's
-    matplotlib (target/bench-venv)."""
-    venv = os.path.join(ROOT, "target/bench-venv")
-    py = os.path.join(venv, "bin", "python")
-    if not os.path.exists(py):
-        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    if subprocess.run([py, "-c", "import matplotlib"], capture_output=True).returncode != 0:
-        subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "matplotlib"], check=True)
+    """Old and new bars per process (matplotlib in the benchmark
+    virtualenv, bench_venv.py)."""
     code = r"""
 import json, sys
 import matplotlib
@@ -217,7 +216,7 @@ ax.legend()
 fig.tight_layout()
 fig.savefig(sys.argv[3], dpi=110)
 """
-    subprocess.run([py, "-c", code, json.dumps(old), json.dumps(new), path], check=True)
+    run_plot(code, json.dumps(old), json.dumps(new), path)
 
 
 if __name__ == "__main__":

@@ -168,7 +168,8 @@ impl HpkeKeys {
     /// rotation waits for a key to retire.
     pub fn rotate(&self, overlap: Duration) {
         let mut ring = self.ring();
-        match ring.rotate(Instant::now(), retirement(overlap, unix_now())) {
+        let now = Instant::now();
+        match ring.rotate(now, retirement(now, overlap, unix_now())) {
             Some(id) => {
                 self.signed.send_replace(Self::sign(&self.receipt, &ring));
                 tracing::info!(key_id = id, "HPKE key rotated");

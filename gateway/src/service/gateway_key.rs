@@ -59,11 +59,12 @@ impl GatewayKey {
     /// Makes a new current key (the next free id in the gateway's range)
     /// and retires the one it replaces after `overlap`.
     pub fn rotate(&self, overlap: Duration) {
+        let now = Instant::now();
         let rotated = self
             .ring
             .write()
             .unwrap()
-            .rotate(Instant::now(), retirement(overlap, unix_now()));
+            .rotate(now, retirement(now, overlap, unix_now()));
         match rotated {
             Some(id) => tracing::info!(key_id = id, "gateway HPKE key rotated"),
             None => tracing::warn!("every gateway HPKE key id is held: rotation skipped"),

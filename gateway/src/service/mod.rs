@@ -2,7 +2,7 @@
 //! the model's replicas, relays a request the client sealed to the enclave
 //! as ciphertext, seals a plain or gateway-key request to an entry stage
 //! itself (failing over between replicas) and opens its answer, and keeps
-//! every receipt. `crate::api` only turns HTTP into a [`ModelRequest`] and
+//! every receipt. The HTTP layer only turns HTTP into a [`ModelRequest`] and
 //! a [`ModelAnswer`] back into HTTP.
 //!
 //! - [`relay`]: requests sealed to an entry stage's key;
@@ -195,11 +195,14 @@ impl Service {
         self.routes.for_route(endpoint.path())
     }
 
-    /// Keeps a receipt for `GET /v1/receipts/{id}` with its owner, before
-    /// the answer leaves, so that any gateway sharing the store answers for
-    /// it at once.
-    async fn keep(&self, owner: &Owner, id: [u8; 16], trailer: ReceiptTrailer) {
-        keep_receipt(&self.receipts, &self.metrics, id, trailer, owner).await;
+    /// Keeps a whole answer's receipt, if it has one, for `GET
+    /// /v1/receipts/{id}` with its owner, before the answer leaves, so that
+    /// any gateway sharing the store answers for it at once. (A copy: the
+    /// answer's headers carry the receipt too.)
+    async fn keep(&self, owner: &Owner, w: &WholeAnswer) {
+        if let Some((id, trailer)) = &w.receipt {
+            keep_receipt(&self.receipts, &self.metrics, *id, trailer.clone(), owner).await;
+        }
     }
 }
 

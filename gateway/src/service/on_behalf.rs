@@ -44,9 +44,7 @@ impl Service {
                 .await?
             {
                 Opened::Whole(w) => {
-                    if let Some((id, receipt)) = &w.receipt {
-                        self.keep(owner, *id, receipt.clone()).await;
-                    }
+                    self.keep(owner, &w).await;
                     ModelAnswer::Whole(w)
                 }
                 Opened::Stream {
@@ -88,9 +86,7 @@ impl Service {
                 }
                 .map_err(|e| ApiError::internal(format!("sealing the response failed: {e}")))?;
                 w.sealed = true;
-                if let Some((id, receipt)) = &w.receipt {
-                    self.keep(owner, *id, receipt.clone()).await;
-                }
+                self.keep(owner, &w).await;
                 Ok(ModelAnswer::Whole(w))
             }
             Opened::Stream {

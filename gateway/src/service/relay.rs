@@ -52,14 +52,15 @@ impl Service {
                     receipt: w.receipt,
                     digest_salt: None,
                 };
-                self.keep(owner, w.receipt_id, kept.clone()).await;
-                ModelAnswer::Whole(WholeAnswer {
+                let answer = WholeAnswer {
                     status: w.status,
                     body: w.body,
                     sealed: true,
                     receipt: Some((w.receipt_id, kept)),
                     retry_after: None,
-                })
+                };
+                self.keep(owner, &answer).await;
+                ModelAnswer::Whole(answer)
             }
             Reply::Failed(mut e) => {
                 let retry_after = e.retry_after_secs;

@@ -1,7 +1,8 @@
 //! The handshake as a state machine without I/O: each side takes the
 //! peer's message bytes and returns its own, and ends with one
 //! [`RecordSealer`] and one [`RecordOpener`] keyed from the transcript.
-//! The tokio driver is `crate::io::channel` (feature `io`).
+//! A driver with a socket (the tokio one is behind the feature `io`) moves
+//! the bytes.
 
 use super::messages::{decode, ClientHello, Finish, Outcome, ServerHello, VERSION};
 use super::record::{RecordOpener, RecordSealer};

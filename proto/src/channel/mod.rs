@@ -32,8 +32,8 @@
 //! This module does no I/O, like rustls's core: [`messages`] encodes the
 //! handshake, [`handshake`] is its state machine, [`record`] the record
 //! layer. The tokio driver over a byte stream, with the transports, is
-//! `crate::io` (feature `io`, which the gateway and the stages enable and
-//! the client crate does not).
+//! the crate's `io` module (feature `io`, which the gateway and the stages
+//! enable and the client crate does not).
 
 pub mod handshake;
 pub mod messages;

@@ -230,3 +230,36 @@ impl RecordOpener {
         Ok(Some(msg))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{nonce, RecordOpener, HEADER_LEN, TAG_LEN};
+    use crate::channel::{ChannelError, ChannelLimits};
+    use chacha20poly1305::aead::{AeadInPlace, KeyInit};
+    use chacha20poly1305::{ChaCha20Poly1305, Key};
+
+    /// A record whose header claims the shortest legal body (flag byte and
+    /// tag) but whose body is a valid tag alone (sealed by the key holder
+    /// over nothing) is refused as malformed; without the length check it
+    /// would open to an empty plaintext and index its missing flag byte.
+    #[test]
+    fn a_body_shorter_than_its_header_says_is_refused_not_opened() {
+        let key = Key::from([9u8; 32]);
+        let mut header = [0u8; HEADER_LEN];
+        header[..4].copy_from_slice(&((8 + 1 + TAG_LEN) as u32).to_be_bytes());
+        let mut body = Vec::new();
+        ChaCha20Poly1305::new(&key)
+            .encrypt_in_place(&nonce(0), &header, &mut body)
+            .unwrap();
+        assert_eq!(body.len(), TAG_LEN);
+        let mut opener = RecordOpener::new(ChaCha20Poly1305::new(&key), ChannelLimits::default());
+        assert!(matches!(
+            opener.open(&header, body),
+            Err(ChannelError::Malformed(_))
+        ));
+        assert!(matches!(
+            opener.open(&header, Vec::new()),
+            Err(ChannelError::Poisoned)
+        ));
+    }
+}

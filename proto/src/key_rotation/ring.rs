@@ -179,21 +179,24 @@ impl KeyRing {
                 self.ids.clone().filter(free).choose(&mut rand::rngs::OsRng)
             }
             IdChoice::Next => {
-                let (start, end) = (*self.ids.start(), *self.ids.end());
-                let from = self.held.first().map_or(end, |h| h.key.key_id());
+                // After the current key's id, wrapping; an empty ring starts
+                // at the range's first id.
+                let from = self
+                    .held
+                    .first()
+                    .map_or(*self.ids.end(), |h| h.key.key_id());
                 let after = self.ids.clone().filter(|id| *id > from);
                 let before = self.ids.clone().filter(|id| *id <= from);
-                debug_assert!(start <= end);
                 after.chain(before).find(free)
             }
         }
     }
 }
 
-/// A retirement `overlap` from now.
-pub fn retirement(overlap: Duration, unix_now: u64) -> Retirement {
+/// A retirement `overlap` after `now` (Unix time `unix_now`).
+pub fn retirement(now: Instant, overlap: Duration, unix_now: u64) -> Retirement {
     Retirement {
-        at: Instant::now() + overlap,
+        at: now + overlap,
         unix: unix_now + overlap.as_secs_f64().ceil() as u64,
     }
 }
@@ -213,7 +216,7 @@ mod tests {
         let mut ring = KeyRing::with_key(ServerKey::derive(5, b"k"), 1..=127, IdChoice::Random);
         let now = Instant::now();
         let id = ring
-            .rotate(now, retirement(Duration::from_secs(60), 1_000))
+            .rotate(now, retirement(now, Duration::from_secs(60), 1_000))
             .unwrap();
         assert_ne!(id, 5);
         assert_eq!(ring.current().key_id(), id);
@@ -233,13 +236,13 @@ mod tests {
         let mut ring = KeyRing::generate(0xfd..=0xff, IdChoice::Next);
         assert_eq!(ring.current().key_id(), 0xfd, "the range's first id");
         let now = Instant::now();
-        let long = retirement(Duration::from_secs(3600), 0);
+        let long = retirement(now, Duration::from_secs(3600), 0);
         assert_eq!(ring.rotate(now, long), Some(0xfe));
         assert_eq!(ring.rotate(now, long), Some(0xff));
         assert_eq!(ring.rotate(now, long), None, "every id held");
         assert_eq!(ring.held_ids(), [0xff, 0xfe, 0xfd]);
         // Once one retires, its id comes round again.
-        let soon = retirement(Duration::ZERO, 0);
+        let soon = retirement(now, Duration::ZERO, 0);
         let mut ring = KeyRing::generate(0xfe..=0xff, IdChoice::Next);
         ring.rotate(now, soon);
         assert_eq!(
