@@ -14,7 +14,9 @@
 #      a static musl build; ENCLAVE_IMAGE_E2E=0 skips it); the Kubernetes
 #      overlays rendered and schema-validated (scripts/test-k8s-manifests.sh);
 #   5. the stock `openai` Python SDK and LangChain's ChatOpenAI against a live
-#      gateway, directly and through `gateway proxy`;
+#      gateway, directly and through `gateway proxy`, with structured outputs
+#      and tool calls (scripts/test_structured.py: the schema suite directly,
+#      a fifth of it through the proxy);
 #   6. the Python package (client/python): its wheel built with maturin from
 #      PyPI, installed with `openai` into a clean virtualenv, and
 #      client/python/tests/test_client.py run against the live gateway.
@@ -62,6 +64,8 @@ for _ in $(seq 1 600); do
 done
 [[ -n "$url" ]] || { cat "$log"; echo "gateway did not start" >&2; exit 1; }
 python3 scripts/test_openai_sdk.py --base-url "$url/v1"
+echo "== structured outputs and tool calls: schema suite, openai SDK, LangChain (scripts/test_structured.py)"
+python3 scripts/test_structured.py --base-url "$url/v1"
 
 echo "== openai SDK and LangChain through gateway proxy (sealed end to end, receipts verified)"
 # Policies pinning the measurements this gateway's stages report (a test
@@ -89,6 +93,11 @@ for _ in $(seq 1 300); do
 done
 [[ -n "$purl" ]] || { cat "$log.proxy"; echo "proxy did not start" >&2; exit 1; }
 python3 scripts/test_openai_sdk.py --base-url "$purl/v1" --expect-verified
+python3 scripts/test_structured.py --base-url "$purl/v1" --expect-verified --quick
+# The schemas and tools crossed the gateway sealed: its log never names them.
+if grep -q 'get_weather\|maxLength' "$log"; then
+  echo "the gateway's log names a tool or schema of a sealed request" >&2; exit 1
+fi
 
 echo "== the Python package (client/python): wheel built with maturin, clean virtualenv, openai SDK"
 [[ -x target/py-build-venv/bin/maturin ]] || {

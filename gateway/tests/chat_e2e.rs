@@ -152,9 +152,17 @@ async fn chat_serves_the_template_streams_and_rejects_what_it_cannot_do() {
         (json!({"model": MODEL}), 400, "messages"),
         (
             json!({"model": MODEL, "messages": hi, "tools": [
-                {"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+                {"type": "function", "function": {"name": "no spaces", "parameters": {}}}]}),
             400,
-            "tools",
+            "tools[0].function.name",
+        ),
+        (
+            // A schema the grammar engine refuses (checked inside the stage).
+            json!({"model": MODEL, "messages": hi, "response_format": {"type": "json_schema",
+                "json_schema": {"name": "n", "schema": {"type": "integer",
+                                                        "minimum": 5, "maximum": 1}}}}),
+            400,
+            "response_format",
         ),
         (
             json!({"model": MODEL, "messages": hi,
@@ -169,8 +177,8 @@ async fn chat_serves_the_template_streams_and_rejects_what_it_cannot_do() {
             "messages[0].content[0].type",
         ),
         (
-            json!({"model": MODEL, "messages": [{"role": "tool", "content": "x",
-                                                  "tool_call_id": "c"}]}),
+            json!({"model": MODEL, "messages": [{"role": "function", "content": "x",
+                                                  "name": "c"}]}),
             400,
             "messages[0].role",
         ),

@@ -343,7 +343,7 @@ async fn stock_sdk_streams_through_the_proxy_and_every_receipt_verifies() {
     assert_eq!(r.status(), 400);
     assert_eq!(r.headers()["receipt-verified"], "false");
     let e: Value = r.json().await.unwrap();
-    assert_eq!(e["error"]["param"], "tools", "{e}");
+    assert_eq!(e["error"]["param"], "tools[0].function", "{e}");
 }
 
 /// The `receipt-verified` header of a proxy-made error (an unknown model).

@@ -9,6 +9,7 @@ use crate::completions::{
     FinishReason, Logprobs, StreamIdentity, Usage,
 };
 use crate::openai::{invalid, json_object, model_field, ApiError};
+use crate::tools::CallDelta;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
@@ -38,21 +39,16 @@ pub struct ChatRequest {
     pub max_tokens_given: bool,
 }
 
-/// Top-level fields that ask for something this model cannot do, and
+/// Top-level fields that ask for something this server cannot do, and
 /// whether a value is the harmless default.
 fn unsupported(key: &str, v: &Value) -> Option<&'static str> {
     let empty = |v: &Value| v.is_null() || v.as_array().is_some_and(|a| a.is_empty());
     match key {
-        "tools" | "functions" if !empty(v) => {
-            Some("Tool and function calling is not supported by this model.")
+        "functions" if !empty(v) => {
+            Some("The deprecated `functions` are not supported; use `tools`.")
         }
-        "tool_choice" | "function_call" if !v.is_null() && v.as_str() != Some("none") => {
-            Some("Tool and function calling is not supported by this model.")
-        }
-        "response_format"
-            if !v.is_null() && v.get("type").and_then(Value::as_str) != Some("text") =>
-        {
-            Some("Only `response_format` of type `text` is supported by this model.")
+        "function_call" if !v.is_null() && v.as_str() != Some("none") => {
+            Some("The deprecated `function_call` is not supported; use `tool_choice`.")
         }
         "modalities" if !v.is_null() && *v != json!(["text"]) => {
             Some("Only the `text` modality is supported by this model.")
@@ -145,17 +141,19 @@ fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
             Some("system") | Some("developer") => "system",
             Some("user") => "user",
             Some("assistant") => "assistant",
-            Some("tool") | Some("function") => {
+            Some("tool") => "tool",
+            Some("function") => {
                 return invalid(
                     &format!("messages[{i}].role"),
-                    "Tool and function messages are not supported by this model.",
+                    "The deprecated `function` role is not supported; use `tool`.",
                 )
             }
             Some(other) => {
                 return invalid(
                     &format!("messages[{i}].role"),
                     format!(
-                        "Unknown role `{}`; use `system`, `developer`, `user` or `assistant`.",
+                        "Unknown role `{}`; use `system`, `developer`, `user`, `assistant` \
+                         or `tool`.",
                         short(other)
                     ),
                 )
@@ -167,7 +165,7 @@ fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
                 )
             }
         };
-        for key in ["tool_calls", "function_call", "audio"] {
+        for key in ["function_call", "audio"] {
             if m.get(key).is_some_and(|v| !v.is_null()) {
                 return invalid(
                     &format!("messages[{i}].{key}"),
@@ -180,12 +178,96 @@ fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
         {
             return invalid(&format!("messages[{i}].name"), "`name` must be a string.");
         }
+        let calls = match m.get("tool_calls") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(v) if role == "assistant" => assistant_calls(i, v)?,
+            Some(_) => {
+                return invalid(
+                    &format!("messages[{i}].tool_calls"),
+                    "Only `assistant` messages carry `tool_calls`.",
+                )
+            }
+        };
+        let content = match (role, m.get("content")) {
+            // An assistant turn that only called tools has no content.
+            ("assistant", None | Some(Value::Null)) if !calls.is_empty() => String::new(),
+            (_, c) => content(i, c)?,
+        };
+        let content = match role {
+            "assistant" if !calls.is_empty() => {
+                let mut text = content;
+                if !text.is_empty() {
+                    text.push('\n');
+                }
+                text.push_str(&calls.join(crate::tools::CALL_SEP));
+                text
+            }
+            "tool" => {
+                if !m.get("tool_call_id").is_some_and(Value::is_string) {
+                    return invalid(
+                        &format!("messages[{i}].tool_call_id"),
+                        "A `tool` message needs the string `tool_call_id` of the call it answers.",
+                    );
+                }
+                crate::tools::tool_response(&content)
+            }
+            _ => content,
+        };
+        // Tool results reach the model as user turns (the generic
+        // convention of `crate::tools`).
+        let role = if role == "tool" { "user" } else { role };
         out.push(ChatMessage {
             role: role.into(),
-            content: content(i, m.get("content"))?,
+            content,
         });
     }
     Ok(out)
+}
+
+/// An assistant message's earlier `tool_calls`, each rendered in the
+/// output syntax of [`crate::tools`].
+fn assistant_calls(i: usize, v: &Value) -> Result<Vec<String>, ApiError> {
+    let p = format!("messages[{i}].tool_calls");
+    let Some(items) = v.as_array() else {
+        return invalid(&p, "`tool_calls` must be an array of calls.");
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (j, c) in items.iter().enumerate() {
+        let f = c.get("function");
+        let name = f.and_then(|f| f.get("name")).and_then(Value::as_str);
+        let args = f.and_then(|f| f.get("arguments")).and_then(Value::as_str);
+        let kind = c.get("type").and_then(Value::as_str);
+        match (kind, name, args) {
+            (Some("function"), Some(n), Some(a)) if crate::structured::valid_name(n) => {
+                out.push(crate::tools::render_call(n, a))
+            }
+            _ => {
+                return invalid(
+                    &format!("{p}[{j}]"),
+                    "Each call needs `type: function` and `function` with a `name` \
+                     and `arguments` (a JSON string).",
+                )
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The tools told to a template without tool support (the generic
+/// convention of [`crate::tools`]): appended to the conversation's system
+/// message, or as a first system message.
+fn with_tools_prompt(messages: &mut Vec<ChatMessage>, defs: &[crate::tools::ToolDef]) {
+    let block = crate::tools::tools_prompt(defs);
+    match messages.first_mut() {
+        Some(m) if m.role == "system" => m.content = format!("{}\n\n{block}", m.content),
+        _ => messages.insert(
+            0,
+            ChatMessage {
+                role: "system".into(),
+                content: block,
+            },
+        ),
+    }
 }
 
 /// Parses and validates a chat request for a model with `vocab` tokens;
@@ -203,7 +285,13 @@ pub fn parse_chat(
             return invalid(k, why);
         }
     }
-    let messages = messages(obj.get("messages"))?;
+    let mut messages = messages(obj.get("messages"))?;
+    let tools = crate::tools::parse_tools(obj)?;
+    let tool_calls = tools.and_then(|t| {
+        let calls = t.calls?;
+        with_tools_prompt(&mut messages, &t.defs);
+        Some(calls)
+    });
     let given = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
     let max_tokens_given = given("max_completion_tokens") || given("max_tokens");
     let max_tokens = if given("max_completion_tokens") {
@@ -222,7 +310,7 @@ pub fn parse_chat(
     if given("top_logprobs") && !logprobs {
         return invalid("top_logprobs", "`top_logprobs` needs `logprobs: true`.");
     }
-    let request = shared_fields(
+    let mut request = shared_fields(
         obj,
         vocab,
         Api::Chat,
@@ -230,6 +318,7 @@ pub fn parse_chat(
         max_tokens,
         logprobs.then_some(top),
     )?;
+    request.tool_calls = tool_calls;
     Ok(ChatRequest {
         request,
         messages,
@@ -289,9 +378,22 @@ pub fn response_body(
 
 /// A choice of a `chat.completion` body.
 pub(crate) fn chat_choice(c: &Choice) -> Value {
+    let message = if c.tool_calls.is_empty() {
+        json!({"role": "assistant", "content": c.text, "refusal": null})
+    } else {
+        let calls: Vec<Value> = c
+            .tool_calls
+            .iter()
+            .map(|t| {
+                json!({"id": t.id, "type": "function",
+                       "function": {"name": t.name, "arguments": t.arguments}})
+            })
+            .collect();
+        json!({"role": "assistant", "content": null, "refusal": null, "tool_calls": calls})
+    };
     json!({
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text, "refusal": null},
+        "message": message,
         "logprobs": c.logprobs.as_ref().map(logprobs_json),
         "finish_reason": c.finish_reason.as_str(),
     })
@@ -304,6 +406,8 @@ pub enum Delta<'a> {
     Role,
     /// New text.
     Content(&'a str),
+    /// A piece of a tool call.
+    ToolCall(&'a CallDelta),
     /// The last chunk: an empty delta with the finish reason.
     Finish(FinishReason),
 }
@@ -313,6 +417,15 @@ pub fn chat_chunk_event(s: &StreamIdentity, index: u32, delta: Delta) -> Vec<u8>
     let (delta, finish) = match delta {
         Delta::Role => (json!({"role": "assistant", "content": ""}), None),
         Delta::Content(t) => (json!({"content": t}), None),
+        Delta::ToolCall(d) => {
+            let mut call = json!({"index": d.index, "function": {"arguments": d.arguments}});
+            if let Some((id, name)) = &d.header {
+                call["id"] = json!(id);
+                call["type"] = json!("function");
+                call["function"]["name"] = json!(name);
+            }
+            (json!({"tool_calls": [call]}), None)
+        }
         Delta::Finish(f) => (json!({}), Some(f.as_str())),
     };
     let mut v = json!({
@@ -399,7 +512,15 @@ mod tests {
         );
         assert_eq!(param_of(&format!("{{{HI}}}")).as_deref(), Some("model"));
         for (msgs, param) in [
-            (r#"[{"role":"tool","content":"x"}]"#, "messages[0].role"),
+            (
+                r#"[{"role":"tool","content":"x"}]"#,
+                "messages[0].tool_call_id",
+            ),
+            (r#"[{"role":"function","content":"x"}]"#, "messages[0].role"),
+            (
+                r#"[{"role":"user","content":"x","tool_calls":[]}]"#,
+                "messages[0].tool_calls",
+            ),
             (r#"[{"role":"robot","content":"x"}]"#, "messages[0].role"),
             (r#"[{"content":"x"}]"#, "messages[0].role"),
             (r#"["hi"]"#, "messages[0]"),
@@ -415,7 +536,7 @@ mod tests {
             ),
             (
                 r#"[{"role":"assistant","content":null,"tool_calls":[{"id":"c"}]}]"#,
-                "messages[0].tool_calls",
+                "messages[0].tool_calls[0]",
             ),
             (
                 r#"[{"role":"user","content":"x","name":5}]"#,
@@ -426,10 +547,10 @@ mod tests {
             assert_eq!(param_of(&body).as_deref(), Some(param), "{body}");
         }
         for (k, v) in [
-            ("tools", r#"[{"type":"function","function":{"name":"f"}}]"#),
+            ("tools", r#"{"type":"function"}"#),
             ("tool_choice", r#""auto""#),
             ("functions", r#"[{"name":"f"}]"#),
-            ("response_format", r#"{"type":"json_object"}"#),
+            ("response_format", r#"{"type":"json"}"#),
             ("modalities", r#"["text","audio"]"#),
             ("audio", r#"{"voice":"x"}"#),
             ("reasoning_effort", r#""low""#),
@@ -455,6 +576,89 @@ mod tests {
             .as_deref(),
             Some("logprobs")
         );
+    }
+
+    #[test]
+    fn tools_history_and_formats() {
+        let r = p(r#"{"model":"m","messages":[
+            {"role":"system","content":"be brief"},
+            {"role":"user","content":"weather in Paris?"},
+            {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+             "function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},
+            {"role":"tool","tool_call_id":"c1","content":"sunny"}],
+            "tools":[{"type":"function","function":{"name":"get_weather",
+              "parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],
+            "tool_choice":"required","response_format":{"type":"json_object"}}"#)
+        .unwrap();
+        let roles: Vec<_> = r.messages.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "user"]);
+        assert!(r.messages[0].content.starts_with("be brief\n\n# Tools"));
+        assert_eq!(
+            r.messages[2].content,
+            crate::tools::render_call("get_weather", r#"{"city":"Paris"}"#)
+        );
+        assert_eq!(
+            r.messages[3].content,
+            "<tool_response>\nsunny\n</tool_response>"
+        );
+        let calls = r.request.tool_calls.unwrap();
+        assert!(calls.required && calls.tools[0].name == "get_weather");
+        assert_eq!(
+            r.request.response_format,
+            Some(crate::structured::ResponseFormat::JsonObject)
+        );
+        // `tool_choice: none`: no tools in the prompt, no calls decoded.
+        let r = p(&format!(
+            r#"{{"model":"m",{HI},"tool_choice":"none",
+            "tools":[{{"type":"function","function":{{"name":"f"}}}}]}}"#
+        ))
+        .unwrap();
+        assert!(r.request.tool_calls.is_none() && r.messages.len() == 1);
+    }
+
+    #[test]
+    fn tool_call_bodies_and_deltas() {
+        let choice = Choice {
+            index: 0,
+            text: String::new(),
+            finish_reason: FinishReason::ToolCalls,
+            logprobs: None,
+            tool_calls: vec![crate::tools::ToolCall {
+                id: "call_1".into(),
+                name: "f".into(),
+                arguments: "{}".into(),
+            }],
+        };
+        let body = response_body(Api::Chat, "x", 7, "m", &[choice], Usage::default());
+        let m = &body["choices"][0]["message"];
+        assert!(m["content"].is_null());
+        assert_eq!(m["tool_calls"][0]["function"]["arguments"], "{}");
+        assert_eq!(m["tool_calls"][0]["type"], "function");
+        assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
+        let s = identity("x".into(), Api::Chat, false);
+        let first = CallDelta {
+            index: 1,
+            header: Some(("call_1".into(), "f".into())),
+            arguments: String::new(),
+        };
+        let ev = chat_chunk_event(&s, 0, Delta::ToolCall(&first));
+        let v: Value = serde_json::from_slice(&ev[6..ev.len() - 2]).unwrap();
+        let c = &v["choices"][0]["delta"]["tool_calls"][0];
+        assert_eq!(
+            (c["index"].as_u64(), c["id"].as_str()),
+            (Some(1), Some("call_1"))
+        );
+        assert_eq!(c["function"], json!({"name": "f", "arguments": ""}));
+        let more = CallDelta {
+            index: 1,
+            header: None,
+            arguments: "{\"a\"".into(),
+        };
+        let ev = chat_chunk_event(&s, 0, Delta::ToolCall(&more));
+        let v: Value = serde_json::from_slice(&ev[6..ev.len() - 2]).unwrap();
+        let c = &v["choices"][0]["delta"]["tool_calls"][0];
+        assert!(c.get("id").is_none());
+        assert_eq!(c["function"], json!({"arguments": "{\"a\""}));
     }
 
     #[test]
@@ -505,6 +709,7 @@ mod tests {
             text: "hi".into(),
             finish_reason,
             logprobs,
+            tool_calls: Vec::new(),
         };
         let usage = Usage {
             prompt_tokens: 3,

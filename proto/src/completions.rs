@@ -5,6 +5,8 @@
 //! Like [`crate::openai`], free of I/O so that every rule is unit-tested.
 
 use crate::openai::{invalid, json_object, model_field, user_field, ApiError};
+use crate::structured::{parse_response_format, ResponseFormat};
+use crate::tools::{ToolCall, ToolCalls};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
@@ -60,12 +62,23 @@ pub struct CompletionsRequest {
     pub frequency_penalty: f32,
     /// Additive biases on token logits, each in `[-100, 100]`.
     pub logit_bias: Vec<(u32, f32)>,
+    /// What the answer's text must be (`response_format`); `None`: free text.
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
+    /// The tools the answer may (or must) call (chat only); `None`: no calls.
+    #[serde(default)]
+    pub tool_calls: Option<ToolCalls>,
 }
 
 impl CompletionsRequest {
     /// Number of choices (prompts × `n`).
     pub fn choices(&self) -> usize {
         self.prompts.len() * self.n as usize
+    }
+
+    /// Whether the answer is decoded under a grammar.
+    pub fn constrained(&self) -> bool {
+        self.response_format.is_some() || self.tool_calls.is_some()
     }
 }
 
@@ -96,6 +109,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or the context length.
     Length,
+    /// The answer is tool calls (chat with `tools`).
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -104,6 +119,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }
@@ -342,6 +358,8 @@ pub(crate) fn shared_fields(
         presence_penalty: ranged(obj, "presence_penalty", -2.0, 2.0, 0.0)?,
         frequency_penalty: ranged(obj, "frequency_penalty", -2.0, 2.0, 0.0)?,
         logit_bias,
+        response_format: parse_response_format(obj)?,
+        tool_calls: None,
     })
 }
 
@@ -453,6 +471,9 @@ pub struct Choice {
     pub finish_reason: FinishReason,
     /// Log-probabilities, when asked for.
     pub logprobs: Option<Logprobs>,
+    /// The tool calls the text was read as (chat with `tools`; the text is
+    /// then not the answer's content).
+    pub tool_calls: Vec<ToolCall>,
 }
 
 /// Token counts of a request.

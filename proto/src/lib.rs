@@ -33,6 +33,8 @@ pub mod policy;
 pub mod receipt;
 pub mod report;
 pub mod sealing;
+pub mod structured;
 pub mod tensor;
 pub mod text;
+pub mod tools;
 pub mod wipe;

@@ -5,8 +5,8 @@
 
 Run in a clean virtualenv holding only the built wheel and `openai`
 (scripts/test.sh does this). Checks: embeddings (float and base64),
-completions, chat, streams (sync and async), each receipt verified; the
-archive re-verifies with `python -m confidential_gateway verify-receipt`; a
+completions, chat, streams (sync and async), a structured output and a
+streamed tool call, each receipt verified; the archive re-verifies with `python -m confidential_gateway verify-receipt`; a
 policy that does not match, a POST to another path; and a tampering relay
 between client and gateway (a flipped byte in a sealed answer, a streamed
 chunk or the receipt trailer, an unsealed answer, an altered status, a cut
@@ -127,6 +127,40 @@ def chat_and_streams(env: Env):
     parts = [c.choices[0].text for c in s2]
     assert parts and cg.receipt_of(s2).endpoint == "/v1/completions"
     return repr(text)
+
+
+@test
+def structured_output_and_tool_calls(env: Env):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    raw = env.client.chat.completions.with_raw_response.create(
+        model=LM, temperature=0, max_tokens=60,
+        messages=[{"role": "user", "content": "Describe a person named Ada aged 36."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    check_receipt(cg.receipt_of(raw), "/v1/chat/completions", LM)
+    person = json.loads(raw.parse().choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int), person
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"], "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    stream = env.client.chat.completions.create(
+        model=LM, temperature=0, max_tokens=60, messages=ask, tools=[tool],
+        tool_choice="required", stream=True)
+    name, args, finish = "", "", None
+    for c in stream:
+        for ch in c.choices:
+            for d in ch.delta.tool_calls or []:
+                name += (d.function.name or "") if d.function else ""
+                args += (d.function.arguments or "") if d.function else ""
+            finish = ch.finish_reason or finish
+    check_receipt(cg.receipt_of(stream), "/v1/chat/completions", LM)
+    assert name == "get_weather" and finish == "tool_calls", (name, finish)
+    assert isinstance(json.loads(args)["city"], str), args
+    return f"{person}; get_weather({args.strip()})"
 
 
 @test

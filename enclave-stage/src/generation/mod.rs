@@ -1,12 +1,14 @@
 //! Text generation (`/v1/completions` and `/v1/chat/completions`) pipelined
 //! across stages: the model a stage loads ([`model`]), the chat template the
-//! entry stage renders ([`chat_template`]), the entry stage's
+//! entry stage renders ([`chat_template`]), the grammars of structured
+//! outputs and tool calls ([`grammar`]), the entry stage's
 //! continuous-batching scheduler ([`scheduler`]), the exit stage's
 //! per-choice output rules ([`output`]), and the compute thread that ties
 //! them together ([`compute`]).
 
 pub mod chat_template;
 pub mod compute;
+pub mod grammar;
 pub mod model;
 pub mod output;
 pub mod scheduler;

@@ -1,8 +1,11 @@
 //! What a generation stage loads: the model manifest (every file checked),
 //! the Llama configuration, the tokenizer (entry stage: prompts; exit stage:
-//! output text), the chat template (entry stage), and, for the compute thread, its [`LlamaPart`].
+//! output text), the chat template (entry stage), the grammar compiler of
+//! structured outputs (entry and exit stages), and, for the compute thread,
+//! its [`LlamaPart`].
 
 use super::chat_template::ChatTemplate;
+use super::grammar::Grammars;
 use crate::llama::{LlamaConfig, LlamaPart, WeightFormat};
 use crate::role::StageSpec;
 use anyhow::{bail, Context, Result};
@@ -24,6 +27,9 @@ pub struct GenModel {
     pub tokenizer: Option<Tokenizer>,
     /// The GGUF's chat template (entry stage; `None` if the model has none).
     pub chat_template: Option<ChatTemplate>,
+    /// Compiles structured-output grammars for this vocabulary (entry and
+    /// exit stages).
+    pub grammars: Option<Grammars>,
     spec: StageSpec,
     gguf: PathBuf,
     weights: WeightFormat,
@@ -73,14 +79,23 @@ impl GenModel {
                 spec.layers
             );
         }
-        let tokenizer = if entry || exit {
+        let (tokenizer, grammars) = if entry || exit {
             let path = manifest.verified_path("tokenizer.json")?;
-            Some(
-                Tokenizer::from_file(&path)
-                    .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?,
-            )
+            let bytes = std::fs::read(&path)?;
+            let tokenizer = Tokenizer::from_bytes(&bytes)
+                .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
+            // Without an end-of-sequence token no grammar could end.
+            let grammars = match config.eos_token_id {
+                Some(eos) => Some(
+                    Grammars::new(&bytes, tokenizer.clone(), config.vocab_size, eos).with_context(
+                        || format!("the vocabulary of {} for grammars", path.display()),
+                    )?,
+                ),
+                None => None,
+            };
+            (Some(tokenizer), grammars)
         } else {
-            None
+            (None, None)
         };
         let chat_template = match (entry, &tokenizer, template_source) {
             (true, Some(t), Some(source)) => {
@@ -102,6 +117,7 @@ impl GenModel {
             config,
             tokenizer,
             chat_template,
+            grammars,
             spec: spec.clone(),
             gguf,
             weights,

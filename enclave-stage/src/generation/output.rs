@@ -10,6 +10,7 @@
 //! stream never shows text that the non-streamed response would not.
 
 use crate::sampling::{log_sum_exp, Sampler, SamplingParams};
+use llguidance::Matcher;
 use proto::completions::{Choice, FinishReason, Logprobs};
 use std::collections::HashMap;
 
@@ -62,6 +63,8 @@ pub struct ChoiceOut {
     counts: HashMap<u32, u32>,
     prefix: String,
     prefix_emitted: bool,
+    /// The grammar the text must follow (structured outputs, tool calls).
+    grammar: Option<Matcher>,
 }
 
 impl ChoiceOut {
@@ -90,7 +93,18 @@ impl ChoiceOut {
             counts: HashMap::new(),
             prefix,
             prefix_emitted: false,
+            grammar: None,
         }
+    }
+
+    /// Samples this choice under `grammar` from now on.
+    pub fn constrain(&mut self, grammar: Matcher) {
+        self.grammar = Some(grammar);
+    }
+
+    /// The text so far (without an echoed prompt).
+    pub fn text(&self) -> &str {
+        &self.text
     }
 
     /// The choice index.
@@ -114,8 +128,15 @@ impl ChoiceOut {
     }
 
     /// Picks the next token from this position's `logits` and applies it.
-    /// Returns the token; [`ChoiceOut::finish`] tells whether it was the last.
-    pub fn step(&mut self, logits: &mut [f32], rules: &ChoiceRules, tok: &dyn Detokenize) -> u32 {
+    /// Returns the token; [`ChoiceOut::finish`] tells whether it was the
+    /// last. An error (only under a grammar: its step budget spent, or no
+    /// token allowed) ends the request.
+    pub fn step(
+        &mut self,
+        logits: &mut [f32],
+        rules: &ChoiceRules,
+        tok: &dyn Detokenize,
+    ) -> Result<u32, String> {
         let alternatives = self
             .logprobs
             .as_ref()
@@ -142,7 +163,22 @@ impl ChoiceOut {
                 }
             }
         }
+        if let Some(g) = self.grammar.as_mut() {
+            let mask = g
+                .compute_mask_or_eos()
+                .map_err(|e| format!("the output grammar: {e}"))?;
+            for (t, l) in logits.iter_mut().enumerate() {
+                if !mask.is_allowed(t as u32) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
         let token = self.sampler.sample(logits);
+        // The end of sequence ends the choice; the grammar allowed it.
+        if let Some(g) = self.grammar.as_mut().filter(|_| Some(token) != rules.eos) {
+            g.consume_token(token)
+                .map_err(|e| format!("the output grammar: {e}"))?;
+        }
         if let (Some(lp), Some(alts)) = (self.logprobs.as_mut(), alternatives) {
             // The model's own distribution, before bias and penalties.
             let logit = raw
@@ -158,7 +194,7 @@ impl ChoiceOut {
                 .push(alts.top.iter().map(|&(t, l)| (tok.text(&[t]), l)).collect());
         }
         self.apply(token, rules, tok);
-        token
+        Ok(token)
     }
 
     /// Applies a chosen token (end of sequence, text, stop sequences, limits).
@@ -248,6 +284,7 @@ impl ChoiceOut {
             text: format!("{}{}", self.prefix, self.text),
             finish_reason: self.finish.unwrap_or(FinishReason::Length),
             logprobs: self.logprobs,
+            tool_calls: Vec::new(),
         }
     }
 }
@@ -346,11 +383,11 @@ mod tests {
         let mut logits = vec![0.0, 4.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0];
         let raw = logits.clone();
         // The bias makes greedy pick 7; its log-probability is the raw one.
-        assert_eq!(c.step(&mut logits, &r, &table), 7);
+        assert_eq!(c.step(&mut logits, &r, &table).unwrap(), 7);
         let mut logits = vec![0.0, 4.0, 1.0, 0.5, 0.0, 0.0, 0.0, 5.0];
         let raw2 = logits.clone();
         // Token 7 now carries the bias and the presence penalty: still raw.
-        assert_eq!(c.step(&mut logits, &r, &table), 7);
+        assert_eq!(c.step(&mut logits, &r, &table).unwrap(), 7);
         let lp = c.into_choice().logprobs.unwrap();
         let want = [
             crate::sampling::log_prob(&raw, 7),
@@ -378,7 +415,7 @@ mod tests {
             if c.finish().is_some() {
                 break;
             }
-            assert_eq!(c.step(&mut pick(t), r, &table), t);
+            assert_eq!(c.step(&mut pick(t), r, &table).unwrap(), t);
             if stream {
                 streamed.push_str(&c.take_stream_text(&r.stop));
             }
@@ -438,7 +475,7 @@ mod tests {
         r.logprobs = Some(2);
         let mut c = ChoiceOut::new(0, SamplingParams::greedy(), 0, 1, "P:".into(), true);
         let mut l = vec![1.0, 0.0, 0.5];
-        assert_eq!(c.step(&mut l, &r, &table), 1, "bias wins");
+        assert_eq!(c.step(&mut l, &r, &table).unwrap(), 1, "bias wins");
         let ch = c.into_choice();
         assert_eq!(ch.text, "P:b");
         let lp = ch.logprobs.unwrap();
@@ -452,9 +489,9 @@ mod tests {
         let mut r = rules(5, &[]);
         r.frequency_penalty = 2.0;
         let mut c = ChoiceOut::new(0, SamplingParams::greedy(), 0, 1, String::new(), false);
-        assert_eq!(c.step(&mut [1.0, 0.0, 0.5], &r, &table), 0);
+        assert_eq!(c.step(&mut [1.0, 0.0, 0.5], &r, &table).unwrap(), 0);
         // 1.0 - 2.0 < 0.5: the penalty moves greedy to token 2.
-        assert_eq!(c.step(&mut [1.0, 0.0, 0.5], &r, &table), 2);
+        assert_eq!(c.step(&mut [1.0, 0.0, 0.5], &r, &table).unwrap(), 2);
     }
 
     #[test]
@@ -477,11 +514,11 @@ mod tests {
         }
         let r = rules(10, &[]);
         let mut c = ChoiceOut::new(0, SamplingParams::greedy(), 0, 1, String::new(), false);
-        c.step(&mut [5.0, 0.0, 0.0], &r, &Bytes);
+        c.step(&mut [5.0, 0.0, 0.0], &r, &Bytes).unwrap();
         assert_eq!(c.take_stream_text(&[]), "");
-        c.step(&mut [0.0, 5.0, 0.0], &r, &Bytes);
+        c.step(&mut [0.0, 5.0, 0.0], &r, &Bytes).unwrap();
         assert_eq!(c.take_stream_text(&[]), "é");
-        c.step(&mut [0.0, 0.0, 5.0], &r, &Bytes);
+        c.step(&mut [0.0, 0.0, 5.0], &r, &Bytes).unwrap();
         assert_eq!(c.take_stream_text(&[]), "!");
     }
 }

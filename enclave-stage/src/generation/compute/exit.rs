@@ -3,19 +3,21 @@
 //! receipt over the exact bytes, sealed to the client).
 
 use super::{combine, GenRequest, Generator};
+use crate::generation::grammar::grammar_text;
 use crate::generation::output::{ChoiceOut, ChoiceRules};
 use crate::sampling::SamplingParams;
 use crate::work::{failure, Output};
 use anyhow::{anyhow, Result};
 use proto::chat::{chat_chunk_event, chat_completion_id, Delta};
 use proto::completions::{
-    completion_id, stream_text_event, stream_usage_event, Api, FinishReason, StreamIdentity, Usage,
-    STREAM_DONE,
+    completion_id, stream_text_event, stream_usage_event, Api, Choice, FinishReason,
+    StreamIdentity, Usage, STREAM_DONE,
 };
 use proto::frames::{
     ErrorKind, GenerationContext, PipelineError, RequestTelemetry, ResultMessage, StageTiming,
 };
 use proto::sealing::{seal_response_with_trailer, ResponseSealer};
+use proto::tools::{parse_calls, undecided, CallStream, CALL_TAG};
 
 /// The response `id`: `cmpl-…` or `chatcmpl-…` and the receipt id.
 pub(super) fn response_id(api: Api, receipt_id: &[u8; 16]) -> String {
@@ -25,6 +27,17 @@ pub(super) fn response_id(api: Api, receipt_id: &[u8; 16]) -> String {
     }
 }
 
+/// Whether a streamed chat choice with tools is an answer or calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Its start could still be either (nothing but role sent yet).
+    Undecided,
+    /// Text: content deltas.
+    Content,
+    /// Tool calls: tool-call deltas.
+    Calls,
+}
+
 pub(super) struct Streaming {
     identity: StreamIdentity,
     pub(super) sealer: ResponseSealer,
@@ -32,24 +45,27 @@ pub(super) struct Streaming {
     pub(super) bytes: Vec<u8>,
     /// Per choice: whether its first chat chunk (the role) has gone out.
     started: Vec<bool>,
+    /// The response's receipt id (tool-call ids derive from it).
+    receipt_id: [u8; 16],
+    /// Per choice, with tools: what it is, and its calls sent so far.
+    calls: Option<Vec<(Kind, CallStream)>>,
 }
 
 impl Streaming {
-    /// The events for choice `index` after a step: its new `text` and, on
-    /// its last step, why it ended. Chat sends the role first, then content,
-    /// then an empty delta with the finish reason.
-    pub(super) fn events(
-        &mut self,
-        index: u32,
-        text: &str,
-        finish: Option<FinishReason>,
-    ) -> Vec<u8> {
+    /// The events for `choice` after a step: its new text (or tool-call
+    /// pieces) and, on its last step, why it ended. Chat sends the role
+    /// first, then content or calls, then an empty delta with the finish
+    /// reason.
+    pub(super) fn events(&mut self, choice: &mut ChoiceOut, stop: &[String]) -> Vec<u8> {
+        let index = choice.index();
+        let finish = choice.finish();
         let id = &self.identity;
         let mut out = Vec::new();
         match id.api {
             Api::Completions => {
+                let text = choice.take_stream_text(stop);
                 if !text.is_empty() || finish.is_some() {
-                    out = stream_text_event(id, index, text, finish);
+                    out = stream_text_event(id, index, &text, finish);
                 }
             }
             Api::Chat => {
@@ -59,16 +75,72 @@ impl Streaming {
                         out.extend(chat_chunk_event(id, index, Delta::Role));
                     }
                 }
-                if !text.is_empty() {
-                    out.extend(chat_chunk_event(id, index, Delta::Content(text)));
+                let kind = match self.calls.as_mut().and_then(|c| c.get_mut(index as usize)) {
+                    None => Kind::Content,
+                    Some((kind, calls)) => {
+                        if *kind == Kind::Undecided
+                            && (finish.is_some() || !undecided(choice.text()))
+                        {
+                            *kind = match choice.text().trim_start().starts_with(CALL_TAG) {
+                                true => Kind::Calls,
+                                false => Kind::Content,
+                            };
+                        }
+                        if *kind == Kind::Calls {
+                            let done = finish.is_some();
+                            for d in calls.deltas(choice.text(), done, &self.receipt_id, index) {
+                                out.extend(chat_chunk_event(id, index, Delta::ToolCall(&d)));
+                            }
+                        }
+                        *kind
+                    }
+                };
+                if kind == Kind::Content {
+                    let text = choice.take_stream_text(stop);
+                    if !text.is_empty() {
+                        out.extend(chat_chunk_event(id, index, Delta::Content(&text)));
+                    }
                 }
                 if let Some(f) = finish {
+                    let f = finish_reason(f, kind == Kind::Calls);
                     out.extend(chat_chunk_event(id, index, Delta::Finish(f)));
                 }
             }
         }
         out
     }
+}
+
+/// Why an answer ended, as the API says it: an answer that is tool calls
+/// and ended on its own ends with `tool_calls`.
+fn finish_reason(f: FinishReason, calls: bool) -> FinishReason {
+    match f {
+        FinishReason::Stop if calls => FinishReason::ToolCalls,
+        f => f,
+    }
+}
+
+/// A finished choice as the API returns it: with tools, an answer that is
+/// calls carries them instead of text.
+fn answer(c: ChoiceOut, tools: bool, receipt_id: &[u8; 16]) -> Choice {
+    let mut choice = c.into_choice();
+    if tools {
+        if let Some(calls) = parse_calls(&choice.text, receipt_id, choice.index) {
+            choice.text.clear();
+            choice.tool_calls = calls;
+            choice.finish_reason = finish_reason(choice.finish_reason, true);
+        }
+    }
+    choice
+}
+
+/// Why the exit stage cannot take a request on.
+#[derive(Debug)]
+pub(super) enum ExitSetupError {
+    /// The response key is unusable.
+    Key(proto::sealing::SealError),
+    /// The answer's grammar does not compile here.
+    Grammar,
 }
 
 pub(super) struct ExitState {
@@ -82,10 +154,7 @@ pub(super) struct ExitState {
 }
 
 impl Generator {
-    pub(super) fn exit_state(
-        &self,
-        ctx: &GenerationContext,
-    ) -> Result<ExitState, proto::sealing::SealError> {
+    pub(super) fn exit_state(&self, ctx: &GenerationContext) -> Result<ExitState, ExitSetupError> {
         let r = &ctx.request;
         let cfg = &self.model.config;
         let tok = self.model.tokenizer.as_ref();
@@ -95,6 +164,14 @@ impl Generator {
             seed: ctx.seed,
         };
         let n = r.n.max(1) as usize;
+        // One compile per request; each choice gets its own copy.
+        let grammar = match (grammar_text(r), self.model.grammars.as_ref()) {
+            (None, _) => None,
+            (Some(g), Some(grammars)) => {
+                Some(grammars.matcher(&g).map_err(|_| ExitSetupError::Grammar)?)
+            }
+            (Some(_), None) => return Err(ExitSetupError::Grammar),
+        };
         let mut choices = Vec::new();
         let mut prompt_tokens = 0u64;
         for (pi, p) in ctx.prompts.iter().enumerate() {
@@ -107,14 +184,18 @@ impl Generator {
             prompt_tokens += p.tokens as u64;
             for j in 0..n {
                 let index = (pi * n + j) as u32;
-                choices.push(ChoiceOut::new(
+                let mut c = ChoiceOut::new(
                     index,
                     params,
                     index as u64,
                     p.tokens as usize,
                     prefix.clone(),
                     r.logprobs.is_some(),
-                ));
+                );
+                if let Some(g) = &grammar {
+                    c.constrain(g.deep_clone());
+                }
+                choices.push(c);
             }
         }
         let stream = match r.stream {
@@ -126,9 +207,14 @@ impl Generator {
                     include_usage: r.include_usage,
                     api: r.api,
                 },
-                sealer: ResponseSealer::new(&ctx.env.response_key)?,
+                sealer: ResponseSealer::new(&ctx.env.response_key).map_err(ExitSetupError::Key)?,
                 bytes: Vec::new(),
                 started: vec![false; choices.len()],
+                receipt_id: ctx.env.receipt_id,
+                calls: r
+                    .tool_calls
+                    .as_ref()
+                    .map(|_| vec![(Kind::Undecided, CallStream::default()); choices.len()]),
             }),
             false => None,
         };
@@ -255,7 +341,13 @@ impl Generator {
                 (std::mem::take(&mut st.bytes), Some((st, tail)))
             }
             None => {
-                let choices: Vec<_> = ex.choices.into_iter().map(ChoiceOut::into_choice).collect();
+                let tools = r.ctx.request.tool_calls.is_some();
+                let id = r.ctx.env.receipt_id;
+                let choices: Vec<_> = ex
+                    .choices
+                    .into_iter()
+                    .map(|c| answer(c, tools, &id))
+                    .collect();
                 let api = r.ctx.request.api;
                 let v = proto::chat::response_body(
                     api,

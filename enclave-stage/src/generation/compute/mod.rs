@@ -299,11 +299,26 @@ impl Generator {
         let exit = match self.is_exit().then(|| self.exit_state(&ctx)).transpose() {
             Ok(exit) => exit,
             Err(e) => {
-                tracing::error!(request_id = ctx.env.request_id, error = %e, "unusable response key");
+                let message = match e {
+                    exit::ExitSetupError::Key(e) => {
+                        tracing::error!(request_id = ctx.env.request_id, error = %e, "unusable response key");
+                        "the request's response key is unusable"
+                    }
+                    exit::ExitSetupError::Grammar => {
+                        // The entry stage compiled it: only a stage that
+                        // disagrees with it gets here. No detail is logged
+                        // (it may quote the client's schema).
+                        tracing::error!(
+                            request_id = ctx.env.request_id,
+                            "the answer's grammar does not compile at the exit stage"
+                        );
+                        "the answer's grammar does not compile at the exit stage"
+                    }
+                };
                 let err = PipelineError {
                     kind: ErrorKind::Internal,
                     status: 500,
-                    message: "the request's response key is unusable".into(),
+                    message: message.into(),
                     retry_after_secs: None,
                     sealed_body: None,
                 };

@@ -225,6 +225,7 @@ impl Generator {
         let mut events: HashMap<u64, Vec<u8>> = HashMap::new();
         let mut completed = Vec::new();
         let mut misfed = Vec::new();
+        let mut grammar_failed = Vec::new();
         for (s, row) in seqs.iter().zip(logits.iter_mut()) {
             let Some(r) = self.requests.get_mut(&s.request_id) else {
                 continue;
@@ -243,11 +244,16 @@ impl Generator {
                 misfed.push(s.request_id);
                 continue;
             }
-            let token = choice.step(row, &ex.rules, tok);
+            let token = match choice.step(row, &ex.rules, tok) {
+                Ok(t) => t,
+                Err(why) => {
+                    grammar_failed.push((s.request_id, why));
+                    continue;
+                }
+            };
             let finish = choice.finish();
             if let Some(st) = ex.stream.as_mut() {
-                let text = choice.take_stream_text(&ex.rules.stop);
-                let ev = st.events(choice.index(), &text, finish);
+                let ev = st.events(choice, &ex.rules.stop);
                 if !ev.is_empty() {
                     events.entry(s.request_id).or_default().extend(ev);
                 }
@@ -295,6 +301,11 @@ impl Generator {
                 &misfed,
                 &anyhow!("a step's input is not the token this stage sampled for its choice"),
             );
+        }
+        for (request_id, why) in grammar_failed {
+            // The engine's message names a limit or state, not the text.
+            self.fail(&[request_id], &anyhow!("{why}"));
+            next.retain(|t| t.request_id != request_id);
         }
         self.send_feedback(FeedbackMessage::Tokens(next));
         for request_id in completed {

@@ -1,0 +1,131 @@
+"""The schema suite of structured outputs (issue 32), shared by
+scripts/test_structured.py and scripts/bench_structured.py: each entry is
+(name, prompt, schema). Every keyword family docs/structured-outputs.md lists
+as supported appears at least once."""
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+SCHEMAS = [
+    ("person", "Describe a person named Ada who is 36 years old.", PERSON),
+    ("integer", "How many legs does a spider have?", {"type": "integer"}),
+    ("number_bounds", "Give a temperature in Celsius for a warm day.",
+     {"type": "number", "minimum": 15, "maximum": 40}),
+    ("exclusive_bounds", "Pick a probability strictly between 0 and 1.",
+     {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}),
+    ("boolean", "Is the sky blue?", {"type": "boolean"}),
+    ("string_enum", "What colour is grass?",
+     {"type": "string", "enum": ["red", "green", "blue"]}),
+    ("const", "Say which API version this is.",
+     {"type": "object", "properties": {"version": {"const": "v1"}}, "required": ["version"],
+      "additionalProperties": False}),
+    ("short_string", "Name a fruit.", {"type": "string", "minLength": 3, "maxLength": 12}),
+    ("pattern_zip", "Give a US zip code.", {"type": "string", "pattern": "^[0-9]{5}$"}),
+    ("pattern_date", "Give the date of New Year's Day 2025 as YYYY-MM-DD.",
+     {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}),
+    ("array_min_max", "List three primary colours.",
+     {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 3,
+      "maxItems": 3}),
+    ("array_of_ints", "List the first four even numbers.",
+     {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
+      "maxItems": 6}),
+    ("unique_enum_items", "Which days are on the weekend?",
+     {"type": "array", "items": {"enum": ["Saturday", "Sunday", "Monday"]}, "maxItems": 2}),
+    ("nested", "Describe a book with its author.",
+     {"type": "object", "properties": {
+         "title": {"type": "string", "maxLength": 40},
+         "author": {"type": "object", "properties": {
+             "name": {"type": "string", "maxLength": 30},
+             "born": {"type": "integer"}}, "required": ["name", "born"],
+             "additionalProperties": False}},
+      "required": ["title", "author"], "additionalProperties": False}),
+    ("array_of_objects", "List two cities with their countries.",
+     {"type": "array", "minItems": 2, "maxItems": 2, "items": {
+         "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                          "country": {"type": "string", "maxLength": 20}},
+         "required": ["city", "country"], "additionalProperties": False}}),
+    ("anyof", "Give either a number or the word none.",
+     {"anyOf": [{"type": "integer"}, {"type": "string", "enum": ["none"]}]}),
+    ("oneof_objects", "Describe a pet: a cat with a name or a fish with a colour.",
+     {"oneOf": [
+         {"type": "object", "properties": {"cat": {"type": "string", "maxLength": 20}},
+          "required": ["cat"], "additionalProperties": False},
+         {"type": "object", "properties": {"fish": {"type": "string", "maxLength": 20}},
+          "required": ["fish"], "additionalProperties": False}]}),
+    ("nullable", "What is the middle name of someone who has none?",
+     {"type": "object", "properties": {"middle_name": {"type": ["string", "null"],
+                                                       "maxLength": 20}},
+      "required": ["middle_name"], "additionalProperties": False}),
+    ("defs_ref", "Give a point with x and y coordinates.",
+     {"$defs": {"coord": {"type": "number", "minimum": -100, "maximum": 100}},
+      "type": "object", "properties": {"x": {"$ref": "#/$defs/coord"},
+                                       "y": {"$ref": "#/$defs/coord"}},
+      "required": ["x", "y"], "additionalProperties": False}),
+    ("ref_array", "List two colours as objects.",
+     {"$defs": {"colour": {"type": "object", "properties": {
+         "name": {"type": "string", "maxLength": 15}}, "required": ["name"],
+         "additionalProperties": False}},
+      "type": "array", "items": {"$ref": "#/$defs/colour"}, "minItems": 2, "maxItems": 2}),
+    ("optional_fields", "Describe a car.",
+     {"type": "object", "properties": {"make": {"type": "string", "maxLength": 20},
+                                       "year": {"type": "integer"},
+                                       "electric": {"type": "boolean"}},
+      "required": ["make"], "additionalProperties": False}),
+    ("strict_all_required", "Describe the weather today.",
+     {"type": "object", "properties": {
+         "summary": {"type": "string", "maxLength": 40},
+         "temperature": {"type": "number"},
+         "rain": {"type": "boolean"}},
+      "required": ["summary", "temperature", "rain"], "additionalProperties": False}),
+    ("enum_mixed", "Rate this on a scale, or say unknown.",
+     {"enum": [1, 2, 3, "unknown", None]}),
+    ("integer_multiple", "Give a multiple of five below fifty.",
+     {"type": "integer", "minimum": 0, "maximum": 50}),
+    ("email_pattern", "Give an example email address.",
+     {"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.(com|org)$"}),
+    ("tags", "Give tags for a blog post about cooking.",
+     {"type": "object", "properties": {"tags": {"type": "array", "items": {
+         "type": "string", "pattern": "^[a-z]{1,12}$"}, "minItems": 1, "maxItems": 4}},
+      "required": ["tags"], "additionalProperties": False}),
+    ("matrix", "Give a 2 by 2 identity matrix.",
+     {"type": "array", "minItems": 2, "maxItems": 2, "items": {
+         "type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer"}}}),
+    ("order", "Create an order for two apples.",
+     {"type": "object", "properties": {
+         "items": {"type": "array", "maxItems": 3, "items": {
+             "type": "object", "properties": {"product": {"type": "string", "maxLength": 20},
+                                              "quantity": {"type": "integer", "minimum": 1}},
+             "required": ["product", "quantity"], "additionalProperties": False}},
+         "total": {"type": "number", "minimum": 0}},
+      "required": ["items", "total"], "additionalProperties": False}),
+    ("sentiment", "Classify the sentiment of: I love this phone.",
+     {"type": "object", "properties": {
+         "sentiment": {"enum": ["positive", "negative", "neutral"]},
+         "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+      "required": ["sentiment", "confidence"], "additionalProperties": False}),
+    ("allof", "Give an id and a name.",
+     {"allOf": [
+         {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0,
+                                                  "maximum": 9999}}, "required": ["id"]},
+         {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+          "required": ["name"]}]}),
+    ("additional_typed", "Map three fruits to their prices.",
+     {"type": "object", "additionalProperties": {"type": "number"}, "maxProperties": 3}),
+    ("defs_chain", "Give a family with a parent and one child.",
+     {"$defs": {"child": {"type": "object", "properties": {
+         "name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+         "additionalProperties": False},
+         "parent": {"type": "object", "properties": {
+             "name": {"type": "string", "maxLength": 12},
+             "child": {"$ref": "#/$defs/child"}}, "required": ["name", "child"],
+             "additionalProperties": False}},
+      "$ref": "#/$defs/parent"}),
+    ("min_max_properties", "Give one or two words with their lengths.",
+     {"type": "object", "patternProperties": {
+         "^[a-z]{1,10}$": {"type": "integer", "minimum": 0, "maximum": 99}},
+      "additionalProperties": False, "minProperties": 1, "maxProperties": 2}),
+]
