@@ -21,10 +21,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROUNDS="${1:-3}"
 PART="${2:-all}"
 scripts/setup.sh >/dev/null
-VENV=target/bench-venv
-if [[ ! -x "$VENV/bin/python" ]]; then python3 -m venv "$VENV"; fi
-"$VENV/bin/python" -c "import llama_cpp" 2>/dev/null \
-  || CMAKE_ARGS="-DGGML_NATIVE=ON" "$VENV/bin/pip" install -q llama-cpp-python
+VENV="$(scripts/bench_llama_venv.sh)"
 "$VENV/bin/python" -c "import numpy, matplotlib, onnx, onnxruntime, sentence_transformers, torch" 2>/dev/null \
   || "$VENV/bin/pip" install -q numpy matplotlib onnx onnxruntime sentence-transformers torch
 cargo build --release

@@ -142,6 +142,15 @@ def main():
         check(isinstance(v, dict), f"not an object: {v!r}")
         return r.choices[0].message.content[:60]
 
+    def completions_extension():
+        r = client.completions.create(
+            model=MODEL, temperature=0, max_tokens=args.max_tokens,
+            prompt='A person as JSON: {"name": "Bob", "age": 20}\nAnother person as JSON:',
+            extra_body={"response_format": schema_format("person", SCHEMAS[0][2])})
+        check(r.choices[0].finish_reason == "stop", r.choices[0].finish_reason)
+        jsonschema.validate(json.loads(r.choices[0].text), SCHEMAS[0][2])
+        return r.choices[0].text.strip()[:60]
+
     def sdk_parse():
         r = client.chat.completions.parse(
             model=MODEL, temperature=0, max_tokens=args.max_tokens, response_format=Person,
@@ -195,6 +204,36 @@ def main():
                   f"streamed {a} != whole {b}")
         check(final.choices[0].finish_reason == "tool_calls", final.choices[0].finish_reason)
         return got[0].function.arguments
+
+    def calls_with_stop_sequences():
+        # A stop sequence may cut the call syntax: the stream must still say
+        # exactly what the whole answer says (text or calls, finish reason).
+        out = []
+        for stop in (['"}'], ["</tool_call>"], ["\n"], ["get_"]):
+            kw = dict(messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60,
+                      stop=stop)
+            whole = create(**kw).choices[0]
+            content, calls, finish = "", {}, None
+            for chunk in client.chat.completions.create(model=MODEL, temperature=0, stream=True,
+                                                        **kw):
+                for ch in chunk.choices:
+                    content += ch.delta.content or ""
+                    for d in ch.delta.tool_calls or []:
+                        c = calls.setdefault(d.index, ["", ""])
+                        c[0] += (d.function.name or "") if d.function else ""
+                        c[1] += (d.function.arguments or "") if d.function else ""
+                    finish = ch.finish_reason or finish
+            want = [[t.function.name, t.function.arguments]
+                    for t in whole.message.tool_calls or []]
+            check([calls[i] for i in sorted(calls)] == want, f"{stop}: {calls} != {want}")
+            check(content == (whole.message.content or ""),
+                  f"{stop}: content {content!r} != {whole.message.content!r}")
+            check(finish == whole.finish_reason, f"{stop}: {finish} != {whole.finish_reason}")
+            for name, args in want:
+                if whole.finish_reason == "tool_calls":
+                    json.loads(args)
+            out.append(f"{stop[0]!r}:{whole.finish_reason}")
+        return ", ".join(out)
 
     def tool_loop():
         r = create(messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=80)
@@ -289,10 +328,13 @@ def main():
         return ", ".join(results)
 
     c.run("response_format json_object answers an object", json_object)
+    c.run("/v1/completions with response_format (extension) validates", completions_extension)
     c.run("SDK chat.completions.parse(response_format=Person) returns Person", sdk_parse)
     c.run("tools under each tool_choice (none, auto, required, named)", tool_choice_each)
     c.run("streamed tool call reassembled by the SDK equals the whole answer",
           streamed_call_reassembled)
+    c.run("tool calls cut by stop sequences: the stream says what the whole answer says",
+          calls_with_stop_sequences)
     c.run("a tool loop: call, tool message, answer", tool_loop)
     c.run("LangChain with_structured_output and bind_tools with a tool loop",
           langchain_structured_and_tools)

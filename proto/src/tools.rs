@@ -310,12 +310,12 @@ struct Partial<'a> {
 /// cannot yet be seen to be) calls. `done`: the text is complete, so
 /// nothing is held back.
 fn scan(text: &str, done: bool) -> Option<Vec<Partial<'_>>> {
-    let t = text.trim_start();
-    if !t.starts_with(CALL_TAG) {
+    // The grammar lets a call begin only at the very start of the answer.
+    if !text.starts_with(CALL_TAG) {
         return None;
     }
     let mut out = Vec::new();
-    let mut rest = t;
+    let mut rest = text;
     while let Some(after_open) = rest.strip_prefix(CALL_OPEN) {
         let Some(q) = after_open.find('"') else {
             out.push(Partial {
@@ -345,11 +345,16 @@ fn scan(text: &str, done: bool) -> Option<Vec<Partial<'_>>> {
                 }
             }
             None => {
-                let keep = if done {
-                    args.len()
-                } else {
-                    args.len() - partial_suffix(args, CALL_CLOSE)
-                };
+                let held = partial_suffix(args, CALL_CLOSE);
+                // Complete, the text may still end in part of the closing
+                // tag (a stop sequence or a length limit cut it there):
+                // that part is not arguments when the rest is whole JSON.
+                let keep =
+                    if !done || serde_json::from_str::<Value>(&args[..args.len() - held]).is_ok() {
+                        args.len() - held
+                    } else {
+                        args.len()
+                    };
                 out.push(Partial {
                     name: Some(name),
                     arguments: &args[..keep],
@@ -363,28 +368,27 @@ fn scan(text: &str, done: bool) -> Option<Vec<Partial<'_>>> {
 
 /// The calls of a finished answer; `None` when it is not calls.
 pub fn parse_calls(text: &str, receipt_id: &[u8; 16], choice: u32) -> Option<Vec<ToolCall>> {
-    let calls = scan(text, true)?;
-    // A call cut short before its name ends is no call (as in a stream).
-    Some(
-        calls
-            .into_iter()
-            .enumerate()
-            .filter_map(|(k, p)| {
-                Some(ToolCall {
-                    id: call_id(receipt_id, choice, k),
-                    name: p.name?.to_string(),
-                    arguments: p.arguments.to_string(),
-                })
+    let calls: Vec<ToolCall> = scan(text, true)?
+        .into_iter()
+        .enumerate()
+        .filter_map(|(k, p)| {
+            // A call cut short before its name ends is no call (as in a
+            // stream, which sends a call only once its name is known).
+            Some(ToolCall {
+                id: call_id(receipt_id, choice, k),
+                name: p.name?.to_string(),
+                arguments: p.arguments.to_string(),
             })
-            .collect(),
-    )
+        })
+        .collect();
+    // Not one call: the answer is its text.
+    (!calls.is_empty()).then_some(calls)
 }
 
 /// Whether an answer that begins with `text` could still turn out to be
 /// calls (its start is a prefix of [`CALL_TAG`]), so a stream holds it.
 pub fn undecided(text: &str) -> bool {
-    let t = text.trim_start();
-    t.len() < CALL_TAG.len() && CALL_TAG.starts_with(t)
+    text.len() < CALL_TAG.len() && CALL_TAG.starts_with(text)
 }
 
 /// One piece of a streamed call, in OpenAI's delta shape: the first piece
@@ -407,6 +411,11 @@ pub struct CallStream {
 }
 
 impl CallStream {
+    /// Whether a call's header went out (the answer is calls).
+    pub fn started(&self) -> bool {
+        self.sent.first().is_some_and(|&(header, _)| header)
+    }
+
     /// The deltas that `text` (the whole answer so far) adds to what was
     /// sent; `done` once the answer is complete.
     pub fn deltas(
@@ -583,8 +592,28 @@ mod tests {
         let calls = parse_calls(cut, &ID, 0).unwrap();
         assert_eq!(calls[0].name, "get_weather");
         assert_eq!(calls[0].arguments, "{");
-        assert!(undecided("") && undecided(" <tool") && !undecided("<tool_call>"));
-        assert!(!undecided("Hello"));
+        assert!(undecided("") && undecided("<tool") && !undecided("<tool_call>"));
+        assert!(
+            !undecided("Hello") && !undecided(" <tool"),
+            "calls begin the answer"
+        );
+        assert_eq!(parse_calls(" <tool_call>", &ID, 0), None);
+        assert_eq!(parse_calls("\u{a0}<tool_call>", &ID, 0), None);
+        // No call named: the text is the answer.
+        assert_eq!(parse_calls("<tool_call>\n{\"na", &ID, 0), None);
+        // Cut inside the closing tag (a stop sequence, a length limit): the
+        // arguments without it when they are whole, else as written.
+        let call = render_call("f", r#"{"a": {"b": 1}}"#);
+        for cut in ["}", "}\n", "}\n</tool"] {
+            let end = call.find(CALL_CLOSE).unwrap() + cut.len();
+            let got = parse_calls(&call[..end], &ID, 0).unwrap();
+            assert_eq!(got[0].arguments, r#"{"a": {"b": 1}}"#, "{cut:?}");
+        }
+        let short = &call[..call.find(CALL_CLOSE).unwrap() - 1];
+        assert_eq!(
+            parse_calls(short, &ID, 0).unwrap()[0].arguments,
+            r#"{"a": {"b": 1}"#
+        );
     }
 
     #[test]

@@ -102,9 +102,19 @@ impl ChoiceOut {
         self.grammar = Some(grammar);
     }
 
-    /// The text so far (without an echoed prompt).
-    pub fn text(&self) -> &str {
-        &self.text
+    /// The text so far (without an echoed prompt) that no stop sequence
+    /// can still cut: until the choice ends, a tail that could begin one of
+    /// `stops` is left out, as [`ChoiceOut::take_stream_text`] holds it.
+    pub fn stable_text(&self, stops: &[String]) -> &str {
+        let hold = match self.finish {
+            Some(_) => 0,
+            None => stops
+                .iter()
+                .map(|s| held_back(&self.text, s))
+                .max()
+                .unwrap_or(0),
+        };
+        &self.text[..self.text.len() - hold]
     }
 
     /// The choice index.
@@ -166,7 +176,11 @@ impl ChoiceOut {
         if let Some(g) = self.grammar.as_mut() {
             let mask = g
                 .compute_mask_or_eos()
-                .map_err(|e| format!("the output grammar: {e}"))?;
+                // Fixed messages: the engine's may quote the output.
+                .map_err(|_| {
+                    "the output grammar's step failed (its work limit, or no token allowed)"
+                        .to_string()
+                })?;
             for (t, l) in logits.iter_mut().enumerate() {
                 if !mask.is_allowed(t as u32) {
                     *l = f32::NEG_INFINITY;
@@ -177,7 +191,7 @@ impl ChoiceOut {
         // The end of sequence ends the choice; the grammar allowed it.
         if let Some(g) = self.grammar.as_mut().filter(|_| Some(token) != rules.eos) {
             g.consume_token(token)
-                .map_err(|e| format!("the output grammar: {e}"))?;
+                .map_err(|_| "the output grammar refused the sampled token".to_string())?;
         }
         if let (Some(lp), Some(alts)) = (self.logprobs.as_mut(), alternatives) {
             // The model's own distribution, before bias and penalties.

@@ -209,23 +209,6 @@ impl StageServer {
             return Err(ApiError::model_not_found(&request.model));
         }
         let prompts = std::mem::take(&mut request.prompts);
-        // A grammar that does not compile is refused here, before any work
-        // (compiling is bounded by the engine's fuel; off the runtime).
-        if request.constrained() {
-            let m = model.clone();
-            let r = request.clone();
-            tokio::task::spawn_blocking(move || match m.grammars.as_ref() {
-                Some(g) => g.check(&r),
-                None => Err(ApiError::invalid(
-                    Some("response_format"),
-                    "This model has no end-of-sequence token, so no grammar can end.",
-                )),
-            })
-            .await
-            .map_err(|e| {
-                ApiError::invalid(Some("response_format"), format!("grammar task: {e}"))
-            })??;
-        }
         // Text that cannot fit the context is refused before it is
         // tokenized (bounding the tokenizer's work, whatever the body size).
         let max_bytes = cfg.max_seq_len * MAX_BYTES_PER_TOKEN;
@@ -285,6 +268,24 @@ impl StageServer {
                 e.param = Some(prompt_param.into());
                 return Err(e);
             }
+        }
+        // A grammar that does not compile is refused here, after the cheap
+        // checks and before any model work (compiling is bounded by the
+        // engine's fuel; off the runtime).
+        if request.constrained() {
+            let m = model.clone();
+            let r = request.clone();
+            tokio::task::spawn_blocking(move || match m.grammars.as_ref() {
+                Some(g) => g.check(&r),
+                None => Err(ApiError::invalid(
+                    Some("response_format"),
+                    "This model has no end-of-sequence token, so no grammar can end.",
+                )),
+            })
+            .await
+            .map_err(|e| {
+                ApiError::invalid(Some("response_format"), format!("grammar task: {e}"))
+            })??;
         }
         let mut receipt_id = [0u8; 16];
         rand::rngs::OsRng.fill_bytes(&mut receipt_id);

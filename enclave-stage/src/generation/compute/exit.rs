@@ -78,18 +78,23 @@ impl Streaming {
                 let kind = match self.calls.as_mut().and_then(|c| c.get_mut(index as usize)) {
                     None => Kind::Content,
                     Some((kind, calls)) => {
-                        if *kind == Kind::Undecided
-                            && (finish.is_some() || !undecided(choice.text()))
-                        {
-                            *kind = match choice.text().trim_start().starts_with(CALL_TAG) {
+                        // Only text no stop sequence can still cut decides.
+                        let text = choice.stable_text(stop);
+                        let done = finish.is_some();
+                        if *kind == Kind::Undecided && (done || !undecided(text)) {
+                            *kind = match text.starts_with(CALL_TAG) {
                                 true => Kind::Calls,
                                 false => Kind::Content,
                             };
                         }
                         if *kind == Kind::Calls {
-                            let done = finish.is_some();
-                            for d in calls.deltas(choice.text(), done, &self.receipt_id, index) {
+                            for d in calls.deltas(text, done, &self.receipt_id, index) {
                                 out.extend(chat_chunk_event(id, index, Delta::ToolCall(&d)));
+                            }
+                            // Ended without one named call: the answer is
+                            // its text after all, as the whole answer reads.
+                            if done && !calls.started() {
+                                *kind = Kind::Content;
                             }
                         }
                         *kind
@@ -193,7 +198,8 @@ impl Generator {
                     r.logprobs.is_some(),
                 );
                 if let Some(g) = &grammar {
-                    c.constrain(g.deep_clone());
+                    // Clones share the compiled lexer's cache (one thread).
+                    c.constrain(g.clone());
                 }
                 choices.push(c);
             }
