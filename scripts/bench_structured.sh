@@ -5,7 +5,9 @@
 # built from source into the benchmark-only virtualenv target/bench-venv, as
 # scripts/bench_peers.sh does; about 6 minutes the first time).
 #
-#   scripts/bench_structured.sh [ROUNDS]     (default 5, about 5 minutes)
+#   scripts/bench_structured.sh [ROUNDS]     (default 5, about 5 minutes;
+#   BENCH_LLAMA_PORTABLE=1 for the portable llama.cpp build, see
+#   scripts/bench_llama_venv.sh)
 # Writes benchmark_results/structured.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -5,6 +5,8 @@
 //! compiled on SmolLM2's vocabulary and the answer fed to it token by
 //! token, the mask of every step timed as the exit stage computes it.
 //! Prints `{"<name>": {"compile_us": …, "mask_us": [...]}, ...}`.
+//! `bench_grammar --tools-prompt TOOLS_JSON` prints instead the system text
+//! the entry stage adds for those tools.
 
 use enclave_stage::generation::grammar::{grammar_text, Grammars};
 use serde_json::{json, Map, Value};
@@ -13,6 +15,16 @@ use tokenizers::Tokenizer;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    if let (Some("--tools-prompt"), Some(tools)) = (args.get(1).map(String::as_str), args.get(2)) {
+        // The system text the entry stage adds for these tools, so that an
+        // unconstrained run can be given the same prompt.
+        let body = json!({ "tools": serde_json::from_str::<Value>(tools)? });
+        let tools = proto::tools::parse_tools(body.as_object().expect("an object"))
+            .map_err(|e| anyhow::anyhow!("{}", e.message))?
+            .ok_or_else(|| anyhow::anyhow!("no tools"))?;
+        print!("{}", proto::tools::tools_prompt(&tools.defs));
+        return Ok(());
+    }
     let (Some(model_dir), Some(cases)) = (args.get(1), args.get(2)) else {
         anyhow::bail!("usage: bench_grammar MODEL_DIR CASES.json");
     };

@@ -337,6 +337,18 @@ fn configs() -> Vec<(u8, Vec<u8>)> {
 /// OpenAI request bodies: `(endpoint selector, body)`.
 const OPENAI: &[(u8, &str)] = &[
     (
+        2,
+        r#"{"model":"m","messages":[{"role":"user","content":"Weather?"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},{"role":"tool","tool_call_id":"c1","content":"sunny"}],"tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}],"tool_choice":{"type":"function","function":{"name":"get_weather"}},"parallel_tool_calls":true}"#,
+    ),
+    (
+        2,
+        r##"{"model":"m","messages":[{"role":"user","content":"Hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"p","strict":true,"schema":{"$defs":{"n":{"type":"integer"}},"type":"object","properties":{"a":{"$ref":"#/$defs/n"},"b":{"enum":["x","y"]}},"required":["a"]}}}}"##,
+    ),
+    (
+        1,
+        r#"{"model":"m","prompt":"JSON:","response_format":{"type":"json_object"}}"#,
+    ),
+    (
         0,
         r#"{"model":"all-MiniLM-L6-v2","input":"The quick brown fox"}"#,
     ),
