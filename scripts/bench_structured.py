@@ -244,7 +244,7 @@ ax.bar([x - 0.2 for x in xs], [d["gateway"][n]["decode_tok_s"]["median"] for n i
 if d["llama_cpp"]:
     ll = [d["llama_cpp"].get(n, {}).get("decode_tok_s", {}).get("median", 0) for n in names]
     ax.bar([x + 0.2 for x in xs], ll, width=0.4, label="llama.cpp (GBNF)")
-ax.set_xticks(list(xs)); ax.set_xticklabels(names)
+ax.set_xticks(list(xs)); ax.set_xticklabels(names, rotation=12, fontsize=8)
 ax.set_ylabel("decode tok/s (median)"); ax.legend()
 ax.set_title("Decode under a grammar, SmolLM2-135M, commit " + d["commit"])
 fig.tight_layout(); fig.savefig(sys.argv[2], dpi=100)

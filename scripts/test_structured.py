@@ -152,12 +152,16 @@ def main():
         return r.choices[0].text.strip()[:60]
 
     def sdk_parse():
-        r = client.chat.completions.parse(
-            model=MODEL, temperature=0, max_tokens=args.max_tokens, response_format=Person,
-            messages=[{"role": "user", "content": "Describe a person named Ada aged 36."}])
-        p = r.choices[0].message.parsed
-        check(isinstance(p, Person), f"parsed {p!r}")
-        return repr(p)
+        # The GA helper and the beta one that older examples use.
+        out = []
+        for parse in (client.chat.completions.parse, client.beta.chat.completions.parse):
+            r = parse(model=MODEL, temperature=0, max_tokens=args.max_tokens,
+                      response_format=Person,
+                      messages=[{"role": "user", "content": "Describe a person named Ada aged 36."}])
+            p = r.choices[0].message.parsed
+            check(isinstance(p, Person), f"parsed {p!r}")
+            out.append(repr(p))
+        return "; ".join(out)
 
     def check_call(call, tool):
         check(call.type == "function" and call.id.startswith("call_"), f"call {call}")
@@ -329,7 +333,8 @@ def main():
 
     c.run("response_format json_object answers an object", json_object)
     c.run("/v1/completions with response_format (extension) validates", completions_extension)
-    c.run("SDK chat.completions.parse(response_format=Person) returns Person", sdk_parse)
+    c.run("SDK chat.completions.parse and beta.chat.completions.parse return a Person",
+          sdk_parse)
     c.run("tools under each tool_choice (none, auto, required, named)", tool_choice_each)
     c.run("streamed tool call reassembled by the SDK equals the whole answer",
           streamed_call_reassembled)
