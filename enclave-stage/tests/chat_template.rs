@@ -42,7 +42,7 @@ fn chat_prompts_match_transformers_apply_chat_template() {
             chat.messages, expect_msgs,
             "item {i}: messages as templated"
         );
-        let text = template.render(&chat.messages).unwrap();
+        let text = template.render(&chat.messages, &[]).unwrap();
         assert_eq!(
             text,
             item["text"].as_str().unwrap(),

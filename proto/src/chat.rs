@@ -19,10 +19,41 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// One message of the conversation, as the chat template sees it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user` or `assistant` (`developer` is read as `system`).
+    /// `system`, `user`, `assistant` or `tool` (`developer` is read as
+    /// `system`).
     pub role: String,
-    /// The text (text parts joined with newlines).
+    /// The text (text parts joined with newlines; empty for an assistant
+    /// turn that only called tools).
     pub content: String,
+    /// An assistant turn's calls.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<PastCall>,
+    /// The call a `tool` message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of `role` with `content` only.
+    pub fn text(role: &str, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+}
+
+/// A call an earlier assistant turn made.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PastCall {
+    /// Its id.
+    pub id: String,
+    /// The function's name.
+    pub name: String,
+    /// The arguments, as the JSON text the client sent.
+    pub arguments: String,
 }
 
 /// A validated chat request: the shared generation fields (with
@@ -33,6 +64,8 @@ pub struct ChatRequest {
     pub request: CompletionsRequest,
     /// The conversation, in order.
     pub messages: Vec<ChatMessage>,
+    /// The tools the model is told about (none with `tool_choice: none`).
+    pub tools: Vec<crate::tools::ToolDef>,
     /// Whether the client set `max_completion_tokens` or `max_tokens`
     /// (otherwise `request.max_tokens` is the server's default, which the
     /// entry stage shortens to what the context leaves).
@@ -193,40 +226,62 @@ fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
             ("assistant", None | Some(Value::Null)) if !calls.is_empty() => String::new(),
             (_, c) => content(i, c)?,
         };
-        let content = match role {
-            "assistant" if !calls.is_empty() => {
-                let mut text = content;
-                if !text.is_empty() {
-                    text.push('\n');
-                }
-                text.push_str(&calls.join(crate::tools::CALL_SEP));
-                text
+        let tool_call_id = match (role, m.get("tool_call_id")) {
+            ("tool", Some(Value::String(id))) => Some(id.clone()),
+            ("tool", _) => {
+                return invalid(
+                    &format!("messages[{i}].tool_call_id"),
+                    "A `tool` message needs the string `tool_call_id` of the call it answers.",
+                )
             }
-            "tool" => {
-                if !m.get("tool_call_id").is_some_and(Value::is_string) {
-                    return invalid(
-                        &format!("messages[{i}].tool_call_id"),
-                        "A `tool` message needs the string `tool_call_id` of the call it answers.",
-                    );
-                }
-                crate::tools::tool_response(&content)
-            }
-            _ => content,
+            _ => None,
         };
-        // Tool results reach the model as user turns (the generic
-        // convention of `crate::tools`).
-        let role = if role == "tool" { "user" } else { role };
         out.push(ChatMessage {
             role: role.into(),
             content,
+            tool_calls: calls,
+            tool_call_id,
         });
     }
     Ok(out)
 }
 
-/// An assistant message's earlier `tool_calls`, each rendered in the
-/// output syntax of [`crate::tools`].
-fn assistant_calls(i: usize, v: &Value) -> Result<Vec<String>, ApiError> {
+/// The conversation as a template that does not take tools sees it (the
+/// generic convention of [`crate::tools`]): the tools listed in the system
+/// message, earlier calls written in the output syntax, tool results as
+/// user turns. Without tools or calls, the messages as they are.
+pub fn generic_messages(
+    messages: &[ChatMessage],
+    tools: &[crate::tools::ToolDef],
+) -> Vec<ChatMessage> {
+    let mut out: Vec<ChatMessage> = messages
+        .iter()
+        .map(|m| match m.role.as_str() {
+            "assistant" if !m.tool_calls.is_empty() => {
+                let calls: Vec<String> = m
+                    .tool_calls
+                    .iter()
+                    .map(|c| crate::tools::render_call(&c.name, &c.arguments))
+                    .collect();
+                let mut text = m.content.clone();
+                if !text.is_empty() {
+                    text.push('\n');
+                }
+                text.push_str(&calls.join(crate::tools::CALL_SEP));
+                ChatMessage::text("assistant", text)
+            }
+            "tool" => ChatMessage::text("user", crate::tools::tool_response(&m.content)),
+            _ => m.clone(),
+        })
+        .collect();
+    if !tools.is_empty() {
+        with_tools_prompt(&mut out, tools);
+    }
+    out
+}
+
+/// An assistant message's earlier `tool_calls`.
+fn assistant_calls(i: usize, v: &Value) -> Result<Vec<PastCall>, ApiError> {
     let p = format!("messages[{i}].tool_calls");
     let Some(items) = v.as_array() else {
         return invalid(&p, "`tool_calls` must be an array of calls.");
@@ -239,7 +294,15 @@ fn assistant_calls(i: usize, v: &Value) -> Result<Vec<String>, ApiError> {
         let kind = c.get("type").and_then(Value::as_str);
         match (kind, name, args) {
             (Some("function"), Some(n), Some(a)) if crate::structured::valid_name(n) => {
-                out.push(crate::tools::render_call(n, a))
+                out.push(PastCall {
+                    id: c
+                        .get("id")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .into(),
+                    name: n.into(),
+                    arguments: a.into(),
+                })
             }
             _ => {
                 return invalid(
@@ -260,13 +323,7 @@ fn with_tools_prompt(messages: &mut Vec<ChatMessage>, defs: &[crate::tools::Tool
     let block = crate::tools::tools_prompt(defs);
     match messages.first_mut() {
         Some(m) if m.role == "system" => m.content = format!("{}\n\n{block}", m.content),
-        _ => messages.insert(
-            0,
-            ChatMessage {
-                role: "system".into(),
-                content: block,
-            },
-        ),
+        _ => messages.insert(0, ChatMessage::text("system", block)),
     }
 }
 
@@ -285,13 +342,12 @@ pub fn parse_chat(
             return invalid(k, why);
         }
     }
-    let mut messages = messages(obj.get("messages"))?;
-    let tools = crate::tools::parse_tools(obj)?;
-    let tool_calls = tools.and_then(|t| {
-        let calls = t.calls?;
-        with_tools_prompt(&mut messages, &t.defs);
-        Some(calls)
-    });
+    let messages = messages(obj.get("messages"))?;
+    // With `tool_choice: none` the model is not told about the tools.
+    let (tools, tool_calls) = match crate::tools::parse_tools(obj)? {
+        Some(t) if t.calls.is_some() => (t.defs, t.calls),
+        _ => (Vec::new(), None),
+    };
     let given = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
     let max_tokens_given = given("max_completion_tokens") || given("max_tokens");
     let max_tokens = if given("max_completion_tokens") {
@@ -322,6 +378,7 @@ pub fn parse_chat(
     Ok(ChatRequest {
         request,
         messages,
+        tools,
         max_tokens_given,
     })
 }
@@ -590,17 +647,28 @@ mod tests {
               "parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],
             "tool_choice":"required","response_format":{"type":"json_object"}}"#)
         .unwrap();
+        // As the client sent them (a template that takes tools sees these).
         let roles: Vec<_> = r.messages.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "tool"]);
+        assert_eq!(r.messages[2].tool_calls[0].name, "get_weather");
+        assert_eq!(r.messages[2].tool_calls[0].id, "c1");
+        assert_eq!(r.messages[3].tool_call_id.as_deref(), Some("c1"));
+        assert_eq!(r.tools.len(), 1);
+        // The generic convention, for templates that do not.
+        let g = generic_messages(&r.messages, &r.tools);
+        let roles: Vec<_> = g.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(roles, ["system", "user", "assistant", "user"]);
-        assert!(r.messages[0].content.starts_with("be brief\n\n# Tools"));
+        assert!(g[0].content.starts_with("be brief\n\n# Tools"));
         assert_eq!(
-            r.messages[2].content,
+            g[2].content,
             crate::tools::render_call("get_weather", r#"{"city":"Paris"}"#)
         );
-        assert_eq!(
-            r.messages[3].content,
-            "<tool_response>\nsunny\n</tool_response>"
-        );
+        assert_eq!(g[3].content, "<tool_response>\nsunny\n</tool_response>");
+        assert!(g
+            .iter()
+            .all(|m| m.tool_calls.is_empty() && m.tool_call_id.is_none()));
+        // Without tools or calls, nothing changes.
+        assert_eq!(generic_messages(&r.messages[..2], &[])[1], r.messages[1]);
         let calls = r.request.tool_calls.unwrap();
         assert!(calls.required && calls.tools[0].name == "get_weather");
         assert_eq!(
@@ -613,7 +681,7 @@ mod tests {
             "tools":[{{"type":"function","function":{{"name":"f"}}}}]}}"#
         ))
         .unwrap();
-        assert!(r.request.tool_calls.is_none() && r.messages.len() == 1);
+        assert!(r.request.tool_calls.is_none() && r.tools.is_empty());
     }
 
     #[test]

@@ -8,9 +8,19 @@
 //! `eos_token`, and `add_generation_prompt` true. The rendered text is
 //! tokenized like a completions prompt (special-token text such as
 //! `<|im_start|>` becomes the special token, as in `transformers`).
+//!
+//! A template that writes tool calls in the Hermes style (its source has
+//! `<tool_call>`: Qwen2.5 and Qwen3, Hermes, SmolLM3) is given the tools and
+//! the conversation's calls and results its own way, as `transformers`
+//! passes them (`tools`, `message.tool_calls` with `function.arguments` as
+//! an object, `tool` messages): its call syntax is the one the exit stage's
+//! grammar decodes. Other templates get the generic convention of
+//! `proto::tools` (rendered by the entry stage before the template runs).
 
+use minijinja::value::Serde;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use proto::chat::ChatMessage;
+use proto::tools::{ToolDef, CALL_TAG};
 use std::collections::BTreeMap;
 
 /// Name of the one template in the environment.
@@ -29,6 +39,7 @@ pub struct ChatTemplate {
     env: Box<Environment<'static>>,
     bos: String,
     eos: String,
+    takes_tools: bool,
 }
 
 fn raise_exception(message: String) -> Result<Value, Error> {
@@ -55,31 +66,34 @@ impl ChatTemplate {
             env: Box::new(env),
             bos: bos.into(),
             eos: eos.into(),
+            takes_tools: source.contains(CALL_TAG),
         })
     }
 
-    /// The prompt for `messages`, ending where the assistant's answer begins.
-    /// An error is the template's own complaint (e.g. roles that must
-    /// alternate) and is safe to return to the client.
-    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, String> {
+    /// Whether the template writes tool calls in the syntax the exit
+    /// stage decodes, and so is given tools and calls its own way.
+    pub fn takes_tools(&self) -> bool {
+        self.takes_tools
+    }
+
+    /// The prompt for `messages` and `tools` (given only to a template that
+    /// [takes them](ChatTemplate::takes_tools)), ending where the
+    /// assistant's answer begins. An error is the template's own complaint
+    /// (e.g. roles that must alternate) and is safe to return to the client.
+    pub fn render(&self, messages: &[ChatMessage], tools: &[ToolDef]) -> Result<String, String> {
         if messages.len() > MAX_CHAT_MESSAGES {
             return Err(format!(
                 "at most {MAX_CHAT_MESSAGES} messages are accepted; this request has {}",
                 messages.len()
             ));
         }
-        let messages: Vec<Value> = messages
-            .iter()
-            .map(|m| {
-                let mut o = BTreeMap::new();
-                o.insert("role".to_string(), Value::from(m.role.as_str()));
-                o.insert("content".to_string(), Value::from(m.content.as_str()));
-                Value::from_object(o)
-            })
-            .collect();
+        let messages: Vec<Value> = messages.iter().map(message_value).collect();
+        let tools: Option<Vec<serde_json::Value>> =
+            (!tools.is_empty()).then(|| tools.iter().map(tool_value).collect());
         let tmpl = self.env.get_template(NAME).map_err(|e| e.to_string())?;
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools.map(|t| Value::from(Serde(t))),
             add_generation_prompt => true,
             bos_token => self.bos.as_str(),
             eos_token => self.eos.as_str(),
@@ -99,6 +113,45 @@ impl ChatTemplate {
     }
 }
 
+/// A message as templates read it: `role`, `content`, and for tools
+/// `tool_calls` (each `{"id", "type", "function": {"name", "arguments"}}`,
+/// the arguments an object when they are JSON, as `transformers` passes
+/// them) or `tool_call_id`.
+fn message_value(m: &ChatMessage) -> Value {
+    let mut o = BTreeMap::new();
+    o.insert("role".to_string(), Value::from(m.role.as_str()));
+    o.insert("content".to_string(), Value::from(m.content.as_str()));
+    if !m.tool_calls.is_empty() {
+        let calls: Vec<serde_json::Value> = m
+            .tool_calls
+            .iter()
+            .map(|c| {
+                let args = serde_json::from_str::<serde_json::Value>(&c.arguments)
+                    .unwrap_or_else(|_| serde_json::Value::String(c.arguments.clone()));
+                serde_json::json!({"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": args}})
+            })
+            .collect();
+        o.insert("tool_calls".to_string(), Value::from(Serde(calls)));
+    }
+    if let Some(id) = &m.tool_call_id {
+        o.insert("tool_call_id".to_string(), Value::from(id.as_str()));
+    }
+    Value::from_object(o)
+}
+
+/// A tool as templates read it: OpenAI's `{"type": "function", "function":
+/// {"name", "description", "parameters"}}`.
+fn tool_value(t: &ToolDef) -> serde_json::Value {
+    let params: serde_json::Value =
+        serde_json::from_str(&t.parameters).unwrap_or(serde_json::Value::Null);
+    let mut f = serde_json::json!({"name": t.name, "parameters": params});
+    if let Some(d) = &t.description {
+        f["description"] = serde_json::Value::String(d.clone());
+    }
+    serde_json::json!({"type": "function", "function": f})
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,20 +167,17 @@ mod tests {
         )
         .unwrap();
         let t0 = std::time::Instant::now();
-        let e = t.render(&[msg("user", "hi")]).unwrap_err();
+        let e = t.render(&[msg("user", "hi")], &[]).unwrap_err();
         assert!(e.contains("ran too long"), "{e}");
         assert!(t0.elapsed() < std::time::Duration::from_secs(10));
         let t = ChatTemplate::new("{{ messages | length }}", "<s>", "</s>").unwrap();
         let many = vec![msg("user", "x"); MAX_CHAT_MESSAGES + 1];
-        assert!(t.render(&many).unwrap_err().contains("at most"));
-        assert_eq!(t.render(&many[..3]).unwrap(), "3");
+        assert!(t.render(&many, &[]).unwrap_err().contains("at most"));
+        assert_eq!(t.render(&many[..3], &[]).unwrap(), "3");
     }
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage::text(role, content)
     }
 
     #[test]
@@ -145,14 +195,14 @@ mod tests {
         )
         .unwrap();
         let out = t
-            .render(&[msg("user", "  hi  "), msg("assistant", "yo")])
+            .render(&[msg("user", "  hi  "), msg("assistant", "yo")], &[])
             .unwrap();
         assert_eq!(
             out,
             "<B><s>default</s>\n<user>hi</user>\n<assistant>yo</assistant>\n<assistant>"
         );
         // Message text is data, never template source.
-        let out = t.render(&[msg("system", "{{ 7 * 6 }}")]).unwrap();
+        let out = t.render(&[msg("system", "{{ 7 * 6 }}")], &[]).unwrap();
         assert!(out.contains("{{ 7 * 6 }}"), "{out}");
     }
 
@@ -165,12 +215,59 @@ mod tests {
             "",
         )
         .unwrap();
-        assert_eq!(t.render(&[msg("user", "a")]).unwrap(), "a");
-        let e = t.render(&[msg("system", "a")]).unwrap_err();
+        assert_eq!(t.render(&[msg("user", "a")], &[]).unwrap(), "a");
+        let e = t.render(&[msg("system", "a")], &[]).unwrap_err();
         assert!(e.contains("System role not supported"), "{e}");
         assert!(ChatTemplate::new("{% for %}", "", "")
             .err()
             .unwrap()
             .contains("does not parse"));
+    }
+
+    #[test]
+    fn a_template_that_takes_tools_gets_them_its_own_way() {
+        // A Hermes-style template of the kind Qwen models ship (written
+        // here): the tools as JSON lines, calls in <tool_call> tags with the
+        // arguments as an object, results in <tool_response> tags.
+        let source = "{% if tools %}<|system|>Tools:\n{% for t in tools %}{{ t | tojson }}\n\
+            {% endfor %}{% endif %}{% for m in messages %}\
+            {% if m.role == 'assistant' and m.tool_calls %}<|assistant|>\
+            {% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \
+            \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}\n\
+            {% elif m.role == 'tool' %}<|user|><tool_response>{{ m.content }}</tool_response>\n\
+            {% else %}<|{{ m.role }}|>{{ m.content }}\n{% endif %}{% endfor %}<|assistant|>";
+        let t = ChatTemplate::new(source, "", "").unwrap();
+        assert!(t.takes_tools());
+        assert!(!ChatTemplate::new("{{ messages }}", "", "")
+            .unwrap()
+            .takes_tools());
+        let body = serde_json::json!({"model": "m", "tool_choice": "auto",
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1",
+                    "type": "function", "function": {"name": "get_weather",
+                    "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                "description": "Weather", "parameters": {"type": "object"}}}]});
+        let chat = proto::chat::parse_chat(body.to_string().as_bytes(), 1000, 16).unwrap();
+        let out = t.render(&chat.messages, &chat.tools).unwrap();
+        assert!(out.starts_with("<|system|>Tools:\n{"), "{out}");
+        // `tojson` writes as Python's json.dumps does (keys sorted here).
+        assert!(out.contains("\"name\": \"get_weather\""), "{out}");
+        assert!(out.contains("\"description\": \"Weather\""), "{out}");
+        assert!(
+            out.contains(
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}"
+            ),
+            "the arguments as an object: {out}"
+        );
+        assert!(
+            out.contains("<|user|><tool_response>sunny</tool_response>"),
+            "{out}"
+        );
+        // Without tools the variable is undefined, as in transformers.
+        let out = t.render(&chat.messages[..1], &[]).unwrap();
+        assert_eq!(out, "<|user|>Weather in Paris?\n<|assistant|>");
     }
 }

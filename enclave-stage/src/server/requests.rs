@@ -11,7 +11,7 @@ use crate::embedding::engine::Engine;
 use crate::generation::model::GenModel;
 use crate::model::StageModel;
 use crate::work::{failure, Work};
-use proto::chat::parse_chat;
+use proto::chat::{generic_messages, parse_chat};
 use proto::completions::{context_length_error, parse_completions, Api, Prompt};
 use proto::digest::Sha256Digest;
 use proto::frames::{
@@ -192,9 +192,14 @@ impl StageServer {
                         "This model has no chat template; use /v1/completions.",
                     )
                 })?;
-                let text = template
-                    .render(&chat.messages)
-                    .map_err(|e| ApiError::invalid(Some("messages"), e))?;
+                // A template that takes tools gets them its own way; any
+                // other, the generic convention (`proto::tools`).
+                let text = if template.takes_tools() {
+                    template.render(&chat.messages, &chat.tools)
+                } else {
+                    template.render(&generic_messages(&chat.messages, &chat.tools), &[])
+                }
+                .map_err(|e| ApiError::invalid(Some("messages"), e))?;
                 let mut r = chat.request;
                 r.prompts = vec![Prompt::Text(text)];
                 (r, !chat.max_tokens_given)
