@@ -17,7 +17,7 @@ use crate::role::StageSpec;
 use crate::work::{Output, Work};
 use anyhow::{Context, Result};
 use proto::frames::StageClaims;
-use proto::manifest::LoadedManifest;
+use proto::manifest::{LoadedManifest, ModelTask};
 use proto::openai::ApiEndpoint;
 use std::path::Path;
 use std::sync::mpsc::Receiver;
@@ -71,14 +71,17 @@ pub fn load(
     spec: &StageSpec,
     weights: Option<WeightFormat>,
 ) -> Result<Box<dyn LoadedModel>> {
-    let architecture = LoadedManifest::load(model_dir)?.manifest.architecture;
+    let task = LoadedManifest::load(model_dir)?
+        .manifest
+        .serves()
+        .map_err(anyhow::Error::msg)?;
     let pick = |served: &[WeightFormat], default: WeightFormat, kind: &str| {
         weights
             .unwrap_or(default)
             .served_by(served)
             .map_err(|e| anyhow::anyhow!("{kind} stage weights: {e}"))
     };
-    Ok(if architecture == "llama" {
+    Ok(if task == ModelTask::Completion {
         let w = pick(&WeightFormat::GENERATION, GENERATION_DEFAULT, "generation")?;
         Box::new(GenModel::load(model_dir, spec, w)?)
     } else {

@@ -37,6 +37,32 @@ pub struct ModelManifest {
     pub files: Vec<ManifestFile>,
 }
 
+/// What a model serves, from its manifest's `task`: the pipeline kind
+/// (and API) a stage and the gateway pick for it. Decided by the task, not
+/// the architecture, so that another family of the same task is refused by
+/// its loader naming the architecture instead of loaded as another kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelTask {
+    /// `completion`: text generation (`/v1/completions`, `/v1/chat/completions`).
+    Completion,
+    /// `embedding`: sentence embeddings (`/v1/embeddings`).
+    Embedding,
+}
+
+impl ModelManifest {
+    /// The task this model serves; an unknown one is an error naming it.
+    pub fn serves(&self) -> Result<ModelTask, String> {
+        match self.task.as_str() {
+            "completion" => Ok(ModelTask::Completion),
+            "embedding" => Ok(ModelTask::Embedding),
+            other => Err(format!(
+                "model {} has task {other:?}; served tasks are \"completion\" and \"embedding\"",
+                self.model_id
+            )),
+        }
+    }
+}
+
 /// A manifest together with where it was loaded from and its digest.
 #[derive(Clone, Debug)]
 pub struct LoadedManifest {
@@ -163,6 +189,26 @@ pub fn is_plain_relative(path: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_task_decides_what_a_model_serves() {
+        let m = |architecture: &str, task: &str| ModelManifest {
+            schema: 1,
+            model_id: "m".into(),
+            architecture: architecture.into(),
+            task: task.into(),
+            source: "t".into(),
+            max_seq_len: 8,
+            files: Vec::new(),
+        };
+        assert_eq!(m("llama", "completion").serves(), Ok(ModelTask::Completion));
+        // Another generation family is generation (its loader says whether
+        // it is supported), never an embedding model.
+        assert_eq!(m("qwen2", "completion").serves(), Ok(ModelTask::Completion));
+        assert_eq!(m("bert", "embedding").serves(), Ok(ModelTask::Embedding));
+        let e = m("bert", "rerank").serves().unwrap_err();
+        assert!(e.contains("\"rerank\""), "{e}");
+    }
+
     use super::*;
 
     fn write_model(dir: &Path, content: &[u8]) {

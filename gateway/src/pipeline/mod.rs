@@ -17,7 +17,7 @@ use proto::digest::Sha256Digest;
 use proto::frames::{PipelineError, RequestTelemetry, StageClaims, StageStats};
 use proto::io::queue::QueuedSender;
 use proto::io::transport::Endpoint;
-use proto::manifest::LoadedManifest;
+use proto::manifest::{LoadedManifest, ModelTask};
 use proto::openai::ApiEndpoint;
 use proto::policy::Policy;
 use proto::receipt::ReceiptId;
@@ -233,10 +233,10 @@ impl Pipeline {
             model_id: manifest.manifest.model_id.clone(),
             manifest: manifest.clone(),
             manifest_bytes: manifest.bytes.clone(),
-            endpoint: if manifest.manifest.architecture == "llama" {
-                ApiEndpoint::Completions
-            } else {
-                ApiEndpoint::Embeddings
+            endpoint: match manifest.manifest.serves() {
+                Ok(ModelTask::Completion) => ApiEndpoint::Completions,
+                Ok(ModelTask::Embedding) => ApiEndpoint::Embeddings,
+                Err(e) => anyhow::bail!("{e}"),
             },
             connected: StdMutex::new(None),
             not_ready_reason: StdMutex::new("pipeline is starting".into()),
