@@ -213,7 +213,9 @@ def main():
         # A stop sequence may cut the call syntax: the stream must still say
         # exactly what the whole answer says (text or calls, finish reason).
         out = []
-        for stop in (['"}'], ["</tool_call>"], ["\n"], ["get_"]):
+        # '", "arg' cuts right after a complete name: a stream that sent the
+        # call's header before the cut would disagree with the whole answer.
+        for stop in (['"}'], ["</tool_call>"], ["\n"], ["get_"], ['", "arg']):
             kw = dict(messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60,
                       stop=stop)
             whole = create(**kw).choices[0]

@@ -57,8 +57,10 @@ pub fn valid_name(s: &str) -> bool {
 /// [`MAX_SCHEMA_DEPTH`], [`MAX_ENUM_VALUES`]) and returns it as compact
 /// JSON. `param` names the field in the error.
 pub fn checked_schema(param: &str, schema: &Value) -> Result<String, ApiError> {
-    if !schema.is_object() && !schema.is_boolean() {
-        return invalid(param, "A JSON schema must be an object (or a boolean).");
+    match schema {
+        Value::Object(_) | Value::Bool(true) => {}
+        Value::Bool(false) => return invalid(param, "The schema `false` admits no answer."),
+        _ => return invalid(param, "A JSON schema must be an object (or `true`)."),
     }
     let text = serde_json::to_string(schema).expect("a Value serializes");
     if text.len() > MAX_SCHEMA_BYTES {
@@ -243,6 +245,8 @@ mod tests {
         let e = checked_schema("p", &json!({ "description": big })).unwrap_err();
         assert!(e.message.contains("bytes"), "{}", e.message);
         assert!(checked_schema("p", &json!({"type": "object"})).is_ok());
+        assert!(checked_schema("p", &json!(true)).is_ok());
+        assert!(checked_schema("p", &json!(false)).is_err());
         assert!(valid_name("get_weather-2") && !valid_name("") && !valid_name("a.b"));
         assert!(!valid_name(&"a".repeat(65)));
     }

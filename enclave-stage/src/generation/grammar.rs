@@ -16,7 +16,6 @@ use llguidance::toktrie::{InferenceCapabilities, TokEnv, TokRxInfo, TokTrie, Tok
 use llguidance::{Matcher, ParserFactory};
 use proto::completions::CompletionsRequest;
 use proto::openai::ApiError;
-use proto::structured::ResponseFormat;
 use proto::tools::{ToolCalls, CALL_CLOSE, CALL_MID, CALL_OPEN, CALL_SEP, CALL_TAG};
 use serde_json::Value;
 use std::sync::Arc;
@@ -122,6 +121,14 @@ impl Grammars {
     /// Checks that a request's grammar compiles, naming the field at fault:
     /// the response format, or the tool whose parameters do not compile.
     pub fn check(&self, r: &CompletionsRequest) -> Result<(), ApiError> {
+        let Some(g) = grammar_text(r) else {
+            return Ok(());
+        };
+        // One compile when the grammar is usable; only when it is not are
+        // its parts compiled alone, to name the one at fault.
+        let Err(whole) = self.matcher(&g) else {
+            return Ok(());
+        };
         if let Some(f) = &r.response_format {
             self.schema_matcher(&f.schema()).map_err(|e| {
                 ApiError::invalid(
@@ -145,15 +152,10 @@ impl Grammars {
                 })?;
             }
         }
-        if let Some(g) = grammar_text(r) {
-            self.matcher(&g).map_err(|e| {
-                ApiError::invalid(
-                    Some("tools"),
-                    format!("The tools cannot be used together: {}", short(&e)),
-                )
-            })?;
-        }
-        Ok(())
+        Err(ApiError::invalid(
+            Some("tools"),
+            format!("The tools cannot be used together: {}", short(&whole)),
+        ))
     }
 }
 
@@ -169,10 +171,9 @@ fn short(e: &str) -> String {
 /// `schema` with the whitespace bound ([`JSON_WHITESPACE`]) as llguidance
 /// takes options, and the boolean schemas as objects.
 fn with_whitespace(schema: &Value) -> Value {
+    // `true` admits any JSON (`false` is refused at validation).
     let mut s = match schema {
-        Value::Bool(true) => serde_json::json!({}),
-        // `false` admits nothing: llguidance says so when compiling.
-        Value::Bool(false) => serde_json::json!({"not": {}}),
+        Value::Bool(_) => serde_json::json!({}),
         v => v.clone(),
     };
     if let Some(o) = s.as_object_mut() {
@@ -224,10 +225,7 @@ pub fn grammar_text(r: &CompletionsRequest) -> Option<String> {
     }
     let mut g = String::from("%llguidance {}\n");
     let answer = match &r.response_format {
-        Some(ResponseFormat::JsonObject) | Some(ResponseFormat::JsonSchema { .. }) => {
-            let f = r.response_format.as_ref().expect("matched");
-            format!("answer: {}\n", json_rule(&f.schema()))
-        }
+        Some(f) => format!("answer: {}\n", json_rule(&f.schema())),
         // The tag has no character a regular expression treats specially.
         None => format!("answer: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:[ \\t\\r\\n]*{CALL_TAG}.*)/\n"),
     };

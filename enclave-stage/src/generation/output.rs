@@ -106,6 +106,11 @@ impl ChoiceOut {
     /// can still cut: until the choice ends, a tail that could begin one of
     /// `stops` is left out, as [`ChoiceOut::take_stream_text`] holds it.
     pub fn stable_text(&self, stops: &[String]) -> &str {
+        &self.text[..self.stable_len(stops)]
+    }
+
+    /// Length of [`ChoiceOut::stable_text`].
+    fn stable_len(&self, stops: &[String]) -> usize {
         let hold = match self.finish {
             Some(_) => 0,
             None => stops
@@ -114,7 +119,7 @@ impl ChoiceOut {
                 .max()
                 .unwrap_or(0),
         };
-        &self.text[..self.text.len() - hold]
+        self.text.len() - hold
     }
 
     /// The choice index.
@@ -270,15 +275,7 @@ impl ChoiceOut {
     /// Text that may be streamed now (and marks it streamed): everything
     /// new, except a tail that could begin a stop sequence, until finished.
     pub fn take_stream_text(&mut self, stops: &[String]) -> String {
-        let mut end = self.text.len();
-        if self.finish.is_none() {
-            let hold = stops
-                .iter()
-                .map(|s| held_back(&self.text, s))
-                .max()
-                .unwrap_or(0);
-            end -= hold;
-        }
+        let end = self.stable_len(stops);
         let mut out = String::new();
         if !self.prefix_emitted {
             out.push_str(&self.prefix);
