@@ -21,7 +21,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROUNDS="${1:-3}"
 PART="${2:-all}"
 scripts/setup.sh >/dev/null
-VENV="$(scripts/bench_llama_venv.sh)"
+VENV="$(scripts/llama_venv.sh)"
 "$VENV/bin/python" -c "import numpy, matplotlib, onnx, onnxruntime, sentence_transformers, torch" 2>/dev/null \
   || "$VENV/bin/pip" install -q numpy matplotlib onnx onnxruntime sentence-transformers torch
 cargo build --release

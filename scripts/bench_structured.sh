@@ -7,13 +7,13 @@
 #
 #   scripts/bench_structured.sh [ROUNDS]     (default 5, about 5 minutes;
 #   BENCH_LLAMA_PORTABLE=1 for the portable llama.cpp build, see
-#   scripts/bench_llama_venv.sh)
+#   scripts/llama_venv.sh)
 # Writes benchmark_results/structured.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROUNDS="${1:-5}"
 scripts/setup.sh >/dev/null
-VENV="$(scripts/bench_llama_venv.sh)"
+VENV="$(scripts/llama_venv.sh)"
 cargo build --release
 cargo build --release -p enclave-stage --example bench_grammar
 python3 scripts/bench_structured.py --rounds "$ROUNDS" --llama-python "$VENV/bin/python" \

@@ -7,7 +7,11 @@
 #   2. release build with the test-only fault-injection switch compiled into
 #      the stage (tests that start the binaries need it);
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
-#   4. the `nitro` feature's unit tests and the Nitro scripts' checks
+#   4. GGUF models of every architecture (llama, qwen2, qwen3) and tensor
+#      type the stages load, random weights of real shapes, against
+#      llama.cpp on the same files (scripts/test_gguf_models.py, with
+#      llama-cpp-python built into target/test-venv-llama);
+#      the `nitro` feature's unit tests and the Nitro scripts' checks
 #      (scripts/test-nitro-scripts.sh, no hardware needed); where a Docker
 #      engine runs, the Nitro enclave image started as an enclave's init
 #      would start it, serving through a gateway (scripts/test-enclave-image.sh:
@@ -49,6 +53,15 @@ echo "== the Nitro enclave image, booted as an enclave's init would (scripts/tes
 scripts/test-enclave-image.sh
 echo "== Kubernetes manifests (docs/deploy-kubernetes.md; rendered and validated offline)"
 scripts/test-k8s-manifests.sh
+
+echo "== GGUF models of every architecture and tensor type against llama.cpp (scripts/test_gguf_models.py)"
+# llama-cpp-python is built from source into target/test-venv-llama the first
+# time (about 6 minutes); random-weight fixtures are made in target/.
+LLAMA_VENV="$(scripts/llama_venv.sh --test)"
+"$LLAMA_VENV/bin/python" scripts/test_gguf_models.py \
+  --bin target/release/examples/gguf_logits \
+  --source models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
+  --dir target/gguf-fixtures --report target/gguf-fixtures/report.json
 
 echo "== openai SDK against a live gateway"
 log="$(mktemp)"

@@ -5,6 +5,7 @@
 pub mod embedding;
 pub mod fault;
 pub mod generation;
+pub mod gguf_tokenizer;
 pub mod keys;
 pub mod llama;
 pub mod memory;

@@ -1,5 +1,9 @@
 //! Block-quantized weight matrices and their products with f32 activations,
 //! for the Llama stages (`WeightFormat::Q8_0` and `WeightFormat::Q4_1`).
+//! Two block kinds are held: Q8_0 and Q4_1. A GGUF's Q4_0 and Q4_K blocks
+//! are repacked into Q4_1 blocks with the same values
+//! ([`QMatrix::from_ggml_q4_0`], [`QMatrix::from_ggml_q4_k`]), so the one
+//! 4-bit kernel serves all three.
 //!
 //! Why written here and not taken from Candle: Candle 0.11's quantized CPU
 //! matmul computes one dot product at a time and rounds the activations to
@@ -175,6 +179,19 @@ fn ggml_blocks(
     Ok(n)
 }
 
+/// Scale and min of sub-block `j` of a K-quant super-block, from its 12
+/// packed bytes (6 bits each; ggml's `get_scale_min_k4`).
+fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
 fn f16_bits(lo: u8, hi: u8) -> f32 {
     half::f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32()
 }
@@ -220,6 +237,68 @@ impl QMatrix {
             qs.extend(b[2..].iter().map(|&v| v as i8));
         }
         Ok(Self::interleave(rows, cols, Blocks::Q8_0 { qs, d }))
+    }
+
+    /// Takes ggml `Q4_0` blocks as stored in a GGUF file (18 bytes each:
+    /// f16 `d`, 16 bytes of nibbles; `w = d · (q − 8)`), `[rows, cols]`,
+    /// as Q4_1 blocks with `m = −8d`: the same nibbles, the same values.
+    pub fn from_ggml_q4_0(raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
+        const SIZE: usize = 18;
+        let n = ggml_blocks("Q4_0", raw, rows, cols, SIZE)?;
+        let mut qs = Vec::with_capacity(n * 16);
+        let mut d = Vec::with_capacity(n);
+        let mut m = Vec::with_capacity(n);
+        for b in raw.chunks_exact(SIZE) {
+            let scale = f16_bits(b[0], b[1]);
+            d.push(scale);
+            m.push(-8.0 * scale);
+            qs.extend_from_slice(&b[2..]);
+        }
+        Ok(Self::interleave(rows, cols, Blocks::Q4_1 { qs, d, m }))
+    }
+
+    /// Takes ggml `Q4_K` super-blocks as stored in a GGUF file (144 bytes
+    /// per 256 values: f16 `d` and `dmin`, eight 6-bit scales and mins
+    /// packed in 12 bytes, 128 bytes of nibbles), `[rows, cols]`, as eight
+    /// Q4_1 blocks each: sub-block `s` has `w = (d · scale_s) · q −
+    /// dmin · min_s`, which is a Q4_1 block with `d = d · scale_s` (exact in
+    /// f32: an f16 times a 6-bit integer) and `m = −dmin · min_s`; only the
+    /// nibbles move (a super-block packs sub-blocks `2j` and `2j + 1` in the
+    /// low and high nibbles of the same 32 bytes). The values are llama.cpp's
+    /// `dequantize_row_q4_K`, operation for operation.
+    pub fn from_ggml_q4_k(raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
+        const SIZE: usize = 144;
+        const QK_K: usize = 256;
+        if !cols.is_multiple_of(QK_K) || raw.len() != rows * cols / QK_K * SIZE {
+            return Err(format!(
+                "Q4_K data of {} bytes is not a [{rows}, {cols}] matrix",
+                raw.len()
+            ));
+        }
+        let n = rows * cols / BLOCK;
+        let mut qs = Vec::with_capacity(n * 16);
+        let mut d = Vec::with_capacity(n);
+        let mut m = Vec::with_capacity(n);
+        for b in raw.chunks_exact(SIZE) {
+            let (sd, smin) = (f16_bits(b[0], b[1]), f16_bits(b[2], b[3]));
+            let sc = &b[4..16];
+            let nib = &b[16..];
+            for s in 0..8 {
+                let (scale, min) = k_scale_min(s, sc);
+                d.push(sd * scale as f32);
+                m.push(-(smin * min as f32));
+                let bytes = &nib[(s / 2) * 32..(s / 2) * 32 + 32];
+                let v = |l: usize| {
+                    if s % 2 == 0 {
+                        bytes[l] & 0x0f
+                    } else {
+                        bytes[l] >> 4
+                    }
+                };
+                qs.extend((0..16).map(|j| v(j) | (v(j + 16) << 4)));
+            }
+        }
+        Ok(Self::interleave(rows, cols, Blocks::Q4_1 { qs, d, m }))
     }
 
     /// Pads row-major blocks to whole groups and interleaves them.
@@ -566,6 +645,44 @@ mod tests {
             }
         }
         out
+    }
+
+    /// Q4_0 and Q4_K blocks, quantized by Candle's port of ggml and taken
+    /// as stored, dequantize to exactly Candle's (= ggml's) values.
+    #[test]
+    fn q4_0_and_q4_k_blocks_dequantize_as_ggml_does() {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::{Device, Tensor};
+        let (rows, cols) = (6, 512);
+        let w = random(rows * cols, 11);
+        let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
+        type From = fn(&[u8], usize, usize) -> Result<QMatrix, String>;
+        let cases: [(GgmlDType, From); 2] = [
+            (GgmlDType::Q4_0, QMatrix::from_ggml_q4_0),
+            (GgmlDType::Q4K, QMatrix::from_ggml_q4_k),
+        ];
+        for (dtype, from) in cases {
+            let q = QTensor::quantize(&t, dtype).unwrap();
+            let want = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let m = from(&q.data().unwrap(), rows, cols).unwrap();
+            assert_eq!(m.dequantize(), want, "{dtype:?}");
+            let x = random(2 * cols, 12);
+            let mut out = vec![0f32; 2 * rows];
+            m.matmul_t(&x, &mut out, Kernel::detect());
+            for (a, b) in out.iter().zip(reference(&m, &x)) {
+                assert!(
+                    (a - b).abs() < 1e-2 * b.abs().max(1.0),
+                    "{dtype:?}: {a} vs {b}"
+                );
+            }
+            assert!(from(&q.data().unwrap()[1..], rows, cols).is_err());
+        }
     }
 
     /// Q4_1 blocks as ggml writes them, from `w`.

@@ -25,23 +25,24 @@ pub struct StageSpec {
 }
 
 impl StageSpec {
-    /// Loads the manifest in `model_dir`, checks that it is an
-    /// `architecture` model for `task` and that this stage's position is
+    /// Loads the manifest in `model_dir`, checks that it is a model of one
+    /// of `architectures` for `task` and that this stage's position is
     /// valid, and returns it with the stage's claims (keys not yet filled in).
     pub fn open_manifest(
         &self,
         model_dir: &Path,
-        architecture: &str,
+        architectures: &[&str],
         task: &str,
     ) -> Result<(LoadedManifest, StageClaims)> {
         let manifest = LoadedManifest::load(model_dir)?;
         let m = &manifest.manifest;
-        if m.architecture != architecture || m.task != task {
+        if !architectures.contains(&m.architecture.as_str()) || m.task != task {
             bail!(
-                "model {} is a {} {} model; this stage expects a {architecture} {task} model",
+                "model {} is a {} {} model; this stage loads {task} models of {}",
                 m.model_id,
                 m.architecture,
-                m.task
+                m.task,
+                architectures.join(", ")
             );
         }
         if self.num_stages == 0 || self.stage_index >= self.num_stages {

@@ -41,7 +41,7 @@ impl Engine {
     /// Every file is checked against the manifest's SHA-256 by this process
     /// before it is used; a mismatch is an error naming the file.
     pub fn load(model_dir: &Path, spec: &StageSpec, format: WeightFormat) -> Result<Self> {
-        let (manifest, mut claims) = spec.open_manifest(model_dir, "bert", "embedding")?;
+        let (manifest, mut claims) = spec.open_manifest(model_dir, &["bert"], "embedding")?;
         // f32 is the model's own weights: left unnamed, as before there was a choice.
         claims.weights = (format != WeightFormat::F32).then_some(format);
         let m = &manifest.manifest;

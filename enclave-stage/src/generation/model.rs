@@ -6,7 +6,8 @@
 
 use super::chat_template::ChatTemplate;
 use super::grammar::Grammars;
-use crate::llama::{LlamaConfig, LlamaPart, WeightFormat};
+use crate::gguf_tokenizer;
+use crate::llama::{Architecture, LlamaConfig, LlamaPart, WeightFormat};
 use crate::role::StageSpec;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
@@ -44,7 +45,8 @@ impl GenModel {
         spec: &StageSpec,
         weights: WeightFormat,
     ) -> Result<Self> {
-        let (manifest, mut claims) = spec.open_manifest(model_dir, "llama", "completion")?;
+        let (manifest, mut claims) =
+            spec.open_manifest(model_dir, &Architecture::NAMES, "completion")?;
         claims.weights = Some(weights);
         let m = &manifest.manifest;
         let gguf_name = m
@@ -54,15 +56,33 @@ impl GenModel {
             .map(|f| f.path.clone())
             .context("the manifest names no .gguf file")?;
         let gguf = manifest.verified_path(&gguf_name)?;
-        let (config, template_source) = {
+        let (config, template_source, gguf_tokenizer) = {
             let mut f = std::fs::File::open(&gguf)?;
             let ct = gguf_file::Content::read(&mut f).map_err(|e| e.with_path(&gguf))?;
             let template = match ct.metadata.get("tokenizer.chat_template") {
                 Some(v) => Some(v.to_string()?.clone()),
                 None => None,
             };
-            (LlamaConfig::from_gguf(&ct)?, template)
+            // Without a pinned tokenizer.json the GGUF's own metadata is the
+            // tokenizer (a user's model: one file, one digest).
+            let tokenizer = if m.files.iter().any(|f| f.path == "tokenizer.json") {
+                None
+            } else {
+                Some(
+                    gguf_tokenizer::tokenizer_json(&ct)
+                        .map_err(anyhow::Error::msg)
+                        .with_context(|| format!("the tokenizer of {}", gguf.display()))?,
+                )
+            };
+            (LlamaConfig::from_gguf(&ct)?, template, tokenizer)
         };
+        if config.architecture.name() != m.architecture {
+            bail!(
+                "the manifest says {}, the GGUF's metadata says {}",
+                m.architecture,
+                config.architecture.name()
+            );
+        }
         if spec.layers.end > config.num_layers {
             bail!(
                 "layers {:?} outside the model's {} layers",
@@ -80,10 +100,15 @@ impl GenModel {
             );
         }
         let (tokenizer, grammars) = if entry || exit {
-            let path = manifest.verified_path("tokenizer.json")?;
-            let bytes = std::fs::read(&path)?;
+            let (bytes, path) = match gguf_tokenizer {
+                Some(doc) => (serde_json::to_vec(&doc)?, gguf.clone()),
+                None => {
+                    let path = manifest.verified_path("tokenizer.json")?;
+                    (std::fs::read(&path)?, path)
+                }
+            };
             let tokenizer = Tokenizer::from_bytes(&bytes)
-                .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
+                .map_err(|e| anyhow::anyhow!("loading the tokenizer of {}: {e}", path.display()))?;
             // Without an end-of-sequence token no grammar could end.
             let grammars = match config.eos_token_id {
                 Some(eos) => Some(

@@ -36,9 +36,83 @@ impl TeacherForced {
     }
 }
 
-/// Hyper-parameters of a Llama model, read from GGUF metadata.
+/// The decoder families this stage runs, by the GGUF's `general.architecture`.
+/// They share one block (RMSNorm, rotary attention with grouped KV heads,
+/// SwiGLU) and differ in a few places, each named here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// `llama`: Llama 2 and 3.x, Mistral-style, SmolLM, TinyLlama. Rotary
+    /// embedding on adjacent pairs (the GGUF's q/k rows are permuted for it);
+    /// optional q/k/v/output biases.
+    Llama,
+    /// `qwen2`: Qwen2 and Qwen2.5. Rotary embedding on the two halves of a
+    /// head (NEOX style); q/k/v biases.
+    Qwen2,
+    /// `qwen3`: Qwen3 dense. As `qwen2` without the biases, plus an RMSNorm
+    /// of each query and key head before the rotary embedding.
+    Qwen3,
+}
+
+/// How the rotary embedding pairs a head's dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Dimensions `2i` and `2i + 1` (llama.cpp's `LLAMA_ROPE_TYPE_NORM`).
+    Interleaved,
+    /// Dimensions `i` and `i + d/2` (llama.cpp's `LLAMA_ROPE_TYPE_NEOX`).
+    Halves,
+}
+
+impl Architecture {
+    /// Every architecture name this stage loads.
+    pub const NAMES: [&'static str; 3] = ["llama", "qwen2", "qwen3"];
+
+    /// The architecture a GGUF names, or an error naming it and what is
+    /// supported.
+    pub fn from_name(name: &str) -> Result<Self, String> {
+        match name {
+            "llama" => Ok(Self::Llama),
+            "qwen2" => Ok(Self::Qwen2),
+            "qwen3" => Ok(Self::Qwen3),
+            other => Err(format!(
+                "GGUF architecture {other:?} is not supported (supported: {})",
+                Self::NAMES.join(", ")
+            )),
+        }
+    }
+
+    /// The GGUF's name for it (its metadata keys' prefix).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+        }
+    }
+
+    /// How its rotary embedding pairs dimensions.
+    pub fn rope_style(self) -> RopeStyle {
+        match self {
+            Self::Llama => RopeStyle::Interleaved,
+            Self::Qwen2 | Self::Qwen3 => RopeStyle::Halves,
+        }
+    }
+
+    /// Whether its blocks must have q/k/v biases.
+    pub fn needs_qkv_bias(self) -> bool {
+        self == Self::Qwen2
+    }
+
+    /// Whether its blocks must have per-head q/k norms.
+    pub fn needs_qk_norm(self) -> bool {
+        self == Self::Qwen3
+    }
+}
+
+/// Hyper-parameters of a decoder, read from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    /// The decoder family.
+    pub architecture: Architecture,
     /// Vocabulary size (rows of the token embedding).
     pub vocab_size: usize,
     /// Hidden width.
@@ -51,10 +125,14 @@ pub struct LlamaConfig {
     pub num_heads: usize,
     /// Key/value heads (grouped-query attention when fewer than `num_heads`).
     pub num_kv_heads: usize,
-    /// Width of one head.
+    /// Width of one head (`heads × head_dim` may differ from the hidden
+    /// width, as in Qwen3).
     pub head_dim: usize,
     /// Rotary embedding base.
     pub rope_theta: f32,
+    /// Linear rotary scaling (`rope.scaling.type = linear`): positions are
+    /// divided by this factor; 1 without scaling.
+    pub rope_linear_factor: f32,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f64,
     /// Context length the model was trained for (positions available).
@@ -77,24 +155,50 @@ pub(super) fn md<'a>(
 }
 
 impl LlamaConfig {
-    /// Reads the configuration from a GGUF's metadata (`llama.*` keys).
+    /// Reads the configuration from a GGUF's metadata (`general.architecture`
+    /// and that architecture's `{arch}.*` keys). An architecture or a rotary
+    /// scaling this stage does not implement is refused, named.
     pub fn from_gguf(ct: &gguf_file::Content) -> candle_core::Result<Self> {
-        let arch = md(ct, "general.architecture")?.to_string()?;
-        if arch != "llama" {
-            candle_core::bail!("GGUF architecture is {arch}, not llama");
-        }
+        let arch_name = md(ct, "general.architecture")?.to_string()?;
+        let architecture = Architecture::from_name(arch_name).map_err(candle_core::Error::Msg)?;
+        let a = architecture.name();
+        let get = |k: &str| ct.metadata.get(&format!("{a}.{k}"));
         let u = |k: &str| -> candle_core::Result<usize> {
-            Ok(md(ct, &format!("llama.{k}"))?.to_u32()? as usize)
+            Ok(md(ct, &format!("{a}.{k}"))?.to_u32()? as usize)
         };
         let hidden_size = u("embedding_length")?;
         let num_heads = u("attention.head_count")?;
         let num_kv_heads = u("attention.head_count_kv").unwrap_or(num_heads);
-        let head_dim = u("rope.dimension_count").unwrap_or(hidden_size / num_heads);
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             candle_core::bail!("{num_heads} heads cannot share {num_kv_heads} KV heads");
         }
-        if head_dim * num_heads != hidden_size || head_dim % 2 != 0 {
-            candle_core::bail!("head width {head_dim} × {num_heads} heads ≠ hidden {hidden_size}");
+        let head_dim = u("attention.key_length").unwrap_or(hidden_size / num_heads);
+        let value_dim = u("attention.value_length").unwrap_or(head_dim);
+        let rope_dim = u("rope.dimension_count").unwrap_or(head_dim);
+        if value_dim != head_dim || rope_dim != head_dim || head_dim % 2 != 0 || head_dim == 0 {
+            candle_core::bail!(
+                "heads of key width {head_dim}, value width {value_dim} and rotary width \
+                 {rope_dim}: this stage needs one even width for all three"
+            );
+        }
+        let scaling = match get("rope.scaling.type") {
+            Some(v) => v.to_string()?.clone(),
+            None => "none".into(),
+        };
+        let factor = |key: &str| get(key).and_then(|v| v.to_f32().ok());
+        let rope_linear_factor = match scaling.as_str() {
+            "none" => 1.0,
+            // Older converters wrote `rope.scale_linear` without a type.
+            "linear" => factor("rope.scaling.factor")
+                .or_else(|| factor("rope.scale_linear"))
+                .unwrap_or(1.0),
+            other => candle_core::bail!(
+                "rotary scaling {other:?} is not supported (supported: none, linear, \
+                 and Llama 3's rope_freqs factors)"
+            ),
+        };
+        if !(rope_linear_factor.is_finite() && rope_linear_factor > 0.0) {
+            candle_core::bail!("rotary scaling factor {rope_linear_factor} is not positive");
         }
         let embd = ct
             .tensor_infos
@@ -103,6 +207,7 @@ impl LlamaConfig {
         let vocab_size = embd.shape.dims()[0];
         let token = |k: &str| ct.metadata.get(k).and_then(|v| v.to_u32().ok());
         Ok(Self {
+            architecture,
             vocab_size,
             hidden_size,
             intermediate_size: u("feed_forward_length")?,
@@ -110,10 +215,10 @@ impl LlamaConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            rope_theta: md(ct, "llama.rope.freq_base")
-                .and_then(|v| v.to_f32())
-                .unwrap_or(10_000.0),
-            rms_norm_eps: md(ct, "llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64,
+            rope_theta: factor("rope.freq_base").unwrap_or(10_000.0),
+            rope_linear_factor,
+            rms_norm_eps: md(ct, &format!("{a}.attention.layer_norm_rms_epsilon"))?.to_f32()?
+                as f64,
             max_seq_len: u("context_length")?,
             bos_token_id: token("tokenizer.ggml.bos_token_id"),
             eos_token_id: token("tokenizer.ggml.eos_token_id"),
@@ -124,5 +229,105 @@ impl LlamaConfig {
     /// Bytes of KV cache one token takes in `layers` layers (f32 keys and values).
     pub fn kv_bytes_per_token(&self, layers: usize) -> usize {
         layers * 2 * self.num_kv_heads * self.head_dim * DType::F32.size_in_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::gguf_file::{Content, TensorInfo, Value, VersionedMagic};
+    use candle_core::quantized::GgmlDType;
+
+    fn content(arch: &str, extra: &[(&str, Value)]) -> Content {
+        let mut metadata = std::collections::HashMap::new();
+        metadata.insert("general.architecture".into(), Value::String(arch.into()));
+        for (k, v) in [
+            ("embedding_length", 256u32),
+            ("attention.head_count", 4),
+            ("attention.head_count_kv", 2),
+            ("feed_forward_length", 512),
+            ("block_count", 2),
+            ("context_length", 2048),
+        ] {
+            metadata.insert(format!("{arch}.{k}"), Value::U32(v));
+        }
+        metadata.insert(
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-6),
+        );
+        for (k, v) in extra {
+            metadata.insert(format!("{arch}.{k}"), v.clone());
+        }
+        let mut tensor_infos = std::collections::HashMap::new();
+        tensor_infos.insert(
+            "token_embd.weight".to_string(),
+            TensorInfo {
+                ggml_dtype: GgmlDType::F32,
+                shape: (100, 256).into(),
+                offset: 0,
+            },
+        );
+        Content {
+            magic: VersionedMagic::GgufV3,
+            metadata,
+            tensor_infos,
+            tensor_data_offset: 0,
+        }
+    }
+
+    #[test]
+    fn each_family_reads_its_own_keys() {
+        let c = LlamaConfig::from_gguf(&content("llama", &[])).unwrap();
+        assert_eq!(c.architecture, Architecture::Llama);
+        assert_eq!((c.head_dim, c.vocab_size, c.num_kv_heads), (64, 100, 2));
+        assert_eq!(c.architecture.rope_style(), RopeStyle::Interleaved);
+        assert!(c.tied_embeddings);
+        // Qwen3: heads wider than the hidden width shares.
+        let c = LlamaConfig::from_gguf(&content(
+            "qwen3",
+            &[
+                ("attention.key_length", Value::U32(128)),
+                ("attention.value_length", Value::U32(128)),
+            ],
+        ))
+        .unwrap();
+        assert_eq!((c.architecture, c.head_dim), (Architecture::Qwen3, 128));
+        assert_eq!(c.architecture.rope_style(), RopeStyle::Halves);
+        assert!(c.architecture.needs_qk_norm() && !c.architecture.needs_qkv_bias());
+        assert!(Architecture::Qwen2.needs_qkv_bias());
+    }
+
+    #[test]
+    fn linear_scaling_is_read_and_other_scalings_are_refused() {
+        let linear = content(
+            "llama",
+            &[
+                ("rope.scaling.type", Value::String("linear".into())),
+                ("rope.scaling.factor", Value::F32(4.0)),
+            ],
+        );
+        assert_eq!(
+            LlamaConfig::from_gguf(&linear).unwrap().rope_linear_factor,
+            4.0
+        );
+        let yarn = content(
+            "qwen2",
+            &[("rope.scaling.type", Value::String("yarn".into()))],
+        );
+        let e = LlamaConfig::from_gguf(&yarn).unwrap_err().to_string();
+        assert!(e.contains("yarn"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_architectures_and_head_shapes_are_named() {
+        let e = LlamaConfig::from_gguf(&content("gemma2", &[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("gemma2") && e.contains("qwen3"), "{e}");
+        let partial_rope = content("llama", &[("rope.dimension_count", Value::U32(32))]);
+        let e = LlamaConfig::from_gguf(&partial_rope)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rotary width 32"), "{e}");
     }
 }

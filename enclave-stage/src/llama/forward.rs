@@ -2,27 +2,52 @@
 //! each sequence's cache, the causal mask.
 
 use super::cache::{KvCache, SeqSlice};
-use super::config::LlamaConfig;
+use super::config::{LlamaConfig, RopeStyle};
 use super::Block;
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 
-/// `cos`/`sin` tables `[max_seq_len, head_dim / 2]`, computed in f32 as
-/// Hugging Face does (`inv_freq = 1 / theta^(2i/d)`, angle = pos × inv_freq).
-pub(super) fn rope_tables(
+/// The rotary embedding's angle per position and pair of dimensions,
+/// `[1, head_dim / 2]`, computed in f32 as Hugging Face does
+/// (`inv_freq = 1 / theta^(2i/d)`), each divided by Llama 3's
+/// `rope_freqs` factor where the file has one and by the linear scaling
+/// factor, as llama.cpp applies them.
+pub(super) fn rope_inv_freq(
     cfg: &LlamaConfig,
+    factors: Option<&[f32]>,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    let d = cfg.head_dim;
+    if let Some(f) = factors {
+        if f.len() != d / 2 || f.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
+            candle_core::bail!(
+                "rope_freqs has {} factors (need {} positive ones)",
+                f.len(),
+                d / 2
+            );
+        }
+    }
+    let inv_freq: Vec<f32> = (0..d / 2)
+        .map(|i| {
+            let base = 1f32 / cfg.rope_theta.powf((2 * i) as f32 / d as f32);
+            base / factors.map_or(1.0, |f| f[i]) / cfg.rope_linear_factor
+        })
+        .collect();
+    Tensor::from_vec(inv_freq, (1, d / 2), device)
+}
+
+/// `cos`/`sin` tables `[positions, head_dim / 2]` for the positions of a
+/// batch's tokens (computed per step: a table for the whole context would
+/// take 64 MiB at 128K positions).
+pub(super) fn rope_for(
+    inv_freq: &Tensor,
+    positions: &[u32],
     device: &Device,
 ) -> candle_core::Result<(Tensor, Tensor)> {
-    let d = cfg.head_dim;
-    let inv_freq: Vec<f32> = (0..d)
-        .step_by(2)
-        .map(|i| 1f32 / cfg.rope_theta.powf(i as f32 / d as f32))
-        .collect();
-    let inv_freq = Tensor::from_vec(inv_freq, (1, d / 2), device)?;
-    let pos = Tensor::arange(0u32, cfg.max_seq_len as u32, device)?
+    let pos = Tensor::new(positions, device)?
         .to_dtype(DType::F32)?
-        .reshape((cfg.max_seq_len, 1))?;
-    let freqs = pos.broadcast_mul(&inv_freq)?;
+        .reshape((positions.len(), 1))?;
+    let freqs = pos.broadcast_mul(inv_freq)?;
     Ok((freqs.cos()?, freqs.sin()?))
 }
 
@@ -54,11 +79,27 @@ pub(super) fn block_forward(
             .contiguous()?
             .unsqueeze(0)
     };
-    let q = heads(b.q.forward(&xn)?, nh)?;
-    let k = heads(b.k.forward(&xn)?, nkv)?;
-    let v = heads(b.v.forward(&xn)?, nkv)?;
-    let q = candle_nn::rotary_emb::rope_i(&q, cos, sin)?.squeeze(0)?;
-    let k = candle_nn::rotary_emb::rope_i(&k, cos, sin)?.squeeze(0)?;
+    let proj = |w: &super::Weight, bias: &Option<Tensor>| -> candle_core::Result<Tensor> {
+        let y = w.forward(&xn)?;
+        match bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    };
+    let mut q = heads(proj(&b.q, &b.bias.q)?, nh)?;
+    let mut k = heads(proj(&b.k, &b.bias.k)?, nkv)?;
+    let v = heads(proj(&b.v, &b.bias.v)?, nkv)?;
+    if let Some((qn, kn)) = &b.qk_norm {
+        // Qwen3: every head normalized over its own width.
+        q = candle_nn::ops::rms_norm(&q, qn, eps)?;
+        k = candle_nn::ops::rms_norm(&k, kn, eps)?;
+    }
+    let rope = match cfg.architecture.rope_style() {
+        RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i,
+        RopeStyle::Halves => candle_nn::rotary_emb::rope,
+    };
+    let q = rope(&q, cos, sin)?.squeeze(0)?;
+    let k = rope(&k, cos, sin)?.squeeze(0)?;
     let v = v.squeeze(0)?;
 
     let scale = 1.0 / (d as f64).sqrt();
@@ -104,12 +145,21 @@ pub(super) fn block_forward(
     } else {
         Tensor::cat(&outs, 0)?
     };
-    let x = (x + b.o.forward(&ctx)?)?;
+    let x = (x + proj_ctx(b, &ctx)?)?;
     debug_assert_eq!(x.dims2()?, (t, hidden));
 
     let xn = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
     let act = (candle_nn::ops::silu(&b.gate.forward(&xn)?)? * b.up.forward(&xn)?)?;
     x + b.down.forward(&act)?
+}
+
+/// The attention output projection, with its bias where there is one.
+fn proj_ctx(b: &Block, ctx: &Tensor) -> candle_core::Result<Tensor> {
+    let y = b.o.forward(ctx)?;
+    match &b.bias.o {
+        Some(bias) => y.broadcast_add(bias),
+        None => Ok(y),
+    }
 }
 
 /// Additive causal mask `[group * n, past + n]` for `n` new tokens after

@@ -1,22 +1,30 @@
-//! Llama decoder (SmolLM2-135M-Instruct) split by layers, loaded from a GGUF
-//! file and written on Candle's primitives, with a per-sequence KV cache.
+//! Llama-family decoders split by layers, loaded from a GGUF file and
+//! written on Candle's primitives, with a per-sequence KV cache: the
+//! architectures `llama` (Llama 2 and 3.x with its `rope_freqs` factors,
+//! Mistral-style, SmolLM2, TinyLlama), `qwen2` (q/k/v biases) and `qwen3`
+//! (per-head q/k norms), read from the file's own metadata
+//! ([`LlamaConfig::from_gguf`]). Anything else, an unknown tensor
+//! included, is refused at load, named.
 //!
 //! The linear layers, the token embedding and the output head are held in
-//! one of three [`WeightFormat`]s: `q4_1` (the default: the packaged GGUF's
-//! blocks as they are), `q8_0` (re-quantized at load, 8-bit blocks of 32
-//! with one scale, as llama.cpp's Q8_0) or `f32` (dequantized at load;
+//! one of three [`WeightFormat`]s: `q4_1` (the default: the file's 4-bit
+//! blocks as they are, Q4_0 and Q4_K repacked into Q4_1 blocks without
+//! changing a value, Q8_0 as stored, wider types re-quantized to Q8_0),
+//! `q8_0` (everything Q8_0, as llama.cpp's) or `f32` (dequantized at load;
 //! reproduces the `transformers` reference token for token,
-//! `tests/llama_reference.rs`). Quantized weights stay quantized in memory
-//! and are multiplied by [`crate::qmatmul`] (decode steps; the AVX2 kernel
-//! rounds activations to 16-bit blocks) or dequantized per product for an
-//! f32 GEMM (prefills), so `q4_1` computes the f32 model up to that rounding
-//! and summation order. Quality against `f32`:
-//! `tests/llama_quality.rs`, `benchmark_results/quality.md`. Norms stay f32.
+//! `tests/llama_reference.rs`, and llama.cpp's F32 logits to a KL of
+//! 1e-12, `scripts/test_gguf_models.py`). Quantized weights stay quantized
+//! in memory and are multiplied by [`crate::qmatmul`] (decode steps; the
+//! AVX2 kernel rounds activations to 16-bit blocks) or dequantized per
+//! product for an f32 GEMM (prefills), so `q4_1` computes the f32 model up
+//! to that rounding and summation order. Quality against `f32`:
+//! `tests/llama_quality.rs`, `benchmark_results/quality.md`. Norms and
+//! biases stay f32.
 //!
 //! A stage loads only its own tensors: its layer range, plus the token
 //! embedding for the entry stage and the final norm and output head for the
-//! exit stage (SmolLM2 ties the head to the token embedding; a GGUF with an
-//! `output.weight` uses that instead).
+//! exit stage (a GGUF without `output.weight` ties the head to the token
+//! embedding).
 //!
 //! Batches are *packed*: the hidden states of all sequences in a step are
 //! rows of one `[tokens, hidden]` tensor, described by a list of
@@ -25,10 +33,11 @@
 //! over the whole packed batch; only attention loops over the sequences, each
 //! against its own cache, so no padding is ever computed.
 //!
-//! The GGUF stores `attn_q`/`attn_k` permuted for llama.cpp's interleaved
-//! rotary embedding, so this uses the interleaved variant (`rope_i`) on the
-//! weights as stored; that is the same function as Hugging Face's
-//! `rotate_half` on the un-permuted weights.
+//! A `llama` GGUF stores `attn_q`/`attn_k` permuted for llama.cpp's
+//! interleaved rotary embedding, so `llama` uses the interleaved variant
+//! (`rope_i`) on the weights as stored (the same function as Hugging Face's
+//! `rotate_half` on the un-permuted weights); `qwen2` and `qwen3` files are
+//! not permuted and use the halves variant (`rope`), as llama.cpp does.
 
 mod cache;
 mod config;
@@ -37,9 +46,9 @@ mod weights;
 
 use cache::grow;
 pub use cache::{batch_tokens, KvCache, SeqSlice};
-pub use config::{LlamaConfig, TeacherForced};
+pub use config::{Architecture, LlamaConfig, RopeStyle, TeacherForced};
 pub use forward::argmax_rows;
-use forward::{block_forward, rope_tables};
+use forward::{block_forward, rope_for, rope_inv_freq};
 use weights::{load_f32, Weight};
 
 use candle_core::quantized::gguf_file;
@@ -56,6 +65,10 @@ struct Block {
     k: Weight,
     v: Weight,
     o: Weight,
+    /// q/k/v/output biases, where the file has them (`qwen2` always).
+    bias: Biases,
+    /// RMSNorm weights `[head_dim]` of each query and key head (`qwen3`).
+    qk_norm: Option<(Tensor, Tensor)>,
     ffn_norm: Tensor,
     gate: Weight,
     up: Weight,
@@ -70,8 +83,23 @@ impl Block {
         .iter()
         .map(|w| w.bytes())
         .sum::<usize>()
-            + (self.attn_norm.elem_count() + self.ffn_norm.elem_count()) * 4
+            + [&self.bias.q, &self.bias.k, &self.bias.v, &self.bias.o]
+                .into_iter()
+                .flatten()
+                .chain(self.qk_norm.iter().flat_map(|(q, k)| [q, k]))
+                .chain([&self.attn_norm, &self.ffn_norm])
+                .map(|t| t.elem_count() * 4)
+                .sum::<usize>()
     }
+}
+
+/// The optional biases of a block's attention products, `[out]` each.
+#[derive(Default)]
+struct Biases {
+    q: Option<Tensor>,
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    o: Option<Tensor>,
 }
 
 struct Head {
@@ -92,9 +120,9 @@ pub struct LlamaPart {
     embedding: Option<Weight>,
     blocks: Vec<Block>,
     head: Option<Head>,
-    /// `[max_seq_len, head_dim / 2]` each.
-    cos: Tensor,
-    sin: Tensor,
+    /// The rotary embedding's angle per position, `[1, head_dim / 2]`
+    /// (Llama 3's `rope_freqs` factors and linear scaling applied).
+    inv_freq: Tensor,
     caches: HashMap<u64, KvCache>,
     device: Device,
 }
@@ -178,6 +206,8 @@ impl LlamaPart {
         } else {
             None
         };
+        check_tensor_names(&ct, &cfg)?;
+        let arch = cfg.architecture;
         let mut blocks = Vec::with_capacity(layers.len());
         for i in layers.clone() {
             let mut lin = |n: &str| -> candle_core::Result<Weight> {
@@ -189,19 +219,65 @@ impl LlamaPart {
                     device,
                 )
             };
+            let (q, k, v, o) = (
+                lin("attn_q")?,
+                lin("attn_k")?,
+                lin("attn_v")?,
+                lin("attn_output")?,
+            );
+            let (gate, up, down) = (lin("ffn_gate")?, lin("ffn_up")?, lin("ffn_down")?);
+            let mut f32_tensor =
+                |n: &str| load_f32(&ct, &mut file, &format!("blk.{i}.{n}"), device);
+            let attn_norm = f32_tensor("attn_norm.weight")?;
+            let ffn_norm = f32_tensor("ffn_norm.weight")?;
+            let qk_norm = if arch.needs_qk_norm() {
+                Some((
+                    f32_tensor("attn_q_norm.weight")?,
+                    f32_tensor("attn_k_norm.weight")?,
+                ))
+            } else {
+                None
+            };
+            let mut bias = |n: &str, required: bool| -> candle_core::Result<Option<Tensor>> {
+                let name = format!("blk.{i}.{n}.bias");
+                if ct.tensor_infos.contains_key(&name) {
+                    Ok(Some(load_f32(&ct, &mut file, &name, device)?))
+                } else if required {
+                    candle_core::bail!("{} needs {name}, which the GGUF lacks", arch.name())
+                } else {
+                    Ok(None)
+                }
+            };
+            let need = arch.needs_qkv_bias();
+            let bias = Biases {
+                q: bias("attn_q", need)?,
+                k: bias("attn_k", need)?,
+                v: bias("attn_v", need)?,
+                o: bias("attn_output", false)?,
+            };
             blocks.push(Block {
-                q: lin("attn_q")?,
-                k: lin("attn_k")?,
-                v: lin("attn_v")?,
-                o: lin("attn_output")?,
-                gate: lin("ffn_gate")?,
-                up: lin("ffn_up")?,
-                down: lin("ffn_down")?,
-                attn_norm: load_f32(&ct, &mut file, &format!("blk.{i}.attn_norm.weight"), device)?,
-                ffn_norm: load_f32(&ct, &mut file, &format!("blk.{i}.ffn_norm.weight"), device)?,
+                q,
+                k,
+                v,
+                o,
+                bias,
+                qk_norm,
+                gate,
+                up,
+                down,
+                attn_norm,
+                ffn_norm,
             });
         }
-        let (cos, sin) = rope_tables(&cfg, device)?;
+        let freq_factors = match ct.tensor_infos.get("rope_freqs.weight") {
+            Some(_) => Some(
+                load_f32(&ct, &mut file, "rope_freqs.weight", device)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
+            ),
+            None => None,
+        };
+        let inv_freq = rope_inv_freq(&cfg, freq_factors.as_deref(), device)?;
         Ok(Self {
             cfg,
             layers,
@@ -209,8 +285,7 @@ impl LlamaPart {
             embedding,
             blocks,
             head,
-            cos,
-            sin,
+            inv_freq,
             caches: HashMap::new(),
             device: device.clone(),
         })
@@ -355,9 +430,7 @@ impl LlamaPart {
             .iter()
             .flat_map(|s| (s.pos..s.pos + s.len).map(|p| p as u32))
             .collect();
-        let pos = Tensor::new(positions.as_slice(), &self.device)?;
-        let cos = self.cos.index_select(&pos, 0)?;
-        let sin = self.sin.index_select(&pos, 0)?;
+        let (cos, sin) = rope_for(&self.inv_freq, &positions, &self.device)?;
 
         let mut x = hidden.clone();
         for (li, block) in self.blocks.iter().enumerate() {
@@ -465,4 +538,58 @@ impl LlamaPart {
         }
         Ok(())
     }
+}
+
+/// Refuses a GGUF with a tensor this loader would not use: an unused tensor
+/// means a feature of the file (a bias, a norm, another kind of block) that
+/// the computation here would silently leave out.
+fn check_tensor_names(ct: &gguf_file::Content, cfg: &LlamaConfig) -> candle_core::Result<()> {
+    const TOP: [&str; 4] = [
+        "token_embd.weight",
+        "output_norm.weight",
+        "output.weight",
+        "rope_freqs.weight",
+    ];
+    let block_tensor = |rest: &str| -> bool {
+        let Some((part, kind)) = rest.rsplit_once('.') else {
+            return false;
+        };
+        match kind {
+            "weight" => {
+                matches!(
+                    part,
+                    "attn_norm"
+                        | "attn_q"
+                        | "attn_k"
+                        | "attn_v"
+                        | "attn_output"
+                        | "ffn_norm"
+                        | "ffn_gate"
+                        | "ffn_up"
+                        | "ffn_down"
+                ) || (cfg.architecture.needs_qk_norm()
+                    && matches!(part, "attn_q_norm" | "attn_k_norm"))
+            }
+            "bias" => matches!(part, "attn_q" | "attn_k" | "attn_v" | "attn_output"),
+            _ => false,
+        }
+    };
+    let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
+    names.sort();
+    for name in names {
+        let known = TOP.contains(&name.as_str())
+            || name
+                .strip_prefix("blk.")
+                .and_then(|r| r.split_once('.'))
+                .is_some_and(|(i, rest)| {
+                    i.parse::<usize>().is_ok_and(|i| i < cfg.num_layers) && block_tensor(rest)
+                });
+        if !known {
+            candle_core::bail!(
+                "tensor {name} is not part of a {} model as this stage runs it",
+                cfg.architecture.name()
+            );
+        }
+    }
+    Ok(())
 }

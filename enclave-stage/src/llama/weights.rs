@@ -26,9 +26,16 @@ pub(super) enum Weight {
 }
 
 impl Weight {
-    /// Loads GGUF tensor `name` in `format`: Q4_1 blocks are taken as
-    /// stored; anything else is dequantized first (and, for Q8_0, quantized
-    /// again).
+    /// Loads GGUF tensor `name` in `format`:
+    /// - `f32`: dequantized;
+    /// - `q4_1`: 4-bit blocks as stored (Q4_1 as they are; Q4_0 and Q4_K
+    ///   repacked into Q4_1 blocks without changing a value), Q8_0 as
+    ///   stored, and every wider type (F32, F16, BF16, Q5_K, Q6_K)
+    ///   re-quantized to Q8_0, so a Q4_K_M file keeps its 4-bit tensors
+    ///   4-bit and its 6-bit ones at 8 bits;
+    /// - `q8_0`: Q8_0 as stored, everything else re-quantized to Q8_0.
+    ///
+    /// A tensor type outside [`SERVED_TYPES`] is refused, named.
     pub(super) fn load(
         ct: &gguf_file::Content,
         file: &mut File,
@@ -37,33 +44,41 @@ impl Weight {
         device: &Device,
     ) -> candle_core::Result<Self> {
         let q = ct.tensor(file, name, device)?;
+        check_served(name, q.dtype())?;
         let (rows, cols) = q.shape().dims2()?;
-        Ok(match format {
-            WeightFormat::F32 => Weight::Dense(Linear::new(q.dequantize(device)?, None)),
-            WeightFormat::Q4_1 => {
-                let m = match q.dtype() {
-                    GgmlDType::Q4_1 => QMatrix::from_ggml_q4_1(&q.data()?, rows, cols),
-                    GgmlDType::Q8_0 => QMatrix::from_ggml_q8_0(&q.data()?, rows, cols),
-                    other => Err(format!(
-                        "stored as {other:?}; q4_1 serves the GGUF's Q4_1 and Q8_0 blocks as they are"
-                    )),
-                }
-                .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
-                Weight::Quant(m, Kernel::detect())
+        let requantize = |q: &candle_core::quantized::QTensor| -> candle_core::Result<Self> {
+            if !cols.is_multiple_of(crate::qmatmul::BLOCK) {
+                candle_core::bail!("{name}: {cols} columns are not whole blocks of 32");
             }
-            WeightFormat::Q8_0 if q.dtype() == GgmlDType::Q8_0 => {
-                let m = QMatrix::from_ggml_q8_0(&q.data()?, rows, cols)
-                    .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
-                Weight::Quant(m, Kernel::detect())
+            let f = q.dequantize(device)?.flatten_all()?.to_vec1::<f32>()?;
+            Ok(Weight::Quant(
+                QMatrix::q8_0(&f, rows, cols),
+                Kernel::detect(),
+            ))
+        };
+        let stored = |m: Result<QMatrix, String>| -> candle_core::Result<Self> {
+            let m = m.map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+            Ok(Weight::Quant(m, Kernel::detect()))
+        };
+        match (format, q.dtype()) {
+            (WeightFormat::F32, _) => Ok(Weight::Dense(Linear::new(q.dequantize(device)?, None))),
+            (WeightFormat::Q4_1, GgmlDType::Q4_1) => {
+                stored(QMatrix::from_ggml_q4_1(&q.data()?, rows, cols))
             }
-            WeightFormat::Q8_0 => {
-                let f = q.dequantize(device)?.flatten_all()?.to_vec1::<f32>()?;
-                Weight::Quant(QMatrix::q8_0(&f, rows, cols), Kernel::detect())
+            (WeightFormat::Q4_1, GgmlDType::Q4_0) => {
+                stored(QMatrix::from_ggml_q4_0(&q.data()?, rows, cols))
             }
-            WeightFormat::Bf16 => candle_core::bail!(
+            (WeightFormat::Q4_1, GgmlDType::Q4K) => {
+                stored(QMatrix::from_ggml_q4_k(&q.data()?, rows, cols))
+            }
+            (WeightFormat::Q4_1 | WeightFormat::Q8_0, GgmlDType::Q8_0) => {
+                stored(QMatrix::from_ggml_q8_0(&q.data()?, rows, cols))
+            }
+            (WeightFormat::Q4_1 | WeightFormat::Q8_0, _) => requantize(&q),
+            (WeightFormat::Bf16, _) => candle_core::bail!(
                 "bf16 is an embedding weight format (generation: f32, q8_0 or q4_1)"
             ),
-        })
+        }
     }
 
     pub(super) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -137,6 +152,31 @@ impl Weight {
     }
 }
 
+/// The GGUF tensor types a generation stage loads.
+pub(super) const SERVED_TYPES: [GgmlDType; 9] = [
+    GgmlDType::F32,
+    GgmlDType::F16,
+    GgmlDType::BF16,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// Refuses a tensor type outside [`SERVED_TYPES`], naming it.
+fn check_served(name: &str, dtype: GgmlDType) -> candle_core::Result<()> {
+    if SERVED_TYPES.contains(&dtype) {
+        return Ok(());
+    }
+    let names: Vec<String> = SERVED_TYPES.iter().map(|t| format!("{t:?}")).collect();
+    candle_core::bail!(
+        "{name} is stored as {dtype:?}, a tensor type this stage does not load (supported: {})",
+        names.join(", ")
+    )
+}
+
 /// Reads one tensor from the GGUF and dequantizes it to f32.
 pub(super) fn load_f32(
     ct: &gguf_file::Content,
@@ -144,7 +184,9 @@ pub(super) fn load_f32(
     name: &str,
     device: &Device,
 ) -> candle_core::Result<Tensor> {
-    ct.tensor(file, name, device)?.dequantize(device)
+    let q = ct.tensor(file, name, device)?;
+    check_served(name, q.dtype())?;
+    q.dequantize(device)
 }
 
 #[cfg(test)]

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Random-weight GGUF models of real shapes, one per architecture the stages
+load (llama, qwen2, qwen3), written in F32 with the `gguf` package
+(maintained with llama.cpp) and quantized by llama.cpp itself into every
+tensor type the stages serve, so that both implementations read the same
+bytes (`scripts/test_gguf_models.py` compares them).
+
+The tokenizer (SmolLM2's 49,152-token BPE, its special tokens and chat
+template) is copied from the shipped SmolLM2 GGUF, so llama.cpp loads a
+real vocabulary and the fixtures exercise the stages' tokenizer-from-GGUF
+path as a user's file would.
+
+Shapes are small but keep the features that differ between families:
+- `llama`: grouped-query attention (4 heads, 2 KV heads), an output head
+  tied to the token embedding, and Llama 3's `rope_freqs` factors;
+- `qwen2`: q/k/v biases, a separate output head, NEOX rotary;
+- `qwen3`: per-head q/k RMSNorm, and heads wider than the hidden width
+  shares (4 × 128 = 512 against a hidden width of 256), as in Qwen3.
+Widths are multiples of 256 so the K-quants apply to every matrix.
+
+Usage: make_gguf_fixtures.py --source SmolLM2.gguf --out DIR [--shape 1b]
+  (`--shape 1b`: the 1B-class llama shape of issue 31, hidden 2048,
+  16 layers, GQA 32/8, written in F16: for benchmarks and opt-in tests)
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+import gguf
+
+SHAPES = {
+    # name: (arch, hidden, ffn, layers, heads, kv_heads, head_dim, tied, rope_freqs)
+    "llama": ("llama", 256, 512, 2, 4, 2, 64, True, True),
+    "qwen2": ("qwen2", 256, 512, 2, 4, 2, 64, False, False),
+    "qwen3": ("qwen3", 256, 512, 2, 4, 2, 128, True, False),
+    "llama-1b": ("llama", 2048, 8192, 16, 32, 8, 64, True, False),
+}
+
+
+def copy_tokenizer(src: str, w: gguf.GGUFWriter) -> int:
+    """Copies every tokenizer.* key of `src` into `w`; returns the vocab size."""
+    r = gguf.GGUFReader(src)
+    vocab = 0
+    for key, field in r.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        value = field.contents()
+        if vtype == gguf.GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            if key == "tokenizer.ggml.tokens":
+                vocab = len(value)
+            w.add_key_value(key, value, vtype, sub_type=sub)
+        else:
+            w.add_key_value(key, value, vtype)
+    return vocab
+
+
+def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
+    arch, hidden, ffn, layers, heads, kv, hd, tied, rope_freqs = SHAPES[name]
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"random-{name}")
+    vocab = copy_tokenizer(src, w)
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(100000.0 if arch == "llama" else 1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
+
+    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
+        m = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(scale)
+        return m.astype(np.float16) if f16 else m
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    # Logits of a few units' spread, as a trained model's: the head's rows
+    # are scaled so that a unit-RMS hidden state gives logits of std ~3.
+    embd = mat(vocab, hidden, 3.0 / np.sqrt(hidden))
+    w.add_tensor("token_embd.weight", embd)
+    w.add_tensor("output_norm.weight", norm(hidden))
+    if not tied:
+        # A separate head: the embedding plus 8 % noise, distinct bytes with
+        # a next-token distribution as peaked as the tied fixtures' (mean
+        # top probability about 0.8). A head of pure noise gives a flat
+        # distribution whose top two tokens are often within rounding of
+        # each other, which no trained model has.
+        head = embd.astype(np.float32) + mat(vocab, hidden, 0.25 / np.sqrt(hidden)).astype(np.float32)
+        w.add_tensor("output.weight", head.astype(embd.dtype))
+    if rope_freqs:
+        # Llama 3's factors: 1 for high frequencies, up to 8 for low ones.
+        f = np.ones(hd // 2, dtype=np.float32)
+        f[hd // 4 :] = np.linspace(1.0, 8.0, hd // 2 - hd // 4, dtype=np.float32)
+        w.add_tensor("rope_freqs.weight", f)
+    q_out = heads * hd
+    for i in range(layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", norm(hidden))
+        w.add_tensor(p + "attn_q.weight", mat(q_out, hidden, 1.0 / np.sqrt(hidden)))
+        w.add_tensor(p + "attn_k.weight", mat(kv * hd, hidden, 1.0 / np.sqrt(hidden)))
+        w.add_tensor(p + "attn_v.weight", mat(kv * hd, hidden, 1.0 / np.sqrt(hidden)))
+        w.add_tensor(p + "attn_output.weight", mat(hidden, q_out, 0.5 / np.sqrt(q_out)))
+        if arch == "qwen2":
+            for t, n in (("attn_q", q_out), ("attn_k", kv * hd), ("attn_v", kv * hd)):
+                w.add_tensor(p + t + ".bias", (0.2 * rng.standard_normal(n)).astype(np.float32))
+        if arch == "qwen3":
+            w.add_tensor(p + "attn_q_norm.weight", norm(hd))
+            w.add_tensor(p + "attn_k_norm.weight", norm(hd))
+        w.add_tensor(p + "ffn_norm.weight", norm(hidden))
+        w.add_tensor(p + "ffn_gate.weight", mat(ffn, hidden, 1.0 / np.sqrt(hidden)))
+        w.add_tensor(p + "ffn_up.weight", mat(ffn, hidden, 1.0 / np.sqrt(hidden)))
+        w.add_tensor(p + "ffn_down.weight", mat(hidden, ffn, 0.5 / np.sqrt(ffn)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--source", required=True, help="a GGUF whose tokenizer to copy")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="small", choices=["small", "1b"])
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    names = ["llama-1b"] if args.shape == "1b" else ["llama", "qwen2", "qwen3"]
+    f16 = args.shape == "1b"
+    for i, name in enumerate(names):
+        path = os.path.join(args.out, f"{name}.{'F16' if f16 else 'F32'}.gguf")
+        if os.path.exists(path):
+            continue
+        tmp = path + ".part"
+        write_model(name, args.source, tmp, seed=1000 + i, f16=f16)
+        os.replace(tmp, path)
+        print(f"fixtures: wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""The stages' GGUF loader against llama.cpp on the same files: random-weight
+models of every architecture the stages load (`make_gguf_fixtures.py`),
+quantized by llama.cpp into every tensor type they serve, compared position
+by position.
+
+For each file: 256 token ids teacher-forced one at a time (the stage's
+decode path) give llama.cpp's and the stage's logits at every position;
+top-1 agreement must be at least 99 % and the mean KL divergence
+KL(llama.cpp ‖ stage) at most 0.01. A position where the stage's top token
+is llama.cpp's second and llama.cpp's top two logits are within 0.3 of each
+other is a tie and counts as agreeing (the raw agreement is printed and
+reported beside it): llama.cpp rounds activations to 8 bits in its
+quantized products, which moves its top logits by 0.05 rms against the
+exact f32 computation the stage follows, and random weights make near-ties
+that no rounding can settle the same way twice. Then greedy decoding of 32 tokens after
+a 64-token prefill (the stage's prefill path) must give the same ids, up
+to a step where the stage took llama.cpp's second choice and llama.cpp's
+own top two logits were within 0.3 of each other (random weights make such
+ties; after one, both continuations are right).
+A file with a tensor type or an architecture the stage does not load must be
+refused with an error naming it.
+
+llama.cpp keeps its KV cache in f32 here (`type_k`/`type_v`), so the
+remaining differences are its rounding of activations to 8 bits in its
+quantized products and the summation order.
+
+Run by scripts/test.sh with the test virtualenv of `scripts/llama_venv.sh
+--test`:
+  test_gguf_models.py --bin target/release/examples/gguf_logits
+      --source models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+      --dir target/gguf-fixtures [--report FILE.json] [--only llama]
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+import gguf
+import llama_cpp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_gguf_fixtures  # noqa: E402
+
+POSITIONS = 256
+PROMPT = 64
+GREEDY = 32
+MIN_TOP1 = 0.99
+MAX_KL = 0.01
+# llama.cpp rounds activations to 8 bits in its quantized products; on these
+# files its top logits differ from the stage's by 0.05 rms (0.26 at most),
+# the stage's being the exact f32 computation's up to 16-bit rounding.
+TIE = 0.3
+
+# (label, llama.cpp file type, pure: every matrix in that one type)
+TYPES = [
+    ("F32", None, True),
+    ("F16", llama_cpp.LLAMA_FTYPE_MOSTLY_F16, True),
+    ("BF16", llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, True),
+    ("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, True),
+    ("Q4_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, True),
+    ("Q4_1", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, True),
+    ("Q4_K", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_S, True),
+    ("Q5_K", llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_S, True),
+    ("Q6_K", llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K, True),
+    # What people download: Q4_K with Q6_K where llama.cpp's rules put it.
+    ("Q4_K_M", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, False),
+]
+
+
+def quantize(src: str, dst: str, ftype: int, pure: bool) -> None:
+    if os.path.exists(dst):
+        return
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 2
+    params.pure = pure
+    tmp = dst + ".part"
+    rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama.cpp could not quantize {src} to {dst} (rc {rc})")
+    os.replace(tmp, dst)
+
+
+def reference(path: str, tokens: list[int]) -> tuple[np.ndarray, list[int], list[float]]:
+    """llama.cpp's logits at every position, its greedy continuation, and
+    the margin between its top two logits at each greedy step."""
+    llm = llama_cpp.Llama(
+        model_path=path,
+        n_ctx=512,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=2,
+        logits_all=True,
+        type_k=0,  # GGML_TYPE_F32
+        type_v=0,
+        verbose=False,
+    )
+    llm.eval(tokens)
+    scores = np.array(llm.scores[: len(tokens)], dtype=np.float32)
+    llm.reset()
+    llm.eval(tokens[:PROMPT])
+    greedy, margins = [], []
+    while len(greedy) < GREEDY:
+        row = llm.scores[llm.n_tokens - 1]
+        t = int(np.argmax(row))
+        second = int(np.argsort(row)[-2])
+        greedy.append(t)
+        margins.append((float(row[t] - row[second]), second))
+        llm.eval([t])
+    del llm
+    return scores, greedy, margins
+
+
+def greedy_agrees(ref: list[int], got: list[int], margins: list) -> tuple[bool, str]:
+    """Identical, or identical up to a step where the stage took llama.cpp's
+    second choice and llama.cpp's top two logits were within TIE of each
+    other: a tie at the level of the two implementations' rounding (after
+    it the continuations are different texts, both right)."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            margin, second = margins[i]
+            if b == second and margin < TIE:
+                return True, f"same to a tie at step {i} (margin {margin:.3f})"
+            return False, f"DIFFERENT at step {i} (margin {margin:.3f})"
+    return len(ref) == len(got), "same"
+
+
+def ours(bin_path: str, path: str, weights: str, tokens: list[int]) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        tok = os.path.join(d, "tokens")
+        out = os.path.join(d, "logits")
+        with open(tok, "w") as f:
+            f.write(",".join(map(str, tokens)))
+        p = subprocess.run(
+            [bin_path, path, weights, tok, out, str(PROMPT), str(GREEDY)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "RUST_BACKTRACE": "0"},
+        )
+        if p.returncode == 3:
+            return json.loads(p.stdout)
+        if p.returncode != 0:
+            raise SystemExit(f"gguf_logits failed on {path}:\n{p.stderr}")
+        res = json.loads(p.stdout)
+        res["logits"] = np.fromfile(out, dtype="<f4").reshape(len(tokens), -1)
+        return res
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def compare(ref: np.ndarray, got: np.ndarray) -> tuple[float, float, float, float]:
+    """Top-1 agreement (raw, and counting ties as agreeing), mean and
+    largest KL(ref ‖ got) over positions. A tie: the stage's top token is
+    llama.cpp's second and llama.cpp's top two are within TIE."""
+    lr, lg = log_softmax(ref), log_softmax(got)
+    kl = (np.exp(lr) * (lr - lg)).sum(axis=-1)
+    r, g = ref.argmax(-1), got.argmax(-1)
+    order = np.argsort(ref, axis=-1)
+    second = order[:, -2]
+    rows = np.arange(len(ref))
+    tie = (g == second) & (ref[rows, r] - ref[rows, second] < TIE)
+    return float((r == g).mean()), float(((r == g) | tie).mean()), float(kl.mean()), float(kl.max())
+
+
+def refused(bin_path: str, path: str, must_name: str, tokens: list[int]) -> str | None:
+    res = ours(bin_path, path, "q4_1", tokens)
+    err = res.get("error")
+    if err is None:
+        return f"{os.path.basename(path)} was loaded; it must be refused naming {must_name}"
+    if must_name not in err:
+        return f"{os.path.basename(path)} refused without naming {must_name}: {err}"
+    print(f"  refused, as it must be: {err}")
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--source", required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--report")
+    ap.add_argument("--only", help="one architecture")
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    subprocess.run(
+        [sys.executable, make_gguf_fixtures.__file__, "--source", args.source, "--out", args.dir],
+        check=True,
+    )
+    rng = np.random.default_rng(7)
+    vocab = gguf.GGUFReader(args.source).fields["tokenizer.ggml.tokens"].contents()
+    tokens = [int(t) for t in rng.integers(0, len(vocab), POSITIONS)]
+
+    failures, rows = [], []
+    archs = [args.only] if args.only else ["llama", "qwen2", "qwen3"]
+    for arch in archs:
+        f32 = os.path.join(args.dir, f"{arch}.F32.gguf")
+        for label, ftype, pure in TYPES:
+            path = f32 if ftype is None else os.path.join(args.dir, f"{arch}.{label}.gguf")
+            if ftype is not None:
+                quantize(f32, path, ftype, pure)
+            ref, ref_greedy, margins = reference(path, tokens)
+            # q4_1 is the serving default: 4-bit blocks as stored, Q8_0 as
+            # stored, wider types re-quantized to Q8_0. The F32 file is also
+            # served in f32, the exact path.
+            formats = ["q4_1", "f32"] if label == "F32" else ["q4_1"]
+            for weights in formats:
+                res = ours(args.bin, path, weights, tokens)
+                if "error" in res:
+                    failures.append(f"{arch} {label} ({weights}) refused: {res['error']}")
+                    continue
+                raw, top1, kl, kl_max = compare(ref, res["logits"])
+                same, how = greedy_agrees(ref_greedy, res["greedy"], margins)
+                row = {
+                    "architecture": arch,
+                    "type": label,
+                    "weights": weights,
+                    "top1_raw": raw,
+                    "top1": top1,
+                    "mean_kl": kl,
+                    "max_kl": kl_max,
+                    "greedy": how,
+                    "weight_bytes": res["weight_bytes"],
+                }
+                rows.append(row)
+                ok = top1 >= MIN_TOP1 and kl <= MAX_KL and same
+                print(
+                    f"  {arch:6} {label:7} as {weights:5}: top-1 {top1 * 100:6.2f} % "
+                    f"(raw {raw * 100:6.2f} %)  "
+                    f"mean KL {kl:.2e} (max {kl_max:.2e})  greedy {how}"
+                    f"  {'ok' if ok else 'FAIL'}",
+                    flush=True,
+                )
+                if not ok:
+                    failures.append(f"{arch} {label} ({weights}): {row}")
+
+    # Refusals: a tensor type and an architecture the stage does not load.
+    q2k = os.path.join(args.dir, f"{archs[0]}.Q2_K.gguf")
+    quantize(os.path.join(args.dir, f"{archs[0]}.F32.gguf"), q2k, llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K, True)
+    for problem in (
+        refused(args.bin, q2k, "Q2K", tokens),
+        refused(args.bin, unsupported_arch(args.dir, args.source), "gemma2", tokens),
+    ):
+        if problem:
+            failures.append(problem)
+
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump({"positions": POSITIONS, "greedy": GREEDY, "rows": rows}, f, indent=1)
+    if failures:
+        print("test_gguf_models: FAILED", *failures, sep="\n  ", file=sys.stderr)
+        return 1
+    print(f"test_gguf_models: {len(rows)} file/format pairs agree with llama.cpp; 2 refusals named")
+    return 0
+
+
+def unsupported_arch(d: str, source: str) -> str:
+    """A small GGUF whose architecture is gemma2."""
+    path = os.path.join(d, "gemma2.gguf")
+    if not os.path.exists(path):
+        w = gguf.GGUFWriter(path, "gemma2")
+        w.add_block_count(1)
+        w.add_embedding_length(256)
+        w.add_tensor("token_embd.weight", np.zeros((8, 256), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
