@@ -7,6 +7,7 @@
 //! - the pipelines of attested stages: [`pipeline`], [`launcher`],
 //!   [`host_proxy`] (Nitro), [`receipt_store`];
 //! - operations: [`config`], [`metrics`], [`stage_metrics`], [`telemetry`];
+//! - a user's GGUF served without a config (`serve --model`): [`own_model`];
 //! - the client verbs, which run in the client's trust domain (`verify`,
 //!   `seal`, `open`, `proxy`), are the `client` crate (`client/`);
 //!   the binary only dispatches to them.
@@ -21,6 +22,7 @@ pub mod in_flight;
 pub mod launcher;
 pub mod metrics;
 pub mod openai_error;
+pub mod own_model;
 pub mod pipeline;
 pub mod receipt_store;
 pub mod serve;

@@ -53,6 +53,18 @@ pub(crate) struct ServeArgs {
     /// Override `server.listen`.
     #[arg(long)]
     listen: Option<String>,
+    /// Serve this GGUF as the generation model (chat and completions)
+    /// instead of the config's `[completions]` model: its manifest and a
+    /// development policy are written under `data/models/`.
+    #[arg(long, value_name = "FILE.gguf")]
+    model: Option<PathBuf>,
+    /// With `--model`: how many stages to split its layers across (evenly).
+    #[arg(long, default_value_t = 2, requires = "model")]
+    stages: usize,
+    /// With `--model`: where its manifest and policy are written (a folder
+    /// per model file).
+    #[arg(long, default_value = "data/models", requires = "model")]
+    model_cache: PathBuf,
 }
 
 #[derive(clap::Args, Debug)]
@@ -101,7 +113,7 @@ pub fn run() -> Result<()> {
         Some(Command::HostProxy(a)) => return host_proxy::main(a),
         None => ServeArgs {
             config: "config/gateway.toml".into(),
-            listen: None,
+            ..ServeArgs::default()
         },
     };
     tokio::runtime::Builder::new_multi_thread()

@@ -6,8 +6,8 @@ use super::ServeArgs;
 use crate::config::{GatewayConfig, Launch};
 use crate::pipeline::{discovery, Pipeline, Replicas, StageTarget};
 use crate::{
-    api, auth, config, launcher, metrics, receipt_store, serve, service, shutdown, telemetry,
-    timeouts, tls,
+    api, auth, config, launcher, metrics, own_model, receipt_store, serve, service, shutdown,
+    telemetry, timeouts, tls,
 };
 use anyhow::{Context, Result};
 use proto::manifest::LoadedManifest;
@@ -26,6 +26,21 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
         cfg.server.listen = l;
         cfg.check_listen()
             .with_context(|| format!("--listen {}", cfg.server.listen))?;
+    }
+    if let Some(path) = &args.model {
+        let model = own_model::GgufModel::inspect(path)?;
+        let layers = own_model::split_layers(model.layers, args.stages)?;
+        let c = own_model::completions(&cfg, &model, &layers, &args.model_cache)
+            .with_context(|| format!("--model {}", path.display()))?;
+        cfg.replace_completions(c)
+            .with_context(|| format!("--model {}", path.display()))?;
+        tracing::info!(
+            model = %model.model_id,
+            architecture = %model.architecture,
+            sha256 = %model.sha256.hex(),
+            stages = ?layers,
+            "serving --model as the completions pipeline"
+        );
     }
     // Read the certificate before starting anything, so a bad one fails fast.
     let tls_cert = match &cfg.server.tls {

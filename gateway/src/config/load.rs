@@ -2,7 +2,9 @@
 //! overrides, checks, and the effective config as TOML.
 
 use super::env::{apply_env_overrides, key_name};
-use super::{dns_name, validate_stages, GatewayConfig, Launch, PipelineSpec, StageConfig};
+use super::{
+    dns_name, validate_stages, CompletionsConfig, GatewayConfig, Launch, PipelineSpec, StageConfig,
+};
 use anyhow::{anyhow, bail, Context, Result};
 use client::transport::is_loopback;
 use proto::frames::WeightFormat;
@@ -234,6 +236,13 @@ impl GatewayConfig {
             );
         }
         Ok(())
+    }
+
+    /// Serves `completions` instead of the `[completions]` table read (if
+    /// any), checked as a loaded one is.
+    pub fn replace_completions(&mut self, completions: CompletionsConfig) -> Result<()> {
+        self.completions = Some(completions);
+        self.validate()
     }
 
     /// The pipelines to run: embeddings (`[pipeline]`) and, when

@@ -484,6 +484,35 @@ pub struct StageConfig {
     pub peer_address: Option<String>,
 }
 
+impl StageConfig {
+    /// A locally launched stage running `layers`.
+    pub fn local(layers: [u32; 2]) -> Self {
+        Self {
+            layers,
+            address: None,
+            peer_address: None,
+        }
+    }
+}
+
+impl CompletionsConfig {
+    /// A `[completions]` table with every setting at its default.
+    pub fn new(policy: PathBuf, model_dir: PathBuf, stages: Vec<StageConfig>) -> Self {
+        Self {
+            policy,
+            model_dir,
+            kv_cache_tokens: default_kv_tokens(),
+            max_step_seqs: default_step_seqs(),
+            max_waiting: default_max_waiting(),
+            step_tokens: default_token_budget(),
+            weights: WeightFormat::default(),
+            threads_per_stage: None,
+            replicas: default_replicas(),
+            stages,
+        }
+    }
+}
+
 fn default_max_body() -> usize {
     8 << 20
 }

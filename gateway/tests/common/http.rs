@@ -125,6 +125,17 @@ pub async fn pinned_policy(url: &str, model: &str, path: &Path) -> PathBuf {
     path.to_path_buf()
 }
 
+/// The ids `GET /v1/models` lists.
+pub async fn model_ids(url: &str) -> Vec<String> {
+    let models: serde_json::Value = get_json(&format!("{url}/v1/models")).await;
+    models["data"]
+        .as_array()
+        .unwrap_or_else(|| panic!("a model list: {models}"))
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
 /// The `data:` payloads of a Server-Sent-Events body, in order.
 pub fn sse_events(body: &[u8]) -> Vec<String> {
     String::from_utf8(body.to_vec())

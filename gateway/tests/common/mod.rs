@@ -14,8 +14,8 @@ pub use cli::{
 pub use http::{
     assert_chat_serves, assert_error_shape, attestation_cbor, attestation_cbor_query, client,
     client_policy_text, embed, evidence_bundle, expect_api_error, get_bytes, get_json, http_get,
-    http_post, metrics_text, pinned_policy, post_exact, post_json, post_sealed, post_with_header,
-    retry_after, sample, sse_events,
+    http_post, metrics_text, model_ids, pinned_policy, post_exact, post_json, post_sealed,
+    post_with_header, retry_after, sample, sse_events,
 };
 #[allow(unused_imports)]
 pub use relays::{serve_on_thread, tampering_relay, CaptureRelay, Tamper};
@@ -83,6 +83,8 @@ pub struct Options {
     pub extra: String,
     /// `server.listen` (`None`: `127.0.0.1:0`).
     pub listen: Option<String>,
+    /// Extra `gateway serve` arguments (after `--config`).
+    pub serve_args: Vec<String>,
 }
 
 impl Default for Options {
@@ -97,6 +99,7 @@ impl Default for Options {
             remote: None,
             extra: String::new(),
             listen: None,
+            serve_args: Vec::new(),
         }
     }
 }
@@ -237,6 +240,7 @@ impl Gateway {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_gateway"));
         cmd.args(["serve", "--config"])
             .arg(&cfg)
+            .args(&opts.serve_args)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())

@@ -1,0 +1,226 @@
+//! `gateway serve --model FILE.gguf` end to end: a user's GGUF, here a
+//! random-weight Qwen3-shaped model in Q4_K written by this test (SmolLM2's
+//! tokenizer and chat template copied into it), served with no
+//! `[completions]` table of its own across two stages.
+//!
+//! - `/v1/models` lists it under its `general.name`;
+//! - the manifest the gateway wrote pins the file's SHA-256 (computed here
+//!   independently), and a client policy that pins that manifest accepts
+//!   the stages: chat and a streamed chat through `gateway proxy` come back
+//!   with verified receipts, the stream concatenating to the whole answer,
+//!   and a client that pins another manifest refuses the stages;
+//! - a file of an architecture the stages do not serve stops the start
+//!   with an error naming it, and so does a file that is not a GGUF.
+
+mod common;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use common::{client, model_ids, pinned_policy, smollm_dir, start_proxy, Gateway, Options};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+const NAME: &str = "tiny qwen3 test";
+const ID: &str = "tiny-qwen3-test";
+
+/// Deterministic values in [-scale, scale).
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// Writes a random-weight GGUF of architecture `arch` (Qwen3's tensors).
+fn write_gguf(path: &Path, arch: &str) {
+    let mut f = std::fs::File::open(smollm_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+    let src = gguf_file::Content::read(&mut f).unwrap();
+    let vocab = src.tensor_infos["token_embd.weight"].shape.dims()[0];
+    let (hidden, ffn, layers, heads, kv, hd) = (256usize, 512usize, 2u32, 4usize, 2usize, 128usize);
+    let mut md: Vec<(String, gguf_file::Value)> = src
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    use gguf_file::Value as V;
+    md.push(("general.architecture".into(), V::String(arch.into())));
+    md.push(("general.name".into(), V::String(NAME.into())));
+    for (k, v) in [
+        ("context_length", 2048u32),
+        ("embedding_length", hidden as u32),
+        ("block_count", layers),
+        ("feed_forward_length", ffn as u32),
+        ("attention.head_count", heads as u32),
+        ("attention.head_count_kv", kv as u32),
+        ("attention.key_length", hd as u32),
+        ("attention.value_length", hd as u32),
+    ] {
+        md.push((format!("{arch}.{k}"), V::U32(v)));
+    }
+    md.push((format!("{arch}.rope.freq_base"), V::F32(1e6)));
+    md.push((
+        format!("{arch}.attention.layer_norm_rms_epsilon"),
+        V::F32(1e-6),
+    ));
+
+    let mut seed = 0;
+    let mut q = |rows: usize, cols: usize, scale: f32, dtype: GgmlDType| {
+        seed += 1;
+        let shape: &[usize] = if rows == 1 { &[cols] } else { &[rows, cols] };
+        let t = Tensor::from_vec(values(rows * cols, seed, scale), shape, &Device::Cpu).unwrap();
+        QTensor::quantize(&t, dtype).unwrap()
+    };
+    let norm = |q: &mut dyn FnMut(usize, usize, f32, GgmlDType) -> QTensor, n: usize| {
+        let t = q(1, n, 0.1, GgmlDType::F32)
+            .dequantize(&Device::Cpu)
+            .unwrap();
+        QTensor::quantize(&(t + 1.0).unwrap(), GgmlDType::F32).unwrap()
+    };
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        (
+            "token_embd.weight".into(),
+            q(vocab, hidden, 0.3, GgmlDType::Q4K),
+        ),
+        ("output_norm.weight".into(), norm(&mut q, hidden)),
+    ];
+    let s = 1.7 / (hidden as f32).sqrt();
+    for i in 0..layers {
+        let p = |n: &str| format!("blk.{i}.{n}.weight");
+        tensors.push((p("attn_norm"), norm(&mut q, hidden)));
+        tensors.push((p("attn_q"), q(heads * hd, hidden, s, GgmlDType::Q4K)));
+        tensors.push((p("attn_k"), q(kv * hd, hidden, s, GgmlDType::Q4K)));
+        tensors.push((p("attn_v"), q(kv * hd, hidden, s, GgmlDType::Q4K)));
+        tensors.push((
+            p("attn_output"),
+            q(hidden, heads * hd, s / 2.0, GgmlDType::Q4K),
+        ));
+        tensors.push((p("attn_q_norm"), norm(&mut q, hd)));
+        tensors.push((p("attn_k_norm"), norm(&mut q, hd)));
+        tensors.push((p("ffn_norm"), norm(&mut q, hidden)));
+        tensors.push((p("ffn_gate"), q(ffn, hidden, s, GgmlDType::Q4K)));
+        tensors.push((p("ffn_up"), q(ffn, hidden, s, GgmlDType::Q4K)));
+        tensors.push((p("ffn_down"), q(hidden, ffn, s / 2.0, GgmlDType::Q4K)));
+    }
+    let md_refs: Vec<(&str, &gguf_file::Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut out = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut out, &md_refs, &t_refs).unwrap();
+}
+
+fn options(model: &Path, cache: &Path) -> Options {
+    Options {
+        stages: vec![[0, 6]],
+        serve_args: vec![
+            "--model".into(),
+            model.display().to_string(),
+            "--stages".into(),
+            "2".into(),
+            "--model-cache".into(),
+            cache.display().to_string(),
+        ],
+        ..Options::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_users_gguf_is_served_split_pinned_and_receipted() {
+    let dir = common::temp_dir("own-model");
+    let model = dir.join("tiny-qwen3.Q4_K.gguf");
+    write_gguf(&model, "qwen3");
+    let cache = dir.join("models");
+    let gw = Gateway::start(options(&model, &cache));
+
+    let ids = model_ids(&gw.url).await;
+    assert!(ids.iter().any(|i| i == ID), "{ids:?}");
+
+    // The manifest the gateway wrote pins this exact file.
+    let folders: Vec<PathBuf> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(folders.len(), 1, "{folders:?}");
+    let manifest_bytes = std::fs::read(folders[0].join("manifest.json")).unwrap();
+    let manifest: Value = serde_json::from_slice(&manifest_bytes).unwrap();
+    let file_sha = proto::digest::Sha256Digest::of(&std::fs::read(&model).unwrap()).hex();
+    assert_eq!(manifest["files"][0]["sha256"], file_sha.as_str());
+    assert_eq!(manifest["architecture"], "qwen3");
+    assert_eq!(manifest["model_id"], ID);
+
+    // A client that pins that manifest: sealed chat through the proxy.
+    let policy = pinned_policy(&gw.url, ID, &gw.dir.join("pinned.toml")).await;
+    let text = std::fs::read_to_string(&policy).unwrap();
+    let manifest_sha = proto::digest::Sha256Digest::of(&manifest_bytes).hex();
+    std::fs::write(
+        &policy,
+        format!("manifest_sha256 = \"{manifest_sha}\"\n{text}"),
+    )
+    .unwrap();
+    let proxy = start_proxy(&gw.url, &[&policy], &[], &gw.dir)
+        .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
+    let args = json!({"model": ID, "max_tokens": 12, "temperature": 0.9, "seed": 3,
+                      "messages": [{"role": "user", "content": "Name a colour."}]});
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let r = client().post(&url).json(&args).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["receipt-verified"], "true");
+    let whole: Value = r.json().await.unwrap();
+    assert_eq!(whole["model"], ID);
+    let whole_text = whole["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(whole["usage"]["completion_tokens"], 12, "{whole}");
+
+    let mut stream_args = args.clone();
+    stream_args["stream"] = json!(true);
+    let r = client().post(&url).json(&stream_args).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    assert!(
+        body.ends_with("data: [DONE]\n\n"),
+        "a verified stream ends in [DONE]"
+    );
+    let mut streamed = String::new();
+    for ev in body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
+        if ev != "[DONE]" {
+            let v: Value = serde_json::from_str(ev).unwrap();
+            streamed += v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
+        }
+    }
+    assert_eq!(streamed, whole_text);
+
+    // A client policy that pins another manifest refuses these stages.
+    let wrong = gw.dir.join("wrong.toml");
+    std::fs::write(
+        &wrong,
+        format!("manifest_sha256 = \"{}\"\n{text}", "00".repeat(32)),
+    )
+    .unwrap();
+    let (_, log) = start_proxy(&gw.url, &[&wrong], &[], &gw.dir)
+        .err()
+        .expect("a proxy pinning another manifest must refuse these stages");
+    assert!(
+        log.contains(&format!("serves model manifest {manifest_sha}")),
+        "{log}"
+    );
+}
+
+#[test]
+fn unsupported_files_stop_the_start_naming_why() {
+    let dir = common::temp_dir("own-model-bad");
+    let cache = dir.join("models");
+    let gemma = dir.join("tiny-gemma2.gguf");
+    write_gguf(&gemma, "gemma2");
+    let err = Gateway::refused(options(&gemma, &cache), "a gemma2 file must be refused");
+    assert!(err.contains("gemma2"), "{err}");
+
+    let junk = dir.join("junk.gguf");
+    std::fs::write(&junk, b"not a gguf at all").unwrap();
+    let err = Gateway::refused(options(&junk, &cache), "a file that is not a GGUF");
+    assert!(err.contains("not a GGUF file"), "{err}");
+}
