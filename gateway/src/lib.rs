@@ -7,7 +7,8 @@
 //! - the pipelines of attested stages: [`pipeline`], [`launcher`],
 //!   [`host_proxy`] (Nitro), [`receipt_store`];
 //! - operations: [`config`], [`metrics`], [`stage_metrics`], [`telemetry`];
-//! - a user's GGUF served without a config (`serve --model`): [`own_model`];
+//! - a user's GGUF served without a config (`serve --model`): [`own_model`],
+//!   split across stages by memory with [`plan`];
 //! - the client verbs, which run in the client's trust domain (`verify`,
 //!   `seal`, `open`, `proxy`), are the `client` crate (`client/`);
 //!   the binary only dispatches to them.
@@ -24,6 +25,7 @@ pub mod metrics;
 pub mod openai_error;
 pub mod own_model;
 pub mod pipeline;
+pub mod plan;
 pub mod receipt_store;
 pub mod serve;
 pub mod service;

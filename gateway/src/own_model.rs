@@ -13,6 +13,7 @@
 //! file gives the same folder, manifest and policy digests on every start.
 
 use crate::config::{CompletionsConfig, GatewayConfig, Launch, StageConfig};
+use crate::plan;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use proto::digest::Sha256Digest;
@@ -142,6 +143,28 @@ pub fn split_layers(layers: u32, stages: usize) -> Result<Vec<[u32; 2]>> {
             r
         })
         .collect())
+}
+
+/// The layers of each stage as [`crate::plan`] splits the model for
+/// `stage_memory`, at the KV budget and weight format of `completions` (the
+/// config's own table; defaults without one).
+pub fn planned_layers(
+    model: &GgufModel,
+    stage_memory: &str,
+    completions: Option<&CompletionsConfig>,
+) -> Result<Vec<[u32; 2]>> {
+    let mut f = std::fs::File::open(&model.path)?;
+    let ct = gguf_file::Content::read(&mut f)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", model.path.display()))?;
+    let defaults = CompletionsConfig::new(PathBuf::new(), PathBuf::new(), Vec::new());
+    let c = completions.unwrap_or(&defaults);
+    let costs = plan::ModelCosts::of(&ct, c.weights)?;
+    let stages = costs.plan(
+        plan::parse_bytes(stage_memory)?,
+        c.kv_cache_tokens as u64,
+        plan::DEFAULT_OVERHEAD,
+    )?;
+    Ok(stages.into_iter().map(|s| s.layers).collect())
 }
 
 /// Writes the model folder (manifest and a link to the file) and the

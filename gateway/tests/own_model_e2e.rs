@@ -224,3 +224,28 @@ fn unsupported_files_stop_the_start_naming_why() {
     let err = Gateway::refused(options(&junk, &cache), "a file that is not a GGUF");
     assert!(err.contains("not a GGUF file"), "{err}");
 }
+
+/// `gateway plan`'s byte counts are the stages' own: each stage of a split,
+/// loaded as a stage loads it, holds exactly the weight bytes the plan
+/// counted, in every generation weight format.
+#[test]
+fn the_plan_counts_what_a_loaded_stage_holds() {
+    use enclave_stage::llama::{LlamaPart, WeightFormat};
+    let dir = common::temp_dir("own-model-plan");
+    let model = dir.join("tiny-qwen3.Q4_K.gguf");
+    write_gguf(&model, "qwen3");
+    let mut f = std::fs::File::open(&model).unwrap();
+    let ct = gguf_file::Content::read(&mut f).unwrap();
+    for format in [WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::F32] {
+        let costs = gateway::plan::ModelCosts::of(&ct, format).unwrap();
+        for (layers, first, last) in [(0..1, true, false), (1..2, false, true), (0..2, true, true)]
+        {
+            let part = LlamaPart::load_as(&model, layers.clone(), first, last, format).unwrap();
+            assert_eq!(
+                costs.stage_weights(layers.clone(), first, last),
+                part.weight_bytes() as u64,
+                "{format} layers {layers:?}"
+            );
+        }
+    }
+}

@@ -7,7 +7,7 @@
 mod startup;
 
 use crate::config::{GatewayConfig, Launch};
-use crate::{auth, config, host_proxy, metrics, telemetry, tls};
+use crate::{auth, config, host_proxy, metrics, plan, telemetry, tls};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use proto::manifest::LoadedManifest;
@@ -38,6 +38,10 @@ enum Command {
     /// model, computed from the files, for a policy's `[[stages]] measurements`
     /// (e.g. of the binary copied into a container image).
     Measure(MeasureArgs),
+    /// Print how many stages a GGUF needs for a stage memory, and the
+    /// layers, weights, KV cache and total of each (`serve --model
+    /// --stage-memory` uses the same plan).
+    Plan(PlanArgs),
     /// Relay bytes between endpoints (vsock <-> TCP) on a Nitro parent
     /// instance; one `--route LISTEN=TARGET` per relay. Sees ciphertext only.
     HostProxy(host_proxy::HostProxyArgs),
@@ -59,12 +63,39 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "FILE.gguf")]
     model: Option<PathBuf>,
     /// With `--model`: how many stages to split its layers across (evenly).
-    #[arg(long, default_value_t = 2, requires = "model")]
-    stages: usize,
+    /// Default: as `gateway plan` splits it for `--stage-memory`, or 2.
+    #[arg(long, requires = "model", conflicts_with = "stage_memory")]
+    stages: Option<usize>,
+    /// With `--model`: each stage's memory (e.g. `1GiB`); the layers are
+    /// split as `gateway plan` splits them, for the completions KV budget.
+    #[arg(long, requires = "model")]
+    stage_memory: Option<String>,
     /// With `--model`: where its manifest and policy are written (a folder
     /// per model file).
     #[arg(long, default_value = "data/models", requires = "model")]
     model_cache: PathBuf,
+}
+
+#[derive(clap::Args, Debug)]
+struct PlanArgs {
+    /// The GGUF file.
+    #[arg(long, value_name = "FILE.gguf")]
+    model: PathBuf,
+    /// Each stage's memory, e.g. `1GiB`, `800MiB`, `2GB`.
+    #[arg(long)]
+    stage_memory: String,
+    /// KV-cache budget per stage in tokens (`[completions] kv_cache_tokens`).
+    #[arg(long, default_value_t = 8192)]
+    kv_tokens: u64,
+    /// How the stages hold the weights (`[completions] weights`).
+    #[arg(long, default_value = "q4_1")]
+    weights: proto::frames::WeightFormat,
+    /// Allowance per stage besides weights and KV cache.
+    #[arg(long, default_value = "100MiB")]
+    overhead: String,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -110,6 +141,7 @@ pub fn run() -> Result<()> {
         Some(Command::HashKey) => return hash_key(),
         Some(Command::CheckConfig(a)) => std::process::exit(check_config(&a.config)),
         Some(Command::Measure(a)) => return measure(&a),
+        Some(Command::Plan(a)) => return print_plan(&a),
         Some(Command::HostProxy(a)) => return host_proxy::main(a),
         None => ServeArgs {
             config: "config/gateway.toml".into(),
@@ -149,6 +181,33 @@ fn measure(a: &MeasureArgs) -> Result<()> {
         .with_context(|| format!("--stage-policy {}", a.stage_policy.display()))?;
     let m = proto::attestation::mock_measurement(&binary, &manifest.digest, &policy);
     println!("{}", m.pinned_form());
+    Ok(())
+}
+
+/// `gateway plan`: the stages a GGUF needs, as a table or JSON.
+fn print_plan(a: &PlanArgs) -> Result<()> {
+    let mut f =
+        std::fs::File::open(&a.model).with_context(|| format!("--model {}", a.model.display()))?;
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut f)
+        .map_err(|e| anyhow::anyhow!("{} is not a GGUF file: {e}", a.model.display()))?;
+    let costs = plan::ModelCosts::of(&ct, a.weights)?;
+    let memory = plan::parse_bytes(&a.stage_memory).context("--stage-memory")?;
+    let overhead = plan::parse_bytes(&a.overhead).context("--overhead")?;
+    let stages = costs.plan(memory, a.kv_tokens, overhead)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&stages)?);
+    } else {
+        println!(
+            "{}: {} stages of at most {} ({} weights, {} KV tokens per stage, {} overhead each)",
+            a.model.display(),
+            stages.len(),
+            plan::human(memory),
+            a.weights,
+            a.kv_tokens,
+            plan::human(overhead)
+        );
+        print!("{}", plan::table(&stages));
+    }
     Ok(())
 }
 

@@ -29,7 +29,15 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
     }
     if let Some(path) = &args.model {
         let model = own_model::GgufModel::inspect(path)?;
-        let layers = own_model::split_layers(model.layers, args.stages)?;
+        let layers = match (args.stages, &args.stage_memory) {
+            (Some(n), _) => own_model::split_layers(model.layers, n)?,
+            (None, Some(memory)) => {
+                let c = cfg.completions.clone();
+                own_model::planned_layers(&model, memory, c.as_ref())
+                    .with_context(|| format!("--stage-memory {memory}"))?
+            }
+            (None, None) => own_model::split_layers(model.layers, 2.min(model.layers as usize))?,
+        };
         let c = own_model::completions(&cfg, &model, &layers, &args.model_cache)
             .with_context(|| format!("--model {}", path.display()))?;
         cfg.replace_completions(c)
