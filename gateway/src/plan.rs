@@ -144,22 +144,32 @@ impl ModelCosts {
         w
     }
 
+    /// What a stage running `layers` costs (the entry stage when they start
+    /// at 0, the exit stage when they end at the last layer).
+    pub fn stage(
+        &self,
+        layers: std::ops::Range<usize>,
+        kv_tokens: u64,
+        overhead: u64,
+    ) -> StagePlan {
+        let (i, j) = (layers.start, layers.end);
+        let weight_bytes = self.stage_weights(i..j, i == 0, j == self.layers.len());
+        let kv_bytes = kv_tokens * (j - i) as u64 * self.kv_per_token_layer;
+        StagePlan {
+            layers: [i as u32, j as u32],
+            weight_bytes,
+            kv_bytes,
+            total_bytes: weight_bytes + kv_bytes + overhead,
+        }
+    }
+
     /// The fewest stages of at most `stage_memory` bytes each (weights,
     /// `kv_tokens` of KV cache, `overhead`), the largest stage as small as
     /// that count allows; an error when even one layer per stage does not
     /// fit.
     pub fn plan(&self, stage_memory: u64, kv_tokens: u64, overhead: u64) -> Result<Vec<StagePlan>> {
         let n = self.layers.len();
-        let stage = |i: usize, j: usize| -> StagePlan {
-            let weight_bytes = self.stage_weights(i..j, i == 0, j == n);
-            let kv_bytes = kv_tokens * (j - i) as u64 * self.kv_per_token_layer;
-            StagePlan {
-                layers: [i as u32, j as u32],
-                weight_bytes,
-                kv_bytes,
-                total_bytes: weight_bytes + kv_bytes + overhead,
-            }
-        };
+        let stage = |i: usize, j: usize| self.stage(i..j, kv_tokens, overhead);
         // best[k][j]: the smallest possible largest stage when layers 0..j
         // make k stages; from[k][j]: where the last of them starts.
         let mut best = vec![vec![u64::MAX; n + 1]; n + 1];

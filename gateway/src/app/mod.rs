@@ -81,9 +81,14 @@ struct PlanArgs {
     /// The GGUF file.
     #[arg(long, value_name = "FILE.gguf")]
     model: PathBuf,
-    /// Each stage's memory, e.g. `1GiB`, `800MiB`, `2GB`.
+    /// Each stage's memory, e.g. `1GiB`, `800MiB`, `2GB`: the fewest
+    /// stages that fit.
+    #[arg(long, required_unless_present = "stages", conflicts_with = "stages")]
+    stage_memory: Option<String>,
+    /// Instead: the cost of each stage of an even split into N stages (the
+    /// split `serve --model --stages N` runs).
     #[arg(long)]
-    stage_memory: String,
+    stages: Option<usize>,
     /// KV-cache budget per stage in tokens (`[completions] kv_cache_tokens`).
     #[arg(long, default_value_t = 8192)]
     kv_tokens: u64,
@@ -191,17 +196,32 @@ fn print_plan(a: &PlanArgs) -> Result<()> {
     let ct = candle_core::quantized::gguf_file::Content::read(&mut f)
         .map_err(|e| anyhow::anyhow!("{} is not a GGUF file: {e}", a.model.display()))?;
     let costs = plan::ModelCosts::of(&ct, a.weights)?;
-    let memory = plan::parse_bytes(&a.stage_memory).context("--stage-memory")?;
     let overhead = plan::parse_bytes(&a.overhead).context("--overhead")?;
-    let stages = costs.plan(memory, a.kv_tokens, overhead)?;
+    let (stages, limit) = match (&a.stage_memory, a.stages) {
+        (Some(m), _) => {
+            let memory = plan::parse_bytes(m).context("--stage-memory")?;
+            (
+                costs.plan(memory, a.kv_tokens, overhead)?,
+                format!("of at most {}", plan::human(memory)),
+            )
+        }
+        (None, n) => {
+            let n = n.context("--stage-memory or --stages")?;
+            let split = crate::own_model::split_layers(costs.layers.len() as u32, n)?;
+            let stages = split
+                .iter()
+                .map(|l| costs.stage(l[0] as usize..l[1] as usize, a.kv_tokens, overhead))
+                .collect::<Vec<_>>();
+            (stages, "split evenly by layers".to_string())
+        }
+    };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&stages)?);
     } else {
         println!(
-            "{}: {} stages of at most {} ({} weights, {} KV tokens per stage, {} overhead each)",
+            "{}: {} stages {limit} ({} weights, {} KV tokens per stage, {} overhead each)",
             a.model.display(),
             stages.len(),
-            plan::human(memory),
             a.weights,
             a.kv_tokens,
             plan::human(overhead)
