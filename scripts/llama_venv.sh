@@ -11,7 +11,8 @@
 # BENCH_LLAMA_PORTABLE=1 builds the benchmark venv portable too
 # (target/bench-venv-portable), for CPUs where the native build crashes (a
 # 2-core VM with AVX512-FP16 segfaulted in llama_decode with 0.3.36, 26 Nov
-# 2026).
+# 2026). Built without pip's wheel cache: the cache would hand one venv the
+# wheel built with the other's flags.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PORTABLE="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
@@ -29,7 +30,7 @@ else
 fi
 if [[ ! -x "$VENV/bin/python" ]]; then python3 -m venv "$VENV" >&2; fi
 "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null \
-  || CMAKE_ARGS="$FLAGS" "$VENV/bin/pip" install -q llama-cpp-python==0.3.36 >&2
+  || CMAKE_ARGS="$FLAGS" "$VENV/bin/pip" install -q --no-cache-dir llama-cpp-python==0.3.36 >&2
 if [[ ${#EXTRA[@]} -gt 0 ]] && ! "$VENV/bin/python" -c "import gguf, numpy" 2>/dev/null; then
   "$VENV/bin/pip" install -q "${EXTRA[@]}" >&2
 fi

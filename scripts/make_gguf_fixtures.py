@@ -13,7 +13,8 @@ path as a user's file would.
 Shapes are small but keep the features that differ between families:
 - `llama`: grouped-query attention (4 heads, 2 KV heads), an output head
   tied to the token embedding, and Llama 3's `rope_freqs` factors;
-- `qwen2`: q/k/v biases, a separate output head, NEOX rotary;
+- `qwen2`: q/k/v biases, a separate output head, NEOX rotary, linear
+  rotary scaling (factor 4);
 - `qwen3`: per-head q/k RMSNorm, and heads wider than the hidden width
   shares (4 × 128 = 512 against a hidden width of 256), as in Qwen3.
 Widths are multiples of 256 so the K-quants apply to every matrix.
@@ -99,10 +100,15 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
         head = embd.astype(np.float32) + mat(vocab, hidden, 0.25 / np.sqrt(hidden)).astype(np.float32)
         w.add_tensor("output.weight", head.astype(embd.dtype))
     if rope_freqs:
-        # Llama 3's factors: 1 for high frequencies, up to 8 for low ones.
-        f = np.ones(hd // 2, dtype=np.float32)
-        f[hd // 4 :] = np.linspace(1.0, 8.0, hd // 2 - hd // 4, dtype=np.float32)
-        w.add_tensor("rope_freqs.weight", f)
+        # Factors as Llama 3's tensor holds them, spread over every pair
+        # (Llama 3's own leave the fast pairs at 1), so that within the
+        # test's 256 positions a factor dropped, or multiplied instead of
+        # divided, moves the angles by many radians.
+        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, hd // 2, dtype=np.float32))
+    if arch == "qwen2":
+        # Linear rotary scaling (positions divided by 4), as llama.cpp reads it.
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
     q_out = heads * hd
     for i in range(layers):
         p = f"blk.{i}."

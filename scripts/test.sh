@@ -61,7 +61,7 @@ LLAMA_VENV="$(scripts/llama_venv.sh --test)"
 "$LLAMA_VENV/bin/python" scripts/test_gguf_models.py \
   --bin target/release/examples/gguf_logits \
   --source models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
-  --dir target/gguf-fixtures --report target/gguf-fixtures/report.json
+  --dir target/gguf-fixtures/v2 --report target/gguf-fixtures/v2/report.json
 
 echo "== openai SDK against a live gateway"
 log="$(mktemp)"

@@ -4,10 +4,16 @@
 //! tokenizer is pinned by the GGUF's own digest.
 //!
 //! Byte-level BPE (`tokenizer.ggml.model = gpt2`: Llama 3.x, Qwen2/2.5/3,
-//! SmolLM, Mistral Nemo) is supported, with the split rules the file's
-//! `tokenizer.ggml.pre` names (GPT-2's, Llama 3's, Qwen2's). SentencePiece
-//! files (`llama`: Llama 2, TinyLlama, Mistral 7B) and any other split rule
-//! are refused with an error naming them.
+//! SmolLM) is supported, with the split rules the file's
+//! `tokenizer.ggml.pre` names (GPT-2's, Llama 3's, Qwen2's; Llama 3's also
+//! ignores merges for words in the vocabulary, as its `tokenizer.json`
+//! and llama.cpp do). SentencePiece files (`llama`: Llama 2, TinyLlama,
+//! Mistral 7B) and any other split rule (Mistral Nemo's `tekken` among
+//! them) are refused with an error naming them.
+//!
+//! Prompts are tokenized without special tokens: a chat template writes
+//! its own BOS, and a raw `/v1/completions` prompt gets none even where the
+//! file asks for one (`tokenizer.ggml.add_bos_token`).
 //!
 //! For SmolLM2 the document equals the shipped, pinned `tokenizer.json`
 //! (made by `scripts/place_models.py`, byte for byte what `transformers`
@@ -71,8 +77,9 @@ fn int(v: &Value) -> Option<i64> {
     }
 }
 
-/// The pre-tokenizer (and normalizer) for a `tokenizer.ggml.pre` value.
-fn pre_tokenizer(pre: &str) -> Result<(serde_json::Value, serde_json::Value), String> {
+/// The normalizer, pre-tokenizer and `ignore_merges` for a
+/// `tokenizer.ggml.pre` value.
+fn pre_tokenizer(pre: &str) -> Result<(serde_json::Value, serde_json::Value, bool), String> {
     let byte_level = |regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": regex});
     let split = |pattern: &str| {
         json!({"type": "Sequence", "pretokenizers": [
@@ -83,13 +90,13 @@ fn pre_tokenizer(pre: &str) -> Result<(serde_json::Value, serde_json::Value), St
     Ok(match pre {
         // transformers has no split rule of its own for SmolLM's "smollm"
         // and uses GPT-2's, as for "gpt2" and "default".
-        "default" | "gpt2" | "smollm" => (serde_json::Value::Null, byte_level(true)),
-        "llama-bpe" | "llama3" => (serde_json::Value::Null, split(LLAMA3_SPLIT)),
-        "qwen2" => (json!({"type": "NFC"}), split(QWEN2_SPLIT)),
+        "default" | "gpt2" | "smollm" => (serde_json::Value::Null, byte_level(true), false),
+        "llama-bpe" | "llama3" | "llama-v3" => (serde_json::Value::Null, split(LLAMA3_SPLIT), true),
+        "qwen2" => (json!({"type": "NFC"}), split(QWEN2_SPLIT), false),
         other => {
             return Err(format!(
                 "the GGUF's tokenizer split rule tokenizer.ggml.pre = {other:?} is not supported \
-                 (supported: default, gpt2, smollm, llama-bpe, qwen2)"
+                 (supported: default, gpt2, smollm, llama-bpe, llama3, llama-v3, qwen2)"
             ))
         }
     })
@@ -111,7 +118,7 @@ pub fn tokenizer_json(ct: &Content) -> Result<serde_json::Value, String> {
         Some(v) => v.to_string().map_err(|e| e.to_string())?.clone(),
         None => "default".into(),
     };
-    let (normalizer, pre_tokenizer) = pre_tokenizer(&pre)?;
+    let (normalizer, pre_tokenizer, ignore_merges) = pre_tokenizer(&pre)?;
     let tokens = strings(ct, "tokenizer.ggml.tokens")?;
     let merges = strings(ct, "tokenizer.ggml.merges")?;
     let types: Vec<i64> = match ct.metadata.get("tokenizer.ggml.token_type") {
@@ -168,7 +175,7 @@ pub fn tokenizer_json(ct: &Content) -> Result<serde_json::Value, String> {
             "end_of_word_suffix": "",
             "fuse_unk": false,
             "byte_fallback": false,
-            "ignore_merges": false,
+            "ignore_merges": ignore_merges,
             "vocab": vocab,
             "merges": merges,
         },
@@ -188,6 +195,51 @@ mod tests {
         assert_eq!(t[0xad], 'Ń');
         let distinct: std::collections::HashSet<char> = t.iter().copied().collect();
         assert_eq!(distinct.len(), 256);
+    }
+
+    /// Each split rule cuts a text where its tokenizer does: Llama 3's
+    /// digits in threes, Qwen2's one by one, GPT-2's in runs.
+    #[test]
+    fn split_rules_cut_digits_as_their_tokenizers_do() {
+        use tokenizers::{
+            OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer, Tokenizer,
+        };
+        let spelling = bytes_to_unicode();
+        let mut metadata = std::collections::HashMap::new();
+        let tokens: Vec<Value> = spelling
+            .iter()
+            .map(|c| Value::String(c.to_string()))
+            .collect();
+        metadata.insert("tokenizer.ggml.model".into(), Value::String("gpt2".into()));
+        metadata.insert("tokenizer.ggml.tokens".into(), Value::Array(tokens));
+        metadata.insert("tokenizer.ggml.merges".into(), Value::Array(vec![]));
+        for (pre, want) in [
+            ("llama-bpe", vec!["123", "45", "Ġab"]),
+            ("qwen2", vec!["1", "2", "3", "4", "5", "Ġab"]),
+            ("gpt2", vec!["12345", "Ġab"]),
+        ] {
+            metadata.insert("tokenizer.ggml.pre".into(), Value::String(pre.into()));
+            let ct = Content {
+                magic: candle_core::quantized::gguf_file::VersionedMagic::GgufV3,
+                metadata: metadata.clone(),
+                tensor_infos: Default::default(),
+                tensor_data_offset: 0,
+            };
+            let doc = tokenizer_json(&ct).unwrap();
+            assert_eq!(doc["model"]["ignore_merges"], pre == "llama-bpe", "{pre}");
+            let t = Tokenizer::from_bytes(serde_json::to_vec(&doc).unwrap()).unwrap();
+            let mut split = PreTokenizedString::from("12345 ab");
+            t.get_pre_tokenizer()
+                .unwrap()
+                .pre_tokenize(&mut split)
+                .unwrap();
+            let got: Vec<String> = split
+                .get_splits(OffsetReferential::Original, OffsetType::Byte)
+                .into_iter()
+                .map(|(s, _, _)| s.to_string())
+                .collect();
+            assert_eq!(got, want, "{pre}");
+        }
     }
 
     #[test]

@@ -107,17 +107,20 @@ impl GgufModel {
 
     /// The manifest that pins this file (the stages check it against it).
     pub fn manifest(&self) -> ModelManifest {
-        let file = self
+        // The link's name, not the file's: a file kept under its digest (a
+        // Hugging Face or Ollama cache blob) has no `.gguf` to name it by.
+        let file = "model.gguf".to_string();
+        let source = self
             .path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model.gguf".into());
+            .unwrap_or_default();
         ModelManifest {
             schema: 1,
             model_id: self.model_id.clone(),
             architecture: self.architecture.clone(),
             task: "completion".into(),
-            source: format!("file:{file}"),
+            source: format!("file:{}", model_id(&source)),
             max_seq_len: self.context_length,
             files: vec![ManifestFile {
                 path: file,
@@ -195,12 +198,12 @@ pub fn completions(
     let manifest_bytes = serde_json::to_vec_pretty(&manifest)?;
     write_if_changed(&dir.join("manifest.json"), &manifest_bytes)?;
     let mut policy = format!(
-        "# Written by `gateway serve --model {}`: development only.\n\
+        "# Written by `gateway serve --model` for {}: development only.\n\
          # MOCK evidence is accepted: the stages run as plain processes.\n\
          allow_mock = true\ntrust_local_build = true\n\
          # Pins manifest.json, which pins the file's SHA-256.\n\
          manifest_sha256 = \"{}\"\n",
-        model.path.display(),
+        model.model_id,
         Sha256Digest::of(&manifest_bytes).hex()
     );
     for (i, l) in layers.iter().enumerate() {

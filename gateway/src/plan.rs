@@ -17,6 +17,10 @@ use candle_core::quantized::{gguf_file, GgmlDType};
 use proto::frames::WeightFormat;
 use serde::Serialize;
 
+/// The most layers a planned model may have (the planner's work grows with
+/// the cube of the count).
+const MAX_LAYERS: usize = 1024;
+
 /// The allowance a stage gets besides its weights and KV cache (runtime,
 /// activations, tokenizer and grammar tables): the RSS goal,
 /// `weights + KV + 100 MB`.
@@ -91,7 +95,13 @@ impl ModelCosts {
             .to_string()?
             .clone();
         let n_layers = get(&format!("{arch}.block_count"))? as usize;
+        if n_layers == 0 || n_layers > MAX_LAYERS {
+            bail!("{n_layers} layers (1 to {MAX_LAYERS})");
+        }
         let heads = get(&format!("{arch}.attention.head_count"))?;
+        if heads == 0 {
+            bail!("0 attention heads");
+        }
         let kv_heads = get(&format!("{arch}.attention.head_count_kv")).unwrap_or(heads);
         let head_dim = get(&format!("{arch}.attention.key_length")).or_else(|_| {
             Ok::<_, anyhow::Error>(get(&format!("{arch}.embedding_length"))? / heads)
@@ -122,7 +132,10 @@ impl ModelCosts {
             head,
             tied,
             layers,
-            kv_per_token_layer: 2 * kv_heads * head_dim * 4,
+            kv_per_token_layer: 2u64
+                .saturating_mul(kv_heads)
+                .saturating_mul(head_dim)
+                .saturating_mul(4),
         })
     }
 
@@ -154,12 +167,16 @@ impl ModelCosts {
     ) -> StagePlan {
         let (i, j) = (layers.start, layers.end);
         let weight_bytes = self.stage_weights(i..j, i == 0, j == self.layers.len());
-        let kv_bytes = kv_tokens * (j - i) as u64 * self.kv_per_token_layer;
+        let kv_bytes = kv_tokens
+            .saturating_mul((j - i) as u64)
+            .saturating_mul(self.kv_per_token_layer);
         StagePlan {
             layers: [i as u32, j as u32],
             weight_bytes,
             kv_bytes,
-            total_bytes: weight_bytes + kv_bytes + overhead,
+            total_bytes: weight_bytes
+                .saturating_add(kv_bytes)
+                .saturating_add(overhead),
         }
     }
 

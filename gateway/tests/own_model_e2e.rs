@@ -10,7 +10,8 @@
 //!   with verified receipts, the stream concatenating to the whole answer,
 //!   and a client that pins another manifest refuses the stages;
 //! - a file of an architecture the stages do not serve stops the start
-//!   with an error naming it, and so does a file that is not a GGUF.
+//!   with an error naming it, and so do a tensor of another shape than the
+//!   metadata implies and a file that is not a GGUF.
 
 mod common;
 
@@ -40,6 +41,12 @@ fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 /// Writes a random-weight GGUF of architecture `arch` (Qwen3's tensors).
 fn write_gguf(path: &Path, arch: &str) {
+    write_gguf_shaped(path, arch, 0)
+}
+
+/// [`write_gguf`] with `extra_q_rows` more rows in layer 1's `attn_q` than
+/// the metadata implies.
+fn write_gguf_shaped(path: &Path, arch: &str, extra_q_rows: usize) {
     let mut f = std::fs::File::open(smollm_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
     let src = gguf_file::Content::read(&mut f).unwrap();
     let vocab = src.tensor_infos["token_embd.weight"].shape.dims()[0];
@@ -95,7 +102,8 @@ fn write_gguf(path: &Path, arch: &str) {
     for i in 0..layers {
         let p = |n: &str| format!("blk.{i}.{n}.weight");
         tensors.push((p("attn_norm"), norm(&mut q, hidden)));
-        tensors.push((p("attn_q"), q(heads * hd, hidden, s, GgmlDType::Q4K)));
+        let q_rows = heads * hd + if i == 1 { extra_q_rows } else { 0 };
+        tensors.push((p("attn_q"), q(q_rows, hidden, s, GgmlDType::Q4K)));
         tensors.push((p("attn_k"), q(kv * hd, hidden, s, GgmlDType::Q4K)));
         tensors.push((p("attn_v"), q(kv * hd, hidden, s, GgmlDType::Q4K)));
         tensors.push((
@@ -218,6 +226,16 @@ fn unsupported_files_stop_the_start_naming_why() {
     write_gguf(&gemma, "gemma2");
     let err = Gateway::refused(options(&gemma, &cache), "a gemma2 file must be refused");
     assert!(err.contains("gemma2"), "{err}");
+
+    // A tensor of another shape than the metadata implies: refused at load,
+    // not in the middle of a request.
+    let misshapen = dir.join("tiny-misshapen.gguf");
+    write_gguf_shaped(&misshapen, "qwen3", 32);
+    let err = Gateway::refused(options(&misshapen, &cache), "a misshapen tensor");
+    assert!(
+        err.contains("blk.1.attn_q.weight has shape [544, 256]"),
+        "{err}"
+    );
 
     let junk = dir.join("junk.gguf");
     std::fs::write(&junk, b"not a gguf at all").unwrap();

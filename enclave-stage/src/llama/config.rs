@@ -145,6 +145,9 @@ pub struct LlamaConfig {
     pub tied_embeddings: bool,
 }
 
+/// The widest head this stage accepts (the largest in use is 256).
+const MAX_HEAD_DIM: usize = 1024;
+
 pub(super) fn md<'a>(
     ct: &'a gguf_file::Content,
     key: &str,
@@ -172,7 +175,13 @@ impl LlamaConfig {
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             candle_core::bail!("{num_heads} heads cannot share {num_kv_heads} KV heads");
         }
+        if hidden_size == 0 {
+            candle_core::bail!("a hidden width of 0");
+        }
         let head_dim = u("attention.key_length").unwrap_or(hidden_size / num_heads);
+        if head_dim > MAX_HEAD_DIM {
+            candle_core::bail!("heads of width {head_dim} (at most {MAX_HEAD_DIM})");
+        }
         let value_dim = u("attention.value_length").unwrap_or(head_dim);
         let rope_dim = u("rope.dimension_count").unwrap_or(head_dim);
         if value_dim != head_dim || rope_dim != head_dim || head_dim % 2 != 0 || head_dim == 0 {
@@ -181,16 +190,18 @@ impl LlamaConfig {
                  {rope_dim}: this stage needs one even width for all three"
             );
         }
+        // As llama.cpp reads them: the type defaults to linear, and the
+        // factor (`rope.scaling.factor`, or older converters'
+        // `rope.scale_linear`) scales the positions under none and linear.
         let scaling = match get("rope.scaling.type") {
             Some(v) => v.to_string()?.clone(),
-            None => "none".into(),
+            None => "linear".into(),
         };
         let factor = |key: &str| get(key).and_then(|v| v.to_f32().ok());
         let rope_linear_factor = match scaling.as_str() {
-            "none" => 1.0,
-            // Older converters wrote `rope.scale_linear` without a type.
-            "linear" => factor("rope.scaling.factor")
+            "none" | "linear" => factor("rope.scaling.factor")
                 .or_else(|| factor("rope.scale_linear"))
+                .filter(|f| *f != 0.0)
                 .unwrap_or(1.0),
             other => candle_core::bail!(
                 "rotary scaling {other:?} is not supported (supported: none, linear, \
@@ -206,6 +217,11 @@ impl LlamaConfig {
             .ok_or_else(|| candle_core::Error::Msg("GGUF has no token_embd.weight".into()))?;
         let vocab_size = embd.shape.dims()[0];
         let token = |k: &str| ct.metadata.get(k).and_then(|v| v.to_u32().ok());
+        for k in ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"] {
+            if let Some(t) = token(k).filter(|&t| t as usize >= vocab_size) {
+                candle_core::bail!("{k} = {t} is outside the vocabulary of {vocab_size}");
+            }
+        }
         Ok(Self {
             architecture,
             vocab_size,
@@ -310,6 +326,17 @@ mod tests {
             LlamaConfig::from_gguf(&linear).unwrap().rope_linear_factor,
             4.0
         );
+        // As llama.cpp: without a type, a factor is linear scaling.
+        let untyped = content("llama", &[("rope.scale_linear", Value::F32(2.0))]);
+        assert_eq!(
+            LlamaConfig::from_gguf(&untyped).unwrap().rope_linear_factor,
+            2.0
+        );
+        let plain = content("llama", &[]);
+        assert_eq!(
+            LlamaConfig::from_gguf(&plain).unwrap().rope_linear_factor,
+            1.0
+        );
         let yarn = content(
             "qwen2",
             &[("rope.scaling.type", Value::String("yarn".into()))],
@@ -324,6 +351,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("gemma2") && e.contains("qwen3"), "{e}");
+        let mut bad_eos = content("llama", &[]);
+        bad_eos
+            .metadata
+            .insert("tokenizer.ggml.eos_token_id".into(), Value::U32(100));
+        let e = LlamaConfig::from_gguf(&bad_eos).unwrap_err().to_string();
+        assert!(e.contains("eos_token_id = 100"), "{e}");
         let partial_rope = content("llama", &[("rope.dimension_count", Value::U32(32))]);
         let e = LlamaConfig::from_gguf(&partial_rope)
             .unwrap_err()

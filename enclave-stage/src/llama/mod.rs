@@ -206,7 +206,7 @@ impl LlamaPart {
         } else {
             None
         };
-        check_tensor_names(&ct, &cfg)?;
+        check_tensors(&ct, &cfg)?;
         let arch = cfg.architecture;
         let mut blocks = Vec::with_capacity(layers.len());
         for i in layers.clone() {
@@ -540,55 +540,58 @@ impl LlamaPart {
     }
 }
 
-/// Refuses a GGUF with a tensor this loader would not use: an unused tensor
-/// means a feature of the file (a bias, a norm, another kind of block) that
-/// the computation here would silently leave out.
-fn check_tensor_names(ct: &gguf_file::Content, cfg: &LlamaConfig) -> candle_core::Result<()> {
-    const TOP: [&str; 4] = [
-        "token_embd.weight",
-        "output_norm.weight",
-        "output.weight",
-        "rope_freqs.weight",
-    ];
-    let block_tensor = |rest: &str| -> bool {
-        let Some((part, kind)) = rest.rsplit_once('.') else {
-            return false;
-        };
-        match kind {
-            "weight" => {
-                matches!(
-                    part,
-                    "attn_norm"
-                        | "attn_q"
-                        | "attn_k"
-                        | "attn_v"
-                        | "attn_output"
-                        | "ffn_norm"
-                        | "ffn_gate"
-                        | "ffn_up"
-                        | "ffn_down"
-                ) || (cfg.architecture.needs_qk_norm()
-                    && matches!(part, "attn_q_norm" | "attn_k_norm"))
-            }
-            "bias" => matches!(part, "attn_q" | "attn_k" | "attn_v" | "attn_output"),
-            _ => false,
-        }
-    };
+/// The shape `[rows, cols]` (or `[len]`) a tensor of a `cfg` model must
+/// have, `None` for a tensor such a model does not have.
+fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<usize>> {
+    let (h, v, f) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
+    let (q, kv, d) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.head_dim,
+    );
+    match name {
+        "token_embd.weight" | "output.weight" => return Some(vec![v, h]),
+        "output_norm.weight" => return Some(vec![h]),
+        "rope_freqs.weight" => return Some(vec![d / 2]),
+        _ => {}
+    }
+    let (i, rest) = name.strip_prefix("blk.")?.split_once('.')?;
+    if !i.parse::<usize>().is_ok_and(|i| i < cfg.num_layers) {
+        return None;
+    }
+    let qk_norm = cfg.architecture.needs_qk_norm();
+    Some(match rest {
+        "attn_norm.weight" | "ffn_norm.weight" | "attn_output.bias" => vec![h],
+        "attn_q.weight" => vec![q, h],
+        "attn_k.weight" | "attn_v.weight" => vec![kv, h],
+        "attn_output.weight" => vec![h, q],
+        "ffn_gate.weight" | "ffn_up.weight" => vec![f, h],
+        "ffn_down.weight" => vec![h, f],
+        "attn_q.bias" => vec![q],
+        "attn_k.bias" | "attn_v.bias" => vec![kv],
+        "attn_q_norm.weight" | "attn_k_norm.weight" if qk_norm => vec![d],
+        _ => return None,
+    })
+}
+
+/// Refuses a GGUF with a tensor this loader would not use, or of another
+/// shape than the metadata implies: an unused tensor means a feature of the
+/// file (a bias, a norm, another kind of block) that the computation here
+/// would silently leave out, and a wrong shape would fail in the middle of
+/// a request instead of at load.
+fn check_tensors(ct: &gguf_file::Content, cfg: &LlamaConfig) -> candle_core::Result<()> {
     let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
     names.sort();
     for name in names {
-        let known = TOP.contains(&name.as_str())
-            || name
-                .strip_prefix("blk.")
-                .and_then(|r| r.split_once('.'))
-                .is_some_and(|(i, rest)| {
-                    i.parse::<usize>().is_ok_and(|i| i < cfg.num_layers) && block_tensor(rest)
-                });
-        if !known {
+        let Some(want) = expected_shape(name, cfg) else {
             candle_core::bail!(
                 "tensor {name} is not part of a {} model as this stage runs it",
                 cfg.architecture.name()
             );
+        };
+        let have = ct.tensor_infos[name].shape.dims();
+        if have != want.as_slice() {
+            candle_core::bail!("tensor {name} has shape {have:?}; the metadata implies {want:?}");
         }
     }
     Ok(())
