@@ -6,12 +6,12 @@ FILE --stages N`), beside llama.cpp (llama-cpp-python, same file, same
 threads), rounds interleaved; and each stage's peak RSS against its share of
 the weights and its KV budget (`gateway plan --stages N`).
 
-- decode rate: by difference, (long − 1) tokens over the time a `long`-token
-  answer takes beyond a 1-token one, greedy, end of sequence forbidden by
-  `logit_bias`, so prefill and request overheads cancel;
-- time to first token: the whole 1-token request (gateway: HTTP, sealing for
-  the client, the prefill through every stage, the receipt; llama.cpp: the
-  prompt's `eval` and the argmax, in-process).
+- one streamed greedy answer per round and side (end of sequence forbidden
+  by `logit_bias`): time to first token from sending the request to its
+  first text (gateway: HTTP, sealing for the client, the prefill through
+  every stage; llama.cpp: the prompt's `eval` and the argmax, in-process),
+  and the decode rate after it, (tokens − 1) over the time from the first
+  text to the last.
 
 Run by scripts/bench_models.sh, which makes the 1B-class file. Writes
 benchmark_results/models.{json,md,png}.
@@ -40,29 +40,47 @@ gguf, threads = sys.argv[1], int(sys.argv[2])
 llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048,
                       n_batch=512, verbose=False)
 print(json.dumps({"version": llama_cpp.__version__}), flush=True)
+n_vocab = llm.n_vocab()
+def last():
+    # The last evaluated token's logits (only those are computed, as a
+    # server computes them; llm.scores would need logits_all).
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
 for line in sys.stdin:
     req = json.loads(line)
     prompt, n = req["prompt"], req["decode"]
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = int(np.argmax(last()))
     t1 = time.perf_counter()
     for _ in range(n - 1):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last()))
     t2 = time.perf_counter()
     print(json.dumps({"ttft_s": t1 - t0, "decode_tok_s": (n - 1) / (t2 - t1)}), flush=True)
 """
 
 
-def post(url, body):
+def stream(url, body):
+    """One streamed completion: (time to first text, decode tokens/s after
+    it, completion tokens)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     t0 = time.perf_counter()
+    times, tokens = [], 0
     with urllib.request.urlopen(req, timeout=900) as r:
-        v = json.load(r)
-    return time.perf_counter() - t0, v["usage"]["completion_tokens"]
+        for line in r:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            v = json.loads(line[6:])
+            if v.get("choices") and v["choices"][0].get("text"):
+                times.append(time.perf_counter())
+            if v.get("usage"):
+                tokens = v["usage"]["completion_tokens"]
+    rate = (tokens - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+    return times[0] - t0, rate, tokens
 
 
 def start_gateway(model, stages, cache):
@@ -115,7 +133,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--stages", default="1,2,4")
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=33)
+    ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmark_results"))
@@ -139,16 +157,16 @@ def main():
             with urllib.request.urlopen(url + "/v1/models") as r:
                 ids = [m["id"] for m in json.load(r)["data"] if m["id"] != "all-MiniLM-L6-v2"]
             models[n] = ids[0]
-            post(url, {**body, "model": ids[0], "max_tokens": 2})  # warm up
+            stream(url, {**body, "model": ids[0], "max_tokens": 2})  # warm up
         results = {f"gateway, {n} stage{'s' if n > 1 else ''}": {"ttft_s": [], "decode_tok_s": []}
                    for n in stage_counts}
         results["llama.cpp"] = {"ttft_s": [], "decode_tok_s": []}
         for r in range(args.rounds):
             for n, (_, url) in gateways.items():
                 key = f"gateway, {n} stage{'s' if n > 1 else ''}"
-                t1, n1 = post(url, {**body, "model": models[n], "max_tokens": 1})
-                tl, nl = post(url, {**body, "model": models[n], "max_tokens": args.decode})
-                rate = (nl - n1) / (tl - t1) if nl == args.decode and n1 == 1 else float("nan")
+                t1, rate, nl = stream(url, {**body, "model": models[n], "max_tokens": args.decode})
+                if nl != args.decode:
+                    rate = float("nan")
                 results[key]["ttft_s"].append(t1)
                 results[key]["decode_tok_s"].append(rate)
             llama.stdin.write(json.dumps({"prompt": prompt, "decode": args.decode}) + "\n")

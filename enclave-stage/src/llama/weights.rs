@@ -1,7 +1,7 @@
 //! Weight matrices in one of the [`WeightFormat`]s, applied as `x · Wᵀ`.
 
 use crate::qmatmul::{Kernel, QMatrix};
-use candle_core::quantized::{gguf_file, GgmlDType};
+use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use candle_nn::Linear;
 use proto::frames::WeightFormat;
@@ -46,15 +46,23 @@ impl Weight {
         let q = ct.tensor(file, name, device)?;
         check_served(name, q.dtype())?;
         let (rows, cols) = q.shape().dims2()?;
+        // Re-quantized to Q8_0 a band of rows at a time (a transient f32
+        // buffer of at most DEQUANTIZE_TILE_BYTES), as the prefill tiles are.
         let requantize = |q: &candle_core::quantized::QTensor| -> candle_core::Result<Self> {
-            if !cols.is_multiple_of(crate::qmatmul::BLOCK) {
-                candle_core::bail!("{name}: {cols} columns are not whole blocks of 32");
-            }
-            let f = q.dequantize(device)?.flatten_all()?.to_vec1::<f32>()?;
-            Ok(Weight::Quant(
-                QMatrix::q8_0(&f, rows, cols),
-                Kernel::detect(),
-            ))
+            let dtype = q.dtype();
+            let raw = q.data()?;
+            let row_bytes = raw.len() / rows.max(1);
+            let band_rows = (DEQUANTIZE_TILE_BYTES / (cols * 4)).max(1);
+            let m = QMatrix::q8_0_by_bands(rows, cols, band_rows, |r: std::ops::Range<usize>| {
+                let bytes = &raw[r.start * row_bytes..r.end * row_bytes];
+                let band = QStorage::from_data(std::borrow::Cow::Borrowed(bytes), device, dtype)
+                    .and_then(|s| QTensor::new(s, (r.len(), cols)))
+                    .and_then(|t| t.dequantize(device))
+                    .and_then(|t| t.flatten_all()?.to_vec1::<f32>());
+                band.map_err(|e| e.to_string())
+            })
+            .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
+            Ok(Weight::Quant(m, Kernel::detect()))
         };
         let stored = |m: Result<QMatrix, String>| -> candle_core::Result<Self> {
             let m = m.map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
