@@ -1,4 +1,5 @@
-//! Bare in-process stage code (the whole SmolLM2 model in one `LlamaPart`):
+//! Bare in-process stage code (the whole model in one `LlamaPart`; SmolLM2
+//! unless `--gguf FILE`):
 //! time to first token for a prompt and single-stream greedy decode speed,
 //! for `scripts/bench_peers.py`, which runs it beside llama.cpp. Threads come
 //! from `RAYON_NUM_THREADS` / `CANDLE_NUM_THREADS`, as in a stage.
@@ -37,7 +38,12 @@ fn main() -> Result<()> {
             other => bail!("unknown argument {other}"),
         }
     }
-    let mut part = LlamaPart::load_as(&gguf, 0..30, true, true, weights)?;
+    let layers = {
+        let mut f = std::fs::File::open(&gguf)?;
+        let ct = candle_core::quantized::gguf_file::Content::read(&mut f)?;
+        enclave_stage::llama::LlamaConfig::from_gguf(&ct)?.num_layers
+    };
+    let mut part = LlamaPart::load_as(&gguf, 0..layers, true, true, weights)?;
     // A fixed pseudo-text: ids spread over the vocabulary.
     let ids = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| 100 + (i * 7919) % 40000).collect() };
     let mut seq = 0u64;
