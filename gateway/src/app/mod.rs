@@ -63,7 +63,8 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "FILE.gguf")]
     model: Option<PathBuf>,
     /// With `--model`: how many stages to split its layers across (evenly).
-    /// Default: as `gateway plan` splits it for `--stage-memory`, or 2.
+    /// Default: as `gateway plan` splits it for `--stage-memory` (or the
+    /// config's `[completions] stage_memory`), or 2.
     #[arg(long, requires = "model", conflicts_with = "stage_memory")]
     stages: Option<usize>,
     /// With `--model`: each stage's memory (e.g. `1GiB`); the layers are

@@ -29,12 +29,21 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
     }
     if let Some(path) = &args.model {
         let model = own_model::GgufModel::inspect(path)?;
-        let layers = match (args.stages, &args.stage_memory) {
+        // `--stages`, else `--stage-memory`, else `[completions]
+        // stage_memory`, else 2 stages.
+        let configured = cfg
+            .completions
+            .as_ref()
+            .and_then(|c| c.stage_memory.clone());
+        let layers = match (
+            args.stages,
+            args.stage_memory.as_ref().or(configured.as_ref()),
+        ) {
             (Some(n), _) => own_model::split_layers(model.layers, n)?,
             (None, Some(memory)) => {
                 let c = cfg.completions.clone();
                 own_model::planned_layers(&model, memory, c.as_ref())
-                    .with_context(|| format!("--stage-memory {memory}"))?
+                    .with_context(|| format!("stage memory {memory}"))?
             }
             (None, None) => own_model::split_layers(model.layers, 2.min(model.layers as usize))?,
         };

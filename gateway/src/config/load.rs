@@ -104,6 +104,9 @@ impl GatewayConfig {
         if let Some(c) = &self.completions {
             validate_stages("completions", &c.stages, p.launch, true, &k)?;
             served("completions.weights", c.weights, &WeightFormat::GENERATION)?;
+            if let Some(m) = &c.stage_memory {
+                crate::plan::parse_bytes(m).with_context(|| k("completions.stage_memory"))?;
+            }
             for (key, v) in [
                 ("kv_cache_tokens", c.kv_cache_tokens),
                 ("max_step_seqs", c.max_step_seqs),

@@ -155,6 +155,10 @@ pub struct CompletionsConfig {
     /// Replicas of the completions pipeline (`local` only; default 1).
     #[serde(default = "default_replicas")]
     pub replicas: usize,
+    /// Each stage's memory (`"1GiB"`): `serve --model` without `--stages`
+    /// splits the model as `gateway plan` does for it (none: 2 stages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage_memory: Option<String>,
     /// The stages, entry stage first.
     pub stages: Vec<StageConfig>,
 }
@@ -508,6 +512,7 @@ impl CompletionsConfig {
             weights: WeightFormat::default(),
             threads_per_stage: None,
             replicas: default_replicas(),
+            stage_memory: None,
             stages,
         }
     }

@@ -533,3 +533,23 @@ fn weight_formats_reach_the_stages_and_each_pipeline_takes_only_its_own() {
         assert!(e.contains(want), "{to}: {e}");
     }
 }
+
+#[test]
+fn completions_stage_memory_is_a_size() {
+    let with = |v: &str| {
+        shipped().replace(
+            "weights = \"q4_1\"",
+            &format!("weights = \"q4_1\"\nstage_memory = {v:?}"),
+        )
+    };
+    let cfg = GatewayConfig::parse(&with("1GiB"), env(&[])).unwrap();
+    assert_eq!(
+        cfg.completions.unwrap().stage_memory.as_deref(),
+        Some("1GiB")
+    );
+    let e = format!(
+        "{:#}",
+        GatewayConfig::parse(&with("lots"), env(&[])).unwrap_err()
+    );
+    assert!(e.contains("completions.stage_memory"), "{e}");
+}
