@@ -110,13 +110,18 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(4.0)
     q_out = heads * hd
+    # The residual projections scaled by 1/sqrt(2 × layers), as GPT-2
+    # initialises them (0.5 for the 2-layer shapes), so that a deep stack
+    # does not drown the embedding's path and the next-token distribution
+    # stays as peaked as a trained model's.
+    res = 1.0 / np.sqrt(2 * layers)
     for i in range(layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm(hidden))
         w.add_tensor(p + "attn_q.weight", mat(q_out, hidden, 1.0 / np.sqrt(hidden)))
         w.add_tensor(p + "attn_k.weight", mat(kv * hd, hidden, 1.0 / np.sqrt(hidden)))
         w.add_tensor(p + "attn_v.weight", mat(kv * hd, hidden, 1.0 / np.sqrt(hidden)))
-        w.add_tensor(p + "attn_output.weight", mat(hidden, q_out, 0.5 / np.sqrt(q_out)))
+        w.add_tensor(p + "attn_output.weight", mat(hidden, q_out, res / np.sqrt(q_out)))
         if arch == "qwen2":
             for t, n in (("attn_q", q_out), ("attn_k", kv * hd), ("attn_v", kv * hd)):
                 w.add_tensor(p + t + ".bias", (0.2 * rng.standard_normal(n)).astype(np.float32))
@@ -126,7 +131,7 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
         w.add_tensor(p + "ffn_norm.weight", norm(hidden))
         w.add_tensor(p + "ffn_gate.weight", mat(ffn, hidden, 1.0 / np.sqrt(hidden)))
         w.add_tensor(p + "ffn_up.weight", mat(ffn, hidden, 1.0 / np.sqrt(hidden)))
-        w.add_tensor(p + "ffn_down.weight", mat(hidden, ffn, 0.5 / np.sqrt(ffn)))
+        w.add_tensor(p + "ffn_down.weight", mat(hidden, ffn, res / np.sqrt(ffn)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -32,6 +32,9 @@ Run by scripts/test.sh with the test virtualenv of `scripts/llama_venv.sh
   test_gguf_models.py --bin target/release/examples/gguf_logits
       --source models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
       --dir target/gguf-fixtures [--report FILE.json] [--only llama]
+Opt-in, the 1B-class shape of the benchmark (hidden 2048, 16 layers, GQA
+32/8) in F16 (served in q4_1 and in f32) and Q4_K_M: the same with
+`--shape 1b --dir target/bench-models` (about 2 minutes once the files exist).
 """
 
 import argparse
@@ -57,6 +60,8 @@ MIN_TOP1 = 0.99
 MAX_KL = 0.01
 # F32 weights served in f32 against llama.cpp's F32 path (measured 1e-12).
 EXACT_KL = 1e-6
+# An F16 file served in f32 against llama.cpp's F16 path.
+F16_KL = 1e-4
 # llama.cpp rounds activations to 8 bits in its quantized products; on these
 # files its top logits differ from the stage's by 0.05 rms (0.26 at most),
 # the stage's being the exact f32 computation's up to 16-bit rounding.
@@ -195,10 +200,14 @@ def main() -> int:
     ap.add_argument("--dir", required=True)
     ap.add_argument("--report")
     ap.add_argument("--only", help="one architecture")
+    ap.add_argument("--shape", default="small", choices=["small", "1b"],
+                    help="1b: the 1B-class llama shape instead, F16 and Q4_K_M only "
+                         "(opt-in: 2.8 GB of files and a few minutes)")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     subprocess.run(
-        [sys.executable, make_gguf_fixtures.__file__, "--source", args.source, "--out", args.dir],
+        [sys.executable, make_gguf_fixtures.__file__, "--source", args.source, "--out", args.dir,
+         "--shape", args.shape],
         check=True,
     )
     rng = np.random.default_rng(7)
@@ -206,10 +215,14 @@ def main() -> int:
     tokens = [int(t) for t in rng.integers(0, len(vocab), POSITIONS)]
 
     failures, rows = [], []
-    archs = [args.only] if args.only else ["llama", "qwen2", "qwen3"]
+    if args.shape == "1b":
+        archs, base, types = ["llama-1b"], "F16", [("F16", None, True), TYPES[-1]]
+    else:
+        archs = [args.only] if args.only else ["llama", "qwen2", "qwen3"]
+        base, types = "F32", TYPES
     for arch in archs:
-        f32 = os.path.join(args.dir, f"{arch}.F32.gguf")
-        for label, ftype, pure in TYPES:
+        f32 = os.path.join(args.dir, f"{arch}.{base}.gguf")
+        for label, ftype, pure in types:
             path = f32 if ftype is None else os.path.join(args.dir, f"{arch}.{label}.gguf")
             if ftype is not None:
                 quantize(f32, path, ftype, pure)
@@ -217,7 +230,7 @@ def main() -> int:
             # q4_1 is the serving default: 4-bit blocks as stored, Q8_0 as
             # stored, wider types re-quantized to Q8_0. The F32 file is also
             # served in f32, the exact path.
-            formats = ["q4_1", "f32"] if label == "F32" else ["q4_1"]
+            formats = ["q4_1", "f32"] if label == base else ["q4_1"]
             for weights in formats:
                 res = ours(args.bin, path, weights, tokens)
                 if "error" in res:
@@ -241,6 +254,10 @@ def main() -> int:
                 if label == "F32" and weights == "f32":
                     # The exact path on both sides: no rounding to excuse.
                     ok = ok and raw == 1.0 and kl <= EXACT_KL and how == "same"
+                elif weights == "f32":
+                    # F16 weights: llama.cpp rounds the activations to f16
+                    # for their products (measured KL 4e-6).
+                    ok = ok and kl <= F16_KL
                 print(
                     f"  {arch:6} {label:7} as {weights:5}: top-1 {top1 * 100:6.2f} % "
                     f"(raw {raw * 100:6.2f} %)  "
@@ -251,15 +268,18 @@ def main() -> int:
                 if not ok:
                     failures.append(f"{arch} {label} ({weights}): {row}")
 
-    # Refusals: a tensor type and an architecture the stage does not load.
-    q2k = os.path.join(args.dir, f"{archs[0]}.Q2_K.gguf")
-    quantize(os.path.join(args.dir, f"{archs[0]}.F32.gguf"), q2k, llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K, True)
-    for problem in (
-        refused(args.bin, q2k, "Q2K", tokens),
-        refused(args.bin, unsupported_arch(args.dir, args.source), "gemma2", tokens),
-    ):
-        if problem:
-            failures.append(problem)
+    refusals = 0
+    if args.shape == "small":
+        # Refusals: a tensor type and an architecture the stage does not load.
+        q2k = os.path.join(args.dir, f"{archs[0]}.Q2_K.gguf")
+        quantize(f"{args.dir}/{archs[0]}.F32.gguf", q2k, llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K, True)
+        for problem in (
+            refused(args.bin, q2k, "Q2K", tokens),
+            refused(args.bin, unsupported_arch(args.dir, args.source), "gemma2", tokens),
+        ):
+            refusals += 1
+            if problem:
+                failures.append(problem)
 
     if args.report:
         with open(args.report, "w") as f:
@@ -267,7 +287,8 @@ def main() -> int:
     if failures:
         print("test_gguf_models: FAILED", *failures, sep="\n  ", file=sys.stderr)
         return 1
-    print(f"test_gguf_models: {len(rows)} file/format pairs agree with llama.cpp; 2 refusals named")
+    print(f"test_gguf_models: {len(rows)} file/format pairs agree with llama.cpp; "
+          f"{refusals} refusals named")
     return 0
 
 
