@@ -38,11 +38,7 @@ fn main() -> Result<()> {
             other => bail!("unknown argument {other}"),
         }
     }
-    let layers = {
-        let mut f = std::fs::File::open(&gguf)?;
-        let ct = candle_core::quantized::gguf_file::Content::read(&mut f)?;
-        enclave_stage::llama::LlamaConfig::from_gguf(&ct)?.num_layers
-    };
+    let layers = enclave_stage::llama::LlamaConfig::read(&gguf)?.num_layers;
     let mut part = LlamaPart::load_as(&gguf, 0..layers, true, true, weights)?;
     // A fixed pseudo-text: ids spread over the vocabulary.
     let ids = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| 100 + (i * 7919) % 40000).collect() };

@@ -11,7 +11,7 @@
 //! `TOKENS_FILE` holds comma-separated token ids. A model the stage refuses
 //! prints `{"error": "…"}` and exits 3.
 
-use enclave_stage::llama::{argmax_rows, LlamaPart, SeqSlice, WeightFormat};
+use enclave_stage::llama::{argmax_rows, LlamaConfig, LlamaPart, SeqSlice, WeightFormat};
 use std::io::Write;
 use std::path::Path;
 
@@ -29,8 +29,8 @@ fn main() -> anyhow::Result<()> {
         .collect::<Result<_, _>>()?;
     let (prompt_len, greedy_len): (usize, usize) = (a[5].parse()?, a[6].parse()?);
     let path = Path::new(&a[1]);
-    let loaded = layer_count(path)
-        .and_then(|layers| LlamaPart::load_as(path, 0..layers, true, true, format));
+    let loaded = LlamaConfig::read(path)
+        .and_then(|c| LlamaPart::load_as(path, 0..c.num_layers, true, true, format));
     let mut part = match loaded {
         Ok(p) => p,
         Err(e) => {
@@ -70,10 +70,4 @@ fn main() -> anyhow::Result<()> {
         serde_json::json!({ "greedy": greedy, "weight_bytes": part.weight_bytes() })
     );
     Ok(())
-}
-
-fn layer_count(path: &Path) -> candle_core::Result<usize> {
-    let mut f = std::fs::File::open(path)?;
-    let ct = candle_core::quantized::gguf_file::Content::read(&mut f)?;
-    Ok(enclave_stage::llama::LlamaConfig::from_gguf(&ct)?.num_layers)
 }

@@ -38,6 +38,13 @@ pub struct GgufModel {
     pub sha256: Sha256Digest,
 }
 
+/// The header (metadata and tensor table) of the GGUF file at `path`.
+pub fn read_header(path: &Path) -> Result<gguf_file::Content> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    gguf_file::Content::read(&mut f)
+        .map_err(|e| anyhow::anyhow!("{} is not a GGUF file: {e}", path.display()))
+}
+
 fn metadata<'a>(ct: &'a gguf_file::Content, key: &str) -> Result<&'a gguf_file::Value> {
     ct.metadata
         .get(key)
@@ -66,9 +73,7 @@ impl GgufModel {
     pub fn inspect(path: &Path) -> Result<Self> {
         let path =
             std::fs::canonicalize(path).with_context(|| format!("--model {}", path.display()))?;
-        let mut f = std::fs::File::open(&path)?;
-        let ct = gguf_file::Content::read(&mut f)
-            .map_err(|e| anyhow::anyhow!("{} is not a GGUF file: {e}", path.display()))?;
+        let ct = read_header(&path)?;
         let architecture = metadata(&ct, "general.architecture")?.to_string()?.clone();
         let u = |k: &str| -> Result<u32> {
             Ok(metadata(&ct, &format!("{architecture}.{k}"))?.to_u32()?)
@@ -156,9 +161,7 @@ pub fn planned_layers(
     stage_memory: &str,
     completions: Option<&CompletionsConfig>,
 ) -> Result<Vec<[u32; 2]>> {
-    let mut f = std::fs::File::open(&model.path)?;
-    let ct = gguf_file::Content::read(&mut f)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", model.path.display()))?;
+    let ct = read_header(&model.path)?;
     let defaults = CompletionsConfig::new(PathBuf::new(), PathBuf::new(), Vec::new());
     let c = completions.unwrap_or(&defaults);
     let costs = plan::ModelCosts::of(&ct, c.weights)?;

@@ -242,6 +242,13 @@ impl LlamaConfig {
         })
     }
 
+    /// Reads the configuration of the GGUF file at `path` (its header only).
+    pub fn read(path: &std::path::Path) -> candle_core::Result<Self> {
+        let mut f = std::fs::File::open(path)
+            .map_err(|e| candle_core::Error::Msg(format!("opening {}: {e}", path.display())))?;
+        Self::from_gguf(&gguf_file::Content::read(&mut f).map_err(|e| e.with_path(path))?)
+    }
+
     /// Bytes of KV cache one token takes in `layers` layers (f32 keys and values).
     pub fn kv_bytes_per_token(&self, layers: usize) -> usize {
         layers * 2 * self.num_kv_heads * self.head_dim * DType::F32.size_in_bytes()

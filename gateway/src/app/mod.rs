@@ -192,10 +192,7 @@ fn measure(a: &MeasureArgs) -> Result<()> {
 
 /// `gateway plan`: the stages a GGUF needs, as a table or JSON.
 fn print_plan(a: &PlanArgs) -> Result<()> {
-    let mut f =
-        std::fs::File::open(&a.model).with_context(|| format!("--model {}", a.model.display()))?;
-    let ct = candle_core::quantized::gguf_file::Content::read(&mut f)
-        .map_err(|e| anyhow::anyhow!("{} is not a GGUF file: {e}", a.model.display()))?;
+    let ct = crate::own_model::read_header(&a.model).context("--model")?;
     let costs = plan::ModelCosts::of(&ct, a.weights)?;
     let overhead = plan::parse_bytes(&a.overhead).context("--overhead")?;
     let (stages, limit) = match (&a.stage_memory, a.stages) {
