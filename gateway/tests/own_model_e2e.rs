@@ -17,9 +17,11 @@ mod common;
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::{client, model_ids, pinned_policy, smollm_dir, start_proxy, Gateway, Options};
+use common::{
+    client, manifest_pinned_policy, model_ids, smollm_dir, start_proxy, Gateway, Options,
+};
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 const NAME: &str = "tiny qwen3 test";
 const ID: &str = "tiny-qwen3-test";
@@ -126,15 +128,7 @@ fn write_gguf_shaped(path: &Path, arch: &str, extra_q_rows: usize) {
 fn options(model: &Path, cache: &Path) -> Options {
     Options {
         stages: vec![[0, 6]],
-        serve_args: vec![
-            "--model".into(),
-            model.display().to_string(),
-            "--stages".into(),
-            "2".into(),
-            "--model-cache".into(),
-            cache.display().to_string(),
-        ],
-        ..Options::default()
+        ..common::own_model_options(("--model", model), ("--stages", 2), cache)
     }
 }
 
@@ -150,27 +144,15 @@ async fn a_users_gguf_is_served_split_pinned_and_receipted() {
     assert!(ids.iter().any(|i| i == ID), "{ids:?}");
 
     // The manifest the gateway wrote pins this exact file.
-    let folders: Vec<PathBuf> = std::fs::read_dir(&cache)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    assert_eq!(folders.len(), 1, "{folders:?}");
-    let manifest_bytes = std::fs::read(folders[0].join("manifest.json")).unwrap();
-    let manifest: Value = serde_json::from_slice(&manifest_bytes).unwrap();
+    let (manifest_bytes, manifest) = common::written_manifest(&cache);
     let file_sha = proto::digest::Sha256Digest::of(&std::fs::read(&model).unwrap()).hex();
     assert_eq!(manifest["files"][0]["sha256"], file_sha.as_str());
     assert_eq!(manifest["architecture"], "qwen3");
     assert_eq!(manifest["model_id"], ID);
 
-    // A client that pins that manifest: sealed chat through the proxy.
-    let policy = pinned_policy(&gw.url, ID, &gw.dir.join("pinned.toml")).await;
-    let text = std::fs::read_to_string(&policy).unwrap();
-    let manifest_sha = proto::digest::Sha256Digest::of(&manifest_bytes).hex();
-    std::fs::write(
-        &policy,
-        format!("manifest_sha256 = \"{manifest_sha}\"\n{text}"),
-    )
-    .unwrap();
+    // A client that pins that manifest (one pinning another refuses the
+    // stages): sealed chat through the proxy.
+    let policy = manifest_pinned_policy(&gw.url, ID, &manifest_bytes, &gw.dir).await;
     let proxy = start_proxy(&gw.url, &[&policy], &[], &gw.dir)
         .unwrap_or_else(|(code, log)| panic!("proxy did not start ({code}):\n{log}"));
     let args = json!({"model": ID, "max_tokens": 12, "temperature": 0.9, "seed": 3,
@@ -201,21 +183,6 @@ async fn a_users_gguf_is_served_split_pinned_and_receipted() {
         }
     }
     assert_eq!(streamed, whole_text);
-
-    // A client policy that pins another manifest refuses these stages.
-    let wrong = gw.dir.join("wrong.toml");
-    std::fs::write(
-        &wrong,
-        format!("manifest_sha256 = \"{}\"\n{text}", "00".repeat(32)),
-    )
-    .unwrap();
-    let (_, log) = start_proxy(&gw.url, &[&wrong], &[], &gw.dir)
-        .err()
-        .expect("a proxy pinning another manifest must refuse these stages");
-    assert!(
-        log.contains(&format!("serves model manifest {manifest_sha}")),
-        "{log}"
-    );
 }
 
 #[test]

@@ -1,11 +1,12 @@
-//! BERT encoder split by layers (all-MiniLM-L6-v2), written on Candle's
+//! BERT encoder split by layers (all-MiniLM-L6-v2 and the BERT-family
+//! sentence-transformers models: bge, e5, gte), written on Candle's
 //! primitives because candle-transformers' `BertModel` does not expose a
 //! layer range. A stage loads only the tensors of its own layers (plus the
 //! embeddings for the entry stage).
 
 use crate::embedding::bert_ops::{Attention, BiasGelu, BiasResidualNorm};
 use crate::embedding::bf16_matmul::{Bf16Matrix, Kernel};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, VarBuilder};
 use proto::frames::WeightFormat;
 use serde::Deserialize;
@@ -30,8 +31,11 @@ pub struct BertConfig {
     pub type_vocab_size: usize,
     /// LayerNorm epsilon.
     pub layer_norm_eps: f64,
-    /// Activation (only `gelu` is supported).
+    /// Activation (only `gelu`, the exact erf form, is served).
     pub hidden_act: String,
+    /// How positions are embedded (only `absolute`, the default, is served).
+    #[serde(default)]
+    pub position_embedding_type: Option<String>,
 }
 
 struct Embeddings {
@@ -125,8 +129,37 @@ impl BertPart {
         weights: WeightFormat,
     ) -> candle_core::Result<Self> {
         if cfg.hidden_act != "gelu" {
-            candle_core::bail!("unsupported activation {}", cfg.hidden_act);
+            candle_core::bail!(
+                "config.json: hidden_act {:?} is not served (served: \"gelu\")",
+                cfg.hidden_act
+            );
         }
+        if let Some(p) = cfg
+            .position_embedding_type
+            .as_deref()
+            .filter(|p| *p != "absolute")
+        {
+            candle_core::bail!(
+                "config.json: position_embedding_type {p:?} is not served (served: \"absolute\")"
+            );
+        }
+        if cfg.num_attention_heads == 0 || !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads)
+        {
+            candle_core::bail!(
+                "config.json: hidden_size {} is not a multiple of num_attention_heads {}",
+                cfg.hidden_size,
+                cfg.num_attention_heads
+            );
+        }
+        // A `BertModel` saves its tensors unprefixed; one saved from a
+        // `BertFor…` head model (as some hubs' files are) under `bert.`.
+        let vb = if vb.contains_tensor("embeddings.word_embeddings.weight")
+            || vb.contains_tensor("encoder.layer.0.attention.self.query.weight")
+        {
+            vb
+        } else {
+            vb.pp("bert")
+        };
         if range.end > cfg.num_hidden_layers || range.start > range.end {
             candle_core::bail!(
                 "layer range {range:?} outside the model's {} layers",
@@ -284,19 +317,4 @@ fn layer_forward(layer: &Layer, x: &Tensor, lens: &Tensor) -> candle_core::Resul
         .output
         .matmul(&i)?
         .apply_op2_no_bwd(&a, &layer.out_norm)
-}
-
-/// Mean-pools `[batch, seq, hidden]` over the mask and L2-normalises each row
-/// (sentence-transformers' Pooling(mean) + Normalize).
-pub fn mean_pool_normalize(hidden: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
-    let m = mask.unsqueeze(2)?;
-    let summed = hidden.broadcast_mul(&m)?.sum(1)?;
-    let counts = m.sum(1)?.clamp(1e-9, f64::MAX)?;
-    let mean = summed.broadcast_div(&counts)?;
-    let norm = mean
-        .sqr()?
-        .sum_keepdim(D::Minus1)?
-        .sqrt()?
-        .clamp(1e-12, f64::MAX)?;
-    mean.broadcast_div(&norm)
 }

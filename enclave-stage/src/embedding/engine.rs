@@ -3,8 +3,9 @@
 //! (exit stage). Pure compute, no networking; also used in-process by the
 //! benchmark's bare-Candle baseline.
 
-use crate::embedding::bert::{mean_pool_normalize, BertConfig, BertPart};
+use crate::embedding::bert::{BertConfig, BertPart};
 use crate::embedding::bf16_matmul::Kernel;
+use crate::embedding::pooling::Pooling;
 use crate::role::StageSpec;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -24,6 +25,8 @@ pub struct Engine {
     pub claims: StageClaims,
     part: BertPart,
     tokenizer: Option<Tokenizer>,
+    /// The exit stage's pooling (`None` at other stages).
+    pooling: Option<Pooling>,
 }
 
 /// A padded batch on its way through the stage.
@@ -48,8 +51,21 @@ impl Engine {
         let cfg_path = manifest.verified_path("config.json")?;
         let cfg: BertConfig = serde_json::from_slice(&std::fs::read(&cfg_path)?)
             .with_context(|| format!("parsing {}", cfg_path.display()))?;
+        if m.max_seq_len == 0 || m.max_seq_len > cfg.max_position_embeddings {
+            bail!(
+                "the manifest's max_seq_len {} is outside 1..={} (config.json's max_position_embeddings)",
+                m.max_seq_len,
+                cfg.max_position_embeddings
+            );
+        }
         let is_entry = spec.stage_index == 0;
+        let pooling = if claims.is_exit() {
+            Some(Pooling::from_manifest(&manifest, cfg.hidden_size)?)
+        } else {
+            None
+        };
         let tokenizer = if is_entry {
+            refuse_lower_casing(&manifest)?;
             let path = manifest.verified_path("tokenizer.json")?;
             let mut t = Tokenizer::from_file(&path)
                 .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
@@ -81,6 +97,7 @@ impl Engine {
             claims,
             part,
             tokenizer,
+            pooling,
         })
     }
 
@@ -145,9 +162,13 @@ impl Engine {
         })
     }
 
-    /// Mean-pools and normalises; returns `[batch, hidden]` row-major.
+    /// Pools (and normalizes, if the model says so) as the model's
+    /// sentence-transformers modules do (exit stage only); returns
+    /// `[batch, hidden]` row-major.
     pub fn pool(&self, batch: &Padded) -> Result<Vec<f32>> {
-        Ok(mean_pool_normalize(&batch.hidden, &batch.mask)?
+        let pooling = self.pooling.as_ref().context("only the exit stage pools")?;
+        Ok(pooling
+            .apply(&batch.hidden, &batch.mask)?
             .flatten_all()?
             .to_vec1::<f32>()?)
     }
@@ -166,6 +187,24 @@ impl Engine {
         let out = self.pool(&self.run_tokens(&refs)?)?;
         Ok(out.chunks(self.hidden_size()).map(|c| c.to_vec()).collect())
     }
+}
+
+/// sentence-transformers lower-cases each text before tokenizing when its
+/// `sentence_bert_config.json` says `do_lower_case`; the stage does not, so
+/// such a model is refused rather than served with other vectors. (Uncased
+/// models lower-case in `tokenizer.json`'s normalizer, which the stage runs.)
+fn refuse_lower_casing(manifest: &LoadedManifest) -> Result<()> {
+    let rel = "sentence_bert_config.json";
+    if !manifest.manifest.files.iter().any(|f| f.path == rel) {
+        return Ok(());
+    }
+    let path = manifest.verified_path(rel)?;
+    let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&path)?)
+        .with_context(|| format!("parsing {}", path.display()))?;
+    if cfg["do_lower_case"] == serde_json::Value::Bool(true) {
+        bail!("{rel}: do_lower_case = true is not served");
+    }
+    Ok(())
 }
 
 impl Padded {

@@ -1,6 +1,8 @@
 //! Sentence embeddings (`/v1/embeddings`) pipelined across stages: the BERT
 //! encoder split by layers ([`bert`], its fused CPU operations in
-//! [`bert_ops`], its bf16 weight products in [`bf16_matmul`]), the model a stage loads ([`engine`]), the entry stage's
+//! [`bert_ops`], its bf16 weight products in [`bf16_matmul`]), the exit
+//! stage's pooling as the model's sentence-transformers files name it
+//! ([`pooling`]), the model a stage loads ([`engine`]), the entry stage's
 //! micro-batch planning ([`batcher`]), the compute thread ([`compute`]) and
 //! its per-request receipt bookkeeping ([`tracker`]).
 
@@ -10,4 +12,5 @@ pub mod bert_ops;
 pub mod bf16_matmul;
 pub mod compute;
 pub mod engine;
+pub mod pooling;
 pub mod tracker;

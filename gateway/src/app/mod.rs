@@ -71,9 +71,19 @@ pub(crate) struct ServeArgs {
     /// split as `gateway plan` splits them, for the completions KV budget.
     #[arg(long, requires = "model")]
     stage_memory: Option<String>,
-    /// With `--model`: where its manifest and policy are written (a folder
-    /// per model file).
-    #[arg(long, default_value = "data/models", requires = "model")]
+    /// Serve this sentence-transformers folder (a BERT-family encoder with
+    /// `model.safetensors` and `tokenizer.json`) as the embeddings model
+    /// instead of the config's `[pipeline]` model; its manifest and a
+    /// development policy are written under `data/models/`.
+    #[arg(long, value_name = "DIR")]
+    embedding_model: Option<PathBuf>,
+    /// With `--embedding-model`: how many stages to split its layers across
+    /// (evenly); default 2 (1 for a one-layer model).
+    #[arg(long, requires = "embedding_model")]
+    embedding_stages: Option<usize>,
+    /// With `--model` or `--embedding-model`: where their manifests and
+    /// policies are written (a folder per model).
+    #[arg(long, default_value = "data/models")]
     model_cache: PathBuf,
 }
 
@@ -205,7 +215,8 @@ fn print_plan(a: &PlanArgs) -> Result<()> {
         }
         (None, n) => {
             let n = n.context("--stage-memory or --stages")?;
-            let split = crate::own_model::split_layers(costs.layers.len() as u32, n)?;
+            let split =
+                crate::own_model::split_layers(costs.layers.len() as u32, n).context("--stages")?;
             let stages = split
                 .iter()
                 .map(|l| costs.stage(l[0] as usize..l[1] as usize, a.kv_tokens, overhead))

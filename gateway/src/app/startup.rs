@@ -39,7 +39,7 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
             args.stages,
             args.stage_memory.as_ref().or(configured.as_ref()),
         ) {
-            (Some(n), _) => own_model::split_layers(model.layers, n)?,
+            (Some(n), _) => own_model::split_layers(model.layers, n).context("--stages")?,
             (None, Some(memory)) => {
                 let c = cfg.completions.clone();
                 own_model::planned_layers(&model, memory, c.as_ref())
@@ -57,6 +57,21 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
             sha256 = %model.sha256.hex(),
             stages = ?layers,
             "serving --model as the completions pipeline"
+        );
+    }
+    if let Some(dir) = &args.embedding_model {
+        let model = own_model::EmbeddingModel::inspect(dir)?;
+        let stages = args
+            .embedding_stages
+            .unwrap_or(2.min(model.layers as usize));
+        let layers = own_model::split_layers(model.layers, stages).context("--embedding-stages")?;
+        own_model::embeddings(&mut cfg, &model, &layers, &args.model_cache)
+            .with_context(|| format!("--embedding-model {}", dir.display()))?;
+        tracing::info!(
+            model = %model.model_id,
+            architecture = %model.architecture,
+            stages = ?layers,
+            "serving --embedding-model as the embeddings pipeline"
         );
     }
     // Read the certificate before starting anything, so a bad one fails fast.

@@ -248,6 +248,21 @@ impl GatewayConfig {
         self.validate()
     }
 
+    /// Serves the model in `model_dir`, under `policy`, on `stages` as the
+    /// embeddings pipeline instead of `[pipeline]`'s (its other settings
+    /// kept), checked as a loaded config is.
+    pub fn replace_pipeline_model(
+        &mut self,
+        policy: PathBuf,
+        model_dir: PathBuf,
+        stages: Vec<StageConfig>,
+    ) -> Result<()> {
+        self.pipeline.policy = policy;
+        self.pipeline.model_dir = model_dir;
+        self.pipeline.stages = stages;
+        self.validate()
+    }
+
     /// The pipelines to run: embeddings (`[pipeline]`) and, when
     /// configured, completions (`[completions]`).
     pub fn pipelines(&self) -> Vec<PipelineSpec> {

@@ -125,6 +125,33 @@ pub async fn pinned_policy(url: &str, model: &str, path: &Path) -> PathBuf {
     path.to_path_buf()
 }
 
+/// A client policy for `model`'s stages (as [`pinned_policy`]) that also
+/// pins the model manifest `manifest_bytes`, written to `dir/pinned.toml`.
+/// On the way it checks that a policy pinning another manifest makes
+/// `gateway proxy` refuse the same stages, naming the digest they serve.
+pub async fn manifest_pinned_policy(
+    url: &str,
+    model: &str,
+    manifest_bytes: &[u8],
+    dir: &Path,
+) -> PathBuf {
+    let policy = pinned_policy(url, model, &dir.join("pinned.toml")).await;
+    let text = std::fs::read_to_string(&policy).unwrap();
+    let manifest_sha = proto::digest::Sha256Digest::of(manifest_bytes).hex();
+    let pin = |sha: &str| format!("manifest_sha256 = \"{sha}\"\n{text}");
+    let wrong = dir.join("wrong.toml");
+    std::fs::write(&wrong, pin(&"00".repeat(32))).unwrap();
+    let (_, log) = super::start_proxy(url, &[&wrong], &[], dir)
+        .err()
+        .expect("a proxy pinning another manifest must refuse these stages");
+    assert!(
+        log.contains(&format!("serves model manifest {manifest_sha}")),
+        "{log}"
+    );
+    std::fs::write(&policy, pin(&manifest_sha)).unwrap();
+    policy
+}
+
 /// The ids `GET /v1/models` lists.
 pub async fn model_ids(url: &str) -> Vec<String> {
     let models: serde_json::Value = get_json(&format!("{url}/v1/models")).await;

@@ -14,8 +14,8 @@ pub use cli::{
 pub use http::{
     assert_chat_serves, assert_error_shape, attestation_cbor, attestation_cbor_query, client,
     client_policy_text, embed, evidence_bundle, expect_api_error, get_bytes, get_json, http_get,
-    http_post, metrics_text, model_ids, pinned_policy, post_exact, post_json, post_sealed,
-    post_with_header, retry_after, sample, sse_events,
+    http_post, manifest_pinned_policy, metrics_text, model_ids, pinned_policy, post_exact,
+    post_json, post_sealed, post_with_header, retry_after, sample, sse_events,
 };
 #[allow(unused_imports)]
 pub use relays::{serve_on_thread, tampering_relay, CaptureRelay, Tamper};
@@ -102,6 +102,40 @@ impl Default for Options {
             serve_args: Vec::new(),
         }
     }
+}
+
+/// Options that serve a user's own model: `gateway serve FLAG PATH
+/// STAGES_FLAG N --model-cache CACHE` (`--model` / `--stages`,
+/// `--embedding-model` / `--embedding-stages`).
+pub fn own_model_options(
+    (flag, path): (&str, &Path),
+    (stages_flag, n): (&str, usize),
+    cache: &Path,
+) -> Options {
+    Options {
+        serve_args: vec![
+            flag.into(),
+            path.display().to_string(),
+            stages_flag.into(),
+            n.to_string(),
+            "--model-cache".into(),
+            cache.display().to_string(),
+        ],
+        ..Options::default()
+    }
+}
+
+/// The one model folder `serve --model` / `--embedding-model` wrote under
+/// `cache`: its `manifest.json`'s bytes and parsed value.
+pub fn written_manifest(cache: &Path) -> (Vec<u8>, serde_json::Value) {
+    let folders: Vec<PathBuf> = std::fs::read_dir(cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(folders.len(), 1, "{folders:?}");
+    let bytes = std::fs::read(folders[0].join("manifest.json")).unwrap();
+    let value = serde_json::from_slice(&bytes).unwrap();
+    (bytes, value)
 }
 
 /// A dev policy (mock allowed, local build trusted) for these stages.
