@@ -2,7 +2,8 @@
 """Bring-your-own embedding models against sentence-transformers: random-weight
 BERT encoders in the sentence-transformers folder layout (each pooling the
 stages serve: mean, CLS, max; with and without Normalize; a plain folder with
-no modules.json; tensors with and without the `bert.` prefix), each served by
+no modules.json; tensors with and without the `bert.` prefix; a cased
+tokenizer_config.json over a lower-casing tokenizer.json), each served by
 `gateway serve --embedding-model DIR` across two stages, f32 and bf16, its
 vectors compared with sentence-transformers' on the same folder.
 
@@ -17,9 +18,9 @@ SHA-256. A fixture that no longer hashes as recorded stops the test (rerun
 Passes when every vector has cosine >= 0.9999 (f32) / >= 0.999 (bf16) to the
 reference, a pooling without Normalize keeps the reference's length within
 1e-3 (f32) / 1e-2 (bf16), and every folder the stages do not serve (a Dense
-module, a last-token pooling, two modes at once, do_lower_case, an XLM-R
-config, pickle weights, no tokenizer.json) stops the gateway with an error
-naming what.
+module, a last-token pooling, two modes at once, do_lower_case, a default
+prompt, an XLM-R config or tokenizer, pickle or sharded weights, no
+tokenizer.json, ...) stops the gateway with an error naming what.
 
     python3 scripts/test_embedding_models.py                  # CI (scripts/test.sh)
     /tmp/refvenv/bin/python scripts/test_embedding_models.py --make-reference
@@ -68,6 +69,10 @@ FIXTURES = {
     "max": ("max", False, "", 3, "v2"),
     "mean-v6": ("mean", False, "", 5, "v6"),
     "plain-folder": (None, False, "", 4, None),
+    # tokenizer_config.json: do_lower_case false over a lower-casing
+    # tokenizer.json (transformers builds the normalizer from the former) and
+    # a model_max_length of 40, shorter than the positions.
+    "cased-short": (None, False, "", 6, "cased"),
 }
 
 
@@ -186,6 +191,10 @@ def make_fixture(d, mode, normalize, prefix, seed, form):
         shutil.copy(os.path.join(MINILM, f), d)
     write_json(os.path.join(d, "config.json"), bert_config())
     write_safetensors(os.path.join(d, "model.safetensors"), bert_weights(seed, prefix))
+    if form == "cased":
+        tc = json.load(open(os.path.join(MINILM, "tokenizer_config.json")))
+        tc.update(do_lower_case=False, model_max_length=40)
+        write_json(os.path.join(d, "tokenizer_config.json"), tc)
     if mode is None:
         return
     write_json(os.path.join(d, "modules.json"), modules(normalize, form=form))
@@ -332,7 +341,9 @@ def check_served(args, ref, work):
         d = os.path.join(work, name)
         r = ref["fixtures"][name]
         for weights in ("f32", "bf16"):
-            gw = Gateway(args.gateway, config, d, os.path.join(work, "cache"), weights)
+            cache = os.path.join(work, "cache")
+            shutil.rmtree(cache, ignore_errors=True)
+            gw = Gateway(args.gateway, config, d, cache, weights)
             try:
                 if gw.wait() is None:
                     failures.append(f"{name} {weights}: the gateway did not start:\n{gw.logs()[-3000:]}")
@@ -340,6 +351,11 @@ def check_served(args, ref, work):
                 ids = gw.model_ids()
                 if name not in ids:
                     failures.append(f"{name}: /v1/models lists {ids}, not {name}")
+                written = [json.load(open(os.path.join(cache, f, "manifest.json")))
+                           for f in os.listdir(cache) if f.startswith(name + "-")]
+                if [m["max_seq_len"] for m in written] != [r["max_seq_length"]]:
+                    failures.append(f"{name}: manifest max_seq_len {[m['max_seq_len'] for m in written]}, "
+                                    f"sentence-transformers' {r['max_seq_length']}")
                 # All texts in one request (one padded micro-batch), then one alone.
                 together = gw.embed(name, TEXTS)
                 alone = gw.embed(name, [TEXTS[1]])
@@ -371,20 +387,51 @@ def refusal_cases(work):
     def spoil_config(**over):
         return lambda d: write_json(os.path.join(d, "config.json"), bert_config(**over))
 
+    def spoil_tokenizer_config(**over):
+        def spoil(d):
+            tc = json.load(open(os.path.join(d, "tokenizer_config.json")))
+            tc.update(over)
+            write_json(os.path.join(d, "tokenizer_config.json"), tc)
+        return spoil
+
     def rename(a, b):
         return lambda d: os.rename(os.path.join(d, a), os.path.join(d, b))
 
     def remove(a):
         return lambda d: os.remove(os.path.join(d, a))
 
-    def lower_case(d):
-        write_json(os.path.join(d, "sentence_bert_config.json"), {"max_seq_length": MAX_SEQ, "do_lower_case": True})
+    def sentence_bert(**over):
+        def spoil(d):
+            c = {"max_seq_length": MAX_SEQ, "do_lower_case": False}
+            c.update(over)
+            write_json(os.path.join(d, "sentence_bert_config.json"), c)
+        return spoil
+
+    def default_prompt(d):
+        write_json(os.path.join(d, "config_sentence_transformers.json"),
+                   {"prompts": {"query": "query: "}, "default_prompt_name": "query"})
+
+    def shard(d):
+        os.rename(os.path.join(d, "model.safetensors"), os.path.join(d, "model-00001-of-00001.safetensors"))
+        write_json(os.path.join(d, "model.safetensors.index.json"), {"weight_map": {}})
+
+    def transformer_subfolder(d):
+        m = modules(True)
+        m[0]["path"] = "0_Transformer"
+        write_json(os.path.join(d, "modules.json"), m)
 
     return base, [
         ("dense-module", spoil_modules(["Dense"]), ["Dense"]),
         ("lasttoken", spoil_pooling(lasttoken=True), ["lasttoken", "not served"]),
         ("two-modes", spoil_pooling(mean_tokens=True, cls_token=True), ["several pooling modes", "cls"]),
-        ("lower-case", lower_case, ["do_lower_case"]),
+        ("lower-case", sentence_bert(do_lower_case=True), ["do_lower_case"]),
+        ("too-short", sentence_bert(max_seq_length=2), ["max_seq_len 2", "special tokens"]),
+        ("default-prompt", default_prompt, ["default_prompt_name"]),
+        ("subfolder", transformer_subfolder, ["0_Transformer"]),
+        ("sharded", shard, ["sharded"]),
+        ("tokenizer-class", spoil_tokenizer_config(tokenizer_class="XLMRobertaTokenizer"),
+         ["XLMRobertaTokenizer"]),
+        ("zero-width", spoil_config(intermediate_size=0), ["intermediate_size is 0"]),
         ("xlm-roberta", spoil_config(model_type="xlm-roberta"), ["xlm-roberta"]),
         ("gelu-new", spoil_config(hidden_act="gelu_new"), ["gelu_new"]),
         ("relative-positions", spoil_config(position_embedding_type="relative_key"), ["relative_key"]),

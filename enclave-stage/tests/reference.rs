@@ -120,16 +120,12 @@ fn two_stages_agree(format: WeightFormat) {
 fn tampered_weights_refuse_to_load() {
     let dir = std::env::temp_dir().join(format!("tampered-model-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for f in [
-        "manifest.json",
-        "config.json",
-        "tokenizer.json",
-        "modules.json",
-        "1_Pooling/config.json",
-        "sentence_bert_config.json",
-    ] {
-        std::fs::create_dir_all(dir.join(f).parent().unwrap()).unwrap();
-        std::fs::copy(model_dir().join(f), dir.join(f)).unwrap();
+    // Every file the manifest pins, as shipped, but the weights.
+    std::fs::copy(model_dir().join("manifest.json"), dir.join("manifest.json")).unwrap();
+    let manifest = proto::manifest::LoadedManifest::load(&model_dir()).unwrap();
+    for f in &manifest.manifest.files {
+        std::fs::create_dir_all(dir.join(&f.path).parent().unwrap()).unwrap();
+        std::fs::copy(model_dir().join(&f.path), dir.join(&f.path)).unwrap();
     }
     let mut weights = std::fs::read(model_dir().join("model.safetensors")).unwrap();
     let n = weights.len();

@@ -81,10 +81,12 @@ async fn a_users_embedding_folder_is_served_pinned_and_receipted() {
     let mut expected: Vec<(String, String)> = [
         "1_Pooling/config.json",
         "config.json",
+        "config_sentence_transformers.json",
         "model.safetensors",
         "modules.json",
         "sentence_bert_config.json",
         "tokenizer.json",
+        "tokenizer_config.json",
     ]
     .iter()
     .map(|rel| {

@@ -156,26 +156,59 @@ impl LoadedManifest {
     /// The digest is computed by streaming the file, so checking a large
     /// weights file does not raise the process's resident memory.
     pub fn verified_path(&self, rel: &str) -> Result<PathBuf, ManifestError> {
-        let entry = self
-            .manifest
+        let full = self.dir.join(rel);
+        let expected = self.expected(rel)?;
+        let actual = Sha256Digest::of_file(&full).map_err(|e| missing(&full, e))?;
+        check(&full, expected, &actual)?;
+        Ok(full)
+    }
+
+    /// Reads one file the manifest lists and checks the bytes read against
+    /// its digest: what is returned is what was hashed, so the file cannot
+    /// change between the check and the use (for the small files a stage
+    /// parses; weights are checked with [`Self::verified_path`] and mapped).
+    pub fn verified_bytes(&self, rel: &str) -> Result<Vec<u8>, ManifestError> {
+        let full = self.dir.join(rel);
+        let expected = self.expected(rel)?;
+        let bytes = std::fs::read(&full).map_err(|e| missing(&full, e))?;
+        check(&full, expected, &Sha256Digest::of(&bytes))?;
+        Ok(bytes)
+    }
+
+    /// The digest the manifest lists for `rel`.
+    fn expected(&self, rel: &str) -> Result<&str, ManifestError> {
+        self.manifest
             .files
             .iter()
             .find(|f| f.path == rel)
-            .ok_or_else(|| ManifestError::NotListed(rel.to_string()))?;
-        let full = self.dir.join(rel);
-        let actual = Sha256Digest::of_file(&full).map_err(|e| ManifestError::Missing {
-            path: full.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        if actual.hex() != entry.sha256.to_ascii_lowercase() {
-            return Err(ManifestError::DigestMismatch {
-                path: full.display().to_string(),
-                expected: entry.sha256.clone(),
-                actual: actual.hex(),
-            });
-        }
-        Ok(full)
+            .map(|f| f.sha256.as_str())
+            .ok_or_else(|| ManifestError::NotListed(rel.to_string()))
     }
+
+    /// Whether the manifest lists `rel`.
+    pub fn lists(&self, rel: &str) -> bool {
+        self.manifest.files.iter().any(|f| f.path == rel)
+    }
+}
+
+/// A model file that could not be read.
+fn missing(full: &Path, e: std::io::Error) -> ManifestError {
+    ManifestError::Missing {
+        path: full.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// `actual` against the manifest's `expected` digest of the file `full`.
+fn check(full: &Path, expected: &str, actual: &Sha256Digest) -> Result<(), ManifestError> {
+    if actual.hex() == expected.to_ascii_lowercase() {
+        return Ok(());
+    }
+    Err(ManifestError::DigestMismatch {
+        path: full.display().to_string(),
+        expected: expected.to_string(),
+        actual: actual.hex(),
+    })
 }
 
 /// Whether `path` names something inside its base folder: relative, not
@@ -235,6 +268,8 @@ mod tests {
         write_model(&dir, b"weights");
         let m = LoadedManifest::load(&dir).unwrap();
         assert!(m.verified_path("w.bin").is_ok());
+        assert_eq!(m.verified_bytes("w.bin").unwrap(), b"weights");
+        assert!(m.lists("w.bin") && !m.lists("other"));
         assert!(matches!(
             m.verified_path("other"),
             Err(ManifestError::NotListed(_))
@@ -242,6 +277,8 @@ mod tests {
         std::fs::write(dir.join("w.bin"), b"weightz").unwrap();
         let err = m.verified_path("w.bin").unwrap_err();
         assert!(err.to_string().contains("w.bin"), "{err}");
+        assert!(matches!(err, ManifestError::DigestMismatch { .. }));
+        let err = m.verified_bytes("w.bin").unwrap_err();
         assert!(matches!(err, ManifestError::DigestMismatch { .. }));
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -15,6 +15,8 @@ use std::ops::Range;
 /// The fields of a BERT `config.json` this model uses.
 #[derive(Clone, Debug, Deserialize)]
 pub struct BertConfig {
+    /// The transformers model type (only `bert` is served).
+    pub model_type: String,
     /// Vocabulary size.
     pub vocab_size: usize,
     /// Hidden width.
@@ -36,6 +38,54 @@ pub struct BertConfig {
     /// How positions are embedded (only `absolute`, the default, is served).
     #[serde(default)]
     pub position_embedding_type: Option<String>,
+}
+
+impl BertConfig {
+    /// Refuses, naming it, what this encoder does not implement and sizes
+    /// that would fail or panic later rather than at load.
+    pub fn check(&self) -> candle_core::Result<()> {
+        if self.model_type != "bert" {
+            candle_core::bail!(
+                "config.json: model_type {:?} is not served (served: \"bert\")",
+                self.model_type
+            );
+        }
+        if self.hidden_act != "gelu" {
+            candle_core::bail!(
+                "config.json: hidden_act {:?} is not served (served: \"gelu\")",
+                self.hidden_act
+            );
+        }
+        if let Some(p) = self
+            .position_embedding_type
+            .as_deref()
+            .filter(|p| *p != "absolute")
+        {
+            candle_core::bail!(
+                "config.json: position_embedding_type {p:?} is not served (served: \"absolute\")"
+            );
+        }
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("type_vocab_size", self.type_vocab_size),
+        ] {
+            if v == 0 {
+                candle_core::bail!("config.json: {key} is 0");
+            }
+        }
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+            candle_core::bail!(
+                "config.json: hidden_size {} is not a multiple of num_attention_heads {}",
+                self.hidden_size,
+                self.num_attention_heads
+            );
+        }
+        Ok(())
+    }
 }
 
 struct Embeddings {
@@ -128,29 +178,14 @@ impl BertPart {
         with_embeddings: bool,
         weights: WeightFormat,
     ) -> candle_core::Result<Self> {
-        if cfg.hidden_act != "gelu" {
+        cfg.check()?;
+        if range.end > cfg.num_hidden_layers || range.start > range.end {
             candle_core::bail!(
-                "config.json: hidden_act {:?} is not served (served: \"gelu\")",
-                cfg.hidden_act
+                "layer range {range:?} outside the model's {} layers",
+                cfg.num_hidden_layers
             );
         }
-        if let Some(p) = cfg
-            .position_embedding_type
-            .as_deref()
-            .filter(|p| *p != "absolute")
-        {
-            candle_core::bail!(
-                "config.json: position_embedding_type {p:?} is not served (served: \"absolute\")"
-            );
-        }
-        if cfg.num_attention_heads == 0 || !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads)
-        {
-            candle_core::bail!(
-                "config.json: hidden_size {} is not a multiple of num_attention_heads {}",
-                cfg.hidden_size,
-                cfg.num_attention_heads
-            );
-        }
+        let h = cfg.hidden_size;
         // A `BertModel` saves its tensors unprefixed; one saved from a
         // `BertFor…` head model (as some hubs' files are) under `bert.`.
         let vb = if vb.contains_tensor("embeddings.word_embeddings.weight")
@@ -160,13 +195,6 @@ impl BertPart {
         } else {
             vb.pp("bert")
         };
-        if range.end > cfg.num_hidden_layers || range.start > range.end {
-            candle_core::bail!(
-                "layer range {range:?} outside the model's {} layers",
-                cfg.num_hidden_layers
-            );
-        }
-        let h = cfg.hidden_size;
         let embeddings = if with_embeddings {
             let e = vb.pp("embeddings");
             Some(Embeddings {

@@ -14,7 +14,7 @@ use proto::frames::{StageClaims, WeightFormat};
 use proto::manifest::LoadedManifest;
 use proto::tensor::TensorFrame;
 use std::path::Path;
-use tokenizers::{Tokenizer, TruncationParams};
+use tokenizers::Tokenizer;
 
 /// A loaded stage model.
 pub struct Engine {
@@ -48,9 +48,16 @@ impl Engine {
         // f32 is the model's own weights: left unnamed, as before there was a choice.
         claims.weights = (format != WeightFormat::F32).then_some(format);
         let m = &manifest.manifest;
-        let cfg_path = manifest.verified_path("config.json")?;
-        let cfg: BertConfig = serde_json::from_slice(&std::fs::read(&cfg_path)?)
-            .with_context(|| format!("parsing {}", cfg_path.display()))?;
+        let cfg: BertConfig = serde_json::from_slice(&manifest.verified_bytes("config.json")?)
+            .context("parsing config.json")?;
+        cfg.check()?;
+        if cfg.model_type != m.architecture {
+            bail!(
+                "config.json's model_type {:?} is not the manifest's architecture {:?}",
+                cfg.model_type,
+                m.architecture
+            );
+        }
         if m.max_seq_len == 0 || m.max_seq_len > cfg.max_position_embeddings {
             bail!(
                 "the manifest's max_seq_len {} is outside 1..={} (config.json's max_position_embeddings)",
@@ -65,17 +72,10 @@ impl Engine {
             None
         };
         let tokenizer = if is_entry {
-            refuse_lower_casing(&manifest)?;
-            let path = manifest.verified_path("tokenizer.json")?;
-            let mut t = Tokenizer::from_file(&path)
-                .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
-            t.with_truncation(Some(TruncationParams {
-                max_length: m.max_seq_len,
-                ..Default::default()
-            }))
-            .map_err(|e| anyhow::anyhow!("tokenizer truncation: {e}"))?;
-            t.with_padding(None);
-            Some(t)
+            Some(crate::embedding::tokenizer::load(
+                &manifest,
+                cfg.vocab_size,
+            )?)
         } else {
             None
         };
@@ -187,24 +187,6 @@ impl Engine {
         let out = self.pool(&self.run_tokens(&refs)?)?;
         Ok(out.chunks(self.hidden_size()).map(|c| c.to_vec()).collect())
     }
-}
-
-/// sentence-transformers lower-cases each text before tokenizing when its
-/// `sentence_bert_config.json` says `do_lower_case`; the stage does not, so
-/// such a model is refused rather than served with other vectors. (Uncased
-/// models lower-case in `tokenizer.json`'s normalizer, which the stage runs.)
-fn refuse_lower_casing(manifest: &LoadedManifest) -> Result<()> {
-    let rel = "sentence_bert_config.json";
-    if !manifest.manifest.files.iter().any(|f| f.path == rel) {
-        return Ok(());
-    }
-    let path = manifest.verified_path(rel)?;
-    let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&path)?)
-        .with_context(|| format!("parsing {}", path.display()))?;
-    if cfg["do_lower_case"] == serde_json::Value::Bool(true) {
-        bail!("{rel}: do_lower_case = true is not served");
-    }
-    Ok(())
 }
 
 impl Padded {

@@ -69,11 +69,30 @@ fn pooling_modes(cfg: &Value) -> Result<(Vec<String>, Option<u64>)> {
                     .context("pooling_mode lists a non-string")
             })
             .collect::<Result<_>>()?,
-        Value::Null => LEGACY_MODES
-            .iter()
-            .filter(|(key, _)| cfg[*key] == Value::Bool(true))
-            .map(|(_, mode)| mode.to_string())
-            .collect(),
+        Value::Null => {
+            let legacy = LEGACY_MODES.iter().any(|(key, _)| cfg.get(*key).is_some());
+            let on: Vec<String> = LEGACY_MODES
+                .iter()
+                .filter(|(key, _)| cfg[*key] == Value::Bool(true))
+                .map(|(_, mode)| mode.to_string())
+                .collect();
+            // sentence-transformers before 6 defaults the mean key to true
+            // (and concatenates it with any other mode set), 6 to false:
+            // a file that leaves it out means two things.
+            if legacy && !on.is_empty() && cfg.get("pooling_mode_mean_tokens").is_none() {
+                bail!(
+                    "pooling_mode_mean_tokens is missing, which sentence-transformers before 6 \
+                     reads as true (concatenated with {}) and 6 as false: set it",
+                    on.join(", ")
+                );
+            }
+            // No mode at all is mean, as sentence-transformers reads it.
+            if on.is_empty() {
+                vec!["mean".to_string()]
+            } else {
+                on
+            }
+        }
         other => bail!("pooling_mode {other} is neither a mode nor a list of modes"),
     };
     Ok((modes, width))
@@ -99,17 +118,12 @@ impl Pooling {
     /// `modules.json`. `hidden` is the encoder's width, which the pooling
     /// config must name if it names one.
     pub fn from_manifest(manifest: &LoadedManifest, hidden: usize) -> Result<Self> {
-        if !manifest
-            .manifest
-            .files
-            .iter()
-            .any(|f| f.path == "modules.json")
-        {
+        if !manifest.lists("modules.json") {
             return Ok(Self::PLAIN);
         }
-        let path = manifest.verified_path("modules.json")?;
-        let modules: Vec<Module> = serde_json::from_slice(&std::fs::read(&path)?)
-            .with_context(|| format!("parsing {}", path.display()))?;
+        let modules: Vec<Module> =
+            serde_json::from_slice(&manifest.verified_bytes("modules.json")?)
+                .context("parsing modules.json")?;
         let kinds: Vec<&str> = modules.iter().map(|m| class_name(&m.kind)).collect();
         let (pooling_dir, normalize) = match kinds.as_slice() {
             ["Transformer", "Pooling"] => (&modules[1].path, false),
@@ -119,14 +133,20 @@ impl Pooling {
                  and optionally Normalize, in that order"
             ),
         };
+        if !modules[0].path.is_empty() {
+            bail!(
+                "modules.json: the Transformer module is in {:?}; served is the folder itself \
+                 (path \"\")",
+                modules[0].path
+            );
+        }
         let rel = if pooling_dir.is_empty() {
             "config.json".to_string()
         } else {
             format!("{}/config.json", pooling_dir.trim_end_matches('/'))
         };
-        let path = manifest.verified_path(&rel)?;
-        let cfg: Value = serde_json::from_slice(&std::fs::read(&path)?)
-            .with_context(|| format!("parsing {}", path.display()))?;
+        let cfg: Value = serde_json::from_slice(&manifest.verified_bytes(&rel)?)
+            .with_context(|| format!("parsing {rel}"))?;
         let (modes, width) = pooling_modes(&cfg).with_context(|| rel.clone())?;
         if let Some(d) = width {
             if d != hidden as u64 {
@@ -142,7 +162,7 @@ impl Pooling {
                     "{rel}: pooling mode {other:?} is not served (served: \"mean\", \"cls\", \"max\")"
                 ),
             },
-            [] => bail!("{rel}: no pooling mode is set"),
+            [] => bail!("{rel}: pooling_mode lists no mode"),
             _ => bail!(
                 "{rel}: several pooling modes at once ({}) would be concatenated; one is served",
                 modes.join(", ")
@@ -296,12 +316,19 @@ mod tests {
             Pooling::from_manifest(&folder("plain", &[]), 4).unwrap(),
             Pooling::PLAIN
         );
+        // No mode key at all is mean, as sentence-transformers reads it.
+        let empty = serde_json::json!({"word_embedding_dimension": 4});
+        assert_eq!(
+            read("empty", modules(&V2[..2]), empty).unwrap(),
+            Pooling::PLAIN
+        );
     }
 
     #[test]
     fn what_is_not_served_is_refused_by_name() {
-        let err =
-            |name: &str, m: String, p: serde_json::Value| read(name, m, p).unwrap_err().to_string();
+        let err = |name: &str, m: String, p: serde_json::Value| {
+            format!("{:#}", read(name, m, p).unwrap_err())
+        };
         let mean = serde_json::json!({"pooling_mode": "mean"});
         let dense = modules(&[
             V2[0],
@@ -324,8 +351,24 @@ mod tests {
             e.contains("several pooling modes") && e.contains("cls"),
             "{e}"
         );
-        let e = err("none", modules(&V2), serde_json::json!({}));
-        assert!(e.contains("no pooling mode"), "{e}");
+        let e = err(
+            "none",
+            modules(&V2),
+            serde_json::json!({"pooling_mode": []}),
+        );
+        assert!(e.contains("lists no mode"), "{e}");
+        // The older form, leaving out the mean key while setting another.
+        let e = err(
+            "ambiguous",
+            modules(&V2),
+            serde_json::json!({"pooling_mode_cls_token": true}),
+        );
+        assert!(e.contains("pooling_mode_mean_tokens is missing"), "{e}");
+        let sub = modules(&[
+            ("sentence_transformers.models.Transformer", "0_Transformer"),
+            V2[1],
+        ]);
+        assert!(err("subfolder", sub, mean.clone()).contains("0_Transformer"));
         let wide = serde_json::json!({"pooling_mode": "mean", "embedding_dimension": 8});
         assert!(err("wide", modules(&V2), wide).contains("8 wide"));
         // The pooling config is checked against the manifest like any file.

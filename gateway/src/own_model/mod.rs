@@ -9,8 +9,10 @@
 //! the files as any model's, and refuse what they do not serve by name.
 //!
 //! Everything is written under `data/models/<model id>-<digest prefix>/`
-//! (relative to the working directory, like the receipt store), so the same
-//! files give the same folder, manifest and policy digests on every start.
+//! (relative to the working directory, like the receipt store; the GGUF's
+//! digest, or an embedding folder's manifest's), so the same files give the
+//! same folder, manifest and policy digests on every start. The policy
+//! names the stages' layers: starts with another split rewrite it.
 
 pub mod gguf;
 pub mod sentence_transformers;

@@ -2,7 +2,8 @@
 //! folder (a BERT-family encoder: MiniLM, bge, e5, gte) served as the
 //! embeddings pipeline. Its manifest pins the files the stages read: the
 //! encoder's `config.json` and `model.safetensors`, `tokenizer.json`, and
-//! where present `modules.json`, the pooling module's `config.json` and
+//! where present `tokenizer_config.json`, `config_sentence_transformers.json`,
+//! `modules.json` with the pooling module's `config.json` and
 //! `sentence_bert_config.json`. The stages read the pooling and
 //! normalization from those files and refuse, by name, what they do not
 //! serve (another architecture, a `Dense` module, a pooling mode).
@@ -105,13 +106,25 @@ impl EmbeddingModel {
         let mut rels: Vec<String> = ["config.json", "model.safetensors", "tokenizer.json"]
             .map(String::from)
             .to_vec();
+        // Read by the entry stage when present (the tokenizer's normalizer;
+        // a default prompt, which is refused).
+        for optional in ["tokenizer_config.json", "config_sentence_transformers.json"] {
+            if dir.join(optional).is_file() {
+                rels.push(optional.into());
+            }
+        }
+        let mut max_seq_len = None;
+        // Without modules.json, sentence-transformers reads no other file of
+        // its own (and neither do the stages).
         if dir.join("modules.json").is_file() {
             rels.push("modules.json".into());
             let modules = json(&dir, "modules.json")?;
             for m in modules.as_array().context("modules.json is not a list")? {
                 let kind = m["type"].as_str().unwrap_or_default();
                 let path = m["path"].as_str().unwrap_or_default();
-                if kind.ends_with(".Pooling") {
+                // The class name, whatever package path the version wrote
+                // (the stage's rule too).
+                if kind.rsplit('.').next() == Some("Pooling") {
                     rels.push(if path.is_empty() {
                         "config.json".into()
                     } else {
@@ -119,11 +132,10 @@ impl EmbeddingModel {
                     });
                 }
             }
-        }
-        let mut max_seq_len = None;
-        if dir.join("sentence_bert_config.json").is_file() {
-            rels.push("sentence_bert_config.json".into());
-            max_seq_len = json(&dir, "sentence_bert_config.json")?["max_seq_length"].as_u64();
+            if dir.join("sentence_bert_config.json").is_file() {
+                rels.push("sentence_bert_config.json".into());
+                max_seq_len = json(&dir, "sentence_bert_config.json")?["max_seq_length"].as_u64();
+            }
         }
         if max_seq_len.is_none() && dir.join("tokenizer_config.json").is_file() {
             max_seq_len = json(&dir, "tokenizer_config.json")?["model_max_length"].as_u64();
@@ -170,15 +182,6 @@ impl EmbeddingModel {
             files: self.files.clone(),
         }
     }
-
-    /// The SHA-256 of the weights (`model.safetensors`), whose first
-    /// characters name the model's folder under the cache.
-    fn weights_digest(&self) -> &str {
-        self.files
-            .iter()
-            .find(|f| f.path == "model.safetensors")
-            .map_or("", |f| f.sha256.as_str())
-    }
 }
 
 /// Writes the model folder (manifest and links to the files) and the
@@ -197,7 +200,10 @@ pub fn embeddings(
         .iter()
         .map(|f| (f.path.clone(), model.dir.join(&f.path)))
         .collect();
-    let digest12 = &model.weights_digest()[..12];
+    // Named by the manifest's digest: a folder differing in any pinned
+    // file (pooling, tokenizer) gets a folder of its own.
+    let manifest_sha = Sha256Digest::of(&serde_json::to_vec_pretty(&manifest)?).hex();
+    let digest12 = &manifest_sha[..12];
     let written = write_model_folder(
         cfg,
         "--embedding-model",
