@@ -8,6 +8,7 @@
 #                  scripts/test_gguf_models.py (scripts/test.sh), built
 #                  portable (AVX2/FMA/F16C) so it runs on every x86-64 CI
 #                  machine, with the gguf package that writes its fixtures
+#                  and sentencepiece, which trains the SentencePiece one
 # BENCH_LLAMA_PORTABLE=1 builds the benchmark venv portable too
 # (target/bench-venv-portable), for CPUs where the native build crashes (a
 # 2-core VM with AVX512-FP16 segfaulted in llama_decode with 0.3.36, 26 Nov
@@ -20,7 +21,7 @@ EXTRA=()
 if [[ "${1:-}" == --test ]]; then
   VENV=target/test-venv-llama
   FLAGS="$PORTABLE"
-  EXTRA=(gguf==0.19.0 numpy==2.4.6)
+  EXTRA=(gguf==0.19.0 numpy==2.4.6 sentencepiece==0.2.3)
 elif [[ "${BENCH_LLAMA_PORTABLE:-0}" == 1 ]]; then
   VENV=target/bench-venv-portable
   FLAGS="$PORTABLE"
@@ -31,7 +32,7 @@ fi
 if [[ ! -x "$VENV/bin/python" ]]; then python3 -m venv "$VENV" >&2; fi
 "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null \
   || CMAKE_ARGS="$FLAGS" "$VENV/bin/pip" install -q --no-cache-dir llama-cpp-python==0.3.36 >&2
-if [[ ${#EXTRA[@]} -gt 0 ]] && ! "$VENV/bin/python" -c "import gguf, numpy" 2>/dev/null; then
+if [[ ${#EXTRA[@]} -gt 0 ]] && ! "$VENV/bin/python" -c "import gguf, numpy, sentencepiece" 2>/dev/null; then
   "$VENV/bin/pip" install -q "${EXTRA[@]}" >&2
 fi
 echo "$VENV"

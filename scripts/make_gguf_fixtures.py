@@ -8,7 +8,11 @@ bytes (`scripts/test_gguf_models.py` compares them).
 The tokenizer (SmolLM2's 49,152-token BPE, its special tokens and chat
 template) is copied from the shipped SmolLM2 GGUF, so llama.cpp loads a
 real vocabulary and the fixtures exercise the stages' tokenizer-from-GGUF
-path as a user's file would.
+path as a user's file would. `llama-spm` instead has a SentencePiece BPE
+vocabulary as Llama 2's is made (`tokenizer.ggml.model = llama`: scores,
+byte-fallback tokens), trained here with the `sentencepiece` package on the
+repository's own English text (1,000 pieces) and written as llama.cpp's
+converter writes one, with a Llama-2-style chat template.
 
 Shapes are small but keep the features that differ between families:
 - `llama`: grouped-query attention (4 heads, 2 KV heads), an output head
@@ -16,7 +20,9 @@ Shapes are small but keep the features that differ between families:
 - `qwen2`: q/k/v biases, a separate output head, NEOX rotary, linear
   rotary scaling (factor 4);
 - `qwen3`: per-head q/k RMSNorm, and heads wider than the hidden width
-  shares (4 × 128 = 512 against a hidden width of 256), as in Qwen3.
+  shares (4 × 128 = 512 against a hidden width of 256), as in Qwen3;
+- `llama-spm`: the `llama` shape without `rope_freqs`, with the
+  SentencePiece tokenizer above (Llama 2, TinyLlama, Mistral 7B v0.1).
 Widths are multiples of 256 so the K-quants apply to every matrix.
 
 Usage: make_gguf_fixtures.py --source SmolLM2.gguf --out DIR [--shape 1b]
@@ -38,7 +44,63 @@ SHAPES = {
     "qwen2": ("qwen2", 256, 512, 2, 4, 2, 64, False, False),
     "qwen3": ("qwen3", 256, 512, 2, 4, 2, 128, True, False),
     "llama-1b": ("llama", 2048, 8192, 16, 32, 8, 64, True, False),
+    # Llama 2's tokenizer kind: SentencePiece BPE (below), no rope_freqs.
+    "llama-spm": ("llama", 256, 512, 2, 4, 2, 64, True, False),
 }
+
+# A Llama-2-style chat template for the SentencePiece fixture.
+SPM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "[INST] {{ m['content'] }} [/INST]{% elif m['role'] == 'assistant' %}"
+    " {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def spm_tokenizer(w: gguf.GGUFWriter, text_files: list) -> int:
+    """Trains a small SentencePiece BPE vocabulary (1,000 pieces, byte
+    fallback, as Llama 2's tokenizer is made) on `text_files` and writes it
+    as llama.cpp's converter writes a SentencePiece model: pieces, scores,
+    token types, `tokenizer.ggml.model = llama`, BOS added by default.
+    Returns the vocab size."""
+    import io
+
+    import sentencepiece as spm
+
+    lines = [l for f in text_files for l in open(f, encoding="utf-8").read().splitlines() if l.strip()]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=1000, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, split_digits=True,
+        allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        user_defined_symbols=["<tool_call>", "</tool_call>"], minloglevel=2, num_threads=1)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        piece = sp.id_to_piece(i)
+        kind = gguf.TokenType.NORMAL
+        if sp.is_unknown(i):
+            kind = gguf.TokenType.UNKNOWN
+        elif sp.is_control(i):
+            kind = gguf.TokenType.CONTROL
+        elif sp.is_byte(i):
+            kind = gguf.TokenType.BYTE
+        elif piece in ("<tool_call>", "</tool_call>"):
+            kind = gguf.TokenType.USER_DEFINED
+        tokens.append(piece.encode("utf-8"))
+        scores.append(sp.get_score(i))
+        types.append(kind)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(SPM_TEMPLATE)
+    return len(tokens)
 
 
 def copy_tokenizer(src: str, w: gguf.GGUFWriter) -> int:
@@ -65,7 +127,12 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"random-{name}")
-    vocab = copy_tokenizer(src, w)
+    if name == "llama-spm":
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        vocab = spm_tokenizer(w, [os.path.join(root, "scripts", "data", "quality-text.txt"),
+                                  os.path.join(root, "README.md")])
+    else:
+        vocab = copy_tokenizer(src, w)
     w.add_context_length(2048)
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
@@ -145,7 +212,7 @@ def main() -> int:
     ap.add_argument("--shape", default="small", choices=["small", "1b"])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    names = ["llama-1b"] if args.shape == "1b" else ["llama", "qwen2", "qwen3"]
+    names = ["llama-1b"] if args.shape == "1b" else ["llama", "qwen2", "qwen3", "llama-spm"]
     f16 = args.shape == "1b"
     for i, name in enumerate(names):
         path = os.path.join(args.out, f"{name}.{'F16' if f16 else 'F32'}.gguf")

@@ -37,8 +37,14 @@
 #                  6 (4-bit blocks with f32 scale and min), q8_0 9 (8-bit
 #                  blocks with an f32 scale), f32 32; file bits per weight
 #                  from the file name, Q4_1 5, Q4_0 4.5, Q8_0 8.5, F16 16,
-#                  else 8); the whole model, as an upper bound for any stage
-#     kv           llama only: kv-cache-tokens x stage layers x
+#                  else 8); the whole model, as an upper bound for any stage.
+#                  For a GGUF, when target/release/gateway exists (as after
+#                  build-eif.sh): `gateway plan --layers LIST` instead, each
+#                  stage's own weights as it holds them (its layers, the
+#                  embedding at the entry, the head at the exit)
+#     kv           generation models: with `gateway plan`, its KV bytes for
+#                  the stage at kv-cache-tokens (from the file's heads and
+#                  widths); else kv-cache-tokens x stage layers x
 #                  KV_BYTES_PER_TOKEN_LAYER (env, default 1536 = K and V x 3
 #                  KV heads x 64 dims x 4 bytes, SmolLM2-135M)
 #     activations  embedding models: the stage's --memory-budget-mib, 192
@@ -93,6 +99,7 @@ CID_BASE="${CID_BASE:-16}"
 PORT="${PORT:-9000}"
 [[ -f "$MODEL_DIR/manifest.json" ]] || { echo "run-nitro: no $MODEL_DIR/manifest.json" >&2; exit 1; }
 ARCH="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["architecture"])' "$MODEL_DIR/manifest.json")"
+TASK="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["task"])' "$MODEL_DIR/manifest.json")"
 IFS=',' read -ra RANGES <<<"$LAYERS"
 N=${#RANGES[@]}
 
@@ -146,22 +153,40 @@ if [[ $DRY_RUN == 0 ]]; then
   [[ -f "$POLICY" ]] || { echo "run-nitro: no policy at $POLICY (scripts/build-eif.sh)" >&2; exit 1; }
 fi
 
-echo "== sizing ($ARCH, $N stages): eif $eif_mib MiB ($eif_how), weights $weights_mib MiB, cpus $cpus"
+# A GGUF's stages are costed by `gateway plan` for this split: each stage's
+# own weights as it holds them and its KV cache at the budget, from the
+# file's tensors and metadata. Without a gateway binary, the estimates above.
+PLAN=""
+gguf_file=$(ls "$MODEL_DIR"/*.gguf 2>/dev/null | head -n1 || true)
+if [[ "$TASK" == completion && -n "$gguf_file" && -x "$GATEWAY" ]]; then
+  PLAN=$("$GATEWAY" plan --model "$gguf_file" --layers "$LAYERS" --kv-tokens "$KV_TOKENS" \
+    --weights "$WEIGHTS" --json) || { echo "run-nitro: gateway plan failed" >&2; exit 1; }
+  plan_field() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])[int(sys.argv[2])][sys.argv[3]])' "$PLAN" "$1" "$2"; }
+  weights_how="whole model; each stage its own, from gateway plan"
+else
+  weights_how="whole model, the upper bound used for each stage"
+fi
+echo "== sizing ($ARCH, $N stages): eif $eif_mib MiB ($eif_how), weights $weights_mib MiB ($weights_how), cpus $cpus"
 routes=()
 mems=()
-# Embedding models are [pipeline], llama models [completions] in the config.
+# Embedding models are [pipeline], generation models [completions] in the config.
 S=PIPELINE
-[[ "$ARCH" == llama ]] && S=COMPLETIONS
+[[ "$TASK" == completion ]] && S=COMPLETIONS
 env_over=("GATEWAY_${S}__POLICY=$POLICY" "GATEWAY_${S}__MODEL_DIR=$MODEL_DIR")
 for i in "${!RANGES[@]}"; do
   r="${RANGES[$i]}"; start=${r%%..*}; end=${r##*..}
-  if [[ "$ARCH" == llama ]]; then
+  stage_weights_mib=$weights_mib
+  if [[ -n "$PLAN" ]]; then
+    stage_weights_mib=$(mib_up "$(plan_field "$i" weight_bytes)")
+    kv_mib=$(mib_up "$(plan_field "$i" kv_bytes)")
+    act_mib=0
+  elif [[ "$TASK" == completion ]]; then
     kv_mib=$(mib_up $(( KV_TOKENS * (end - start) * KV_BYTES_PER_TOKEN_LAYER )))
     act_mib=0
   else
     kv_mib=0; act_mib=192
   fi
-  sum=$(( eif_mib + weights_mib + kv_mib + act_mib + 512 ))
+  sum=$(( eif_mib + stage_weights_mib + kv_mib + act_mib + 512 ))
   mem=$(( (sum + 255) / 256 * 256 ))
   floor=$(( (4 * eif_mib + 255) / 256 * 256 ))
   if (( floor > mem )); then
@@ -175,13 +200,13 @@ for i in "${!RANGES[@]}"; do
     exit 2
   fi
   cid=$(( CID_BASE + i ))
-  echo "stage $i: layers $start..$end cid $cid: memory $mem MiB $why roundup_256($eif_mib eif + $weights_mib weights + $kv_mib kv + $act_mib activations + 512), cpus $cpus"
+  echo "stage $i: layers $start..$end cid $cid: memory $mem MiB $why roundup_256($eif_mib eif + $stage_weights_mib weights + $kv_mib kv + $act_mib activations + 512), cpus $cpus"
   mems+=("$mem")
   routes+=("vsock://any:$(( PROXY_BASE + i ))=vsock://$cid:$PORT")
   env_over+=("GATEWAY_${S}__STAGES__${i}__LAYERS=[$start, $end]" "GATEWAY_${S}__STAGES__${i}__ADDRESS=vsock://$cid:$PORT")
   if (( i > 0 )); then
     env_over+=("GATEWAY_${S}__STAGES__${i}__PEER_ADDRESS=vsock://3:$(( PROXY_BASE + i ))")
-  elif [[ "$ARCH" == llama && $N -gt 1 ]]; then
+  elif [[ "$TASK" == completion && $N -gt 1 ]]; then
     # The exit stage sends sampled tokens back to the entry stage.
     env_over+=("GATEWAY_${S}__STAGES__0__PEER_ADDRESS=vsock://3:$PROXY_BASE")
   fi

@@ -88,25 +88,25 @@ grep -q -- "host-proxy --route vsock://any:8000=vsock://16:9000 --route vsock://
   || fail "host-proxy routes"
 grep -q "GATEWAY_PIPELINE__STAGES__1__PEER_ADDRESS=vsock://3:8001" "$tmp/run.out" || fail "peer address"
 grep -q "serve --config config/gateway-nitro.toml" "$tmp/run.out" || fail "gateway command"
-# SmolLM2 (GGUF Q4_1 held as 4-bit blocks with f32 scales, 6/5 of the file:
-# the stages' default weights) with a KV budget: 15 layers per stage; then
-# WEIGHTS=f32 (dequantized, 32/5 of the file).
-scripts/run-nitro.sh --dry-run --build "$tmp/none" --model models/smollm2-135m-instruct \
-  --layers 0..15,15..30 --kv-cache-tokens 16384 >"$tmp/run2.out"
+# SmolLM2 (GGUF Q4_1) with a KV budget, 15 layers per stage: each stage is
+# sized with `gateway plan --layers` (its own weights as the stages hold
+# them, the embedding at the entry, the tied head costing nothing more at
+# the exit, and its KV cache), in the stages' default weights and in f32.
 gguf=models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 s_files=$(du -sbL models/smollm2-135m-instruct | cut -f1)
-kv=$(up $(( 16384 * 15 * 1536 )))
 for weights in q4_1 f32; do
-  if [[ $weights == f32 ]]; then
-    WEIGHTS=f32 scripts/run-nitro.sh --dry-run --build "$tmp/none" --model models/smollm2-135m-instruct \
-      --layers 0..15,15..30 --kv-cache-tokens 16384 >"$tmp/run2.out"
-    s_weights=$(( ($(stat -L -c %s $gguf) * 32 + 4) / 5 ))
-  else
-    s_weights=$(( ($(stat -L -c %s $gguf) * 6 + 4) / 5 ))
-  fi
-  want=$(( ( ($(up "$s_files") + 64) + $(up "$s_weights") + kv + 512 + 255) / 256 * 256 ))
-  grep -q "memory $want MiB = .* + $(up "$s_weights") weights + $kv kv + 0 activations" "$tmp/run2.out" \
-    || { cat "$tmp/run2.out"; fail "completions sizing, $weights ($want MiB, kv $kv)"; }
+  WEIGHTS=$weights scripts/run-nitro.sh --dry-run --build "$tmp/none" --model models/smollm2-135m-instruct \
+    --layers 0..15,15..30 --kv-cache-tokens 16384 >"$tmp/run2.out"
+  grep -q "each stage its own, from gateway plan" "$tmp/run2.out" || { cat "$tmp/run2.out"; fail "completions sizing without gateway plan"; }
+  plan=$(target/release/gateway plan --model "$gguf" --layers 0..15,15..30 --kv-tokens 16384 --weights $weights --json)
+  for i in 0 1; do
+    w=$(up "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])[int(sys.argv[2])]["weight_bytes"])' "$plan" $i)")
+    kv=$(up "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])[int(sys.argv[2])]["kv_bytes"])' "$plan" $i)")
+    [[ $kv == $(up $(( 16384 * 15 * 1536 ))) ]] || fail "plan's KV cache for SmolLM2 ($kv MiB)"
+    want=$(( ( ($(up "$s_files") + 64) + w + kv + 512 + 255) / 256 * 256 ))
+    grep -q "stage $i: .* memory $want MiB = .* + $w weights + $kv kv + 0 activations" "$tmp/run2.out" \
+      || { cat "$tmp/run2.out"; fail "completions sizing, stage $i, $weights ($want MiB, weights $w, kv $kv)"; }
+  done
 done
 if WEIGHTS=int3 scripts/run-nitro.sh --dry-run --build "$tmp/none" >/dev/null 2>&1; then fail "WEIGHTS=int3 accepted"; fi
 grep -q "GATEWAY_COMPLETIONS__STAGES__0__PEER_ADDRESS=vsock://3:8000" "$tmp/run2.out" || fail "feedback route"

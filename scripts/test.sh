@@ -9,7 +9,8 @@
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
 #   4. GGUF models of every architecture (llama, qwen2, qwen3) and tensor
 #      type the stages load, random weights of real shapes, against
-#      llama.cpp on the same files (scripts/test_gguf_models.py, with
+#      llama.cpp on the same files, and a SentencePiece vocabulary cut and
+#      served as llama.cpp cuts it (scripts/test_gguf_models.py, with
 #      llama-cpp-python built into target/test-venv-llama); embedding models
 #      in the sentence-transformers layout (every pooling served, random
 #      weights) served by `serve --embedding-model` against

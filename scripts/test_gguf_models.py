@@ -23,6 +23,14 @@ ties; after one, both continuations are right).
 A file with a tensor type or an architecture the stage does not load must be
 refused with an error naming it.
 
+The SentencePiece fixture (`llama-spm`, Llama 2's tokenizer kind) is also
+checked as text: texts with leading and repeated spaces, tabs, newlines,
+digits, accents, characters outside its vocabulary (byte fallback), emoji
+and special tokens must be cut into exactly llama.cpp's ids and decoded
+back into llama.cpp's text; and `gateway serve --model` on it must answer
+a chat request whose prompt, rendered with the file's template, counts
+exactly llama.cpp's tokens.
+
 llama.cpp keeps its KV cache in f32 here (`type_k`/`type_v`), so the
 remaining differences are its rounding of activations to 8 bits in its
 quantized products and the summation order.
@@ -53,6 +61,7 @@ import llama_cpp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_gguf_fixtures  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POSITIONS = 256
 PROMPT = 64
 GREEDY = 32
@@ -199,6 +208,8 @@ def main() -> int:
     ap.add_argument("--source", required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--report")
+    ap.add_argument("--gateway", default=os.path.join(ROOT, "target", "release", "gateway"),
+                    help="the gateway binary, served the SentencePiece fixture")
     ap.add_argument("--only", help="one architecture")
     ap.add_argument("--shape", default="small", choices=["small", "1b"],
                     help="1b: the 1B-class llama shape instead, F16 and Q4_K_M only "
@@ -212,17 +223,22 @@ def main() -> int:
     )
     rng = np.random.default_rng(7)
     vocab = gguf.GGUFReader(args.source).fields["tokenizer.ggml.tokens"].contents()
-    tokens = [int(t) for t in rng.integers(0, len(vocab), POSITIONS)]
+    all_tokens = [int(t) for t in rng.integers(0, len(vocab), POSITIONS)]
 
     failures, rows = [], []
     if args.shape == "1b":
         archs, base, types = ["llama-1b"], "F16", [("F16", None, True), TYPES[-1]]
     else:
-        archs = [args.only] if args.only else ["llama", "qwen2", "qwen3"]
+        archs = [args.only] if args.only else ["llama", "qwen2", "qwen3", "llama-spm"]
         base, types = "F32", TYPES
     for arch in archs:
         f32 = os.path.join(args.dir, f"{arch}.{base}.gguf")
-        for label, ftype, pure in types:
+        # The SentencePiece fixture's tokenizer is its point: its file in
+        # F32 and Q4_K_M is enough for the model.
+        arch_types = [TYPES[0], TYPES[-1]] if arch == "llama-spm" else types
+        vocab_n = len(gguf.GGUFReader(f32).fields["tokenizer.ggml.tokens"].contents())
+        tokens = [t % vocab_n for t in all_tokens]
+        for label, ftype, pure in arch_types:
             path = f32 if ftype is None else os.path.join(args.dir, f"{arch}.{label}.gguf")
             if ftype is not None:
                 quantize(f32, path, ftype, pure)
@@ -268,6 +284,12 @@ def main() -> int:
                 if not ok:
                     failures.append(f"{arch} {label} ({weights}): {row}")
 
+    if "llama-spm" in archs:
+        spm = os.path.join(args.dir, "llama-spm.F32.gguf")
+        failures += check_tokenizer(args.bin, spm)
+        failures += check_served(args.gateway, spm, args.dir)
+
+    tokens = [t % len(vocab) for t in all_tokens]
     refusals = 0
     if args.shape == "small":
         # Refusals: a tensor type and an architecture the stage does not load.
@@ -290,6 +312,108 @@ def main() -> int:
     print(f"test_gguf_models: {len(rows)} file/format pairs agree with llama.cpp; "
           f"{refusals} refusals named")
     return 0
+
+
+# Texts that exercise SentencePiece's spaces, byte fallback and special tokens.
+TEXTS = [
+    "Hello world", " leading space", "two  spaces and\ttab", "lines\n\nbreak\n",
+    "digits 2024 and 3.14159", "café naïve résumé", "你好，世界", "emoji 🙂 and 🚀!",
+    "<s>[INST] hi [/INST]", "<tool_call>call<tool_call>x</tool_call>", "   ", "a</s>b",
+    "The enclave processed the prompt; receipts bind each answer to the attested stages.",
+]
+
+
+def detokenize(llm, ids: list) -> str:
+    """llama.cpp's `llama_detokenize`: the first token's space prefix
+    removed (as the stage and transformers decode), control tokens not
+    rendered. (llama-cpp-python's `Llama.detokenize` keeps the prefix.)"""
+    arr = (llama_cpp.llama_token * len(ids))(*ids)
+    size = 64 + 16 * len(ids)
+    buf = ctypes.create_string_buffer(size)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, size, False, False)
+    if n < 0:
+        raise SystemExit(f"llama_detokenize needs {-n} bytes")
+    return buf.raw[:n].decode("utf-8", errors="replace")
+
+
+def check_tokenizer(bin_path: str, path: str) -> list:
+    """The stage's tokenizer built from the file against llama.cpp's: ids
+    (special tokens matched, none added) and the text decoded back."""
+    llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(TEXTS, f)
+    p = subprocess.run([bin_path, "--tokenize", path, f.name], capture_output=True, text=True)
+    os.unlink(f.name)
+    if p.returncode != 0:
+        return [f"tokenizing with {os.path.basename(path)} failed: {p.stdout}{p.stderr}"]
+    ours = json.loads(p.stdout)
+    failures = []
+    for text, ids, back in zip(TEXTS, ours["ids"], ours["texts"]):
+        want = llm.tokenize(text.encode(), add_bos=False, special=True)
+        want_back = detokenize(llm, want)
+        # llama.cpp spends its one leading-space removal on the first token
+        # even when that is a control token rendering nothing (`<s>`); the
+        # stage, as transformers, removes the first space of what is
+        # rendered.
+        if want and llm._model.token_get_attr(want[0]) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL \
+                and want_back.startswith(" "):
+            want_back = want_back[1:]
+        if ids != want:
+            failures.append(f"SentencePiece ids of {text!r}: {ids}, llama.cpp {want}")
+        elif back != want_back:
+            failures.append(f"SentencePiece text of {text!r}: {back!r}, llama.cpp {want_back!r}")
+    print(f"  llama-spm tokenizer: {len(TEXTS) - len(failures)} of {len(TEXTS)} texts cut and "
+          f"decoded as llama.cpp does", flush=True)
+    return failures
+
+
+def check_served(gateway: str, path: str, d: str) -> list:
+    """`gateway serve --model` on the SentencePiece fixture answers chat; the
+    prompt (the file's template, rendered) counts llama.cpp's tokens."""
+    import re
+    import time
+    import urllib.request
+
+    out = tempfile.NamedTemporaryFile("w+", suffix=".out")
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log")
+    proc = subprocess.Popen(
+        [gateway, "serve", "--listen", "127.0.0.1:0", "--model", path, "--stages", "2",
+         "--model-cache", os.path.join(d, "models")],
+        cwd=ROOT, stdout=out, stderr=log,
+        env={**os.environ, "GATEWAY_RECEIPTS__STORE": "memory", "RUST_BACKTRACE": "0"})
+    try:
+        url = None
+        for _ in range(600):
+            out.seek(0)
+            m = re.search(r"^GATEWAY LISTENING (\S+)", out.read(), re.M)
+            if m:
+                url = m.group(1)
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        if url is None:
+            log.seek(0)
+            return [f"gateway serve --model {os.path.basename(path)} did not start:\n{log.read()[-3000:]}"]
+        body = {"model": "random-llama-spm", "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Name a colour."}]}
+        req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.load(r)
+    finally:
+        proc.send_signal(2)
+        proc.wait(30)
+    llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    prompt = "<s>[INST] Name a colour. [/INST]"
+    want = len(llm.tokenize(prompt.encode(), add_bos=False, special=True))
+    got = answer["usage"]["prompt_tokens"]
+    print(f"  llama-spm served: chat answered ({answer['usage']['completion_tokens']} tokens), "
+          f"prompt {got} tokens, llama.cpp {want}", flush=True)
+    if got != want or not isinstance(answer["choices"][0]["message"]["content"], str):
+        return [f"served SentencePiece chat: prompt {got} tokens, llama.cpp {want}: {answer}"]
+    return []
 
 
 def unsupported_arch(d: str, source: str) -> str:

@@ -10,13 +10,49 @@
 //! ```
 //! `TOKENS_FILE` holds comma-separated token ids. A model the stage refuses
 //! prints `{"error": "…"}` and exits 3.
+//!
+//! ```text
+//! gguf_logits --tokenize MODEL.gguf TEXTS_JSON
+//! ```
+//! instead tokenizes each text of the JSON list as the entry stage does (the
+//! tokenizer built from the file's metadata, special tokens matched, none
+//! added) and decodes the ids back as the exit stage does (special tokens
+//! skipped), printing
+//! `{"ids": [[…]], "texts": […]}`.
 
 use enclave_stage::llama::{argmax_rows, LlamaConfig, LlamaPart, SeqSlice, WeightFormat};
 use std::io::Write;
 use std::path::Path;
 
+/// `--tokenize MODEL TEXTS_JSON`: ids and decoded texts as JSON.
+fn tokenize(model: &Path, texts: &Path) -> anyhow::Result<()> {
+    let mut f = std::fs::File::open(model)?;
+    let ct = candle_core::quantized::gguf_file::Content::read(&mut f)?;
+    let doc = match enclave_stage::gguf_tokenizer::tokenizer_json(&ct) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("{}", serde_json::json!({ "error": e }));
+            std::process::exit(3);
+        }
+    };
+    let t =
+        tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&doc)?).map_err(anyhow::Error::msg)?;
+    let texts: Vec<String> = serde_json::from_slice(&std::fs::read(texts)?)?;
+    let (mut ids, mut decoded) = (Vec::new(), Vec::new());
+    for text in &texts {
+        let enc = t.encode(text.as_str(), false).map_err(anyhow::Error::msg)?;
+        decoded.push(t.decode(enc.get_ids(), true).map_err(anyhow::Error::msg)?);
+        ids.push(enc.get_ids().to_vec());
+    }
+    println!("{}", serde_json::json!({ "ids": ids, "texts": decoded }));
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let a: Vec<String> = std::env::args().collect();
+    if a.len() == 4 && a[1] == "--tokenize" {
+        return tokenize(Path::new(&a[2]), Path::new(&a[3]));
+    }
     if a.len() != 7 {
         anyhow::bail!(
             "usage: gguf_logits MODEL WEIGHTS TOKENS_FILE LOGITS_OUT PROMPT_LEN GREEDY_LEN"

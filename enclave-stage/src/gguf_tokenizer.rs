@@ -3,13 +3,22 @@
 //! makes of it, so a stage serving a user's GGUF needs no other file: the
 //! tokenizer is pinned by the GGUF's own digest.
 //!
-//! Byte-level BPE (`tokenizer.ggml.model = gpt2`: Llama 3.x, Qwen2/2.5/3,
-//! SmolLM) is supported, with the split rules the file's
-//! `tokenizer.ggml.pre` names (GPT-2's, Llama 3's, Qwen2's; Llama 3's also
-//! ignores merges for words in the vocabulary, as its `tokenizer.json`
-//! and llama.cpp do). SentencePiece files (`llama`: Llama 2, TinyLlama,
-//! Mistral 7B) and any other split rule (Mistral Nemo's `tekken` among
-//! them) are refused with an error naming them.
+//! Two kinds are supported:
+//! - byte-level BPE (`tokenizer.ggml.model = gpt2`: Llama 3.x,
+//!   Qwen2/2.5/3, SmolLM), with the split rules the file's
+//!   `tokenizer.ggml.pre` names (GPT-2's, Llama 3's, Qwen2's; Llama 3's
+//!   also ignores merges for words in the vocabulary, as its
+//!   `tokenizer.json` and llama.cpp do);
+//! - SentencePiece BPE (`llama`: Llama 2, TinyLlama, Mistral 7B v0.1), as
+//!   llama.cpp tokenizes it: spaces written `▁` and one prepended to each
+//!   run of text (at the start and after every special token, unless
+//!   `tokenizer.ggml.add_space_prefix` is false), the best-scored pair
+//!   merged first (merges recovered from the scores, as transformers
+//!   recovers them, where the file lists none), bytes outside the
+//!   vocabulary as its `<0xXX>` tokens.
+//!
+//! Any other tokenizer model or split rule (Mistral Nemo's `tekken` among
+//! them) is refused with an error naming it.
 //!
 //! Prompts are tokenized without special tokens: a chat template writes
 //! its own BOS, and a raw `/v1/completions` prompt gets none even where the
@@ -30,8 +39,12 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
+const UNKNOWN: i64 = 2;
 const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
+
+/// SentencePiece's spelling of a space.
+const SPACE: &str = "\u{2581}";
 
 /// GPT-2's byte → printable character table (as in transformers and
 /// tokenizers' `ByteLevel`).
@@ -109,18 +122,13 @@ pub fn tokenizer_json(ct: &Content) -> Result<serde_json::Value, String> {
         Some(v) => v.to_string().map_err(|e| e.to_string())?.clone(),
         None => return Err("GGUF metadata has no tokenizer.ggml.model".into()),
     };
-    if model != "gpt2" {
+    if !matches!(model.as_str(), "gpt2" | "llama") {
         return Err(format!(
-            "the GGUF's tokenizer model {model:?} is not supported (supported: gpt2, byte-level BPE)"
+            "the GGUF's tokenizer model {model:?} is not supported \
+             (supported: gpt2, byte-level BPE; llama, SentencePiece BPE)"
         ));
     }
-    let pre = match ct.metadata.get("tokenizer.ggml.pre") {
-        Some(v) => v.to_string().map_err(|e| e.to_string())?.clone(),
-        None => "default".into(),
-    };
-    let (normalizer, pre_tokenizer, ignore_merges) = pre_tokenizer(&pre)?;
     let tokens = strings(ct, "tokenizer.ggml.tokens")?;
-    let merges = strings(ct, "tokenizer.ggml.merges")?;
     let types: Vec<i64> = match ct.metadata.get("tokenizer.ggml.token_type") {
         Some(Value::Array(a)) => a.iter().map(|v| int(v).unwrap_or(1)).collect(),
         _ => vec![1; tokens.len()],
@@ -128,11 +136,30 @@ pub fn tokenizer_json(ct: &Content) -> Result<serde_json::Value, String> {
     if types.len() != tokens.len() {
         return Err("tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length".into());
     }
+    if model == "gpt2" {
+        byte_level(ct, tokens, &types)
+    } else {
+        sentencepiece(ct, tokens, &types)
+    }
+}
+
+/// A byte-level BPE document (`tokenizer.ggml.model = gpt2`).
+fn byte_level(
+    ct: &Content,
+    tokens: Vec<String>,
+    types: &[i64],
+) -> Result<serde_json::Value, String> {
+    let pre = match ct.metadata.get("tokenizer.ggml.pre") {
+        Some(v) => v.to_string().map_err(|e| e.to_string())?.clone(),
+        None => "default".into(),
+    };
+    let (normalizer, pre_tokenizer, ignore_merges) = pre_tokenizer(&pre)?;
+    let merges = strings(ct, "tokenizer.ggml.merges")?;
     let spelling = bytes_to_unicode();
     let in_alphabet = |t: &str| t.chars().all(|c| spelling.contains(&c));
     let mut vocab = Map::new();
     let mut added = Vec::new();
-    for (i, (tok, ty)) in tokens.iter().zip(&types).enumerate() {
+    for (i, (tok, ty)) in tokens.iter().zip(types).enumerate() {
         let key = if in_alphabet(tok) {
             tok.clone()
         } else {
@@ -146,14 +173,172 @@ pub fn tokenizer_json(ct: &Content) -> Result<serde_json::Value, String> {
             }));
         }
     }
-    let merges: Vec<serde_json::Value> = merges
+    Ok(document(
+        added,
+        normalizer,
+        pre_tokenizer,
+        json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+        json!({
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": null,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": false,
+            "byte_fallback": false,
+            "ignore_merges": ignore_merges,
+            "vocab": vocab,
+            "merges": listed_merges(&merges),
+        }),
+    ))
+}
+
+/// The file's merges (`"a b"` each) as the document lists them.
+fn listed_merges(merges: &[String]) -> Vec<serde_json::Value> {
+    merges
         .iter()
         .map(|m| {
             let (a, b) = m.split_once(' ').unwrap_or((m, ""));
             json!([a, b])
         })
+        .collect()
+}
+
+/// A SentencePiece BPE document (`tokenizer.ggml.model = llama`), written
+/// to tokenize as llama.cpp does (module docs): the space prefix is a
+/// normalizer, which runs on each run of text between added tokens, rather
+/// than transformers' `Metaspace`, which prefixes only the first.
+fn sentencepiece(
+    ct: &Content,
+    tokens: Vec<String>,
+    types: &[i64],
+) -> Result<serde_json::Value, String> {
+    let scores: Vec<f32> = match ct.metadata.get("tokenizer.ggml.scores") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.to_f32()
+                    .map_err(|e| format!("tokenizer.ggml.scores: {e}"))
+            })
+            .collect::<Result<_, _>>()?,
+        _ => return Err("GGUF metadata has no tokenizer.ggml.scores".into()),
+    };
+    if scores.len() != tokens.len() {
+        return Err("tokenizer.ggml.scores and tokenizer.ggml.tokens differ in length".into());
+    }
+    let merges = match ct.metadata.get("tokenizer.ggml.merges") {
+        Some(_) => listed_merges(&strings(ct, "tokenizer.ggml.merges")?),
+        None => recovered_merges(&tokens, &scores),
+    };
+    let add_space = match ct.metadata.get("tokenizer.ggml.add_space_prefix") {
+        Some(v) => v
+            .to_bool()
+            .map_err(|e| format!("tokenizer.ggml.add_space_prefix: {e}"))?,
+        None => true,
+    };
+    let unk = ct
+        .metadata
+        .get("tokenizer.ggml.unknown_token_id")
+        .and_then(int)
+        .and_then(|i| tokens.get(usize::try_from(i).ok()?).cloned());
+    let mut vocab = Map::new();
+    let mut added = Vec::new();
+    for (i, (tok, ty)) in tokens.iter().zip(types).enumerate() {
+        vocab.entry(tok.clone()).or_insert(json!(i));
+        if matches!(*ty, UNKNOWN | CONTROL | USER_DEFINED) {
+            added.push(json!({
+                "id": i, "content": tok, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": *ty != USER_DEFINED,
+            }));
+        }
+    }
+    let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": SPACE});
+    let normalizer = if add_space {
+        json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}, replace]})
+    } else {
+        replace
+    };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": SPACE}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if add_space {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    Ok(document(
+        added,
+        normalizer,
+        serde_json::Value::Null,
+        json!({"type": "Sequence", "decoders": decoders}),
+        json!({
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": unk,
+            "continuing_subword_prefix": null,
+            "end_of_word_suffix": null,
+            "fuse_unk": true,
+            "byte_fallback": true,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": merges,
+        }),
+    ))
+}
+
+/// The merges a SentencePiece vocabulary implies when the file lists none,
+/// as transformers recovers them (`generate_merges`): every split of every
+/// token into two tokens, the best-scored merged token first, then longer
+/// left and right parts first, ties in vocabulary order. Merging by these
+/// ranks is SentencePiece's (and llama.cpp's) rule of merging the
+/// best-scored pair first.
+fn recovered_merges(tokens: &[String], scores: &[f32]) -> Vec<serde_json::Value> {
+    let index: std::collections::HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .rev()
+        .map(|(i, t)| (t.as_str(), i))
         .collect();
-    Ok(json!({
+    // (left, right, score, chars of left, chars of right)
+    let mut merges: Vec<(&str, &str, f32, usize, usize)> = Vec::new();
+    for (tok, &score) in tokens.iter().zip(scores) {
+        let mut local: Vec<(usize, usize, &str, &str)> = tok
+            .char_indices()
+            .skip(1)
+            .filter_map(|(k, _)| {
+                let (l, r) = tok.split_at(k);
+                Some((*index.get(l)?, *index.get(r)?, l, r))
+            })
+            .collect();
+        local.sort_by_key(|m| (m.0, m.1));
+        merges.extend(
+            local
+                .into_iter()
+                .map(|(_, _, l, r)| (l, r, score, l.chars().count(), r.chars().count())),
+        );
+    }
+    // A stable sort, descending: equal keys keep their order, as Python's
+    // `sorted(..., reverse=True)` keeps them.
+    merges.sort_by(|a, b| {
+        b.2.partial_cmp(&a.2)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(b.3.cmp(&a.3))
+            .then(b.4.cmp(&a.4))
+    });
+    merges.into_iter().map(|(l, r, ..)| json!([l, r])).collect()
+}
+
+/// The whole `tokenizer.json` document around a model: no truncation or
+/// padding, and no special tokens added to a text (a chat template writes
+/// its own).
+fn document(
+    added: Vec<serde_json::Value>,
+    normalizer: serde_json::Value,
+    pre_tokenizer: serde_json::Value,
+    decoder: serde_json::Value,
+    model: serde_json::Value,
+) -> serde_json::Value {
+    json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
@@ -166,20 +351,9 @@ pub fn tokenizer_json(ct: &Content) -> Result<serde_json::Value, String> {
             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
             "special_tokens": {},
         },
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE",
-            "dropout": null,
-            "unk_token": null,
-            "continuing_subword_prefix": "",
-            "end_of_word_suffix": "",
-            "fuse_unk": false,
-            "byte_fallback": false,
-            "ignore_merges": ignore_merges,
-            "vocab": vocab,
-            "merges": merges,
-        },
-    }))
+        "decoder": decoder,
+        "model": model,
+    })
 }
 
 #[cfg(test)]
@@ -243,6 +417,25 @@ mod tests {
     }
 
     #[test]
+    fn sentencepiece_merges_are_recovered_best_scored_first() {
+        let tokens: Vec<String> = ["a", "b", "c", "ab", "abc", "bc"]
+            .map(String::from)
+            .to_vec();
+        let merges = recovered_merges(&tokens, &[-1.0, -2.0, -3.0, -0.5, -0.1, -0.7]);
+        // "abc" scores best: both its splits, the longer left part first;
+        // then "ab", then "bc".
+        assert_eq!(
+            merges,
+            vec![
+                json!(["ab", "c"]),
+                json!(["a", "bc"]),
+                json!(["a", "b"]),
+                json!(["b", "c"])
+            ]
+        );
+    }
+
+    #[test]
     fn unsupported_split_rules_and_models_are_named() {
         assert!(pre_tokenizer("deepseek-coder")
             .unwrap_err()
@@ -254,7 +447,7 @@ mod tests {
             tensor_data_offset: 0,
         };
         ct.metadata
-            .insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
-        assert!(tokenizer_json(&ct).unwrap_err().contains("\"llama\""));
+            .insert("tokenizer.ggml.model".into(), Value::String("t5".into()));
+        assert!(tokenizer_json(&ct).unwrap_err().contains("\"t5\""));
     }
 }

@@ -228,6 +228,28 @@ impl ModelCosts {
     }
 }
 
+/// A split written `A..B,B..C,…`: contiguous ranges from layer 0 to
+/// `layers`, none empty.
+pub fn parse_layers(list: &str, layers: u32) -> Result<Vec<[u32; 2]>> {
+    let mut out: Vec<[u32; 2]> = Vec::new();
+    for part in list.split(',') {
+        let (a, b) = part
+            .trim()
+            .split_once("..")
+            .with_context(|| format!("{part:?} is not a range A..B"))?;
+        let r = [a.trim().parse::<u32>()?, b.trim().parse::<u32>()?];
+        let start = out.last().map_or(0, |l| l[1]);
+        if r[0] != start || r[1] <= r[0] {
+            bail!("{part:?}: the ranges must run on from layer {start}, none empty");
+        }
+        out.push(r);
+    }
+    match out.last() {
+        Some(l) if l[1] == layers => Ok(out),
+        _ => bail!("the ranges must end at the model's {layers} layers"),
+    }
+}
+
 /// `512MiB`, `1GiB`, `1.5GB`, `800M` or a plain byte count.
 pub fn parse_bytes(s: &str) -> Result<u64> {
     let t = s.trim();
@@ -327,6 +349,24 @@ mod tests {
         };
         assert_eq!(c.stage_weights(0..8, true, true), 504);
         assert_eq!(c.stage_weights(4..8, false, true), 304);
+    }
+
+    #[test]
+    fn a_given_split_must_cover_the_layers_in_order() {
+        assert_eq!(
+            parse_layers("0..15, 15..30", 30).unwrap(),
+            vec![[0, 15], [15, 30]]
+        );
+        for bad in [
+            "0..15,16..30",
+            "0..15",
+            "0..0,0..30",
+            "1..30",
+            "0..30,30..31",
+            "x",
+        ] {
+            assert!(parse_layers(bad, 30).is_err(), "{bad}");
+        }
     }
 
     #[test]

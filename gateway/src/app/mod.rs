@@ -94,12 +94,21 @@ struct PlanArgs {
     model: PathBuf,
     /// Each stage's memory, e.g. `1GiB`, `800MiB`, `2GB`: the fewest
     /// stages that fit.
-    #[arg(long, required_unless_present = "stages", conflicts_with = "stages")]
+    #[arg(
+        long,
+        required_unless_present_any = ["stages", "layers"],
+        conflicts_with_all = ["stages", "layers"]
+    )]
     stage_memory: Option<String>,
     /// Instead: the cost of each stage of an even split into N stages (the
     /// split `serve --model --stages N` runs).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "layers")]
     stages: Option<usize>,
+    /// Instead: the cost of each stage of this split, e.g. `0..15,15..30`
+    /// (contiguous from layer 0 to the last; `scripts/run-nitro.sh` sizes
+    /// its enclaves with it).
+    #[arg(long, value_name = "A..B,B..C")]
+    layers: Option<String>,
     /// KV-cache budget per stage in tokens (`[completions] kv_cache_tokens`).
     #[arg(long, default_value_t = 8192)]
     kv_tokens: u64,
@@ -214,14 +223,25 @@ fn print_plan(a: &PlanArgs) -> Result<()> {
             )
         }
         (None, n) => {
-            let n = n.context("--stage-memory or --stages")?;
-            let split =
-                crate::own_model::split_layers(costs.layers.len() as u32, n).context("--stages")?;
+            let (split, how) = match (&a.layers, n) {
+                (Some(list), _) => (
+                    plan::parse_layers(list, costs.layers.len() as u32).context("--layers")?,
+                    "split as given",
+                ),
+                (None, n) => {
+                    let n = n.context("--stage-memory, --stages or --layers")?;
+                    (
+                        crate::own_model::split_layers(costs.layers.len() as u32, n)
+                            .context("--stages")?,
+                        "split evenly by layers",
+                    )
+                }
+            };
             let stages = split
                 .iter()
                 .map(|l| costs.stage(l[0] as usize..l[1] as usize, a.kv_tokens, overhead))
                 .collect::<Vec<_>>();
-            (stages, "split evenly by layers".to_string())
+            (stages, how.to_string())
         }
     };
     if a.json {
