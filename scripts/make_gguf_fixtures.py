@@ -11,7 +11,7 @@ real vocabulary and the fixtures exercise the stages' tokenizer-from-GGUF
 path as a user's file would. `llama-spm` instead has a SentencePiece BPE
 vocabulary as Llama 2's is made (`tokenizer.ggml.model = llama`: scores,
 byte-fallback tokens), trained here with the `sentencepiece` package on the
-repository's own English text (1,000 pieces) and written as llama.cpp's
+fixed English text of `scripts/data/quality-text.txt` (1,000 pieces) and written as llama.cpp's
 converter writes one, with a Llama-2-style chat template.
 
 Shapes are small but keep the features that differ between families:
@@ -129,8 +129,7 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
     w.add_name(f"random-{name}")
     if name == "llama-spm":
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        vocab = spm_tokenizer(w, [os.path.join(root, "scripts", "data", "quality-text.txt"),
-                                  os.path.join(root, "README.md")])
+        vocab = spm_tokenizer(w, [os.path.join(root, "scripts", "data", "quality-text.txt")])
     else:
         vocab = copy_tokenizer(src, w)
     w.add_context_length(2048)

@@ -38,8 +38,8 @@
 #                  blocks with an f32 scale), f32 32; file bits per weight
 #                  from the file name, Q4_1 5, Q4_0 4.5, Q8_0 8.5, F16 16,
 #                  else 8); the whole model, as an upper bound for any stage.
-#                  For a GGUF, when target/release/gateway exists (as after
-#                  build-eif.sh): `gateway plan --layers LIST` instead, each
+#                  For a GGUF, when target/release/gateway exists (cargo
+#                  build --release): `gateway plan --layers LIST` instead, each
 #                  stage's own weights as it holds them (its layers, the
 #                  embedding at the entry, the head at the exit)
 #     kv           generation models: with `gateway plan`, its KV bytes for
@@ -82,7 +82,7 @@ while [[ $# -gt 0 ]]; do
     --debug-mode) DEBUG_MODE=1; shift ;;
     --config) CONFIG="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,54p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,59p' "$0"; exit 0 ;;
     *) echo "run-nitro: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -157,10 +157,14 @@ fi
 # own weights as it holds them and its KV cache at the budget, from the
 # file's tensors and metadata. Without a gateway binary, the estimates above.
 PLAN=""
-gguf_file=$(ls "$MODEL_DIR"/*.gguf 2>/dev/null | head -n1 || true)
+# The GGUF the manifest pins (the file the stages load).
+gguf_file=$(python3 -c 'import json,sys; print(next((sys.argv[2] + "/" + f["path"] for f in json.load(open(sys.argv[1]))["files"] if f["path"].endswith(".gguf")), ""))' "$MODEL_DIR/manifest.json" "$MODEL_DIR")
 if [[ "$TASK" == completion && -n "$gguf_file" && -x "$GATEWAY" ]]; then
   PLAN=$("$GATEWAY" plan --model "$gguf_file" --layers "$LAYERS" --kv-tokens "$KV_TOKENS" \
-    --weights "$WEIGHTS" --json) || { echo "run-nitro: gateway plan failed" >&2; exit 1; }
+    --weights "$WEIGHTS" --json) || {
+    echo "run-nitro: gateway plan failed (a gateway binary older than plan --layers? cargo build --release)" >&2
+    exit 1
+  }
   plan_field() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])[int(sys.argv[2])][sys.argv[3]])' "$PLAN" "$1" "$2"; }
   weights_how="whole model; each stage its own, from gateway plan"
 else
@@ -225,7 +229,7 @@ echo "== parent: /etc/nitro_enclaves/allocator.yaml for this pipeline (add the o
 echo "memory_mib: $total_mem"
 echo "cpu_count: $total_cpus"
 echo "instance: at least $need_vcpus vCPUs ($total_cpus for the enclaves, CPU 0 and its sibling for the parent) and $need_mib MiB: $instance"
-if [[ "$ARCH" == llama ]]; then
+if [[ "$TASK" == completion ]]; then
   echo "note: these stages are the config's [completions] pipeline: $CONFIG must have one, and its"
   echo "      [pipeline] (embeddings) enclaves must run too (docs/deploy-nitro.md, two pipelines)."
 fi

@@ -97,7 +97,7 @@ s_files=$(du -sbL models/smollm2-135m-instruct | cut -f1)
 for weights in q4_1 f32; do
   WEIGHTS=$weights scripts/run-nitro.sh --dry-run --build "$tmp/none" --model models/smollm2-135m-instruct \
     --layers 0..15,15..30 --kv-cache-tokens 16384 >"$tmp/run2.out"
-  grep -q "each stage its own, from gateway plan" "$tmp/run2.out" || { cat "$tmp/run2.out"; fail "completions sizing without gateway plan"; }
+  grep -q "each stage its own, from gateway plan" "$tmp/run2.out" || { cat "$tmp/run2.out"; fail "completions sized without gateway plan"; }
   plan=$(target/release/gateway plan --model "$gguf" --layers 0..15,15..30 --kv-tokens 16384 --weights $weights --json)
   for i in 0 1; do
     w=$(up "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])[int(sys.argv[2])]["weight_bytes"])' "$plan" $i)")

@@ -404,7 +404,11 @@ def check_served(gateway: str, path: str, d: str) -> list:
             answer = json.load(r)
     finally:
         proc.send_signal(2)
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
     prompt = "<s>[INST] Name a colour. [/INST]"
     want = len(llm.tokenize(prompt.encode(), add_bos=False, special=True))

@@ -13,9 +13,17 @@
 //!   llama.cpp tokenizes it: spaces written `▁` and one prepended to each
 //!   run of text (at the start and after every special token, unless
 //!   `tokenizer.ggml.add_space_prefix` is false), the best-scored pair
-//!   merged first (merges recovered from the scores, as transformers
-//!   recovers them, where the file lists none), bytes outside the
-//!   vocabulary as its `<0xXX>` tokens.
+//!   merged first (merges recovered from the scores as transformers
+//!   recovers them; llama.cpp never reads a SentencePiece file's listed
+//!   merges, and neither does this), characters outside the vocabulary as
+//!   its `<0xXX>` byte tokens. That equals llama.cpp's cut when the
+//!   vocabulary's mergeable pieces have distinct scores, as SentencePiece
+//!   trains them; a file with tied scores (gguf-py writes -1000 for every
+//!   piece it converts from a `tokenizer.json`) is refused, because
+//!   llama.cpp merges tied pairs leftmost first, which no ranking of merges
+//!   can say. So are duplicate pieces, malformed `<0x…>` byte tokens and
+//!   pieces too long to be learned merges that a recovery would spend
+//!   quadratic time on.
 //!
 //! Any other tokenizer model or split rule (Mistral Nemo's `tekken` among
 //! them) is refused with an error naming it.
@@ -42,6 +50,43 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 const UNKNOWN: i64 = 2;
 const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
+
+/// llama.cpp's end-of-generation token names: a token with one of these
+/// texts is made a control (special) token whatever type the file gives
+/// it ("control-looking token … its type will be overridden").
+const EOG_NAMES: [&str; 22] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>",
+    "[e~[",
+];
+
+/// The longest SentencePiece piece, in bytes, that merges are recovered
+/// for: SentencePiece learns pieces of at most 16 characters by default
+/// (64 bytes of UTF-8); longer ones are added tokens, matched whole.
+const MAX_MERGED_PIECE: usize = 64;
+
+/// The most merges a SentencePiece vocabulary may imply (Llama 2's 32,000
+/// pieces imply about 60,000; a vocabulary of 256,000 well under this).
+const MAX_MERGES: usize = 4_000_000;
 
 /// SentencePiece's spelling of a space.
 const SPACE: &str = "\u{2581}";
@@ -226,10 +271,38 @@ fn sentencepiece(
     if scores.len() != tokens.len() {
         return Err("tokenizer.ggml.scores and tokenizer.ggml.tokens differ in length".into());
     }
-    let merges = match ct.metadata.get("tokenizer.ggml.merges") {
-        Some(_) => listed_merges(&strings(ct, "tokenizer.ggml.merges")?),
-        None => recovered_merges(&tokens, &scores),
-    };
+    if let Some(i) = scores.iter().position(|s| !s.is_finite()) {
+        return Err(format!("tokenizer.ggml.scores[{i}] is {}", scores[i]));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (i, tok) in tokens.iter().enumerate() {
+        if !seen.insert(tok.as_str()) {
+            return Err(format!(
+                "tokenizer.ggml.tokens[{i}] {tok:?} is listed twice"
+            ));
+        }
+        // A byte token is `<0xHH>`; anything else so named would be read
+        // as one (and refused by the grammar engine's vocabulary reader).
+        if tok.starts_with("<0x")
+            && !(tok.len() == 6
+                && tok.ends_with('>')
+                && tok[3..5].bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return Err(format!(
+                "tokenizer.ggml.tokens[{i}] {tok:?} is not a byte token <0xHH>"
+            ));
+        }
+    }
+    // llama.cpp merges by score alone: listed merges are never read.
+    let merges = recovered_merges(&tokens, &scores)?;
+    let phi3 = ct
+        .metadata
+        .get("general.name")
+        .and_then(|v| v.to_string().ok())
+        .is_some_and(|n| {
+            let n = n.to_lowercase();
+            n.contains("phi3") || n.contains("phi-3")
+        });
     let add_space = match ct.metadata.get("tokenizer.ggml.add_space_prefix") {
         Some(v) => v
             .to_bool()
@@ -244,11 +317,21 @@ fn sentencepiece(
     let mut vocab = Map::new();
     let mut added = Vec::new();
     for (i, (tok, ty)) in tokens.iter().zip(types).enumerate() {
-        vocab.entry(tok.clone()).or_insert(json!(i));
-        if matches!(*ty, UNKNOWN | CONTROL | USER_DEFINED) {
+        vocab.insert(tok.clone(), json!(i));
+        let ty = if EOG_NAMES.contains(&tok.as_str()) {
+            CONTROL
+        } else {
+            *ty
+        };
+        if matches!(ty, UNKNOWN | CONTROL | USER_DEFINED) {
+            // llama.cpp strips the spaces after a Phi-3 file's special
+            // tokens, but for these three.
+            let rstrip = phi3
+                && ty != USER_DEFINED
+                && !matches!(tok.as_str(), "<unk>" | "<s>" | "<|endoftext|>");
             added.push(json!({
                 "id": i, "content": tok, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": *ty != USER_DEFINED,
+                "rstrip": rstrip, "normalized": false, "special": ty != USER_DEFINED,
             }));
         }
     }
@@ -286,22 +369,27 @@ fn sentencepiece(
     ))
 }
 
-/// The merges a SentencePiece vocabulary implies when the file lists none,
-/// as transformers recovers them (`generate_merges`): every split of every
-/// token into two tokens, the best-scored merged token first, then longer
-/// left and right parts first, ties in vocabulary order. Merging by these
-/// ranks is SentencePiece's (and llama.cpp's) rule of merging the
-/// best-scored pair first.
-fn recovered_merges(tokens: &[String], scores: &[f32]) -> Vec<serde_json::Value> {
+/// The merges a SentencePiece vocabulary implies, as transformers recovers
+/// them (`generate_merges`): every split of every piece into two pieces,
+/// the best-scored merged piece first, then longer left and right parts
+/// first, ties in vocabulary order. Merging by these ranks is
+/// SentencePiece's (and llama.cpp's) rule of merging the best-scored pair
+/// first, provided no two mergeable pieces share a score (refused here,
+/// named). Pieces longer than [`MAX_MERGED_PIECE`] bytes are not split.
+fn recovered_merges(tokens: &[String], scores: &[f32]) -> Result<Vec<serde_json::Value>, String> {
     let index: std::collections::HashMap<&str, usize> = tokens
         .iter()
         .enumerate()
-        .rev()
         .map(|(i, t)| (t.as_str(), i))
         .collect();
     // (left, right, score, chars of left, chars of right)
     let mut merges: Vec<(&str, &str, f32, usize, usize)> = Vec::new();
-    for (tok, &score) in tokens.iter().zip(scores) {
+    // The score of each piece that merges make, to find ties.
+    let mut merged: Vec<(f32, usize)> = Vec::new();
+    for (i, (tok, &score)) in tokens.iter().zip(scores).enumerate() {
+        if tok.len() > MAX_MERGED_PIECE {
+            continue;
+        }
         let mut local: Vec<(usize, usize, &str, &str)> = tok
             .char_indices()
             .skip(1)
@@ -310,22 +398,35 @@ fn recovered_merges(tokens: &[String], scores: &[f32]) -> Vec<serde_json::Value>
                 Some((*index.get(l)?, *index.get(r)?, l, r))
             })
             .collect();
+        if local.is_empty() {
+            continue;
+        }
+        merged.push((score, i));
         local.sort_by_key(|m| (m.0, m.1));
         merges.extend(
             local
                 .into_iter()
                 .map(|(_, _, l, r)| (l, r, score, l.chars().count(), r.chars().count())),
         );
+        if merges.len() > MAX_MERGES {
+            return Err(format!(
+                "the SentencePiece vocabulary implies more than {MAX_MERGES} merges"
+            ));
+        }
+    }
+    merged.sort_by(|a, b| a.0.total_cmp(&b.0));
+    if let Some(w) = merged.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(format!(
+            "SentencePiece pieces {:?} and {:?} share the score {}: llama.cpp merges tied pairs \
+             leftmost first, which a ranking of merges cannot reproduce (a file converted from a \
+             tokenizer.json without scores?)",
+            tokens[w[0].1], tokens[w[1].1], w[0].0
+        ));
     }
     // A stable sort, descending: equal keys keep their order, as Python's
     // `sorted(..., reverse=True)` keeps them.
-    merges.sort_by(|a, b| {
-        b.2.partial_cmp(&a.2)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(b.3.cmp(&a.3))
-            .then(b.4.cmp(&a.4))
-    });
-    merges.into_iter().map(|(l, r, ..)| json!([l, r])).collect()
+    merges.sort_by(|a, b| b.2.total_cmp(&a.2).then(b.3.cmp(&a.3)).then(b.4.cmp(&a.4)));
+    Ok(merges.into_iter().map(|(l, r, ..)| json!([l, r])).collect())
 }
 
 /// The whole `tokenizer.json` document around a model: no truncation or
@@ -421,7 +522,7 @@ mod tests {
         let tokens: Vec<String> = ["a", "b", "c", "ab", "abc", "bc"]
             .map(String::from)
             .to_vec();
-        let merges = recovered_merges(&tokens, &[-1.0, -2.0, -3.0, -0.5, -0.1, -0.7]);
+        let merges = recovered_merges(&tokens, &[-1.0, -2.0, -3.0, -0.5, -0.1, -0.7]).unwrap();
         // "abc" scores best: both its splits, the longer left part first;
         // then "ab", then "bc".
         assert_eq!(
@@ -433,6 +534,49 @@ mod tests {
                 json!(["b", "c"])
             ]
         );
+    }
+
+    /// A SentencePiece file's metadata: `tokens` with `scores`, all NORMAL.
+    fn spm(tokens: &[&str], scores: &[f32], merges: Option<&[&str]>) -> Content {
+        let mut ct = Content {
+            magic: candle_core::quantized::gguf_file::VersionedMagic::GgufV3,
+            metadata: Default::default(),
+            tensor_infos: Default::default(),
+            tensor_data_offset: 0,
+        };
+        let list =
+            |v: &[&str]| Value::Array(v.iter().map(|t| Value::String(t.to_string())).collect());
+        let m = &mut ct.metadata;
+        m.insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
+        m.insert("tokenizer.ggml.tokens".into(), list(tokens));
+        m.insert(
+            "tokenizer.ggml.scores".into(),
+            Value::Array(scores.iter().map(|s| Value::F32(*s)).collect()),
+        );
+        if let Some(merges) = merges {
+            m.insert("tokenizer.ggml.merges".into(), list(merges));
+        }
+        ct
+    }
+
+    #[test]
+    fn sentencepiece_files_llama_cpp_would_cut_otherwise_are_refused() {
+        let toks = ["a", "b", "c", "ab", "bc"];
+        // Listed merges are not read (llama.cpp merges by score): "bc"
+        // scores best, whatever the list says.
+        let doc =
+            tokenizer_json(&spm(&toks, &[-1., -2., -3., -0.9, -0.5], Some(&["a b"]))).unwrap();
+        assert_eq!(doc["model"]["merges"][0], json!(["b", "c"]));
+        let err =
+            |toks: &[&str], scores: &[f32]| tokenizer_json(&spm(toks, scores, None)).unwrap_err();
+        let e = err(&toks, &[-1., -2., -3., -0.5, -0.5]);
+        assert!(e.contains("share the score"), "{e}");
+        let e = err(&["a", "b", "a"], &[-1., -2., -3.]);
+        assert!(e.contains("listed twice"), "{e}");
+        let e = err(&["a", "<0xZZ>"], &[-1., -2.]);
+        assert!(e.contains("not a byte token"), "{e}");
+        let e = err(&["a", "b"], &[-1., f32::NAN]);
+        assert!(e.contains("scores[1]"), "{e}");
     }
 
     #[test]

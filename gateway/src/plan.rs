@@ -237,7 +237,12 @@ pub fn parse_layers(list: &str, layers: u32) -> Result<Vec<[u32; 2]>> {
             .trim()
             .split_once("..")
             .with_context(|| format!("{part:?} is not a range A..B"))?;
-        let r = [a.trim().parse::<u32>()?, b.trim().parse::<u32>()?];
+        let layer = |x: &str| {
+            x.trim()
+                .parse::<u32>()
+                .with_context(|| format!("{part:?}: {x:?} is not a layer number"))
+        };
+        let r = [layer(a)?, layer(b)?];
         let start = out.last().map_or(0, |l| l[1]);
         if r[0] != start || r[1] <= r[0] {
             bail!("{part:?}: the ranges must run on from layer {start}, none empty");
