@@ -87,8 +87,13 @@ async fn an_idle_kept_alive_connection_is_closed() {
 #[tokio::test]
 async fn a_stream_whose_client_never_reads_is_cancelled() {
     let mut opts = completions_options(&[[0, 30]], "");
+    // The route's deadline is also how long the pipeline may stay silent:
+    // 10 s, not less, so that a first step slowed by the other tests'
+    // gateways starting beside this one on a 2-core machine (cut as a
+    // silent pipeline at 3 s, 26 Nov 2026) is not mistaken for the cut
+    // this test waits for.
     opts.server_extra =
-        "send_buffer_bytes = 16384\n[server.timeouts]\ncompletions_secs = 3\n".into();
+        "send_buffer_bytes = 16384\n[server.timeouts]\ncompletions_secs = 10\n".into();
     let gw = Gateway::start(opts);
     let addr: std::net::SocketAddr = gw.url.strip_prefix("http://").unwrap().parse().unwrap();
     // Sixteen choices: about 3 KB of events per step, so the socket
