@@ -175,6 +175,15 @@ impl LoadedManifest {
         Ok(bytes)
     }
 
+    /// [`Self::verified_bytes`] parsed as JSON (a parse error names the file).
+    pub fn verified_json(&self, rel: &str) -> Result<serde_json::Value, ManifestError> {
+        let bytes = self.verified_bytes(rel)?;
+        serde_json::from_slice(&bytes).map_err(|e| ManifestError::Unreadable {
+            path: self.dir.join(rel).display().to_string(),
+            reason: e.to_string(),
+        })
+    }
+
     /// The digest the manifest lists for `rel`.
     fn expected(&self, rel: &str) -> Result<&str, ManifestError> {
         self.manifest

@@ -48,7 +48,7 @@ impl Engine {
         // f32 is the model's own weights: left unnamed, as before there was a choice.
         claims.weights = (format != WeightFormat::F32).then_some(format);
         let m = &manifest.manifest;
-        let cfg: BertConfig = serde_json::from_slice(&manifest.verified_bytes("config.json")?)
+        let cfg: BertConfig = serde_json::from_value(manifest.verified_json("config.json")?)
             .context("parsing config.json")?;
         cfg.check()?;
         if cfg.model_type != m.architecture {

@@ -100,8 +100,9 @@ fn pooling_modes(cfg: &Value) -> Result<(Vec<String>, Option<u64>)> {
 
 /// The class name of a module type (`sentence_transformers.models.Pooling`
 /// → `Pooling`), whatever package path a version of sentence-transformers
-/// writes.
-fn class_name(kind: &str) -> &str {
+/// writes (the gateway's `own_model::sentence_transformers` finds the
+/// pooling config to pin by the same rule).
+pub fn class_name(kind: &str) -> &str {
     kind.rsplit('.').next().unwrap_or(kind)
 }
 
@@ -121,9 +122,8 @@ impl Pooling {
         if !manifest.lists("modules.json") {
             return Ok(Self::PLAIN);
         }
-        let modules: Vec<Module> =
-            serde_json::from_slice(&manifest.verified_bytes("modules.json")?)
-                .context("parsing modules.json")?;
+        let modules: Vec<Module> = serde_json::from_value(manifest.verified_json("modules.json")?)
+            .context("parsing modules.json")?;
         let kinds: Vec<&str> = modules.iter().map(|m| class_name(&m.kind)).collect();
         let (pooling_dir, normalize) = match kinds.as_slice() {
             ["Transformer", "Pooling"] => (&modules[1].path, false),
@@ -145,8 +145,7 @@ impl Pooling {
         } else {
             format!("{}/config.json", pooling_dir.trim_end_matches('/'))
         };
-        let cfg: Value = serde_json::from_slice(&manifest.verified_bytes(&rel)?)
-            .with_context(|| format!("parsing {rel}"))?;
+        let cfg = manifest.verified_json(&rel)?;
         let (modes, width) = pooling_modes(&cfg).with_context(|| rel.clone())?;
         if let Some(d) = width {
             if d != hidden as u64 {

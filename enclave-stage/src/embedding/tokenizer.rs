@@ -15,7 +15,7 @@
 //! a vocabulary larger than the encoder's embedding table, and a
 //! `max_seq_len` that leaves no room after the special tokens.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use proto::manifest::LoadedManifest;
 use serde_json::Value;
 use tokenizers::normalizers::BertNormalizer;
@@ -26,10 +26,7 @@ fn pinned_json(manifest: &LoadedManifest, rel: &str) -> Result<Option<Value>> {
     if !manifest.lists(rel) {
         return Ok(None);
     }
-    let bytes = manifest.verified_bytes(rel)?;
-    Ok(Some(
-        serde_json::from_slice(&bytes).with_context(|| format!("parsing {rel}"))?,
-    ))
+    Ok(Some(manifest.verified_json(rel)?))
 }
 
 /// The normalizer transformers' `BertTokenizer` builds from

@@ -56,6 +56,8 @@ impl GenModel {
             .map(|f| f.path.clone())
             .context("the manifest names no .gguf file")?;
         let gguf = manifest.verified_path(&gguf_name)?;
+        let entry = spec.stage_index == 0;
+        let exit = spec.stage_index + 1 == spec.num_stages;
         let (config, template_source, gguf_tokenizer) = {
             let mut f = std::fs::File::open(&gguf)?;
             let ct = gguf_file::Content::read(&mut f).map_err(|e| e.with_path(&gguf))?;
@@ -65,7 +67,10 @@ impl GenModel {
             };
             // Without a pinned tokenizer.json the GGUF's own metadata is the
             // tokenizer (a user's model: one file, one digest).
-            let tokenizer = if m.files.iter().any(|f| f.path == "tokenizer.json") {
+            // Only the entry and exit stages tokenize (a middle stage does
+            // not build it: a SentencePiece vocabulary's merges are
+            // recovered from all its scores).
+            let tokenizer = if !(entry || exit) || manifest.lists("tokenizer.json") {
                 None
             } else {
                 Some(
@@ -90,8 +95,6 @@ impl GenModel {
                 config.num_layers
             );
         }
-        let entry = spec.stage_index == 0;
-        let exit = spec.stage_index + 1 == spec.num_stages;
         if exit && spec.layers.end != config.num_layers {
             bail!(
                 "the exit stage must run the last layer ({}), not {:?}",
@@ -102,10 +105,10 @@ impl GenModel {
         let (tokenizer, grammars) = if entry || exit {
             let (bytes, path) = match gguf_tokenizer {
                 Some(doc) => (serde_json::to_vec(&doc)?, gguf.clone()),
-                None => {
-                    let path = manifest.verified_path("tokenizer.json")?;
-                    (std::fs::read(&path)?, path)
-                }
+                None => (
+                    manifest.verified_bytes("tokenizer.json")?,
+                    manifest.dir.join("tokenizer.json"),
+                ),
             };
             let tokenizer = Tokenizer::from_bytes(&bytes)
                 .map_err(|e| anyhow::anyhow!("loading the tokenizer of {}: {e}", path.display()))?;

@@ -122,8 +122,9 @@ impl EmbeddingModel {
             for m in modules.as_array().context("modules.json is not a list")? {
                 let kind = m["type"].as_str().unwrap_or_default();
                 let path = m["path"].as_str().unwrap_or_default();
-                // The class name, whatever package path the version wrote
-                // (the stage's rule too).
+                // The class name, whatever package path the version wrote:
+                // the stage's rule (`enclave_stage::embedding::pooling::
+                // class_name`; the gateway does not link the stage's code).
                 if kind.rsplit('.').next() == Some("Pooling") {
                     rels.push(if path.is_empty() {
                         "config.json".into()
