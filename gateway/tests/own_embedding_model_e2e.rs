@@ -133,6 +133,10 @@ async fn a_users_embedding_folder_is_served_pinned_and_receipted() {
         let c = cosine(&got, &want);
         // The config's weights are bf16 (f32 agrees to 1e-6).
         assert!(c >= 0.999, "input {i}: cosine {c}");
+        // The folder's modules.json lists Normalize (cosine alone would not
+        // see it dropped).
+        let norm = got.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-3, "input {i}: length {norm}");
     }
 }
 
