@@ -217,7 +217,7 @@ def main():
         "1B-class Llama shape (hidden 2048, 16 layers, 32 query / 8 KV heads, FFN 8192, "
         "SmolLM2's 49,152-token vocabulary, tied head), written in F16 by "
         "`scripts/make_gguf_fixtures.py --shape 1b` and quantized to Q4_K_M by llama.cpp. "
-        "Served in `q4_1` (the default: Q4_K as 4-bit blocks, Q6_K re-quantized to Q8_0).",
+        "Served in `q4_1` (the default: the file's Q4_K and Q6_K blocks, value for value).",
         f"llama.cpp: llama-cpp-python {llama_version} ({doc['llama_cpp_build']}), in-process, "
         "same file.",
         "",

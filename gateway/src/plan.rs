@@ -6,10 +6,13 @@
 //! fewest contiguous ranges that fit, as evenly as those allow.
 //!
 //! The byte counts follow the stages' in-memory layouts
-//! (`enclave_stage::qmatmul`, `enclave_stage::llama`): a 4-bit block of 32
-//! values takes 24 bytes (16 of nibbles, an f32 scale and an f32 min), a
-//! Q8_0 block 36 (32 int8 and an f32 scale), f32 4 bytes a value; rows are
-//! padded to whole groups of four; norms and biases are f32.
+//! (`enclave_stage::qmatmul`, `enclave_stage::llama`), per block of 32
+//! values: Q4_0 and Q4_1 24 bytes (16 of nibbles, an f32 scale and an f32
+//! min), Q4_K 19 (16 of nibbles, a 6-bit scale and min a byte each, and an
+//! eighth of its super-block's two f32), Q6_K 26.5 (16 + 8 bytes of bits,
+//! two i8 scales, an eighth of an f32), Q8_0 36 (32 int8 and an f32
+//! scale); f32 4 bytes a value; rows are padded to whole groups of four;
+//! norms and biases are f32.
 //! `own_model_e2e` checks them against a loaded stage's own count.
 
 use anyhow::{bail, Context, Result};
@@ -55,10 +58,6 @@ pub struct StagePlan {
     pub total_bytes: u64,
 }
 
-fn is_four_bit(t: GgmlDType) -> bool {
-    matches!(t, GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K)
-}
-
 /// Bytes a tensor takes in a stage holding weights in `format`.
 fn tensor_bytes(info: &gguf_file::TensorInfo, format: WeightFormat) -> u64 {
     let dims = info.shape.dims();
@@ -67,12 +66,14 @@ fn tensor_bytes(info: &gguf_file::TensorInfo, format: WeightFormat) -> u64 {
         return elems * 4;
     }
     let (rows, cols) = (dims[0].next_multiple_of(4) as u64, dims[1] as u64);
-    let per_block = if format == WeightFormat::Q4_1 && is_four_bit(info.ggml_dtype) {
-        24
-    } else {
-        36
+    // Bytes per eight blocks (a K-quant super-block) in the stage's layout.
+    let per_eight = match (format, info.ggml_dtype) {
+        (WeightFormat::Q4_1, GgmlDType::Q4_0 | GgmlDType::Q4_1) => 8 * 24,
+        (WeightFormat::Q4_1, GgmlDType::Q4K) => 8 * 18 + 8,
+        (WeightFormat::Q4_1, GgmlDType::Q6K) => 8 * 26 + 4,
+        _ => 8 * 36,
     };
-    rows * cols / 32 * per_block
+    rows * cols / 32 * per_eight / 8
 }
 
 impl ModelCosts {

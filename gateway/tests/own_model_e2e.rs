@@ -1,5 +1,5 @@
 //! `gateway serve --model FILE.gguf` end to end: a user's GGUF, here a
-//! random-weight Qwen3-shaped model in Q4_K written by this test (SmolLM2's
+//! random-weight Qwen3-shaped model in Q4_K (its feed-forward down in Q6_K, as in a Q4_K_M file) written by this test (SmolLM2's
 //! tokenizer and chat template copied into it), served with no
 //! `[completions]` table of its own across two stages.
 //!
@@ -117,7 +117,8 @@ fn write_gguf_shaped(path: &Path, arch: &str, extra_q_rows: usize) {
         tensors.push((p("ffn_norm"), norm(&mut q, hidden)));
         tensors.push((p("ffn_gate"), q(ffn, hidden, s, GgmlDType::Q4K)));
         tensors.push((p("ffn_up"), q(ffn, hidden, s, GgmlDType::Q4K)));
-        tensors.push((p("ffn_down"), q(hidden, ffn, s / 2.0, GgmlDType::Q4K)));
+        // As in a Q4_K_M file: 6-bit blocks among the 4-bit ones.
+        tensors.push((p("ffn_down"), q(hidden, ffn, s / 2.0, GgmlDType::Q6K)));
     }
     let md_refs: Vec<(&str, &gguf_file::Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();

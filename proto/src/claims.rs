@@ -55,10 +55,10 @@ pub enum WeightFormat {
     /// whose grid Q8_0 does not contain (quality: benchmark_results/quality.md).
     #[serde(rename = "q8_0")]
     Q8_0,
-    /// The GGUF's 4-bit blocks as packaged (Q4_1 as they are; Q4_0 and
-    /// Q4_K repacked into Q4_1 blocks with the same values) and its Q8_0
-    /// blocks as they are; wider types (F32, F16, BF16, Q5_K, Q6_K)
-    /// re-quantized to Q8_0. The default: for SmolLM2 (Q4_1 layers, a Q8_0
+    /// The GGUF's blocks as packaged, where a kernel takes them (Q4_1 and
+    /// Q8_0 as they are; Q4_0, Q4_K and Q6_K repacked with the same
+    /// values); the other types (F32, F16, BF16, Q5_K) re-quantized to
+    /// Q8_0. The default: for SmolLM2 (Q4_1 layers, a Q8_0
     /// embedding) the packaged model's exact weights in the fewest bytes,
     /// so the fastest format that meets the quality bar.
     #[default]

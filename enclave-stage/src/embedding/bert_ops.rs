@@ -72,7 +72,7 @@ unsafe fn gelu_in_place_avx2(row: &mut [f32], bias: f32) {
 }
 
 fn avx2() -> bool {
-    crate::qmatmul::Kernel::detect() == crate::qmatmul::Kernel::Avx2
+    crate::qmatmul::Kernel::detect() != crate::qmatmul::Kernel::Portable
 }
 
 /// `gelu_erf(y + bias)` on a feature-major `[features, tokens]` activation

@@ -28,11 +28,11 @@ pub(super) enum Weight {
 impl Weight {
     /// Loads GGUF tensor `name` in `format`:
     /// - `f32`: dequantized;
-    /// - `q4_1`: 4-bit blocks as stored (Q4_1 as they are; Q4_0 and Q4_K
-    ///   repacked into Q4_1 blocks without changing a value), Q8_0 as
-    ///   stored, and every wider type (F32, F16, BF16, Q5_K, Q6_K)
-    ///   re-quantized to Q8_0, so a Q4_K_M file keeps its 4-bit tensors
-    ///   4-bit and its 6-bit ones at 8 bits;
+    /// - `q4_1`: the file's own blocks where a kernel takes them, without
+    ///   changing a value (Q4_1 and Q8_0 as they are; Q4_0 and Q4_K as
+    ///   4-bit blocks, Q4_K keeping its 6-bit scales; Q6_K as 6-bit
+    ///   blocks), and every other type (F32, F16, BF16, Q5_K) re-quantized
+    ///   to Q8_0, so a Q4_K_M file keeps the bits it was given;
     /// - `q8_0`: Q8_0 as stored, everything else re-quantized to Q8_0.
     ///
     /// A tensor type outside [`SERVED_TYPES`] is refused, named.
@@ -78,6 +78,9 @@ impl Weight {
             }
             (WeightFormat::Q4_1, GgmlDType::Q4K) => {
                 stored(QMatrix::from_ggml_q4_k(&q.data()?, rows, cols))
+            }
+            (WeightFormat::Q4_1, GgmlDType::Q6K) => {
+                stored(QMatrix::from_ggml_q6_k(&q.data()?, rows, cols))
             }
             (WeightFormat::Q4_1 | WeightFormat::Q8_0, GgmlDType::Q8_0) => {
                 stored(QMatrix::from_ggml_q8_0(&q.data()?, rows, cols))

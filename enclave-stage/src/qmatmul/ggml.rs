@@ -1,24 +1,25 @@
 //! Reading a GGUF's weight blocks into [`QMatrix`]'s own: Q8_0 and Q4_1 as
-//! stored, Q4_0 and Q4_K repacked into Q4_1 blocks with the same values.
+//! stored, Q4_0 and Q4_K repacked into 4-bit blocks with the same values
+//! (Q4_K keeping its 6-bit scales), Q6_K into 6-bit blocks.
 
-use super::{Blocks, QMatrix, BLOCK};
+use super::{Blocks, QMatrix, Scales4, BLOCK, SUPER};
 
-/// Number of `size`-byte ggml blocks in `raw`, checked against `[rows, cols]`.
+/// Number of `size`-byte ggml blocks of `per` values in `raw`, checked
+/// against `[rows, cols]`; returned in 32-value blocks.
 fn ggml_blocks(
     kind: &str,
     raw: &[u8],
-    rows: usize,
-    cols: usize,
+    [rows, cols]: [usize; 2],
+    per: usize,
     size: usize,
 ) -> Result<usize, String> {
-    let n = rows * cols / BLOCK;
-    if !cols.is_multiple_of(BLOCK) || raw.len() != n * size {
+    if !cols.is_multiple_of(per) || raw.len() != rows * cols / per * size {
         return Err(format!(
             "{kind} data of {} bytes is not a [{rows}, {cols}] matrix",
             raw.len()
         ));
     }
-    Ok(n)
+    Ok(rows * cols / BLOCK)
 }
 
 /// Scale and min of sub-block `j` of a K-quant super-block, from its 12
@@ -51,7 +52,7 @@ fn four_bit(
     scale_min: impl Fn(&[u8]) -> (f32, f32),
 ) -> Result<QMatrix, String> {
     let size = head + BLOCK / 2;
-    let n = ggml_blocks(kind, raw, rows, cols, size)?;
+    let n = ggml_blocks(kind, raw, [rows, cols], BLOCK, size)?;
     let mut qs = Vec::with_capacity(n * 16);
     let mut d = Vec::with_capacity(n);
     let mut m = Vec::with_capacity(n);
@@ -61,7 +62,8 @@ fn four_bit(
         m.push(min);
         qs.extend_from_slice(&b[head..]);
     }
-    Ok(QMatrix::interleave(rows, cols, Blocks::Q4_1 { qs, d, m }))
+    let scales = Scales4::Block { d, m };
+    Ok(QMatrix::interleave(rows, cols, Blocks::Q4_1 { qs, scales }))
 }
 
 impl QMatrix {
@@ -77,7 +79,7 @@ impl QMatrix {
     /// f16 `d`, 32 int8), `[rows, cols]`.
     pub fn from_ggml_q8_0(raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
         const SIZE: usize = 34;
-        let n = ggml_blocks("Q8_0", raw, rows, cols, SIZE)?;
+        let n = ggml_blocks("Q8_0", raw, [rows, cols], BLOCK, SIZE)?;
         let mut qs = Vec::with_capacity(n * BLOCK);
         let mut d = Vec::with_capacity(n);
         for b in raw.chunks_exact(SIZE) {
@@ -100,33 +102,28 @@ impl QMatrix {
     /// Takes ggml `Q4_K` super-blocks as stored in a GGUF file (144 bytes
     /// per 256 values: f16 `d` and `dmin`, eight 6-bit scales and mins
     /// packed in 12 bytes, 128 bytes of nibbles), `[rows, cols]`, as eight
-    /// Q4_1 blocks each: sub-block `s` has `w = (d · scale_s) · q −
-    /// dmin · min_s`, which is a Q4_1 block with `d = d · scale_s` (exact in
-    /// f32: an f16 times a 6-bit integer) and `m = −dmin · min_s`; only the
-    /// nibbles move (a super-block packs sub-blocks `2j` and `2j + 1` in the
-    /// low and high nibbles of the same 32 bytes). The values are llama.cpp's
-    /// `dequantize_row_q4_K`, operation for operation.
+    /// 4-bit blocks each with the K-quant's own scales ([`Scales4::Super`]):
+    /// sub-block `s` has `w = (d · scale_s) · q − dmin · min_s`, a Q4_1
+    /// block with `d = d · scale_s` (exact in f32: an f16 times a 6-bit
+    /// integer) and `m = −dmin · min_s`; the scales are unpacked to a byte
+    /// each and only the nibbles move (a super-block packs sub-blocks `2j`
+    /// and `2j + 1` in the low and high nibbles of the same 32 bytes). The
+    /// values are llama.cpp's `dequantize_row_q4_K`, operation for operation.
     pub fn from_ggml_q4_k(raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
         const SIZE: usize = 144;
-        const QK_K: usize = 256;
-        if !cols.is_multiple_of(QK_K) || raw.len() != rows * cols / QK_K * SIZE {
-            return Err(format!(
-                "Q4_K data of {} bytes is not a [{rows}, {cols}] matrix",
-                raw.len()
-            ));
-        }
-        let n = rows * cols / BLOCK;
+        let n = ggml_blocks("Q4_K", raw, [rows, cols], SUPER * BLOCK, SIZE)?;
         let mut qs = Vec::with_capacity(n * 16);
-        let mut d = Vec::with_capacity(n);
-        let mut m = Vec::with_capacity(n);
+        let (mut sc, mut mn) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut d, mut dmin) = (Vec::with_capacity(n / SUPER), Vec::with_capacity(n / SUPER));
         for b in raw.chunks_exact(SIZE) {
-            let (sd, smin) = (f16_bits(b[0], b[1]), f16_bits(b[2], b[3]));
-            let sc = &b[4..16];
+            d.push(f16_bits(b[0], b[1]));
+            dmin.push(f16_bits(b[2], b[3]));
+            let packed = &b[4..16];
             let nib = &b[16..];
-            for s in 0..8 {
-                let (scale, min) = k_scale_min(s, sc);
-                d.push(sd * scale as f32);
-                m.push(-(smin * min as f32));
+            for s in 0..SUPER {
+                let (scale, min) = k_scale_min(s, packed);
+                sc.push(scale);
+                mn.push(min);
                 let bytes = &nib[(s / 2) * 32..(s / 2) * 32 + 32];
                 let v = |l: usize| {
                     if s % 2 == 0 {
@@ -138,6 +135,46 @@ impl QMatrix {
                 qs.extend((0..16).map(|j| v(j) | (v(j + 16) << 4)));
             }
         }
-        Ok(Self::interleave(rows, cols, Blocks::Q4_1 { qs, d, m }))
+        let scales = Scales4::Super { sc, mn, d, dmin };
+        Ok(Self::interleave(rows, cols, Blocks::Q4_1 { qs, scales }))
+    }
+
+    /// Takes ggml `Q6_K` super-blocks as stored in a GGUF file (210 bytes
+    /// per 256 values: 128 bytes of low four bits, 64 of high two bits,
+    /// sixteen i8 scales, f16 `d`; `w = d · sc · (q − 32)` with a scale per
+    /// 16 values), `[rows, cols]`, as eight Q6 blocks each with the same
+    /// 6-bit values and scales, reordered as [`Blocks::Q6`] holds them; the
+    /// bit layout read is llama.cpp's `dequantize_row_q6_K`.
+    pub fn from_ggml_q6_k(raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
+        const SIZE: usize = 210;
+        let n = ggml_blocks("Q6_K", raw, [rows, cols], SUPER * BLOCK, SIZE)?;
+        let (mut ql, mut qh) = (Vec::with_capacity(n * 16), Vec::with_capacity(n * 8));
+        let (mut sc, mut d) = (Vec::with_capacity(n * 2), Vec::with_capacity(n / SUPER));
+        for b in raw.chunks_exact(SIZE) {
+            let (lo, hi, scales) = (&b[..128], &b[128..192], &b[192..208]);
+            d.push(f16_bits(b[208], b[209]));
+            // The 256 six-bit values in order: each half of 128 takes 64
+            // bytes of low bits and 32 of high bits, in four runs of 32.
+            let mut q = [0u8; SUPER * BLOCK];
+            for h in 0..2 {
+                let (lo, hi) = (&lo[h * 64..h * 64 + 64], &hi[h * 32..h * 32 + 32]);
+                for l in 0..32 {
+                    let y = &mut q[h * 128..h * 128 + 128];
+                    y[l] = (lo[l] & 0x0f) | (hi[l] & 3) << 4;
+                    y[l + 32] = (lo[l + 32] & 0x0f) | ((hi[l] >> 2) & 3) << 4;
+                    y[l + 64] = (lo[l] >> 4) | ((hi[l] >> 4) & 3) << 4;
+                    y[l + 96] = (lo[l + 32] >> 4) | ((hi[l] >> 6) & 3) << 4;
+                }
+            }
+            for (blk, v) in q.chunks_exact(BLOCK).enumerate() {
+                ql.extend((0..16).map(|j| (v[j] & 0x0f) | (v[j + 16] & 0x0f) << 4));
+                qh.extend((0..8).map(|k| {
+                    let h = |e: usize| v[e] >> 4;
+                    h(2 * k) | h(2 * k + 16) << 2 | h(2 * k + 1) << 4 | h(2 * k + 17) << 6
+                }));
+                sc.extend([scales[2 * blk] as i8, scales[2 * blk + 1] as i8]);
+            }
+        }
+        Ok(Self::interleave(rows, cols, Blocks::Q6 { ql, qh, sc, d }))
     }
 }

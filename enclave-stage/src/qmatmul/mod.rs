@@ -1,10 +1,14 @@
 //! Block-quantized weight matrices and their products with f32 activations,
 //! for the Llama stages (`WeightFormat::Q8_0` and `WeightFormat::Q4_1`).
-//! Two block kinds are held: Q8_0 and Q4_1. A GGUF's Q4_0 and Q4_K blocks
-//! are repacked into Q4_1 blocks with the same values
-//! ([`QMatrix::from_ggml_q4_0`], [`QMatrix::from_ggml_q4_k`]), so the one
-//! 4-bit kernel serves all three. Reading a GGUF's blocks is [`ggml`]'s;
-//! this module holds the blocks and multiplies them.
+//! Three block kinds are held: Q8_0, 4-bit (Q4_1's nibbles, with the scales
+//! of Q4_0 and Q4_1 per block in f32 or Q4_K's 6-bit ones per block and f32
+//! per super-block, [`Scales4`]) and 6-bit (Q6_K's). A GGUF's Q4_0, Q4_K
+//! and Q6_K blocks are repacked with the same values
+//! ([`QMatrix::from_ggml_q4_0`], [`QMatrix::from_ggml_q4_k`],
+//! [`QMatrix::from_ggml_q6_k`]); keeping the file's own bits matters because
+//! a decode step reads every weight once and is bound by memory. Reading a
+//! GGUF's blocks is [`ggml`]'s; this module holds the blocks and multiplies
+//! them.
 //!
 //! Why written here and not taken from Candle: Candle 0.11's quantized CPU
 //! matmul computes one dot product at a time and rounds the activations to
@@ -32,19 +36,20 @@
 //!   each weight across rows better than a dot-product kernel can.
 //!
 //! Kernels, chosen once at run time ([`Kernel::detect`]):
+//! - **AVX-512 VNNI** (x86-64, [`avx512`]): the same i16 activations, 32
+//!   products per `vpdpwssd` with the sum folded in, weights widened by
+//!   shifts and masks (no shuffles), one 64-byte load per block of a group;
 //! - **AVX2 + FMA** (x86-64): 16 int8 (Q8_0) or 16 nibbles (Q4_1) widened
 //!   to i16 per instruction and multiplied with the i16 activations in pairs
 //!   (`vpmaddwd`), the product of the two block scales applied once per 32
 //!   values in f32;
 //! - **portable** (every target): the same sums in plain Rust, also the
-//!   reference the AVX2 kernel is tested against.
-//!
-//! An AVX-512 variant (16 lanes) is not written yet: CPUs with AVX-512
-//! (the reference machine's AMD EPYC among them) use the AVX2 kernel. The
-//! embedding stages' bf16 products (`embedding::bf16_matmul`) do use it.
+//!   reference the SIMD kernels are tested against.
 
 use rayon::prelude::*;
 
+mod avx2;
+mod avx512;
 mod ggml;
 
 /// Values per quantization block (Q8_0 and Q4_1 alike).
@@ -60,6 +65,8 @@ pub enum Kernel {
     Portable,
     /// x86-64 AVX2 + FMA.
     Avx2,
+    /// x86-64 AVX-512 F + BW + VNNI ([`avx512`]).
+    Avx512,
 }
 
 impl Kernel {
@@ -67,13 +74,31 @@ impl Kernel {
     pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
+                return Kernel::Avx512;
+            }
+            if has!("avx2") && has!("fma") {
                 return Kernel::Avx2;
             }
         }
         Kernel::Portable
+    }
+
+    /// Every kernel this CPU can run, the portable one first.
+    pub fn available() -> Vec<Self> {
+        let mut all = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") {
+                all.push(Kernel::Avx2);
+            }
+            if Self::detect() == Kernel::Avx512 {
+                all.push(Kernel::Avx512);
+            }
+        }
+        all
     }
 
     /// Its name, for logs.
@@ -81,6 +106,7 @@ impl Kernel {
         match self {
             Kernel::Portable => "portable",
             Kernel::Avx2 => "avx2",
+            Kernel::Avx512 => "avx512vnni",
         }
     }
 }
@@ -100,12 +126,123 @@ enum Blocks {
     Q8_0 { qs: Vec<i8>, d: Vec<f32> },
     /// `w = d · q + m`, q ∈ [0, 15], two per byte as ggml packs them: byte
     /// `j` of a block holds element `j` (low nibble) and `j + 16` (high);
-    /// 16 bytes per block.
-    Q4_1 {
-        qs: Vec<u8>,
+    /// 16 bytes per block, and the block's `d` and `m` as [`Scales4`] hold
+    /// them.
+    Q4_1 { qs: Vec<u8>, scales: Scales4 },
+    /// A K-quant's 6-bit blocks (Q6_K) as the file holds them: `w = d ·
+    /// sc_h · (q − 32)`, q ∈ [0, 63]; per block the low four bits as Q4_1
+    /// packs them (16 bytes), the high two bits packed for the AVX-512
+    /// kernel (8 bytes: byte `i` holds those of elements `2i`, `2i + 16`,
+    /// `2i + 1`, `2i + 17`, two bits each from the lowest) and two i8 scales
+    /// `sc_h`, one per half of 16; per super-block of [`SUPER`] blocks the
+    /// f32 `d` (interleaved as [`Scales4::Super`]'s). 26.5 bytes per 32
+    /// values against Q8_0's 36.
+    Q6 {
+        ql: Vec<u8>,
+        qh: Vec<u8>,
+        sc: Vec<i8>,
         d: Vec<f32>,
-        m: Vec<f32>,
     },
+}
+
+/// Blocks per K-quant super-block (256 values).
+const SUPER: usize = 8;
+
+/// The `d` and `m` of each 4-bit block.
+#[derive(Clone, Debug)]
+enum Scales4 {
+    /// Per block, in f32 (Q4_0, Q4_1): 8 bytes per block.
+    Block { d: Vec<f32>, m: Vec<f32> },
+    /// As a K-quant holds them (Q4_K): per block a 6-bit scale `sc` and min
+    /// `mn`, per super-block of [`SUPER`] blocks the f32 `d` and `dmin`
+    /// (`d_b = d · sc`, `m_b = −dmin · mn`, both exact in f32): 2 bytes per
+    /// block and 1 more amortized, against 8. Decoding reads every weight
+    /// once per token and is bound by memory, so the bytes are the speed.
+    /// Super-block scales are interleaved like blocks: index
+    /// `(g · nb / 8 + s) · 4 + row % 4`.
+    Super {
+        sc: Vec<u8>,
+        mn: Vec<u8>,
+        d: Vec<f32>,
+        dmin: Vec<f32>,
+    },
+}
+
+impl Scales4 {
+    /// `(d, m)` of the block at interleaved index `bi`.
+    fn dm(&self, bi: usize) -> (f32, f32) {
+        match self {
+            Scales4::Block { d, m } => (d[bi], m[bi]),
+            Scales4::Super { sc, mn, d, dmin } => {
+                // `bi = (g · nb + b) · 4 + j` and `nb` is a multiple of 8,
+                // so the super-block's index is `(bi / 4 / 8) · 4 + j`.
+                let si = bi / GROUP / SUPER * GROUP + bi % GROUP;
+                (d[si] * sc[bi] as f32, -(dmin[si] * mn[bi] as f32))
+            }
+        }
+    }
+
+    /// Bytes held.
+    fn bytes(&self) -> usize {
+        match self {
+            Scales4::Block { d, m } => (d.len() + m.len()) * 4,
+            Scales4::Super { sc, mn, d, dmin } => sc.len() + mn.len() + (d.len() + dmin.len()) * 4,
+        }
+    }
+}
+
+/// Walks the 4-bit blocks of the group whose first block is at interleaved
+/// index `g0`: calls `block(b, d4)` with the four rows' `d` of each block
+/// `b` in order, and returns the four rows' min terms `Σ_b m_b · sums[b]`
+/// (`sums`: the activation row's exact f32 block sums), with the scales
+/// read as they are held. Shared by the SIMD kernels.
+///
+/// # Safety
+/// The CPU must have SSE4.1 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.1,fma")]
+unsafe fn walk_scales4(
+    scales: &Scales4,
+    g0: usize,
+    sums: &[f32],
+    mut block: impl FnMut(usize, std::arch::x86_64::__m128),
+) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    let nb = sums.len();
+    let mut mins = _mm_setzero_ps();
+    match scales {
+        Scales4::Block { d, m } => {
+            let (d, m) = (&d[g0..g0 + nb * GROUP], &m[g0..g0 + nb * GROUP]);
+            for (b, &sum) in sums.iter().enumerate() {
+                let m4 = _mm_loadu_ps(m.as_ptr().add(b * GROUP));
+                mins = _mm_fmadd_ps(m4, _mm_set1_ps(sum), mins);
+                block(b, _mm_loadu_ps(d.as_ptr().add(b * GROUP)));
+            }
+        }
+        Scales4::Super { sc, mn, d, dmin } => {
+            // `g0 = g · nb · 4`, so the group's super-blocks start at `g0 / 8`.
+            let (ns, s0) = (nb / SUPER, g0 / SUPER);
+            let (d, dmin) = (&d[s0..s0 + ns * GROUP], &dmin[s0..s0 + ns * GROUP]);
+            let (sc, mn) = (&sc[g0..g0 + nb * GROUP], &mn[g0..g0 + nb * GROUP]);
+            // The four rows' 6-bit values of block `b`, as f32.
+            let four = |v: &[u8], b: usize| {
+                let p = v.as_ptr().add(b * GROUP) as *const i32;
+                _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(p.read_unaligned())))
+            };
+            for s in 0..ns {
+                let sd = _mm_loadu_ps(d.as_ptr().add(s * GROUP));
+                // Σ mn · Σ x over the super-block's blocks; `m = −dmin · mn`
+                // then makes the term subtracted.
+                let mut t = _mm_setzero_ps();
+                for (b, &sum) in sums.iter().enumerate().skip(s * SUPER).take(SUPER) {
+                    t = _mm_fmadd_ps(four(mn, b), _mm_set1_ps(sum), t);
+                    block(b, _mm_mul_ps(sd, four(sc, b)));
+                }
+                mins = _mm_fnmadd_ps(_mm_loadu_ps(dmin.as_ptr().add(s * GROUP)), t, mins);
+            }
+        }
+    }
+    mins
 }
 
 /// A weight matrix `[rows, cols]` in 32-value blocks, applied as `x · Wᵀ`.
@@ -233,10 +370,34 @@ impl QMatrix {
                 qs: spread(&qs, BLOCK, rows, padded, nb, &at),
                 d: spread(&d, 1, rows, padded, nb, &at),
             },
-            Blocks::Q4_1 { qs, d, m } => Blocks::Q4_1 {
+            Blocks::Q6 { ql, qh, sc, d } => {
+                let ns = nb / SUPER;
+                let at_s = |r: usize, s: usize| ((r / GROUP) * ns + s) * GROUP + r % GROUP;
+                Blocks::Q6 {
+                    ql: spread(&ql, BLOCK / 2, rows, padded, nb, &at),
+                    qh: spread(&qh, BLOCK / 4, rows, padded, nb, &at),
+                    sc: spread(&sc, 2, rows, padded, nb, &at),
+                    d: spread(&d, 1, rows, padded, ns, &at_s),
+                }
+            }
+            Blocks::Q4_1 { qs, scales } => Blocks::Q4_1 {
                 qs: spread(&qs, BLOCK / 2, rows, padded, nb, &at),
-                d: spread(&d, 1, rows, padded, nb, &at),
-                m: spread(&m, 1, rows, padded, nb, &at),
+                scales: match scales {
+                    Scales4::Block { d, m } => Scales4::Block {
+                        d: spread(&d, 1, rows, padded, nb, &at),
+                        m: spread(&m, 1, rows, padded, nb, &at),
+                    },
+                    Scales4::Super { sc, mn, d, dmin } => {
+                        let ns = nb / SUPER;
+                        let at_s = |r: usize, s: usize| ((r / GROUP) * ns + s) * GROUP + r % GROUP;
+                        Scales4::Super {
+                            sc: spread(&sc, 1, rows, padded, nb, &at),
+                            mn: spread(&mn, 1, rows, padded, nb, &at),
+                            d: spread(&d, 1, rows, padded, ns, &at_s),
+                            dmin: spread(&dmin, 1, rows, padded, ns, &at_s),
+                        }
+                    }
+                },
             },
         };
         Self {
@@ -262,7 +423,8 @@ impl QMatrix {
     pub fn bytes(&self) -> usize {
         match &self.blocks {
             Blocks::Q8_0 { qs, d } => qs.len() + d.len() * 4,
-            Blocks::Q4_1 { qs, d, m } => qs.len() + (d.len() + m.len()) * 4,
+            Blocks::Q4_1 { qs, scales } => qs.len() + scales.bytes(),
+            Blocks::Q6 { ql, qh, sc, d } => ql.len() + qh.len() + sc.len() + d.len() * 4,
         }
     }
 
@@ -278,13 +440,15 @@ impl QMatrix {
                         *o = q as f32 * d[bi];
                     }
                 }
-                Blocks::Q4_1 { qs, d, m } => {
+                Blocks::Q4_1 { qs, scales } => {
+                    let (d, m) = scales.dm(bi);
                     let bytes = &qs[bi * 16..bi * 16 + 16];
                     for j in 0..16 {
-                        o[j] = (bytes[j] & 0x0f) as f32 * d[bi] + m[bi];
-                        o[j + 16] = (bytes[j] >> 4) as f32 * d[bi] + m[bi];
+                        o[j] = (bytes[j] & 0x0f) as f32 * d + m;
+                        o[j + 16] = (bytes[j] >> 4) as f32 * d + m;
                     }
                 }
+                Blocks::Q6 { .. } => o.copy_from_slice(&self.q6_values(bi)),
             }
         }
     }
@@ -311,10 +475,19 @@ impl QMatrix {
         assert_eq!(out.len(), m * n, "output shape");
         let sums = match self.blocks {
             Blocks::Q4_1 { .. } => block_sums(x),
-            Blocks::Q8_0 { .. } => Vec::new(),
+            Blocks::Q8_0 { .. } | Blocks::Q6 { .. } => Vec::new(),
         };
+        // The AVX-512 kernel, and the AVX2 kernel's Q6 blocks, read the
+        // activations even elements first ([`avx512::deinterleave_blocks`]).
+        let deinterleaved = kernel == Kernel::Avx512 || matches!(self.blocks, Blocks::Q6 { .. });
         let (xq, xd) = match kernel {
-            Kernel::Avx2 => quantize_i16(x),
+            Kernel::Avx2 | Kernel::Avx512 => {
+                let (mut q, d) = quantize_i16(x);
+                if deinterleaved {
+                    avx512::deinterleave_blocks(&mut q);
+                }
+                (q, d)
+            }
             Kernel::Portable => (Vec::new(), Vec::new()),
         };
         let acts = Acts {
@@ -378,6 +551,10 @@ impl QMatrix {
             // SAFETY: `Kernel::Avx2` is only chosen when the CPU has AVX2
             // and FMA; the slices are checked inside.
             Kernel::Avx2 => unsafe { self.dot4_avx2(r, x) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Kernel::Avx512` is only chosen when the CPU has
+            // AVX-512 F, BW and VNNI; the slices are checked inside.
+            Kernel::Avx512 => unsafe { self.dot4_avx512(r, x) },
             _ => [0, 1, 2, 3].map(|j| self.dot1(r + j, x)),
         }
     }
@@ -397,89 +574,42 @@ impl QMatrix {
                         .sum();
                     acc += s * d[bi];
                 }
-                Blocks::Q4_1 { qs, d, m } => {
+                Blocks::Q4_1 { qs, scales } => {
+                    let (d, m) = scales.dm(bi);
                     let bytes = &qs[bi * 16..bi * 16 + 16];
                     let mut s = 0f32;
                     for j in 0..16 {
                         s += (bytes[j] & 0x0f) as f32 * xs[j] + (bytes[j] >> 4) as f32 * xs[j + 16];
                     }
-                    acc += s * d[bi] + m[bi] * x.sums[b];
+                    acc += s * d + m * x.sums[b];
+                }
+                Blocks::Q6 { .. } => {
+                    let v = self.q6_values(bi);
+                    acc += v.iter().zip(xs).map(|(a, b)| a * b).sum::<f32>();
                 }
             }
         }
         acc
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot4_avx2(&self, r: usize, x: &XRow<'_>) -> [f32; 4] {
-        use std::arch::x86_64::*;
-        let (k, nb) = (self.cols, self.cols / BLOCK);
-        assert!(r.is_multiple_of(GROUP) && r + GROUP <= self.padded);
-        assert!(x.q.len() == k && x.qd.len() == nb);
-        let xp = x.q.as_ptr();
-        // Group `g`'s blocks and scales are contiguous from here.
-        let g0 = (r / GROUP) * nb * GROUP;
-        let mut acc = [_mm256_setzero_ps(); 4];
-        // How far ahead to ask for weights: 8 groups of blocks.
-        const AHEAD: usize = 8;
-        // 16 weights (i16) times 16 activations (i16), summed in pairs: 8 i32.
-        let pairs = |w: __m256i, xv: __m256i| _mm256_madd_epi16(w, xv);
-        match &self.blocks {
-            Blocks::Q8_0 { qs, d } => {
-                let w = qs[g0 * BLOCK..(g0 + nb * GROUP) * BLOCK].as_ptr();
-                let wd = &d[g0..g0 + nb * GROUP];
-                for b in 0..nb {
-                    let x0 = _mm256_loadu_si256(xp.add(b * BLOCK) as *const __m256i);
-                    let x1 = _mm256_loadu_si256(xp.add(b * BLOCK + 16) as *const __m256i);
-                    let xd = x.qd[b];
-                    let wb = w.add(b * GROUP * BLOCK);
-                    if b + AHEAD < nb {
-                        let ahead = wb.add(AHEAD * GROUP * BLOCK);
-                        _mm_prefetch::<_MM_HINT_T0>(ahead);
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.add(64));
-                    }
-                    for (j, a) in acc.iter_mut().enumerate() {
-                        let wp = wb.add(j * BLOCK);
-                        let w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(wp as *const __m128i));
-                        let w1 =
-                            _mm256_cvtepi8_epi16(_mm_loadu_si128(wp.add(16) as *const __m128i));
-                        let s = _mm256_add_epi32(pairs(w0, x0), pairs(w1, x1));
-                        let scale = _mm256_set1_ps(wd[b * GROUP + j] * xd);
-                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, *a);
-                    }
-                }
-                [0, 1, 2, 3].map(|j| hsum(acc[j]))
-            }
-            Blocks::Q4_1 { qs, d, m } => {
-                assert!(x.sums.len() == nb);
-                let low = _mm_set1_epi8(0x0f);
-                let w = qs[g0 * 16..(g0 + nb * GROUP) * 16].as_ptr();
-                let (wd, wm) = (&d[g0..g0 + nb * GROUP], &m[g0..g0 + nb * GROUP]);
-                let mut mins = [0f32; 4];
-                for b in 0..nb {
-                    // Elements 0..16 pair with the low nibbles, 16..32 with the high.
-                    let x0 = _mm256_loadu_si256(xp.add(b * BLOCK) as *const __m256i);
-                    let x1 = _mm256_loadu_si256(xp.add(b * BLOCK + 16) as *const __m256i);
-                    let xd = x.qd[b];
-                    let wb = w.add(b * GROUP * 16);
-                    if b + AHEAD < nb {
-                        _mm_prefetch::<_MM_HINT_T0>(wb.add(AHEAD * GROUP * 16) as *const i8);
-                    }
-                    for (j, a) in acc.iter_mut().enumerate() {
-                        let q = _mm_loadu_si128(wb.add(j * 16) as *const __m128i);
-                        let lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, low));
-                        let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), low));
-                        let s = _mm256_add_epi32(pairs(lo, x0), pairs(hi, x1));
-                        let scale = _mm256_set1_ps(wd[b * GROUP + j] * xd);
-                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, *a);
-                        // The min term: m · Σ x over the block (exact f32 sums).
-                        mins[j] += wm[b * GROUP + j] * x.sums[b];
-                    }
-                }
-                [0, 1, 2, 3].map(|j| hsum(acc[j]) + mins[j])
-            }
+    /// The 32 values of the Q6 block at interleaved index `bi`, computed as
+    /// ggml's `dequantize_row_q6_K` does (`(d · sc) · (q − 32)` in f32).
+    fn q6_values(&self, bi: usize) -> [f32; BLOCK] {
+        let Blocks::Q6 { ql, qh, sc, d } = &self.blocks else {
+            unreachable!("a Q6 block")
+        };
+        let d = d[bi / GROUP / SUPER * GROUP + bi % GROUP];
+        let (lo, hi) = (&ql[bi * 16..bi * 16 + 16], &qh[bi * 8..bi * 8 + 8]);
+        let mut out = [0f32; BLOCK];
+        for (e, o) in out.iter_mut().enumerate() {
+            let (i, upper) = (e % 16, e >= 16);
+            let nib = if upper { lo[i] >> 4 } else { lo[i] & 0x0f };
+            // Byte `i / 2` holds elements 2i', 2i'+16, 2i'+1, 2i'+17.
+            let shift = 2 * ((i % 2) * 2 + upper as usize);
+            let q = nib | (((hi[i / 2] >> shift) & 3) << 4);
+            *o = d * sc[bi * 2 + upper as usize] as f32 * (q as i32 - 32) as f32;
         }
+        out
     }
 }
 
@@ -500,16 +630,6 @@ struct XRow<'a> {
     qd: &'a [f32],
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
-    use std::arch::x86_64::*;
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
-}
-
 /// A raw output pointer the parallel loop may share (each task writes
 /// disjoint elements).
 #[derive(Clone, Copy)]
@@ -525,200 +645,4 @@ impl SendPtr {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use rand::{Rng, SeedableRng};
-
-    fn random(n: usize, seed: u64) -> Vec<f32> {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
-    }
-
-    /// `x · Wᵀ` in f64 over the dequantized weights.
-    fn reference(w: &QMatrix, x: &[f32]) -> Vec<f32> {
-        let (n, k) = w.shape();
-        let wd = w.dequantize();
-        let xd = x;
-        let m = x.len() / k;
-        let mut out = vec![0f32; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                out[i * n + j] = (0..k)
-                    .map(|t| xd[i * k + t] as f64 * wd[j * k + t] as f64)
-                    .sum::<f64>() as f32;
-            }
-        }
-        out
-    }
-
-    /// Quantizing a band of rows at a time gives the whole matrix's blocks.
-    #[test]
-    fn q8_0_by_bands_equals_the_whole() {
-        let (rows, cols) = (13, 64);
-        let w = random(rows * cols, 21);
-        let whole = QMatrix::q8_0(&w, rows, cols);
-        let banded = QMatrix::q8_0_by_bands(rows, cols, 5, |r| {
-            Ok(w[r.start * cols..r.end * cols].to_vec())
-        })
-        .unwrap();
-        assert_eq!(banded.dequantize(), whole.dequantize());
-        assert_eq!(banded.bytes(), whole.bytes());
-        assert!(QMatrix::q8_0_by_bands(rows, cols, 5, |_| Ok(vec![0.0; 3])).is_err());
-    }
-
-    /// Q4_0 and Q4_K blocks, quantized by Candle's port of ggml and taken
-    /// as stored, dequantize to exactly Candle's (= ggml's) values.
-    #[test]
-    fn q4_0_and_q4_k_blocks_dequantize_as_ggml_does() {
-        use candle_core::quantized::{GgmlDType, QTensor};
-        use candle_core::{Device, Tensor};
-        let (rows, cols) = (6, 512);
-        let w = random(rows * cols, 11);
-        let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
-        type From = fn(&[u8], usize, usize) -> Result<QMatrix, String>;
-        let cases: [(GgmlDType, From); 2] = [
-            (GgmlDType::Q4_0, QMatrix::from_ggml_q4_0),
-            (GgmlDType::Q4K, QMatrix::from_ggml_q4_k),
-        ];
-        for (dtype, from) in cases {
-            let q = QTensor::quantize(&t, dtype).unwrap();
-            let want = q
-                .dequantize(&Device::Cpu)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
-            let m = from(&q.data().unwrap(), rows, cols).unwrap();
-            assert_eq!(m.dequantize(), want, "{dtype:?}");
-            let x = random(2 * cols, 12);
-            let mut out = vec![0f32; 2 * rows];
-            m.matmul_t(&x, &mut out, Kernel::detect());
-            for (a, b) in out.iter().zip(reference(&m, &x)) {
-                assert!(
-                    (a - b).abs() < 1e-2 * b.abs().max(1.0),
-                    "{dtype:?}: {a} vs {b}"
-                );
-            }
-            assert!(from(&q.data().unwrap()[1..], rows, cols).is_err());
-        }
-    }
-
-    /// Q4_1 blocks as ggml writes them, from `w`.
-    fn ggml_q4_1(w: &[f32]) -> Vec<u8> {
-        let mut raw = Vec::new();
-        for b in w.chunks_exact(BLOCK) {
-            let min = b.iter().cloned().fold(f32::INFINITY, f32::min);
-            let max = b.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let d = (max - min) / 15.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            raw.extend_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
-            raw.extend_from_slice(&half::f16::from_f32(min).to_bits().to_le_bytes());
-            for j in 0..16 {
-                let q0 = (((b[j] - min) * id).round() as u8).min(15);
-                let q1 = (((b[j + 16] - min) * id).round() as u8).min(15);
-                raw.push(q0 | (q1 << 4));
-            }
-        }
-        raw
-    }
-
-    fn matrices(w: &[f32], rows: usize, cols: usize) -> Vec<QMatrix> {
-        vec![
-            QMatrix::q8_0(w, rows, cols),
-            QMatrix::from_ggml_q4_1(&ggml_q4_1(w), rows, cols).unwrap(),
-        ]
-    }
-
-    #[test]
-    fn kernels_match_the_dequantized_product() {
-        let kernels = [Kernel::Portable, Kernel::detect()];
-        // Row counts that leave 1-3 rows after the groups of four; one and
-        // many activation rows (decode, prefill).
-        for (rows, cols, m) in [(7, 64, 1), (70, 96, 3), (576, 576, 17), (33, 1536, 2)] {
-            for w in matrices(&random(rows * cols, 7), rows, cols) {
-                let x = random(m * cols, rows as u64);
-                let want = reference(&w, &x);
-                // The AVX2 kernel rounds activations to i16 blocks: each
-                // output may move by at most Σ |w| · (block scale / 2).
-                let (_, xd) = quantize_i16(&x);
-                let wd = w.dequantize();
-                let bound = |i: usize, j: usize| -> f32 {
-                    (0..cols)
-                        .map(|t| wd[j * cols + t].abs() * xd[(i * cols + t) / BLOCK] * 0.5)
-                        .sum()
-                };
-                for kernel in kernels {
-                    let mut got = vec![0f32; m * rows];
-                    w.matmul_t(&x, &mut got, kernel);
-                    for (i, (g, r)) in got.iter().zip(&want).enumerate() {
-                        let rounding = match kernel {
-                            Kernel::Avx2 => bound(i / rows, i % rows),
-                            Kernel::Portable => 0.0,
-                        };
-                        assert!(
-                            (g - r).abs() <= 1e-4 * (1.0 + r.abs()) + rounding,
-                            "{kernel:?} {rows}x{cols} m={m} at {i}: {g} vs {r}"
-                        );
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn quantization_error_is_small_against_f32() {
-        let (rows, cols) = (64, 576);
-        let w = random(rows * cols, 3);
-        let x = random(4 * cols, 4);
-        let exact: Vec<f32> = (0..4 * rows)
-            .map(|o| {
-                let (i, j) = (o / rows, o % rows);
-                (0..cols).map(|t| x[i * cols + t] * w[j * cols + t]).sum()
-            })
-            .collect();
-        let scale = exact.iter().map(|v| v.abs()).fold(0f32, f32::max);
-        for (q, tol) in matrices(&w, rows, cols).iter().zip([0.02f32, 0.1]) {
-            let mut got = vec![0f32; 4 * rows];
-            q.matmul_t(&x, &mut got, Kernel::detect());
-            let err = got
-                .iter()
-                .zip(&exact)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            assert!(err <= tol * scale, "max error {err} vs scale {scale}");
-        }
-    }
-
-    #[test]
-    fn q4_1_blocks_round_trip_and_bad_sizes_are_refused() {
-        let w = random(4 * 64, 9);
-        let raw = ggml_q4_1(&w);
-        let q = QMatrix::from_ggml_q4_1(&raw, 4, 64).unwrap();
-        assert_eq!(q.bytes(), 4 * 64 / 2 + 2 * 8 * 4);
-        let back = q.dequantize();
-        for (a, b) in back.iter().zip(&w) {
-            assert!((a - b).abs() < 0.1, "{a} vs {b}");
-        }
-        assert!(QMatrix::from_ggml_q4_1(&raw[1..], 4, 64).is_err());
-        // ggml Q8_0 blocks (f16 scale + 32 int8) read back as written.
-        let mut q8 = Vec::new();
-        for b in w.chunks_exact(BLOCK) {
-            let mut q = [0i8; BLOCK];
-            let d = quantize_block(b, &mut q);
-            q8.extend_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
-            q8.extend(q.iter().map(|&v| v as u8));
-        }
-        let q = QMatrix::from_ggml_q8_0(&q8, 4, 64).unwrap();
-        for (a, b) in q.dequantize().iter().zip(&w) {
-            assert!((a - b).abs() < 0.01, "{a} vs {b}");
-        }
-        assert!(QMatrix::from_ggml_q8_0(&q8, 3, 64).is_err());
-        assert!(QMatrix::from_ggml_q4_1(&raw, 4, 48).is_err());
-        // Q8_0 of zeros: scale 0, no NaN.
-        let z = QMatrix::q8_0(&[0.0; 64], 1, 64);
-        let mut out = [1f32];
-        z.matmul_t(&random(64, 1), &mut out, Kernel::detect());
-        assert_eq!(out, [0.0]);
-    }
-}
+mod tests;
