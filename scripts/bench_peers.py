@@ -322,7 +322,7 @@ sentences: {cos}. Stage peak RSS (VmHWM) in the last round: {rss}.
 {peers_embeddings.markdown(e)}
 
 Our stages hold the dense layers' weights in bf16, the shipped default
-(`[pipeline] weights`; products with AVX-512 BF16, `enclave-stage/src/embedding/bf16_matmul.rs`).
+(`[pipeline] weights`; products with AVX-512 BF16, `enclave-stage/src/kernels/bf16_matmul.rs`).
 Issue 12 lets a reduced-precision format be the default only if it is measured
 faster than f32 and keeps cosine ≥ 0.999 to the f32 embeddings: bare bf16 runs
 {e['ratios']['bare_bf16_vs_ort_f32_c64'] / e['ratios']['bare_f32_vs_ort_f32_c64']:.2f}× the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generate reference greedy completions of SmolLM2-135M-Instruct with transformers.
 
-The Rust Llama path (enclave-stage/src/llama/) is tested against this file
+The Rust Llama path (enclave-stage/src/models/llama/) is tested against this file
 (gateway/tests/data/completions_reference.json). It loads the SAME GGUF that
 the stages serve, through `transformers`' GGUF support (weights dequantized to
 float32, torch on CPU), and greedy-decodes 32 new tokens per prompt with a

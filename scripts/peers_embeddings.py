@@ -35,10 +35,10 @@ WHERE_TIME_GOES = """Where the time goes (`perf record -a` during the gateway's 
 f32 weights, commit c6014fa): about two thirds of the stages' cycles were in
 Candle's f32 GEMM microkernel (`gemm_f32::microkernel::fma::f32::x2x6`),
 near the f32 FMA peak of one core; the fused BERT ops
-(`enclave-stage/src/embedding/bert_ops.rs`: GELU, attention, layer norm)
+(`enclave-stage/src/models/bert/ops.rs`: GELU, attention, layer norm)
 about 10 %; the work outside the model (HTTP, HPKE opening of each request,
 Ed25519 receipt signatures, the benchmark's own client on the same cores)
-10-15 %. The bf16 weights (`enclave-stage/src/embedding/bf16_matmul.rs`)
+10-15 %. The bf16 weights (`enclave-stage/src/kernels/bf16_matmul.rs`)
 run those products at about twice that rate."""
 # Bare-Candle rows: (weights, row name); the first is the gateway's.
 OURS_BARE = (("bf16", "bare Candle, bf16 (ours)"), ("f32", "bare Candle, f32 (ours)"))

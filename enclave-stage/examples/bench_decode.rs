@@ -11,7 +11,7 @@
 //! "decode_tok_s"}`.
 
 use anyhow::{anyhow, bail, Result};
-use enclave_stage::llama::{LlamaPart, SeqSlice, WeightFormat};
+use enclave_stage::models::llama::{LlamaPart, SeqSlice, WeightFormat};
 use enclave_stage::sampling::argmax;
 use serde_json::json;
 use std::time::Instant;
@@ -38,7 +38,7 @@ fn main() -> Result<()> {
             other => bail!("unknown argument {other}"),
         }
     }
-    let layers = enclave_stage::llama::LlamaConfig::read(&gguf)?.num_layers;
+    let layers = enclave_stage::models::llama::LlamaConfig::read(&gguf)?.num_layers;
     let mut part = LlamaPart::load_as(&gguf, 0..layers, true, true, weights)?;
     // A fixed pseudo-text: ids spread over the vocabulary.
     let ids = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| 100 + (i * 7919) % 40000).collect() };

@@ -8,7 +8,7 @@
 //! `bench_grammar --tools-prompt TOOLS_JSON` prints instead the system text
 //! the entry stage adds for those tools.
 
-use enclave_stage::generation::grammar::{grammar_text, Grammars};
+use enclave_stage::serving::generation::grammar::{grammar_text, Grammars};
 use serde_json::{json, Map, Value};
 use std::time::Instant;
 use tokenizers::Tokenizer;

@@ -9,7 +9,7 @@
 //! (`cargo run --release --example bench_qmatmul`).
 
 use candle_core::quantized::GgmlDType;
-use enclave_stage::qmatmul::{Kernel, QMatrix};
+use enclave_stage::kernels::qmatmul::{Kernel, QMatrix};
 use std::time::Instant;
 
 /// ggml Q4_1 blocks with pseudo-random nibbles and scales.

@@ -20,7 +20,7 @@
 //! skipped), printing
 //! `{"ids": [[…]], "texts": […]}`.
 
-use enclave_stage::llama::{argmax_rows, LlamaConfig, LlamaPart, SeqSlice, WeightFormat};
+use enclave_stage::models::llama::{argmax_rows, LlamaConfig, LlamaPart, SeqSlice, WeightFormat};
 use std::io::Write;
 use std::path::Path;
 
@@ -28,7 +28,7 @@ use std::path::Path;
 fn tokenize(model: &Path, texts: &Path) -> anyhow::Result<()> {
     let mut f = std::fs::File::open(model)?;
     let ct = candle_core::quantized::gguf_file::Content::read(&mut f)?;
-    let doc = match enclave_stage::gguf_tokenizer::tokenizer_json(&ct) {
+    let doc = match enclave_stage::models::gguf_tokenizer::tokenizer_json(&ct) {
         Ok(d) => d,
         Err(e) => {
             println!("{}", serde_json::json!({ "error": e }));

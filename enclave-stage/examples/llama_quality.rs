@@ -9,7 +9,7 @@
 //! ```
 
 use anyhow::{anyhow, bail, Context, Result};
-use enclave_stage::llama::{LlamaPart, TeacherForced, WeightFormat};
+use enclave_stage::models::llama::{LlamaPart, TeacherForced, WeightFormat};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;

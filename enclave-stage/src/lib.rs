@@ -2,20 +2,18 @@
 //! stage channel. The binary (`main.rs`) wires these modules together; the
 //! engine is also used in-process by tests and the benchmark baseline.
 
-pub mod embedding;
 pub mod fault;
-pub mod generation;
-pub mod gguf_tokenizer;
+pub mod kernels;
 pub mod keys;
-pub mod llama;
 pub mod memory;
 pub mod model;
+pub mod models;
 pub mod provider;
-pub mod qmatmul;
 pub mod receipt_link;
 pub mod role;
 pub mod sampling;
 pub mod server;
+pub mod serving;
 pub mod stats;
 pub mod tokens;
 pub mod work;

@@ -4,8 +4,8 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use enclave_stage::keys::{Rotation, StageKeys};
-use enclave_stage::llama::WeightFormat;
 use enclave_stage::model::{ComputeLimits, ComputeSetup};
+use enclave_stage::models::llama::WeightFormat;
 use enclave_stage::provider::{self, AttestationKind};
 use enclave_stage::role::{self, StageSpec};
 use enclave_stage::server::{StageServer, StageSetup};

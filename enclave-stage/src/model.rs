@@ -3,17 +3,17 @@
 //! start of its compute thread) and what the connection handlers dispatch on
 //! ([`StageModel`]). [`load`] is the one place that picks the kind, from the
 //! manifest's architecture; each kind lives in a folder of its own
-//! ([`crate::embedding`], [`crate::generation`]).
+//! ([`crate::serving::embedding`], [`crate::serving::generation`]).
 
-use crate::embedding::batcher::BatchLimits;
-use crate::embedding::bf16_matmul::Kernel;
-use crate::embedding::compute::Compute;
-use crate::embedding::engine::Engine;
-use crate::generation::compute::{GenLimits, Generator};
-use crate::generation::model::GenModel;
+use crate::kernels::bf16_matmul::Kernel;
 use crate::keys::StageKeys;
-use crate::llama::WeightFormat;
+use crate::models::llama::WeightFormat;
 use crate::role::StageSpec;
+use crate::serving::embedding::batcher::BatchLimits;
+use crate::serving::embedding::compute::Compute;
+use crate::serving::embedding::engine::Engine;
+use crate::serving::generation::compute::{GenLimits, Generator};
+use crate::serving::generation::model::GenModel;
 use crate::work::{Output, Work};
 use anyhow::{Context, Result};
 use proto::frames::StageClaims;

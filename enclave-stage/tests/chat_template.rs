@@ -9,7 +9,7 @@
 mod support;
 
 use candle_core::quantized::gguf_file;
-use enclave_stage::generation::chat_template::ChatTemplate;
+use enclave_stage::serving::generation::chat_template::ChatTemplate;
 use serde_json::{json, Value};
 use support::{root, smollm_dir};
 use tokenizers::Tokenizer;

@@ -1,5 +1,5 @@
 //! The tokenizer built from a GGUF's own metadata
-//! (`enclave_stage::gguf_tokenizer`) against the shipped SmolLM2
+//! (`enclave_stage::models::gguf_tokenizer`) against the shipped SmolLM2
 //! `tokenizer.json` (pinned, byte for byte what `transformers` saves for the
 //! same GGUF): the two documents are equal as JSON, and both tokenizers cut
 //! a mixed text, special tokens included, into the same ids.
@@ -7,7 +7,7 @@
 mod support;
 
 use candle_core::quantized::gguf_file;
-use enclave_stage::gguf_tokenizer::tokenizer_json;
+use enclave_stage::models::gguf_tokenizer::tokenizer_json;
 use support::smollm_dir;
 use tokenizers::Tokenizer;
 

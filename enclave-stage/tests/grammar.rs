@@ -8,7 +8,7 @@
 
 mod support;
 
-use enclave_stage::generation::grammar::{grammar_text, Grammars};
+use enclave_stage::serving::generation::grammar::{grammar_text, Grammars};
 use proto::chat::parse_chat;
 use proto::completions::CompletionsRequest;
 use proto::tools::{render_call, CALL_SEP};

@@ -14,7 +14,7 @@
 
 mod support;
 
-use enclave_stage::llama::{LlamaPart, SeqSlice, WeightFormat};
+use enclave_stage::models::llama::{LlamaPart, SeqSlice, WeightFormat};
 use enclave_stage::sampling::argmax;
 use support::{gguf, root, smollm_dir};
 

@@ -10,7 +10,7 @@
 
 mod support;
 
-use enclave_stage::llama::{argmax_rows, LlamaPart, SeqSlice};
+use enclave_stage::models::llama::{argmax_rows, LlamaPart, SeqSlice};
 use std::time::Instant;
 use support::{gguf, root, smollm_dir};
 use tokenizers::Tokenizer;

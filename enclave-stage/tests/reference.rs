@@ -6,8 +6,8 @@
 
 mod support;
 
-use enclave_stage::embedding::engine::{Engine, Padded};
 use enclave_stage::role::StageSpec;
+use enclave_stage::serving::embedding::engine::{Engine, Padded};
 use proto::frames::WeightFormat;
 use std::path::PathBuf;
 

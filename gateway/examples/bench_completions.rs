@@ -15,7 +15,7 @@
 mod stage_procs;
 
 use anyhow::{bail, Context, Result};
-use enclave_stage::llama::{LlamaPart, SeqSlice};
+use enclave_stage::models::llama::{LlamaPart, SeqSlice};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
@@ -465,7 +465,7 @@ fn markdown(out: &Value, args: &Args) -> String {
          aggregate = N concurrent streams, total tokens / wall time. The 1-stage and 2-stage gateways run side by side and \
          take turns request by request (and level by level), so that drift on a shared machine hits both alike. \
          The gateways run the code defaults (`q4_1` weights, 1 thread per stage) plus these `[completions]` lines: `{}`; the baseline is \
-         the same Llama code (`enclave-stage/src/llama/`, f32 weights) called in-process on one thread.\n\n",
+         the same Llama code (`enclave-stage/src/models/llama/`, f32 weights) called in-process on one thread.\n\n",
         out["machine"].as_str().unwrap_or("?"), out["when"].as_str().unwrap_or("?"), args.max_tokens, args.single_runs,
         if args.completions_config.is_empty() { "none" } else { args.completions_config.as_str() }
     );

@@ -7,8 +7,8 @@
 //! Run: `scripts/bench_crypto.sh` (writes `benchmark_results/crypto.{json,md}`).
 
 use ed25519_dalek::SigningKey;
-use enclave_stage::embedding::engine::Engine;
 use enclave_stage::role::StageSpec;
+use enclave_stage::serving::embedding::engine::Engine;
 use proto::digest::Sha256Digest;
 use proto::receipt::{
     link_digest, sign_link, sign_receipt, Link, OpenedKey, ReceiptBody, ReceiptVersion, Sealing,

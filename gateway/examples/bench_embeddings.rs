@@ -7,7 +7,7 @@
 //! ./target/release/examples/bench_embeddings [--threads-per-stage 1,2]
 //! ```
 //!
-//! * Baseline: `enclave_stage::embedding::engine::Engine` with all 6 layers in one
+//! * Baseline: `enclave_stage::serving::embedding::engine::Engine` with all 6 layers in one
 //!   process, `embed_texts` on batches of C sentences (what an ideal server
 //!   would do with C concurrent single-sentence requests). Candle reads its
 //!   thread count once, so each thread count runs in a child process (this
@@ -30,8 +30,8 @@ mod stage_procs;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use enclave_stage::embedding::engine::Engine;
 use enclave_stage::role::StageSpec;
+use enclave_stage::serving::embedding::engine::Engine;
 use gateway_run::run_gateway_setup;
 use measure::{cpu_secs, proc_mem, select_round, summarize, summary_json, system_busy_secs};
 use report::{f, level, machine_info, write_markdown};

@@ -6,7 +6,7 @@
 //! fewest contiguous ranges that fit, as evenly as those allow.
 //!
 //! The byte counts follow the stages' in-memory layouts
-//! (`enclave_stage::qmatmul`, `enclave_stage::llama`), per block of 32
+//! (`enclave_stage::kernels::qmatmul`, `enclave_stage::models::llama`), per block of 32
 //! values: Q4_0 and Q4_1 24 bytes (16 of nibbles, an f32 scale and an f32
 //! min), Q4_K 19 (16 of nibbles, a 6-bit scale and min a byte each, and an
 //! eighth of its super-block's two f32), Q6_K 26.5 (16 + 8 bytes of bits,

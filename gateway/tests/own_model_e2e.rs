@@ -216,7 +216,7 @@ fn unsupported_files_stop_the_start_naming_why() {
 /// counted, in every generation weight format.
 #[test]
 fn the_plan_counts_what_a_loaded_stage_holds() {
-    use enclave_stage::llama::{LlamaPart, WeightFormat};
+    use enclave_stage::models::llama::{LlamaPart, WeightFormat};
     let dir = common::temp_dir("own-model-plan");
     let model = dir.join("tiny-qwen3.Q4_K.gguf");
     write_gguf(&model, "qwen3");

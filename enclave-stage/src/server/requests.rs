@@ -5,11 +5,11 @@
 //! client.
 
 use super::{StageServer, DEFAULT_CHAT_MAX_TOKENS};
-use crate::embedding::batcher::Seq;
-use crate::embedding::compute::{admit_rows, rows_left};
-use crate::embedding::engine::Engine;
-use crate::generation::model::GenModel;
 use crate::model::StageModel;
+use crate::serving::embedding::batcher::Seq;
+use crate::serving::embedding::compute::{admit_rows, rows_left};
+use crate::serving::embedding::engine::Engine;
+use crate::serving::generation::model::GenModel;
 use crate::work::{failure, Work};
 use proto::chat::{generic_messages, parse_chat};
 use proto::completions::{context_length_error, parse_completions, Api, Prompt};

@@ -123,7 +123,7 @@ impl EmbeddingModel {
                 let kind = m["type"].as_str().unwrap_or_default();
                 let path = m["path"].as_str().unwrap_or_default();
                 // The class name, whatever package path the version wrote:
-                // the stage's rule (`enclave_stage::embedding::pooling::
+                // the stage's rule (`enclave_stage::models::bert::pooling::
                 // class_name`; the gateway does not link the stage's code).
                 if kind.rsplit('.').next() == Some("Pooling") {
                     rels.push(if path.is_empty() {

@@ -3,9 +3,9 @@
 //! receipt over the exact bytes, sealed to the client).
 
 use super::{combine, GenRequest, Generator};
-use crate::generation::grammar::grammar_text;
-use crate::generation::output::{ChoiceOut, ChoiceRules};
 use crate::sampling::SamplingParams;
+use crate::serving::generation::grammar::grammar_text;
+use crate::serving::generation::output::{ChoiceOut, ChoiceRules};
 use crate::work::{failure, Output};
 use anyhow::{anyhow, Result};
 use proto::chat::{chat_chunk_event, chat_completion_id, Delta};
@@ -182,7 +182,7 @@ impl Generator {
         for (pi, p) in ctx.prompts.iter().enumerate() {
             let prefix = match (&p.ids, tok) {
                 (Some(ids), Some(t)) if r.echo => {
-                    crate::generation::output::Detokenize::text(t, ids)
+                    crate::serving::generation::output::Detokenize::text(t, ids)
                 }
                 _ => String::new(),
             };

@@ -1,6 +1,6 @@
 //! Weight matrices in one of the [`WeightFormat`]s, applied as `x · Wᵀ`.
 
-use crate::qmatmul::{Kernel, QMatrix};
+use crate::kernels::qmatmul::{Kernel, QMatrix};
 use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use candle_nn::Linear;
@@ -19,7 +19,7 @@ pub(super) const DEQUANTIZE_MIN_ROWS: usize = 48;
 const DEQUANTIZE_TILE_BYTES: usize = 4 << 20;
 
 /// A weight matrix `[out, in]` applied as `x · Wᵀ`: f32 (Candle's GEMM), or
-/// quantized blocks ([`crate::qmatmul`]).
+/// quantized blocks ([`crate::kernels::qmatmul`]).
 pub(super) enum Weight {
     Dense(Linear),
     Quant(QMatrix, Kernel),

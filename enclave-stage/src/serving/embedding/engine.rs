@@ -3,9 +3,9 @@
 //! (exit stage). Pure compute, no networking; also used in-process by the
 //! benchmark's bare-Candle baseline.
 
-use crate::embedding::bert::{BertConfig, BertPart};
-use crate::embedding::bf16_matmul::Kernel;
-use crate::embedding::pooling::Pooling;
+use crate::kernels::bf16_matmul::Kernel;
+use crate::models::bert::pooling::Pooling;
+use crate::models::bert::{BertConfig, BertPart};
 use crate::role::StageSpec;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -72,7 +72,7 @@ impl Engine {
             None
         };
         let tokenizer = if is_entry {
-            Some(crate::embedding::tokenizer::load(
+            Some(crate::models::bert::tokenizer::load(
                 &manifest,
                 cfg.vocab_size,
             )?)
@@ -102,9 +102,9 @@ impl Engine {
     }
 
     /// Shape numbers for the activation-memory estimate.
-    pub fn shape(&self) -> crate::embedding::batcher::ShapeInfo {
+    pub fn shape(&self) -> crate::serving::embedding::batcher::ShapeInfo {
         let c = self.part.config();
-        crate::embedding::batcher::ShapeInfo {
+        crate::serving::embedding::batcher::ShapeInfo {
             hidden: c.hidden_size,
             intermediate: c.intermediate_size,
             heads: c.num_attention_heads,

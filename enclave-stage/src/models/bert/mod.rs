@@ -2,10 +2,17 @@
 //! sentence-transformers models: bge, e5, gte), written on Candle's
 //! primitives because candle-transformers' `BertModel` does not expose a
 //! layer range. A stage loads only the tensors of its own layers (plus the
-//! embeddings for the entry stage).
+//! embeddings for the entry stage). Its fused CPU operations are in [`ops`],
+//! the exit stage's pooling as the model's sentence-transformers files name
+//! it in [`pooling`], the entry stage's tokenizer as transformers builds it
+//! in [`tokenizer`].
 
-use crate::embedding::bert_ops::{Attention, BiasGelu, BiasResidualNorm};
-use crate::embedding::bf16_matmul::{Bf16Matrix, Kernel};
+pub mod ops;
+pub mod pooling;
+pub mod tokenizer;
+
+use crate::kernels::bf16_matmul::{Bf16Matrix, Kernel};
+use crate::models::bert::ops::{Attention, BiasGelu, BiasResidualNorm};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, VarBuilder};
 use proto::frames::WeightFormat;
@@ -99,7 +106,7 @@ struct Embeddings {
 enum Dense {
     /// f32, for Candle's GEMM.
     F32(Tensor),
-    /// Rounded to bf16 ([`crate::embedding::bf16_matmul`]).
+    /// Rounded to bf16 ([`crate::kernels::bf16_matmul`]).
     Bf16(Bf16Matrix),
 }
 
@@ -125,7 +132,7 @@ impl Dense {
 }
 
 /// One encoder layer: weights as `[out, in]` matrices, biases and norms
-/// folded into the fused ops of [`crate::embedding::bert_ops`].
+/// folded into the fused ops of [`crate::models::bert::ops`].
 struct Layer {
     /// Query, key and value projections stacked: `[3h, h]`.
     qkv: Dense,

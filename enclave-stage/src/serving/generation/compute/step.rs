@@ -3,8 +3,8 @@
 //! failure, and the exit stage's sampling.
 
 use super::{chain, seq_key, Generator, StepInput};
-use crate::generation::scheduler::Planned;
-use crate::llama::SeqSlice;
+use crate::models::llama::SeqSlice;
+use crate::serving::generation::scheduler::Planned;
 use crate::stats::unix_ns;
 use crate::work::Output;
 use anyhow::{anyhow, bail, Result};

@@ -29,7 +29,7 @@
 //! the batch is made up, so a sentence's embedding does not depend on what
 //! it was batched with.
 
-use crate::embedding::bert_ops::contiguous;
+use super::contiguous;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -52,15 +52,11 @@ pub enum Kernel {
 impl Kernel {
     /// The fastest kernel this CPU supports.
     pub fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bf16")
-            {
-                return Kernel::Avx512Bf16;
-            }
+        if super::CpuFeatures::get().avx512_bf16 {
+            Kernel::Avx512Bf16
+        } else {
+            Kernel::Portable
         }
-        Kernel::Portable
     }
 
     /// Its name, for logs.

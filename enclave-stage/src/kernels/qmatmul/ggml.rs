@@ -2,7 +2,7 @@
 //! stored, Q4_0 and Q4_K repacked into 4-bit blocks with the same values
 //! (Q4_K keeping its 6-bit scales), Q6_K into 6-bit blocks.
 
-use super::{Blocks, QMatrix, Scales4, BLOCK, SUPER};
+use super::{Blocks, QMatrix, Scales4, BLOCK, GROUP, SUPER};
 
 /// Number of `size`-byte ggml blocks of `per` values in `raw`, checked
 /// against `[rows, cols]`; returned in 32-value blocks.
@@ -111,19 +111,21 @@ impl QMatrix {
     /// values are llama.cpp's `dequantize_row_q4_K`, operation for operation.
     pub fn from_ggml_q4_k(raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
         const SIZE: usize = 144;
-        let n = ggml_blocks("Q4_K", raw, [rows, cols], SUPER * BLOCK, SIZE)?;
-        let mut qs = Vec::with_capacity(n * 16);
-        let (mut sc, mut mn) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        let (mut d, mut dmin) = (Vec::with_capacity(n / SUPER), Vec::with_capacity(n / SUPER));
-        for b in raw.chunks_exact(SIZE) {
-            d.push(f16_bits(b[0], b[1]));
-            dmin.push(f16_bits(b[2], b[3]));
+        ggml_blocks("Q4_K", raw, [rows, cols], SUPER * BLOCK, SIZE)?;
+        let place = Placement::new(rows, cols);
+        let mut qs = vec![0u8; place.blocks * 16];
+        let (mut sc, mut mn) = (vec![0u8; place.blocks], vec![0u8; place.blocks]);
+        let (mut d, mut dmin) = (vec![0f32; place.supers], vec![0f32; place.supers]);
+        for (i, b) in raw.chunks_exact(SIZE).enumerate() {
+            let (r, s0) = place.super_block(i);
+            let si = place.super_at(r, s0);
+            d[si] = f16_bits(b[0], b[1]);
+            dmin[si] = f16_bits(b[2], b[3]);
             let packed = &b[4..16];
             let nib = &b[16..];
             for s in 0..SUPER {
-                let (scale, min) = k_scale_min(s, packed);
-                sc.push(scale);
-                mn.push(min);
+                let bi = place.block_at(r, s0 * SUPER + s);
+                (sc[bi], mn[bi]) = k_scale_min(s, packed);
                 let bytes = &nib[(s / 2) * 32..(s / 2) * 32 + 32];
                 let v = |l: usize| {
                     if s % 2 == 0 {
@@ -132,11 +134,13 @@ impl QMatrix {
                         bytes[l] >> 4
                     }
                 };
-                qs.extend((0..16).map(|j| v(j) | (v(j + 16) << 4)));
+                for (j, q) in qs[bi * 16..bi * 16 + 16].iter_mut().enumerate() {
+                    *q = v(j) | (v(j + 16) << 4);
+                }
             }
         }
         let scales = Scales4::Super { sc, mn, d, dmin };
-        Ok(Self::interleave(rows, cols, Blocks::Q4_1 { qs, scales }))
+        Ok(place.matrix(Blocks::Q4_1 { qs, scales }))
     }
 
     /// Takes ggml `Q6_K` super-blocks as stored in a GGUF file (210 bytes
@@ -147,12 +151,14 @@ impl QMatrix {
     /// bit layout read is llama.cpp's `dequantize_row_q6_K`.
     pub fn from_ggml_q6_k(raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
         const SIZE: usize = 210;
-        let n = ggml_blocks("Q6_K", raw, [rows, cols], SUPER * BLOCK, SIZE)?;
-        let (mut ql, mut qh) = (Vec::with_capacity(n * 16), Vec::with_capacity(n * 8));
-        let (mut sc, mut d) = (Vec::with_capacity(n * 2), Vec::with_capacity(n / SUPER));
-        for b in raw.chunks_exact(SIZE) {
+        ggml_blocks("Q6_K", raw, [rows, cols], SUPER * BLOCK, SIZE)?;
+        let place = Placement::new(rows, cols);
+        let (mut ql, mut qh) = (vec![0u8; place.blocks * 16], vec![0u8; place.blocks * 8]);
+        let (mut sc, mut d) = (vec![0i8; place.blocks * 2], vec![0f32; place.supers]);
+        for (i, b) in raw.chunks_exact(SIZE).enumerate() {
+            let (r, s0) = place.super_block(i);
             let (lo, hi, scales) = (&b[..128], &b[128..192], &b[192..208]);
-            d.push(f16_bits(b[208], b[209]));
+            d[place.super_at(r, s0)] = f16_bits(b[208], b[209]);
             // The 256 six-bit values in order: each half of 128 takes 64
             // bytes of low bits and 32 of high bits, in four runs of 32.
             let mut q = [0u8; SUPER * BLOCK];
@@ -167,14 +173,70 @@ impl QMatrix {
                 }
             }
             for (blk, v) in q.chunks_exact(BLOCK).enumerate() {
-                ql.extend((0..16).map(|j| (v[j] & 0x0f) | (v[j + 16] & 0x0f) << 4));
-                qh.extend((0..8).map(|k| {
-                    let h = |e: usize| v[e] >> 4;
-                    h(2 * k) | h(2 * k + 16) << 2 | h(2 * k + 1) << 4 | h(2 * k + 17) << 6
-                }));
-                sc.extend([scales[2 * blk] as i8, scales[2 * blk + 1] as i8]);
+                let bi = place.block_at(r, s0 * SUPER + blk);
+                for (j, o) in ql[bi * 16..bi * 16 + 16].iter_mut().enumerate() {
+                    *o = (v[j] & 0x0f) | (v[j + 16] & 0x0f) << 4;
+                }
+                let h = |e: usize| v[e] >> 4;
+                for (k, o) in qh[bi * 8..bi * 8 + 8].iter_mut().enumerate() {
+                    *o = h(2 * k) | h(2 * k + 16) << 2 | h(2 * k + 1) << 4 | h(2 * k + 17) << 6;
+                }
+                sc[bi * 2] = scales[2 * blk] as i8;
+                sc[bi * 2 + 1] = scales[2 * blk + 1] as i8;
             }
         }
-        Ok(Self::interleave(rows, cols, Blocks::Q6 { ql, qh, sc, d }))
+        Ok(place.matrix(Blocks::Q6 { ql, qh, sc, d }))
+    }
+}
+
+/// Where a K-quant's blocks go in [`QMatrix`]'s interleaved order, so they
+/// are written there as they are read: a large matrix (a 1B model's output
+/// head, 80 MB of Q6_K) is then held once beside the file's bytes, not
+/// twice more in file order and reordered.
+struct Placement {
+    rows: usize,
+    cols: usize,
+    /// 32-value blocks per row.
+    nb: usize,
+    /// Blocks, padding rows included.
+    blocks: usize,
+    /// Super-blocks, padding rows included.
+    supers: usize,
+}
+
+impl Placement {
+    fn new(rows: usize, cols: usize) -> Self {
+        let (nb, padded) = (cols / BLOCK, rows.next_multiple_of(GROUP));
+        Self {
+            rows,
+            cols,
+            nb,
+            blocks: padded * nb,
+            supers: padded * nb / SUPER,
+        }
+    }
+
+    /// Row and super-block (in the row) of the file's `i`-th super-block.
+    fn super_block(&self, i: usize) -> (usize, usize) {
+        (i / (self.nb / SUPER), i % (self.nb / SUPER))
+    }
+
+    /// Interleaved index of row `r`'s block `b`.
+    fn block_at(&self, r: usize, b: usize) -> usize {
+        ((r / GROUP) * self.nb + b) * GROUP + r % GROUP
+    }
+
+    /// Interleaved index of row `r`'s super-block `s`.
+    fn super_at(&self, r: usize, s: usize) -> usize {
+        ((r / GROUP) * (self.nb / SUPER) + s) * GROUP + r % GROUP
+    }
+
+    fn matrix(&self, blocks: Blocks) -> QMatrix {
+        QMatrix {
+            padded: self.rows.next_multiple_of(GROUP),
+            rows: self.rows,
+            cols: self.cols,
+            blocks,
+        }
     }
 }

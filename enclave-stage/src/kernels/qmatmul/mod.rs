@@ -46,6 +46,7 @@
 //! - **portable** (every target): the same sums in plain Rust, also the
 //!   reference the SIMD kernels are tested against.
 
+use super::CpuFeatures;
 use rayon::prelude::*;
 
 mod avx2;
@@ -72,31 +73,25 @@ pub enum Kernel {
 impl Kernel {
     /// The fastest kernel this CPU supports.
     pub fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
-                return Kernel::Avx512;
-            }
-            if has!("avx2") && has!("fma") {
-                return Kernel::Avx2;
-            }
+        let cpu = CpuFeatures::get();
+        if cpu.avx512_vnni {
+            Kernel::Avx512
+        } else if cpu.avx2_fma {
+            Kernel::Avx2
+        } else {
+            Kernel::Portable
         }
-        Kernel::Portable
     }
 
     /// Every kernel this CPU can run, the portable one first.
     pub fn available() -> Vec<Self> {
+        let cpu = CpuFeatures::get();
         let mut all = vec![Kernel::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx2") && has!("fma") {
-                all.push(Kernel::Avx2);
-            }
-            if Self::detect() == Kernel::Avx512 {
-                all.push(Kernel::Avx512);
-            }
+        if cpu.avx2_fma {
+            all.push(Kernel::Avx2);
+        }
+        if cpu.avx512_vnni {
+            all.push(Kernel::Avx512);
         }
         all
     }
@@ -342,7 +337,8 @@ impl QMatrix {
         Ok(Self::interleave(rows, cols, Blocks::Q8_0 { qs, d }))
     }
 
-    /// Pads row-major blocks to whole groups and interleaves them.
+    /// Pads row-major blocks to whole groups and interleaves them (Q8_0 and
+    /// Q4_0 / Q4_1 blocks; the K-quants are placed as read, `ggml::Placement`).
     fn interleave(rows: usize, cols: usize, row_major: Blocks) -> Self {
         let nb = cols / BLOCK;
         let padded = rows.next_multiple_of(GROUP);
@@ -370,16 +366,8 @@ impl QMatrix {
                 qs: spread(&qs, BLOCK, rows, padded, nb, &at),
                 d: spread(&d, 1, rows, padded, nb, &at),
             },
-            Blocks::Q6 { ql, qh, sc, d } => {
-                let ns = nb / SUPER;
-                let at_s = |r: usize, s: usize| ((r / GROUP) * ns + s) * GROUP + r % GROUP;
-                Blocks::Q6 {
-                    ql: spread(&ql, BLOCK / 2, rows, padded, nb, &at),
-                    qh: spread(&qh, BLOCK / 4, rows, padded, nb, &at),
-                    sc: spread(&sc, 2, rows, padded, nb, &at),
-                    d: spread(&d, 1, rows, padded, ns, &at_s),
-                }
-            }
+            // K-quants are written in place as read (`ggml::Placement`).
+            Blocks::Q6 { .. } => unreachable!("Q6 blocks are placed as read"),
             Blocks::Q4_1 { qs, scales } => Blocks::Q4_1 {
                 qs: spread(&qs, BLOCK / 2, rows, padded, nb, &at),
                 scales: match scales {
@@ -387,16 +375,7 @@ impl QMatrix {
                         d: spread(&d, 1, rows, padded, nb, &at),
                         m: spread(&m, 1, rows, padded, nb, &at),
                     },
-                    Scales4::Super { sc, mn, d, dmin } => {
-                        let ns = nb / SUPER;
-                        let at_s = |r: usize, s: usize| ((r / GROUP) * ns + s) * GROUP + r % GROUP;
-                        Scales4::Super {
-                            sc: spread(&sc, 1, rows, padded, nb, &at),
-                            mn: spread(&mn, 1, rows, padded, nb, &at),
-                            d: spread(&d, 1, rows, padded, ns, &at_s),
-                            dmin: spread(&dmin, 1, rows, padded, ns, &at_s),
-                        }
-                    }
+                    Scales4::Super { .. } => unreachable!("Q4_K blocks are placed as read"),
                 },
             },
         };

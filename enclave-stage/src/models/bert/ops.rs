@@ -17,17 +17,9 @@
 //! The GEMMs stay Candle's. Results match the unfused Candle layer to f32
 //! rounding (tests below, and the sentence-transformers reference tests).
 
+use crate::kernels::contiguous;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape};
 use rayon::prelude::*;
-
-/// The f32 values of a contiguous custom-op input (`what` names it in the error).
-pub(crate) fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    let data = s.as_slice::<f32>()?;
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("{what}: input must be contiguous"),
-    }
-}
 
 /// `exp(x)` for f32, branch-free so that loops over it vectorise: range
 /// reduction to `2^n · e^r` with `|r| ≤ ln2/2` and a degree-6 polynomial
@@ -72,7 +64,7 @@ unsafe fn gelu_in_place_avx2(row: &mut [f32], bias: f32) {
 }
 
 fn avx2() -> bool {
-    crate::qmatmul::Kernel::detect() != crate::qmatmul::Kernel::Portable
+    crate::kernels::CpuFeatures::get().avx2_fma
 }
 
 /// `gelu_erf(y + bias)` on a feature-major `[features, tokens]` activation

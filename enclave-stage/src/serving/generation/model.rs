@@ -6,8 +6,8 @@
 
 use super::chat_template::ChatTemplate;
 use super::grammar::Grammars;
-use crate::gguf_tokenizer;
-use crate::llama::{Architecture, LlamaConfig, LlamaPart, WeightFormat};
+use crate::models::gguf_tokenizer;
+use crate::models::llama::{Architecture, LlamaConfig, LlamaPart, WeightFormat};
 use crate::role::StageSpec;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;

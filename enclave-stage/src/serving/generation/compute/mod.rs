@@ -18,7 +18,7 @@ use super::model::GenModel;
 use super::scheduler::{Admission, Scheduler, SchedulerLimits};
 use crate::fault::Fault;
 use crate::keys::StageKeys;
-use crate::llama::LlamaPart;
+use crate::models::llama::LlamaPart;
 use crate::stats::{RequestTimer, STATS};
 use crate::work::{failure, Output, Work};
 use candle_core::Tensor;

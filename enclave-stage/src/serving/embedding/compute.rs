@@ -13,11 +13,11 @@
 //! the sequences that fail alone are reported failed and every other
 //! request's output is still produced.
 
-use crate::embedding::batcher::{plan, BatchLimits, Seq, ShapeInfo};
-use crate::embedding::engine::{Engine, Padded};
-use crate::embedding::tracker::{row_digest, Finished, Tracker};
 use crate::fault::Fault;
 use crate::keys::StageKeys;
+use crate::serving::embedding::batcher::{plan, BatchLimits, Seq, ShapeInfo};
+use crate::serving::embedding::engine::{Engine, Padded};
+use crate::serving::embedding::tracker::{row_digest, Finished, Tracker};
 use crate::stats::STATS;
 use crate::work::{failure, Output, Work};
 use proto::frames::{ActivationBatch, ActivationMessage, BatchItem, ErrorKind};

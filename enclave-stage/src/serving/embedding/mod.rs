@@ -1,0 +1,10 @@
+//! Sentence embeddings (`/v1/embeddings`) pipelined across stages: the model
+//! a stage loads ([`engine`]: a BERT encoder, `crate::models::bert`, over
+//! its layer range), the entry stage's micro-batch planning ([`batcher`]),
+//! the compute thread ([`compute`]) and its per-request receipt bookkeeping
+//! ([`tracker`]).
+
+pub mod batcher;
+pub mod compute;
+pub mod engine;
+pub mod tracker;
