@@ -4,7 +4,8 @@
 //! values in f32. Four weight rows at a time share every load of the
 //! activations.
 
-use super::{Blocks, QMatrix, XRow, BLOCK, GROUP, SUPER};
+use super::blocks::{Blocks, GROUP, SUPER};
+use super::{QMatrix, XRow, BLOCK};
 
 impl QMatrix {
     /// Dot products of weight rows `r..r+4` (`r` a multiple of [`GROUP`];
@@ -150,7 +151,8 @@ impl QMatrix {
                         *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(wd[j]), *a);
                     }
                 };
-                let mins = super::walk_scales4(scales, g0, x.sums, |b, d4| block(b, d4, &mut acc));
+                let mins =
+                    super::blocks::walk_scales4(scales, g0, x.sums, |b, d4| block(b, d4, &mut acc));
                 let mut m4 = [0f32; 4];
                 _mm_storeu_ps(m4.as_mut_ptr(), mins);
                 [0, 1, 2, 3].map(|j| hsum(acc[j]) + m4[j])

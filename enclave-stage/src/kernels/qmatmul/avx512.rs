@@ -8,29 +8,17 @@
 //! shifts give four vectors (Q4_1: elements `2i`, `2i + 16`, `2i + 1`,
 //! `2i + 17`) or two (Q8_0: elements `2i`, `2i + 1`, sign-extended by an
 //! arithmetic shift) whose words line up with the activations stored
-//! **deinterleaved**, even elements then odd ([`deinterleave_blocks`]). No
+//! **deinterleaved**, even elements then odd ([`super::blocks::deinterleave_blocks`]). No
 //! shuffle port work per weight, where widening with `vpmovzxbw` costs one
 //! shuffle per 16 weights and was the AVX2 kernel's bottleneck with twice
 //! the instructions per product.
 
-use super::{Blocks, QMatrix, XRow, BLOCK, GROUP, SUPER};
-
-/// The i16 activation blocks reordered as this kernel reads them: in each
-/// block of 32, the even elements in order, then the odd ones.
-pub(super) fn deinterleave_blocks(q: &mut [i16]) {
-    for b in q.chunks_exact_mut(BLOCK) {
-        let mut t = [0i16; BLOCK];
-        for i in 0..BLOCK / 2 {
-            t[i] = b[2 * i];
-            t[BLOCK / 2 + i] = b[2 * i + 1];
-        }
-        b.copy_from_slice(&t);
-    }
-}
+use super::blocks::{Blocks, GROUP, SUPER};
+use super::{QMatrix, XRow, BLOCK};
 
 impl QMatrix {
     /// Dot products of weight rows `r..r+4` with one activation row whose
-    /// i16 blocks are deinterleaved ([`deinterleave_blocks`]).
+    /// i16 blocks are deinterleaved ([`super::blocks::deinterleave_blocks`]).
     ///
     /// # Safety
     /// The CPU must have AVX-512 F, BW and VNNI ([`super::Kernel::detect`]).
@@ -88,7 +76,8 @@ impl QMatrix {
                     let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
                     acc[b & 1] = _mm512_fmadd_ps(s, scale, acc[b & 1]);
                 };
-                let mins = super::walk_scales4(scales, g0, x.sums, |b, d4| block(b, d4, &mut acc));
+                let mins =
+                    super::blocks::walk_scales4(scales, g0, x.sums, |b, d4| block(b, d4, &mut acc));
                 let mut out = [0f32; 16];
                 _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(acc[0], acc[1]));
                 let mut m4 = [0f32; 4];

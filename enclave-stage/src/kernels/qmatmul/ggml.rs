@@ -2,7 +2,8 @@
 //! stored, Q4_0 and Q4_K repacked into 4-bit blocks with the same values
 //! (Q4_K keeping its 6-bit scales), Q6_K into 6-bit blocks.
 
-use super::{Blocks, QMatrix, Scales4, BLOCK, GROUP, SUPER};
+use super::blocks::{block_index, Blocks, Scales4, GROUP, SUPER};
+use super::{QMatrix, BLOCK};
 
 /// Number of `size`-byte ggml blocks of `per` values in `raw`, checked
 /// against `[rows, cols]`; returned in 32-value blocks.
@@ -223,12 +224,12 @@ impl Placement {
 
     /// Interleaved index of row `r`'s block `b`.
     fn block_at(&self, r: usize, b: usize) -> usize {
-        ((r / GROUP) * self.nb + b) * GROUP + r % GROUP
+        block_index(self.nb, r, b)
     }
 
     /// Interleaved index of row `r`'s super-block `s`.
     fn super_at(&self, r: usize, s: usize) -> usize {
-        ((r / GROUP) * (self.nb / SUPER) + s) * GROUP + r % GROUP
+        block_index(self.nb / SUPER, r, s)
     }
 
     fn matrix(&self, blocks: Blocks) -> QMatrix {

@@ -47,10 +47,12 @@
 //!   reference the SIMD kernels are tested against.
 
 use super::CpuFeatures;
+use blocks::{block_index, super_index, Blocks, Scales4, GROUP};
 use rayon::prelude::*;
 
 mod avx2;
 mod avx512;
+mod blocks;
 mod ggml;
 
 /// Values per quantization block (Q8_0 and Q4_1 alike).
@@ -104,140 +106,6 @@ impl Kernel {
             Kernel::Avx512 => "avx512vnni",
         }
     }
-}
-
-/// Rows per interleaved group (the AVX2 kernel's four dot products).
-const GROUP: usize = 4;
-
-/// The weights of a quantized matrix. Rows are padded with zero rows to a
-/// multiple of [`GROUP`] and stored **interleaved**: group `g`'s block `b`
-/// holds block `b` of its four rows one after another, so a dot product of
-/// four rows reads one sequential stream (which the hardware prefetcher
-/// follows; four strided streams measured at a third of the bandwidth).
-/// Scales follow the same order: index `(g · nb + b) · 4 + row % 4`.
-#[derive(Clone, Debug)]
-enum Blocks {
-    /// `w = d · q`, q ∈ [-127, 127]: 32 bytes per block.
-    Q8_0 { qs: Vec<i8>, d: Vec<f32> },
-    /// `w = d · q + m`, q ∈ [0, 15], two per byte as ggml packs them: byte
-    /// `j` of a block holds element `j` (low nibble) and `j + 16` (high);
-    /// 16 bytes per block, and the block's `d` and `m` as [`Scales4`] hold
-    /// them.
-    Q4_1 { qs: Vec<u8>, scales: Scales4 },
-    /// A K-quant's 6-bit blocks (Q6_K) as the file holds them: `w = d ·
-    /// sc_h · (q − 32)`, q ∈ [0, 63]; per block the low four bits as Q4_1
-    /// packs them (16 bytes), the high two bits packed for the AVX-512
-    /// kernel (8 bytes: byte `i` holds those of elements `2i`, `2i + 16`,
-    /// `2i + 1`, `2i + 17`, two bits each from the lowest) and two i8 scales
-    /// `sc_h`, one per half of 16; per super-block of [`SUPER`] blocks the
-    /// f32 `d` (interleaved as [`Scales4::Super`]'s). 26.5 bytes per 32
-    /// values against Q8_0's 36.
-    Q6 {
-        ql: Vec<u8>,
-        qh: Vec<u8>,
-        sc: Vec<i8>,
-        d: Vec<f32>,
-    },
-}
-
-/// Blocks per K-quant super-block (256 values).
-const SUPER: usize = 8;
-
-/// The `d` and `m` of each 4-bit block.
-#[derive(Clone, Debug)]
-enum Scales4 {
-    /// Per block, in f32 (Q4_0, Q4_1): 8 bytes per block.
-    Block { d: Vec<f32>, m: Vec<f32> },
-    /// As a K-quant holds them (Q4_K): per block a 6-bit scale `sc` and min
-    /// `mn`, per super-block of [`SUPER`] blocks the f32 `d` and `dmin`
-    /// (`d_b = d · sc`, `m_b = −dmin · mn`, both exact in f32): 2 bytes per
-    /// block and 1 more amortized, against 8. Decoding reads every weight
-    /// once per token and is bound by memory, so the bytes are the speed.
-    /// Super-block scales are interleaved like blocks: index
-    /// `(g · nb / 8 + s) · 4 + row % 4`.
-    Super {
-        sc: Vec<u8>,
-        mn: Vec<u8>,
-        d: Vec<f32>,
-        dmin: Vec<f32>,
-    },
-}
-
-impl Scales4 {
-    /// `(d, m)` of the block at interleaved index `bi`.
-    fn dm(&self, bi: usize) -> (f32, f32) {
-        match self {
-            Scales4::Block { d, m } => (d[bi], m[bi]),
-            Scales4::Super { sc, mn, d, dmin } => {
-                // `bi = (g · nb + b) · 4 + j` and `nb` is a multiple of 8,
-                // so the super-block's index is `(bi / 4 / 8) · 4 + j`.
-                let si = bi / GROUP / SUPER * GROUP + bi % GROUP;
-                (d[si] * sc[bi] as f32, -(dmin[si] * mn[bi] as f32))
-            }
-        }
-    }
-
-    /// Bytes held.
-    fn bytes(&self) -> usize {
-        match self {
-            Scales4::Block { d, m } => (d.len() + m.len()) * 4,
-            Scales4::Super { sc, mn, d, dmin } => sc.len() + mn.len() + (d.len() + dmin.len()) * 4,
-        }
-    }
-}
-
-/// Walks the 4-bit blocks of the group whose first block is at interleaved
-/// index `g0`: calls `block(b, d4)` with the four rows' `d` of each block
-/// `b` in order, and returns the four rows' min terms `Σ_b m_b · sums[b]`
-/// (`sums`: the activation row's exact f32 block sums), with the scales
-/// read as they are held. Shared by the SIMD kernels.
-///
-/// # Safety
-/// The CPU must have SSE4.1 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse4.1,fma")]
-unsafe fn walk_scales4(
-    scales: &Scales4,
-    g0: usize,
-    sums: &[f32],
-    mut block: impl FnMut(usize, std::arch::x86_64::__m128),
-) -> std::arch::x86_64::__m128 {
-    use std::arch::x86_64::*;
-    let nb = sums.len();
-    let mut mins = _mm_setzero_ps();
-    match scales {
-        Scales4::Block { d, m } => {
-            let (d, m) = (&d[g0..g0 + nb * GROUP], &m[g0..g0 + nb * GROUP]);
-            for (b, &sum) in sums.iter().enumerate() {
-                let m4 = _mm_loadu_ps(m.as_ptr().add(b * GROUP));
-                mins = _mm_fmadd_ps(m4, _mm_set1_ps(sum), mins);
-                block(b, _mm_loadu_ps(d.as_ptr().add(b * GROUP)));
-            }
-        }
-        Scales4::Super { sc, mn, d, dmin } => {
-            // `g0 = g · nb · 4`, so the group's super-blocks start at `g0 / 8`.
-            let (ns, s0) = (nb / SUPER, g0 / SUPER);
-            let (d, dmin) = (&d[s0..s0 + ns * GROUP], &dmin[s0..s0 + ns * GROUP]);
-            let (sc, mn) = (&sc[g0..g0 + nb * GROUP], &mn[g0..g0 + nb * GROUP]);
-            // The four rows' 6-bit values of block `b`, as f32.
-            let four = |v: &[u8], b: usize| {
-                let p = v.as_ptr().add(b * GROUP) as *const i32;
-                _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(p.read_unaligned())))
-            };
-            for s in 0..ns {
-                let sd = _mm_loadu_ps(d.as_ptr().add(s * GROUP));
-                // Σ mn · Σ x over the super-block's blocks; `m = −dmin · mn`
-                // then makes the term subtracted.
-                let mut t = _mm_setzero_ps();
-                for (b, &sum) in sums.iter().enumerate().skip(s * SUPER).take(SUPER) {
-                    t = _mm_fmadd_ps(four(mn, b), _mm_set1_ps(sum), t);
-                    block(b, _mm_mul_ps(sd, four(sc, b)));
-                }
-                mins = _mm_fnmadd_ps(_mm_loadu_ps(dmin.as_ptr().add(s * GROUP)), t, mins);
-            }
-        }
-    }
-    mins
 }
 
 /// A weight matrix `[rows, cols]` in 32-value blocks, applied as `x · Wᵀ`.
@@ -343,7 +211,7 @@ impl QMatrix {
         let nb = cols / BLOCK;
         let padded = rows.next_multiple_of(GROUP);
         // Position of row `r`'s block `b` in the interleaved order.
-        let at = |r: usize, b: usize| ((r / GROUP) * nb + b) * GROUP + r % GROUP;
+        let at = |r: usize, b: usize| block_index(nb, r, b);
         fn spread<T: Copy + Default>(
             src: &[T],
             per: usize,
@@ -389,8 +257,7 @@ impl QMatrix {
 
     /// Index of row `r`'s block `b` (in blocks; scales use it directly).
     fn at(&self, r: usize, b: usize) -> usize {
-        let nb = self.cols / BLOCK;
-        ((r / GROUP) * nb + b) * GROUP + r % GROUP
+        block_index(self.cols / BLOCK, r, b)
     }
 
     /// `[rows, cols]`.
@@ -457,13 +324,13 @@ impl QMatrix {
             Blocks::Q8_0 { .. } | Blocks::Q6 { .. } => Vec::new(),
         };
         // The AVX-512 kernel, and the AVX2 kernel's Q6 blocks, read the
-        // activations even elements first ([`avx512::deinterleave_blocks`]).
+        // activations even elements first ([`blocks::deinterleave_blocks`]).
         let deinterleaved = kernel == Kernel::Avx512 || matches!(self.blocks, Blocks::Q6 { .. });
         let (xq, xd) = match kernel {
             Kernel::Avx2 | Kernel::Avx512 => {
                 let (mut q, d) = quantize_i16(x);
                 if deinterleaved {
-                    avx512::deinterleave_blocks(&mut q);
+                    blocks::deinterleave_blocks(&mut q);
                 }
                 (q, d)
             }
@@ -577,7 +444,7 @@ impl QMatrix {
         let Blocks::Q6 { ql, qh, sc, d } = &self.blocks else {
             unreachable!("a Q6 block")
         };
-        let d = d[bi / GROUP / SUPER * GROUP + bi % GROUP];
+        let d = d[super_index(bi)];
         let (lo, hi) = (&ql[bi * 16..bi * 16 + 16], &qh[bi * 8..bi * 8 + 8]);
         let mut out = [0f32; BLOCK];
         for (e, o) in out.iter_mut().enumerate() {

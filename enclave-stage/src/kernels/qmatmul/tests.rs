@@ -1,6 +1,7 @@
 //! The kernels against the dequantized product, the ggml block readers
 //! against Candle's port of ggml, and the quantization error.
 
+use super::blocks::SUPER;
 use super::*;
 use rand::{Rng, SeedableRng};
 
