@@ -369,8 +369,10 @@ def check_tokenizer(bin_path: str, path: str) -> list:
 
 
 def check_served(gateway: str, path: str, d: str) -> list:
-    """`gateway serve --model` on the SentencePiece fixture answers chat; the
-    prompt (the file's template, rendered) counts llama.cpp's tokens."""
+    """`gateway serve --model` on the SentencePiece fixture answers chat and
+    a raw completion; each prompt counts llama.cpp's tokens: the chat's (the
+    file's template, rendered: its own BOS) as the text says, the raw one's
+    with the BOS llama.cpp adds for this file (`add_bos_token`)."""
     import re
     import time
     import urllib.request
@@ -402,6 +404,11 @@ def check_served(gateway: str, path: str, d: str) -> list:
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.load(r)
+        body = {"model": "random-llama-spm", "max_tokens": 4, "prompt": "Name a colour."}
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            raw = json.load(r)
     finally:
         proc.send_signal(2)
         try:
@@ -417,6 +424,12 @@ def check_served(gateway: str, path: str, d: str) -> list:
           f"prompt {got} tokens, llama.cpp {want}", flush=True)
     if got != want or not isinstance(answer["choices"][0]["message"]["content"], str):
         return [f"served SentencePiece chat: prompt {got} tokens, llama.cpp {want}: {answer}"]
+    # llama.cpp's add_special: the BOS where the file's add_bos_token says.
+    want = len(llm.tokenize(b"Name a colour.", add_bos=True, special=True))
+    got = raw["usage"]["prompt_tokens"]
+    print(f"  llama-spm served: raw completion prompt {got} tokens, llama.cpp {want}", flush=True)
+    if got != want or want != len(llm.tokenize(b"Name a colour.", add_bos=False)) + 1:
+        return [f"served SentencePiece completion: prompt {got} tokens, llama.cpp {want}: {raw}"]
     return []
 
 

@@ -150,7 +150,7 @@ fn main() -> Result<()> {
     let policy = Policy::from_toml(&policy_text)
         .map_err(|e| anyhow::anyhow!("policy {}: {e}", args.policy.display()))?;
     let policy_digest = Sha256Digest::of(policy_text.as_bytes());
-    let mut loaded = enclave_stage::model::load(&args.model_dir, &spec, args.weights)
+    let mut loaded = enclave_stage::serving::load(&args.model_dir, &spec, args.weights)
         .context("stage refuses to start")?;
     let exe = std::env::current_exe()?;
     let binary =
@@ -198,6 +198,7 @@ fn main() -> Result<()> {
             kv_cache_tokens: args.kv_cache_tokens,
             max_step_seqs: args.max_step_seqs,
             max_waiting: args.max_waiting,
+            max_inputs: args.max_inputs,
         };
         let model = loaded
             .start(ComputeSetup {
@@ -213,7 +214,6 @@ fn main() -> Result<()> {
             provider,
             policy,
             local_measurement: measurement,
-            max_inputs: args.max_inputs,
         };
         let server = StageServer::new(setup, work_tx, out_tx);
         let endpoint: Endpoint = args.listen.parse().map_err(anyhow::Error::msg)?;

@@ -1,29 +1,24 @@
-//! The model kinds a stage serves, behind one trait: what the binary needs
-//! from a loaded model ([`LoadedModel`]: its manifest and claims, and the
-//! start of its compute thread) and what the connection handlers dispatch on
-//! ([`StageModel`]). [`load`] is the one place that picks the kind, from the
-//! manifest's architecture; each kind lives in a folder of its own
-//! ([`crate::serving::embedding`], [`crate::serving::generation`]).
+//! What a model kind gives the rest of the stage, behind two traits: a
+//! loaded model before it serves ([`LoadedModel`]: its manifest and
+//! claims, and the start of its compute thread) and a serving model as the
+//! connection handlers see it ([`ServedModel`]: which endpoints it answers,
+//! and the admission of an opened request). The connection handlers
+//! (`crate::server`) know only these; each kind implements them in its own
+//! folder (`crate::serving::embedding`, `crate::serving::generation`), and
+//! `crate::serving::load` picks the kind from the manifest.
 
-use crate::kernels::bf16_matmul::Kernel;
 use crate::keys::StageKeys;
-use crate::models::llama::WeightFormat;
-use crate::role::StageSpec;
-use crate::serving::embedding::batcher::BatchLimits;
-use crate::serving::embedding::compute::Compute;
-use crate::serving::embedding::engine::Engine;
-use crate::serving::generation::compute::{GenLimits, Generator};
-use crate::serving::generation::model::GenModel;
 use crate::work::{Output, Work};
-use anyhow::{Context, Result};
-use proto::frames::StageClaims;
-use proto::manifest::{LoadedManifest, ModelTask};
-use proto::openai::ApiEndpoint;
-use std::path::Path;
+use anyhow::Result;
+use proto::frames::{Envelope, StageClaims};
+use proto::manifest::LoadedManifest;
+use proto::openai::{ApiEndpoint, ApiError};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
-/// The limits a compute thread runs under (from the command line).
+/// The limits a stage serves under (from the command line).
 #[derive(Clone, Debug)]
 pub struct ComputeLimits {
     /// Most tokens in one micro-batch (embeddings, padded) or one step
@@ -33,6 +28,8 @@ pub struct ComputeLimits {
     pub max_rows: usize,
     /// Embeddings: activation memory budget of one micro-batch, in bytes.
     pub memory_budget: usize,
+    /// Embeddings: most inputs in one request.
+    pub max_inputs: usize,
     /// Generation: tokens of KV cache this stage may hold.
     pub kv_cache_tokens: usize,
     /// Generation: most sequences in one step.
@@ -63,132 +60,80 @@ pub trait LoadedModel: Send {
     fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel>;
 }
 
-/// Loads the model in `model_dir` for this stage: a `llama` manifest is a
-/// generation model, anything else an embedding model, each held as
-/// `weights` (default: [`GENERATION_DEFAULT`], [`EMBEDDING_DEFAULT`]).
-pub fn load(
-    model_dir: &Path,
-    spec: &StageSpec,
-    weights: Option<WeightFormat>,
-) -> Result<Box<dyn LoadedModel>> {
-    let task = LoadedManifest::load(model_dir)?
-        .manifest
-        .serves()
-        .map_err(anyhow::Error::msg)?;
-    let pick = |served: &[WeightFormat], default: WeightFormat, kind: &str| {
-        weights
-            .unwrap_or(default)
-            .served_by(served)
-            .map_err(|e| anyhow::anyhow!("{kind} stage weights: {e}"))
-    };
-    Ok(if task == ModelTask::Completion {
-        let w = pick(&WeightFormat::GENERATION, GENERATION_DEFAULT, "generation")?;
-        Box::new(GenModel::load(model_dir, spec, w)?)
-    } else {
-        let w = pick(&WeightFormat::EMBEDDING, EMBEDDING_DEFAULT, "embedding")?;
-        Box::new(Engine::load(model_dir, spec, w)?)
-    })
+/// The model a stage serves, as the connection handlers see it.
+pub type StageModel = Arc<dyn ServedModel>;
+
+/// A request the entry stage opened (key id, HPKE and freshness checked)
+/// and has not yet remembered in its replay guard.
+pub struct OpenedRequest<'a> {
+    /// The host's id for it (only ever used to route its work and answer).
+    pub request_id: u64,
+    /// The API it was sealed for (checked with [`ServedModel::serves`]).
+    pub endpoint: ApiEndpoint,
+    /// The client's JSON body.
+    pub plaintext: &'a [u8],
 }
 
-/// How a generation stage holds its weights unless told: the GGUF's own
-/// Q4_1 blocks (`benchmark_results/quality.md`, `peers.md`).
-pub const GENERATION_DEFAULT: WeightFormat = WeightFormat::Q4_1;
+/// A future a [`ServedModel`] returns.
+pub type Pending<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// How an embedding stage holds its weights unless told: bf16, measured
-/// faster than f32 with AVX-512 BF16 and within cosine 0.9999 of it
-/// (`benchmark_results/embeddings.md`).
-pub const EMBEDDING_DEFAULT: WeightFormat = WeightFormat::Bf16;
+/// A request the model accepted. The stage then records it in its replay
+/// guard, builds its envelope, and hands [`Admission::work`]'s items to the
+/// compute thread in order.
+pub struct Admission {
+    /// The compute thread's work for the request, given its envelope.
+    pub work: Box<dyn FnOnce(Envelope) -> Vec<Work> + Send>,
+    /// Gives back what admission reserved (queue room), for a request whose
+    /// work never reaches the compute thread.
+    pub release: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl Admission {
+    /// Gives back what admission reserved.
+    pub fn release(self) {
+        if let Some(r) = self.release {
+            r()
+        }
+    }
+}
+
+/// Why a model refused a request: the OpenAI error sealed to the client,
+/// and (a full queue: 503) when to retry.
+#[derive(Debug)]
+pub struct Refusal {
+    /// The error the client reads.
+    pub api: ApiError,
+    /// `Retry-After`, in seconds.
+    pub retry_after_secs: Option<u32>,
+}
+
+impl From<ApiError> for Refusal {
+    fn from(api: ApiError) -> Self {
+        Self {
+            api,
+            retry_after_secs: None,
+        }
+    }
+}
+
+/// A model kind as the connection handlers see it once it serves.
+pub trait ServedModel: Send + Sync {
+    /// What the stage claims in its evidence.
+    fn claims(&self) -> &StageClaims;
+    /// Whether the model answers `endpoint`.
+    fn serves(&self, endpoint: ApiEndpoint) -> bool;
+    /// Whether the exit stage sends its output back to the entry stage
+    /// (generation: each sampled token is the next step's input).
+    fn has_feedback(&self) -> bool;
+    /// Validates and tokenizes an opened request (entry stage): its work
+    /// for the compute thread, or the error the client is sent.
+    fn admit<'a>(&'a self, request: OpenedRequest<'a>) -> Pending<'a, Result<Admission, Refusal>>;
+}
 
 /// Starts a stage's compute thread (model work runs off the async runtime).
-fn spawn_compute(run: impl FnOnce() + Send + 'static) -> Result<()> {
+pub fn spawn_compute(run: impl FnOnce() + Send + 'static) -> Result<()> {
     std::thread::Builder::new()
         .name("compute".into())
         .spawn(run)?;
     Ok(())
-}
-
-impl LoadedModel for Engine {
-    fn manifest_and_claims(&mut self) -> (&LoadedManifest, &mut StageClaims) {
-        (&self.manifest, &mut self.claims)
-    }
-
-    fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel> {
-        let (weights, kernel) = self.weights();
-        let kernel_name = kernel.map_or("candle-f32", Kernel::name);
-        tracing::info!(%weights, kernel = kernel_name, "weights loaded");
-        if kernel == Some(Kernel::Portable) {
-            tracing::warn!("this CPU has no AVX-512 BF16: bf16 weights run no faster than f32 here (weights = \"f32\" is as fast and exact)");
-        }
-        let engine = Arc::new(*self);
-        let limits = BatchLimits {
-            token_budget: setup.limits.token_budget,
-            max_rows: setup.limits.max_rows,
-            memory_budget: setup.limits.memory_budget,
-        };
-        let shape = engine.shape();
-        let compute = Compute::new(engine.clone(), setup.keys, setup.out, limits, shape);
-        let work = setup.work;
-        spawn_compute(move || compute.run(work))?;
-        Ok(StageModel::Embedding(engine))
-    }
-}
-
-impl LoadedModel for GenModel {
-    fn manifest_and_claims(&mut self) -> (&LoadedManifest, &mut StageClaims) {
-        (&self.manifest, &mut self.claims)
-    }
-
-    fn start(self: Box<Self>, setup: ComputeSetup) -> Result<StageModel> {
-        let part = self.load_part().context("loading the weights")?;
-        tracing::info!(
-            weights = %part.format(),
-            weight_mib = part.weight_bytes() >> 20,
-            "weights loaded"
-        );
-        let l = setup.limits;
-        tracing::info!(
-            kv_cache_tokens = l.kv_cache_tokens,
-            kv_cache_mib = (l.kv_cache_tokens * part.bytes_per_token()) >> 20,
-            "KV-cache budget"
-        );
-        let model = Arc::new(*self);
-        let limits = GenLimits {
-            kv_tokens: l.kv_cache_tokens,
-            step_tokens: l.token_budget,
-            max_step_seqs: l.max_step_seqs,
-            max_waiting: l.max_waiting,
-        };
-        let gen = Generator::new(model.clone(), part, setup.keys, setup.out, limits);
-        let work = setup.work;
-        spawn_compute(move || gen.run(work))?;
-        Ok(StageModel::Generation(model))
-    }
-}
-
-/// The model a stage serves, as the connection handlers dispatch on it.
-#[derive(Clone)]
-pub enum StageModel {
-    /// An embedding model (`/v1/embeddings`).
-    Embedding(Arc<Engine>),
-    /// A generation model (`/v1/completions` and `/v1/chat/completions`).
-    Generation(Arc<GenModel>),
-}
-
-impl StageModel {
-    /// What the stage claims in its evidence.
-    pub fn claims(&self) -> &StageClaims {
-        match self {
-            StageModel::Embedding(e) => &e.claims,
-            StageModel::Generation(g) => &g.claims,
-        }
-    }
-
-    /// Whether the model serves API path `endpoint`.
-    pub fn serves(&self, endpoint: &str) -> bool {
-        match (self, ApiEndpoint::from_path(endpoint)) {
-            (StageModel::Embedding(_), Some(e)) => !e.is_generation(),
-            (StageModel::Generation(_), Some(e)) => e.is_generation(),
-            (_, None) => false,
-        }
-    }
 }

@@ -15,3 +15,22 @@ pub fn encode(
         .map_err(|e| format!("tokenizer: {e}"))?;
     Ok(enc.get_ids().to_vec())
 }
+
+/// Requests with at most this many bytes of text are tokenized inline.
+const INLINE_TOKENIZE_BYTES: usize = 2048;
+
+/// Runs tokenizer work `f` over `bytes` of text: small inputs tokenize in
+/// microseconds, so inline rather than pay a thread hand-off; large ones go
+/// to the blocking pool so they never stall the runtime.
+pub async fn off_runtime_if_large<T: Send + 'static>(
+    bytes: usize,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    if bytes <= INLINE_TOKENIZE_BYTES {
+        f()
+    } else {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| format!("tokenizer task failed: {e}"))?
+    }
+}

@@ -45,7 +45,7 @@ fn main() -> anyhow::Result<()> {
             num_stages: 1,
             layers: 0..6,
         },
-        enclave_stage::model::EMBEDDING_DEFAULT,
+        enclave_stage::serving::EMBEDDING_DEFAULT,
     )?;
     let request =
         serde_json::to_vec(&serde_json::json!({"model": "all-MiniLM-L6-v2", "input": SENTENCE}))?;

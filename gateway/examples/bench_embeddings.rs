@@ -140,7 +140,7 @@ struct Args {
     /// (comma-separated; default: the embedding stages' default). The first
     /// is the one the gateway's answers are compared with and its ratios
     /// are taken against: give it the gateway config's `weights`.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![enclave_stage::model::EMBEDDING_DEFAULT])]
+    #[arg(long, value_delimiter = ',', default_values_t = vec![enclave_stage::serving::EMBEDDING_DEFAULT])]
     weights: Vec<proto::frames::WeightFormat>,
     /// Internal (baseline worker): model folder.
     #[arg(long, hide = true)]

@@ -28,9 +28,11 @@
 //! Any other tokenizer model or split rule (Mistral Nemo's `tekken` among
 //! them) is refused with an error naming it.
 //!
-//! Prompts are tokenized without special tokens: a chat template writes
-//! its own BOS, and a raw `/v1/completions` prompt gets none even where the
-//! file asks for one (`tokenizer.ggml.add_bos_token`).
+//! A raw `/v1/completions` prompt starts with the BOS token where llama.cpp
+//! would put one (the document's post-processor: the file's
+//! `tokenizer.ggml.add_bos_token`, else llama.cpp's default for the
+//! tokenizer, [`prompt_bos`]); a chat template writes its own BOS, so a
+//! rendered chat is tokenized without the post-processor.
 //!
 //! For SmolLM2 the document equals the shipped, pinned `tokenizer.json`
 //! (made by `scripts/place_models.py`, byte for byte what `transformers`
@@ -218,10 +220,14 @@ fn byte_level(
             }));
         }
     }
+    // llama.cpp puts a BOS before prompts for Llama 3's split rule only.
+    let llama3 = matches!(pre.as_str(), "llama-bpe" | "llama3" | "llama-v3");
+    let bos = prompt_bos(ct, &tokens, llama3, 11)?;
     Ok(document(
         added,
         normalizer,
         pre_tokenizer,
+        bos,
         json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
         json!({
             "type": "BPE",
@@ -349,10 +355,12 @@ fn sentencepiece(
     if add_space {
         decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
     }
+    let bos = prompt_bos(ct, &tokens, true, 1)?;
     Ok(document(
         added,
         normalizer,
         serde_json::Value::Null,
+        bos,
         json!({"type": "Sequence", "decoders": decoders}),
         json!({
             "type": "BPE",
@@ -429,16 +437,60 @@ fn recovered_merges(tokens: &[String], scores: &[f32]) -> Result<Vec<serde_json:
     Ok(merges.into_iter().map(|(l, r, ..)| json!([l, r])).collect())
 }
 
+/// The token llama.cpp puts before a prompt it tokenizes with its special
+/// tokens, if any: where `tokenizer.ggml.add_bos_token` says so, or where
+/// the file does not say and llama.cpp's default for the tokenizer is yes
+/// (`default`: SentencePiece, and Llama 3's split rule); the token is
+/// `tokenizer.ggml.bos_token_id`, llama.cpp's `default_id` where absent.
+fn prompt_bos(
+    ct: &Content,
+    tokens: &[String],
+    default: bool,
+    default_id: i64,
+) -> Result<Option<(String, i64)>, String> {
+    let add = match ct.metadata.get("tokenizer.ggml.add_bos_token") {
+        Some(v) => v
+            .to_bool()
+            .map_err(|e| format!("tokenizer.ggml.add_bos_token: {e}"))?,
+        None => default,
+    };
+    if !add {
+        return Ok(None);
+    }
+    let id = match ct.metadata.get("tokenizer.ggml.bos_token_id") {
+        Some(v) => int(v).ok_or("tokenizer.ggml.bos_token_id is not an integer")?,
+        None => default_id,
+    };
+    let token = usize::try_from(id)
+        .ok()
+        .and_then(|i| tokens.get(i))
+        .ok_or_else(|| format!("the BOS token id {id} is outside the vocabulary"))?;
+    Ok(Some((token.clone(), id)))
+}
+
 /// The whole `tokenizer.json` document around a model: no truncation or
-/// padding, and no special tokens added to a text (a chat template writes
-/// its own).
+/// padding, and the BOS token `bos` (text, id) put before a text encoded
+/// with its special tokens (a raw prompt; a chat template writes its own).
 fn document(
     added: Vec<serde_json::Value>,
     normalizer: serde_json::Value,
     pre_tokenizer: serde_json::Value,
+    bos: Option<(String, i64)>,
     decoder: serde_json::Value,
     model: serde_json::Value,
 ) -> serde_json::Value {
+    let seq = |id: &str, type_id: u32| json!({"Sequence": {"id": id, "type_id": type_id}});
+    let (single, pair, special_tokens) = match &bos {
+        None => (vec![seq("A", 0)], vec![seq("A", 0), seq("B", 1)], json!({})),
+        Some((text, id)) => {
+            let b = |type_id: u32| json!({"SpecialToken": {"id": text, "type_id": type_id}});
+            (
+                vec![b(0), seq("A", 0)],
+                vec![b(0), seq("A", 0), b(1), seq("B", 1)],
+                json!({ text.as_str(): {"id": text, "ids": [id], "tokens": [text]} }),
+            )
+        }
+    };
     json!({
         "version": "1.0",
         "truncation": null,
@@ -448,9 +500,9 @@ fn document(
         "pre_tokenizer": pre_tokenizer,
         "post_processor": {
             "type": "TemplateProcessing",
-            "single": [{"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {},
+            "single": single,
+            "pair": pair,
+            "special_tokens": special_tokens,
         },
         "decoder": decoder,
         "model": model,
@@ -577,6 +629,34 @@ mod tests {
         assert!(e.contains("not a byte token"), "{e}");
         let e = err(&["a", "b"], &[-1., f32::NAN]);
         assert!(e.contains("scores[1]"), "{e}");
+    }
+
+    /// A raw prompt gets the BOS token where llama.cpp adds one: a
+    /// SentencePiece file by default, never where the file says no; a
+    /// rendered chat (no special tokens) never does.
+    #[test]
+    fn raw_prompts_get_the_bos_llama_cpp_adds() {
+        let toks = ["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab"];
+        let scores = [0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -0.5, -0.7];
+        let encode = |ct: &Content, special: bool| -> Vec<u32> {
+            let doc = tokenizer_json(ct).unwrap().to_string();
+            let t: tokenizers::Tokenizer = doc.parse().unwrap();
+            t.encode("a ab", special).unwrap().get_ids().to_vec()
+        };
+        let mut ct = spm(&toks, &scores, None);
+        ct.metadata
+            .insert("tokenizer.ggml.bos_token_id".into(), Value::U32(1));
+        let plain = encode(&ct, false);
+        assert_ne!(plain.first(), Some(&1));
+        assert_eq!(encode(&ct, true), [&[1][..], &plain].concat());
+        ct.metadata
+            .insert("tokenizer.ggml.add_bos_token".into(), Value::Bool(false));
+        assert_eq!(encode(&ct, true), plain);
+        ct.metadata
+            .insert("tokenizer.ggml.add_bos_token".into(), Value::Bool(true));
+        ct.metadata
+            .insert("tokenizer.ggml.bos_token_id".into(), Value::U32(99));
+        assert!(tokenizer_json(&ct).unwrap_err().contains("BOS token id 99"));
     }
 
     #[test]

@@ -40,10 +40,6 @@ const REPLAY_CAPACITY: usize = 1 << 20;
 /// requests. The label is the host's word, so a replay is looked for in
 /// both partitions: relabelling a client's request does not let it through.
 const HOST_SEALED_REPLAY_CAPACITY: usize = 1 << 19;
-/// Most tokens a chat answer may take when the client sets no limit (less
-/// where the context ends first). Admission reserves KV-cache room for the
-/// whole limit, so "up to the context" would let one chat hold the budget.
-pub const DEFAULT_CHAT_MAX_TOKENS: u32 = 1024;
 /// Longest nonce accepted in an attestation request.
 const MAX_NONCE: usize = 64;
 
@@ -59,8 +55,6 @@ pub struct StageSetup {
     pub policy: Policy,
     /// This binary's own measurement (for `trust_local_build`).
     pub local_measurement: Measurement,
-    /// Most inputs per request.
-    pub max_inputs: usize,
 }
 
 /// A channel's writer task ([`proto::io::queue`]): sends are cancel-safe.
@@ -103,7 +97,6 @@ pub struct StageServer {
     /// attested peer, and a second instance of a neighbour that the host
     /// starts cannot inject into (or reuse the ids of) the first one's requests.
     sessions: std::sync::Mutex<[Option<u64>; 2]>,
-    max_inputs: usize,
 }
 
 /// Which peer session a stage takes one of per configuration epoch.
@@ -146,7 +139,6 @@ impl StageServer {
             owner: std::sync::Mutex::new(None),
             next_session: AtomicU64::new(1),
             sessions: std::sync::Mutex::new([None; 2]),
-            max_inputs: setup.max_inputs,
         })
     }
 
@@ -162,7 +154,7 @@ impl StageServer {
     /// sampled tokens back (generation pipelines of two or more stages).
     fn is_feedback_peer(&self, peer: &PeerInfo) -> bool {
         let me = self.claims();
-        matches!(self.model, StageModel::Generation(_))
+        self.model.has_feedback()
             && me.is_entry()
             && me.num_stages > 1
             && peer
@@ -504,27 +496,24 @@ impl StageServer {
         host_tx: &SharedSender,
     ) -> Result<(), String> {
         let id = self.next_sink.fetch_add(1, Ordering::Relaxed);
-        match (&feedback, &self.model) {
-            (Some(ep), StageModel::Generation(_))
-                if self.model.claims().is_exit() && !self.model.claims().is_entry() =>
-            {
+        let exit_with_feedback = self.model.has_feedback()
+            && self.model.claims().is_exit()
+            && !self.model.claims().is_entry();
+        match &feedback {
+            Some(ep) if exit_with_feedback => {
                 let ep: Endpoint = ep.parse()?;
                 let check = |p: &PeerInfo| self.check_peer_at(p, 0);
                 let (tx, _rx) = self.dial(&ep, "the entry stage", &check).await?;
                 *self.feedback.lock().await = Some(QueuedSender::spawn(tx));
                 tracing::info!(entry = %ep, "connected and attested the entry stage for feedback");
             }
-            (None, StageModel::Generation(_))
-                if self.model.claims().is_exit() && !self.model.claims().is_entry() =>
-            {
+            None if exit_with_feedback => {
                 return Err(
                     "a generation exit stage needs the entry stage's endpoint (feedback)".into(),
                 )
             }
-            (None, _) => {}
-            (Some(_), _) => {
-                return Err("only a generation exit stage takes a feedback endpoint".into())
-            }
+            None => {}
+            Some(_) => return Err("only a generation exit stage takes a feedback endpoint".into()),
         }
         match (next, self.model.claims().is_exit()) {
             (None, true) => {

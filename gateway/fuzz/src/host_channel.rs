@@ -123,7 +123,8 @@ fn start() -> Option<Rig> {
         num_stages: 1,
         layers: 0..6,
     };
-    let mut loaded = enclave_stage::model::load(&model_dir, &spec, None).expect("the model loads");
+    let mut loaded =
+        enclave_stage::serving::load(&model_dir, &spec, None).expect("the model loads");
     let (manifest, _) = loaded.manifest_and_claims();
     let manifest_digest = manifest.digest;
     let selected = provider::select(
@@ -159,6 +160,7 @@ fn start() -> Option<Rig> {
                     kv_cache_tokens: 1024,
                     max_step_seqs: 8,
                     max_waiting: 8,
+                    max_inputs: 16,
                 },
             })
             .expect("compute thread");
@@ -169,7 +171,6 @@ fn start() -> Option<Rig> {
                 provider: selected.provider,
                 policy: Policy::from_toml(STAGE_POLICY).expect("stage policy"),
                 local_measurement: selected.measurement,
-                max_inputs: 16,
             },
             work_tx,
             out_tx,

@@ -3,7 +3,7 @@
 //! (Q4_K keeping its 6-bit scales), Q6_K into 6-bit blocks.
 
 use super::blocks::{block_index, Blocks, Scales4, GROUP, SUPER};
-use super::{QMatrix, BLOCK};
+use super::{QMatrix, RowMajor, BLOCK};
 
 /// Number of `size`-byte ggml blocks of `per` values in `raw`, checked
 /// against `[rows, cols]`; returned in 32-value blocks.
@@ -63,8 +63,7 @@ fn four_bit(
         m.push(min);
         qs.extend_from_slice(&b[head..]);
     }
-    let scales = Scales4::Block { d, m };
-    Ok(QMatrix::interleave(rows, cols, Blocks::Q4_1 { qs, scales }))
+    Ok(QMatrix::interleave(rows, cols, RowMajor::Q4 { qs, d, m }))
 }
 
 impl QMatrix {
@@ -87,7 +86,7 @@ impl QMatrix {
             d.push(f16_bits(b[0], b[1]));
             qs.extend(b[2..].iter().map(|&v| v as i8));
         }
-        Ok(Self::interleave(rows, cols, Blocks::Q8_0 { qs, d }))
+        Ok(Self::interleave(rows, cols, RowMajor::Q8_0 { qs, d }))
     }
 
     /// Takes ggml `Q4_0` blocks as stored in a GGUF file (18 bytes each:

@@ -174,7 +174,7 @@ impl QMatrix {
             "columns must be a multiple of {BLOCK}"
         );
         let (qs, d) = quantize_q8_0(w);
-        Self::interleave(rows, cols, Blocks::Q8_0 { qs, d })
+        Self::interleave(rows, cols, RowMajor::Q8_0 { qs, d })
     }
 
     /// Quantizes a matrix to Q8_0 as [`QMatrix::q8_0`] does, taking its
@@ -202,48 +202,42 @@ impl QMatrix {
             qs.extend_from_slice(&q);
             d.extend_from_slice(&s);
         }
-        Ok(Self::interleave(rows, cols, Blocks::Q8_0 { qs, d }))
+        Ok(Self::interleave(rows, cols, RowMajor::Q8_0 { qs, d }))
     }
 
-    /// Pads row-major blocks to whole groups and interleaves them (Q8_0 and
-    /// Q4_0 / Q4_1 blocks; the K-quants are placed as read, `ggml::Placement`).
-    fn interleave(rows: usize, cols: usize, row_major: Blocks) -> Self {
+    /// Pads row-major blocks to whole groups and interleaves them (the
+    /// K-quants are placed as read, `ggml::Placement`).
+    fn interleave(rows: usize, cols: usize, row_major: RowMajor) -> Self {
         let nb = cols / BLOCK;
         let padded = rows.next_multiple_of(GROUP);
-        // Position of row `r`'s block `b` in the interleaved order.
-        let at = |r: usize, b: usize| block_index(nb, r, b);
+        // Copies `per` values per block to row `r`'s block `b`'s position in
+        // the interleaved order.
         fn spread<T: Copy + Default>(
             src: &[T],
             per: usize,
             rows: usize,
             padded: usize,
             nb: usize,
-            at: &dyn Fn(usize, usize) -> usize,
         ) -> Vec<T> {
             let mut out = vec![T::default(); padded * nb * per];
             for r in 0..rows {
                 for b in 0..nb {
-                    let (from, to) = ((r * nb + b) * per, at(r, b) * per);
+                    let (from, to) = ((r * nb + b) * per, block_index(nb, r, b) * per);
                     out[to..to + per].copy_from_slice(&src[from..from + per]);
                 }
             }
             out
         }
         let blocks = match row_major {
-            Blocks::Q8_0 { qs, d } => Blocks::Q8_0 {
-                qs: spread(&qs, BLOCK, rows, padded, nb, &at),
-                d: spread(&d, 1, rows, padded, nb, &at),
+            RowMajor::Q8_0 { qs, d } => Blocks::Q8_0 {
+                qs: spread(&qs, BLOCK, rows, padded, nb),
+                d: spread(&d, 1, rows, padded, nb),
             },
-            // K-quants are written in place as read (`ggml::Placement`).
-            Blocks::Q6 { .. } => unreachable!("Q6 blocks are placed as read"),
-            Blocks::Q4_1 { qs, scales } => Blocks::Q4_1 {
-                qs: spread(&qs, BLOCK / 2, rows, padded, nb, &at),
-                scales: match scales {
-                    Scales4::Block { d, m } => Scales4::Block {
-                        d: spread(&d, 1, rows, padded, nb, &at),
-                        m: spread(&m, 1, rows, padded, nb, &at),
-                    },
-                    Scales4::Super { .. } => unreachable!("Q4_K blocks are placed as read"),
+            RowMajor::Q4 { qs, d, m } => Blocks::Q4_1 {
+                qs: spread(&qs, BLOCK / 2, rows, padded, nb),
+                scales: Scales4::Block {
+                    d: spread(&d, 1, rows, padded, nb),
+                    m: spread(&m, 1, rows, padded, nb),
                 },
             },
         };
@@ -304,62 +298,115 @@ impl QMatrix {
         self.dequantize_rows(0..self.rows)
     }
 
-    /// Rows `range` dequantized (`[range.len(), cols]`, row-major).
+    /// Rows `range` dequantized (`[range.len(), cols]`, row-major), a band
+    /// of rows per thread of the pool (a prefill dequantizes every matrix
+    /// once per product: 10 % of a 512-token prefill when done on one thread).
     pub fn dequantize_rows(&self, range: std::ops::Range<usize>) -> Vec<f32> {
-        let mut out = vec![0f32; range.len() * self.cols];
-        for (r, row) in range.zip(out.chunks_exact_mut(self.cols)) {
-            self.dequantize_row(r, row);
-        }
+        let cols = self.cols;
+        let mut out = vec![0f32; range.len() * cols];
+        let band = range
+            .len()
+            .div_ceil(rayon::current_num_threads().max(1))
+            .max(1);
+        out.par_chunks_mut(band * cols)
+            .enumerate()
+            .for_each(|(i, rows)| {
+                let first = range.start + i * band;
+                for (j, row) in rows.chunks_exact_mut(cols).enumerate() {
+                    self.dequantize_row(first + j, row);
+                }
+            });
         out
     }
 
     /// `out = x · Wᵀ` for `x` = `[m, cols]` f32 rows; `out` is `[m, rows]`.
     pub fn matmul_t(&self, x: &[f32], out: &mut [f32], kernel: Kernel) {
-        let (n, k) = (self.rows, self.cols);
+        Self::matmul_t_many(&[self], x, &mut [out], kernel);
+    }
+
+    /// `outs[j] = x · Wⱼᵀ` for matrices `mats` of one width that share their
+    /// input (a layer's q, k and v; its gate and up): the activations are
+    /// rounded for the kernels once, and the products run as one parallel
+    /// loop, so a decode step pays one hand-off to the thread pool for the
+    /// group instead of one per matrix.
+    pub fn matmul_t_many(mats: &[&QMatrix], x: &[f32], outs: &mut [&mut [f32]], kernel: Kernel) {
+        assert_eq!(mats.len(), outs.len(), "one output per matrix");
+        let Some(first) = mats.first() else { return };
+        let k = first.cols;
         assert!(x.len().is_multiple_of(k), "activation width");
         let m = x.len() / k;
-        assert_eq!(out.len(), m * n, "output shape");
-        let sums = match self.blocks {
-            Blocks::Q4_1 { .. } => block_sums(x),
-            Blocks::Q8_0 { .. } | Blocks::Q6 { .. } => Vec::new(),
+        for (w, out) in mats.iter().zip(outs.iter()) {
+            assert_eq!(w.cols, k, "matrices of one width");
+            assert_eq!(out.len(), m * w.rows, "output shape");
+        }
+        let q6 = |w: &&QMatrix| matches!(w.blocks, Blocks::Q6 { .. });
+        let sums = if mats.iter().any(|w| matches!(w.blocks, Blocks::Q4_1 { .. })) {
+            block_sums(x)
+        } else {
+            Vec::new()
         };
         // The AVX-512 kernel, and the AVX2 kernel's Q6 blocks, read the
-        // activations even elements first ([`blocks::deinterleave_blocks`]).
-        let deinterleaved = kernel == Kernel::Avx512 || matches!(self.blocks, Blocks::Q6 { .. });
-        let (xq, xd) = match kernel {
+        // activations even elements first ([`blocks::deinterleave_blocks`]);
+        // the AVX2 kernel's other blocks, in their own order.
+        let (natural, even_first, xd) = match kernel {
             Kernel::Avx2 | Kernel::Avx512 => {
-                let (mut q, d) = quantize_i16(x);
-                if deinterleaved {
-                    blocks::deinterleave_blocks(&mut q);
+                let (q, d) = quantize_i16(x);
+                let wants_even_first = kernel == Kernel::Avx512 || mats.iter().any(q6);
+                let wants_natural = kernel == Kernel::Avx2 && !mats.iter().all(q6);
+                let mut even_first = Vec::new();
+                if wants_even_first {
+                    even_first = q.clone();
+                    blocks::deinterleave_blocks(&mut even_first);
                 }
-                (q, d)
+                let natural = if wants_natural { q } else { Vec::new() };
+                (natural, even_first, d)
             }
-            Kernel::Portable => (Vec::new(), Vec::new()),
+            Kernel::Portable => (Vec::new(), Vec::new(), Vec::new()),
         };
-        let acts = Acts {
+        let acts = |w: &QMatrix| Acts {
             x,
             sums: &sums,
-            q: &xq,
+            q: if kernel == Kernel::Avx512 || matches!(w.blocks, Blocks::Q6 { .. }) {
+                &even_first
+            } else {
+                &natural
+            },
             qd: &xd,
         };
         let threads = rayon::current_num_threads().max(1);
+        let macs: usize = mats.iter().map(|w| m * w.rows * k).sum();
         // Handing work to the pool costs tens of microseconds (a wake-up);
         // a decode step's small matrices are done sooner on this thread.
-        if threads == 1 || m * n * k < PARALLEL_MIN_MACS {
-            self.rows_times(0..n, &acts, out, kernel);
+        if threads == 1 || macs < PARALLEL_MIN_MACS {
+            for (w, out) in mats.iter().zip(outs.iter_mut()) {
+                w.rows_times(0..w.rows, &acts(w), out, kernel);
+            }
             return;
         }
-        // Output columns (weight rows) in chunks of 4: one chunk per thread
-        // (a decode step's products are too small to balance finer).
-        let chunk = n.div_ceil(threads).next_multiple_of(GROUP);
-        let out_ptr = SendPtr(out.as_mut_ptr());
-        (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
-            let rows = c * chunk..((c + 1) * chunk).min(n);
-            // SAFETY: every chunk writes only the columns `rows` of each
-            // output row, so no two tasks touch the same element, and `out`
-            // outlives the parallel loop.
-            let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get(), m * n) };
-            self.rows_times(rows, &acts, out, kernel);
+        // Each matrix's output columns (weight rows) in one chunk per
+        // thread, listed chunk by chunk so that every thread's share of the
+        // list holds a part of each matrix (a decode step's products are too
+        // small to balance finer).
+        let outs: Vec<(SendPtr, usize)> = outs
+            .iter_mut()
+            .map(|o| (SendPtr(o.as_mut_ptr()), o.len()))
+            .collect();
+        let tasks: Vec<(usize, std::ops::Range<usize>)> = (0..threads)
+            .flat_map(|c| {
+                mats.iter().enumerate().filter_map(move |(j, w)| {
+                    let chunk = w.rows.div_ceil(threads).next_multiple_of(GROUP);
+                    let rows = c * chunk..((c + 1) * chunk).min(w.rows);
+                    (!rows.is_empty()).then_some((j, rows))
+                })
+            })
+            .collect();
+        tasks.into_par_iter().with_max_len(1).for_each(|(j, rows)| {
+            let (ptr, len) = outs[j];
+            // SAFETY: every task writes only the columns `rows` of each
+            // output row of matrix `j`, so no two tasks touch the same
+            // element, and the outputs outlive the parallel loop.
+            let out = unsafe { std::slice::from_raw_parts_mut(ptr.get(), len) };
+            mats[j].rows_times(rows, &acts(mats[j]), out, kernel);
         });
     }
 
@@ -457,6 +504,20 @@ impl QMatrix {
         }
         out
     }
+}
+
+/// Blocks in row-major order, as quantized or read, before
+/// [`QMatrix::interleave`] lays them out ([`Blocks`]' Q8_0 and per-block
+/// 4-bit kinds).
+enum RowMajor {
+    /// Q8_0 values and scales.
+    Q8_0 { qs: Vec<i8>, d: Vec<f32> },
+    /// 4-bit blocks (Q4_0, Q4_1) with their f32 `d` and `m`.
+    Q4 {
+        qs: Vec<u8>,
+        d: Vec<f32>,
+        m: Vec<f32>,
+    },
 }
 
 /// A product's activation rows in the forms the kernels read.

@@ -176,6 +176,39 @@ fn kernels_match_the_dequantized_product() {
     }
 }
 
+/// Products of several matrices sharing one input, of every block kind
+/// mixed and of different heights, equal each matrix's own product bit for
+/// bit: serially (a decode step's small group) and across the pool.
+#[test]
+fn grouped_products_equal_each_product() {
+    let cols = 512;
+    for (heights, m) in [(&[3usize, 5, 2][..], 1), (&[600, 130, 257, 64][..], 2)] {
+        let mats: Vec<QMatrix> = heights
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &rows)| matrices(&random(rows * cols, 40 + i as u64), rows, cols))
+            .collect();
+        let refs: Vec<&QMatrix> = mats.iter().collect();
+        let x = random(m * cols, 41);
+        for kernel in Kernel::available() {
+            let mut outs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.rows]).collect();
+            let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+            QMatrix::matmul_t_many(&refs, &x, &mut slices, kernel);
+            for (w, got) in mats.iter().zip(&outs) {
+                let mut want = vec![0f32; m * w.rows];
+                w.matmul_t(&x, &mut want, kernel);
+                assert_eq!(
+                    got,
+                    &want,
+                    "{kernel:?} {} bytes, {}x{cols}",
+                    w.bytes(),
+                    w.rows
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn quantization_error_is_small_against_f32() {
     let (rows, cols) = (64, 576);

@@ -3,7 +3,7 @@
 
 use super::cache::{KvCache, SeqSlice};
 use super::config::{LlamaConfig, RopeStyle};
-use super::Block;
+use super::{Block, Weight};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 
@@ -79,16 +79,16 @@ pub(super) fn block_forward(
             .contiguous()?
             .unsqueeze(0)
     };
-    let proj = |w: &super::Weight, bias: &Option<Tensor>| -> candle_core::Result<Tensor> {
-        let y = w.forward(&xn)?;
+    let with_bias = |y: Tensor, bias: &Option<Tensor>| -> candle_core::Result<Tensor> {
         match bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
     };
-    let mut q = heads(proj(&b.q, &b.bias.q)?, nh)?;
-    let mut k = heads(proj(&b.k, &b.bias.k)?, nkv)?;
-    let v = heads(proj(&b.v, &b.bias.v)?, nkv)?;
+    let [q, k, v] = products(Weight::forward_many(&[&b.q, &b.k, &b.v], &xn)?)?;
+    let mut q = heads(with_bias(q, &b.bias.q)?, nh)?;
+    let mut k = heads(with_bias(k, &b.bias.k)?, nkv)?;
+    let v = heads(with_bias(v, &b.bias.v)?, nkv)?;
     if let Some((qn, kn)) = &b.qk_norm {
         // Qwen3: every head normalized over its own width.
         q = candle_nn::ops::rms_norm(&q, qn, eps)?;
@@ -149,8 +149,15 @@ pub(super) fn block_forward(
     debug_assert_eq!(x.dims2()?, (t, hidden));
 
     let xn = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
-    let act = (candle_nn::ops::silu(&b.gate.forward(&xn)?)? * b.up.forward(&xn)?)?;
+    let [gate, up] = products(Weight::forward_many(&[&b.gate, &b.up], &xn)?)?;
+    let act = (candle_nn::ops::silu(&gate)? * up)?;
     x + b.down.forward(&act)?
+}
+
+/// The `N` products of one [`Weight::forward_many`] call.
+fn products<const N: usize>(v: Vec<Tensor>) -> candle_core::Result<[Tensor; N]> {
+    <[Tensor; N]>::try_from(v)
+        .map_err(|v| candle_core::Error::Msg(format!("{} products, not {N}", v.len())))
 }
 
 /// The attention output projection, with its bias where there is one.

@@ -136,6 +136,41 @@ impl Weight {
         }
     }
 
+    /// `x · Wⱼᵀ` for each of `ws`, which share their input (a layer's q, k
+    /// and v; its gate and up): quantized matrices of a decode step go
+    /// through one [`QMatrix::matmul_t_many`], which rounds the activations
+    /// once and hands the group to the thread pool once; anything else is
+    /// one [`Weight::forward`] each.
+    pub(super) fn forward_many(ws: &[&Weight], x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+        let (t, k) = x.dims2()?;
+        let quant: Option<Vec<(&QMatrix, Kernel)>> = ws
+            .iter()
+            .map(|w| match w {
+                Weight::Quant(q, kernel) => Some((q, *kernel)),
+                Weight::Dense(_) => None,
+            })
+            .collect();
+        let kernel = quant.as_ref().and_then(|q| q.first()).map(|(_, k)| *k);
+        match (quant, kernel) {
+            (Some(qs), Some(kernel))
+                if t < DEQUANTIZE_MIN_ROWS
+                    && qs.iter().all(|(q, kk)| q.shape().1 == k && *kk == kernel) =>
+            {
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let mats: Vec<&QMatrix> = qs.iter().map(|(q, _)| *q).collect();
+                let mut outs: Vec<Vec<f32>> =
+                    mats.iter().map(|q| vec![0f32; t * q.shape().0]).collect();
+                let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+                QMatrix::matmul_t_many(&mats, &xs, &mut slices, kernel);
+                outs.into_iter()
+                    .zip(&mats)
+                    .map(|(o, q)| Tensor::from_vec(o, (t, q.shape().0), x.device()))
+                    .collect()
+            }
+            _ => ws.iter().map(|w| w.forward(x)).collect(),
+        }
+    }
+
     /// Rows `ids` as f32 `[ids, cols]` (the token-embedding lookup).
     pub(super) fn rows(&self, ids: &[u32], device: &Device) -> candle_core::Result<Tensor> {
         match self {

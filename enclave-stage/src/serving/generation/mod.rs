@@ -3,8 +3,9 @@
 //! entry stage renders ([`chat_template`]), the grammars of structured
 //! outputs and tool calls ([`grammar`]), the entry stage's
 //! continuous-batching scheduler ([`scheduler`]), the exit stage's
-//! per-choice output rules ([`output`]), and the compute thread that ties
-//! them together ([`compute`]).
+//! per-choice output rules ([`output`]), the compute thread that ties
+//! them together ([`compute`]), and the model as the stage serves it
+//! ([`service`]: starting the compute thread, admitting a request).
 
 pub mod chat_template;
 pub mod compute;
@@ -12,3 +13,4 @@ pub mod grammar;
 pub mod model;
 pub mod output;
 pub mod scheduler;
+pub mod service;

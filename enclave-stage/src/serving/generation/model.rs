@@ -172,9 +172,11 @@ impl GenModel {
         })
     }
 
-    /// Tokenizes a prompt (no special tokens added: the model's reference
-    /// completions are made without a BOS token).
-    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
-        crate::tokens::encode(self.tokenizer.as_ref(), text, false)
+    /// Tokenizes a prompt: a raw one (`special`) with the BOS token where
+    /// the model's tokenizer puts one (for a GGUF's own tokenizer, where
+    /// llama.cpp would: `crate::models::gguf_tokenizer`), a rendered chat
+    /// as it is (its template writes its own).
+    pub fn tokenize(&self, text: &str, special: bool) -> Result<Vec<u32>, String> {
+        crate::tokens::encode(self.tokenizer.as_ref(), text, special)
     }
 }

@@ -18,11 +18,33 @@ use std::collections::HashMap;
 pub trait Detokenize {
     /// The text of `ids` (special tokens skipped).
     fn text(&self, ids: &[u32]) -> String;
+
+    /// One token's text as it reads inside the output (`logprobs`' token
+    /// strings).
+    fn token(&self, id: u32) -> String {
+        self.text(&[id])
+    }
 }
 
 impl Detokenize for tokenizers::Tokenizer {
     fn text(&self, ids: &[u32]) -> String {
         self.decode(ids, true).unwrap_or_default()
+    }
+
+    /// A SentencePiece decoder strips the first space of what it decodes,
+    /// so `"▁the"` alone decodes to `"the"`, where in the output it reads
+    /// `" the"` (as llama.cpp and OpenAI give the token). The token is
+    /// decoded after a plain one (`"a"`) and that one's text taken off;
+    /// byte-level BPE decodes the same either way.
+    fn token(&self, id: u32) -> String {
+        let Some(anchor) = self.token_to_id("a").filter(|&a| a != id) else {
+            return self.text(&[id]);
+        };
+        let (before, both) = (self.text(&[anchor]), self.text(&[anchor, id]));
+        match both.strip_prefix(&before) {
+            Some(rest) if !before.is_empty() => rest.to_string(),
+            _ => self.text(&[id]),
+        }
     }
 }
 
@@ -206,11 +228,11 @@ impl ChoiceOut {
                 .map(|&(_, l)| l)
                 .or_else(|| logits.get(token as usize).copied());
             lp.text_offset.push(self.text.len());
-            lp.tokens.push(tok.text(&[token]));
+            lp.tokens.push(tok.token(token));
             lp.token_logprobs
                 .push(logit.map_or(f64::NEG_INFINITY, |l| l as f64 - alts.lse));
             lp.top_logprobs
-                .push(alts.top.iter().map(|&(t, l)| (tok.text(&[t]), l)).collect());
+                .push(alts.top.iter().map(|&(t, l)| (tok.token(t), l)).collect());
         }
         self.apply(token, rules, tok);
         Ok(token)
@@ -356,6 +378,31 @@ fn ordered(v: f32) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A SentencePiece token's string keeps its leading space (the
+    /// decoder strips the first space of a whole text, not of each token),
+    /// and a byte-level one is its own decoding.
+    #[test]
+    fn token_strings_keep_their_leading_space() {
+        let spm = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                "vocab": {"a": 0, "▁the": 1, "cat": 2, "<0x41>": 3}, "merges": []}
+        });
+        let t: tokenizers::Tokenizer = spm.to_string().parse().unwrap();
+        assert_eq!(t.text(&[1]), "the", "the decoder strips a first space");
+        assert_eq!(t.token(1), " the");
+        assert_eq!(t.token(2), "cat");
+        assert_eq!(t.token(0), "a");
+        assert_eq!(t.token(3), "A");
+    }
 
     /// Token `i` is the i-th string; 100 is end of sequence.
     struct Table(Vec<&'static str>);
