@@ -125,8 +125,9 @@ pub trait ServedModel: Send + Sync {
     /// Whether the exit stage sends its output back to the entry stage
     /// (generation: each sampled token is the next step's input).
     fn has_feedback(&self) -> bool;
-    /// Validates and tokenizes an opened request (entry stage): its work
-    /// for the compute thread, or the error the client is sent.
+    /// Validates and tokenizes an opened request (entry stage) for an
+    /// endpoint [`ServedModel::serves`] accepted (the caller checks):
+    /// its work for the compute thread, or the error the client is sent.
     fn admit<'a>(&'a self, request: OpenedRequest<'a>) -> Pending<'a, Result<Admission, Refusal>>;
 }
 

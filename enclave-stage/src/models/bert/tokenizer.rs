@@ -5,7 +5,9 @@
 //! `do_lower_case`, `strip_accents` and `tokenize_chinese_chars` (defaults
 //! `true`, none, `true`, also when the file is absent), which transformers'
 //! `BertTokenizer` applies over whatever `tokenizer.json` says. Truncated to
-//! the manifest's `max_seq_len`, special tokens included.
+//! the manifest's `max_seq_len`, special tokens included, from the side
+//! `tokenizer_config.json`'s `truncation_side` names (`right`, the
+//! default, or `left`: a long text keeps its end), as transformers does.
 //!
 //! Refused, named, rather than served with other vectors than
 //! sentence-transformers would give: a `tokenizer_class` other than BERT's,
@@ -19,7 +21,7 @@ use anyhow::{bail, Result};
 use proto::manifest::LoadedManifest;
 use serde_json::Value;
 use tokenizers::normalizers::BertNormalizer;
-use tokenizers::{PostProcessor, Tokenizer, TruncationParams};
+use tokenizers::{PostProcessor, Tokenizer, TruncationDirection, TruncationParams};
 
 /// A JSON file the manifest lists, read and checked (`None` if unlisted).
 fn pinned_json(manifest: &LoadedManifest, rel: &str) -> Result<Option<Value>> {
@@ -78,7 +80,9 @@ pub fn load(manifest: &LoadedManifest, vocab_size: usize) -> Result<Tokenizer> {
             );
         }
     }
-    let normalizer = bert_normalizer(pinned_json(manifest, "tokenizer_config.json")?.as_ref())?;
+    let config = pinned_json(manifest, "tokenizer_config.json")?;
+    let normalizer = bert_normalizer(config.as_ref())?;
+    let side = truncation_side(config.as_ref())?;
     let bytes = manifest.verified_bytes("tokenizer.json")?;
     let mut t = Tokenizer::from_bytes(&bytes)
         .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?;
@@ -93,11 +97,71 @@ pub fn load(manifest: &LoadedManifest, vocab_size: usize) -> Result<Tokenizer> {
     if max <= special {
         bail!("max_seq_len {max} leaves no room after the {special} special tokens");
     }
+    truncate(&mut t, max, side)?;
+    t.with_padding(None);
+    Ok(t)
+}
+
+/// The side transformers cuts a long text from: `tokenizer_config.json`'s
+/// `truncation_side`, `right` unless it says `left`; anything else is
+/// refused, named.
+fn truncation_side(config: Option<&Value>) -> Result<TruncationDirection> {
+    match config.map(|c| &c["truncation_side"]) {
+        None | Some(Value::Null) => Ok(TruncationDirection::Right),
+        Some(Value::String(s)) if s == "right" => Ok(TruncationDirection::Right),
+        Some(Value::String(s)) if s == "left" => Ok(TruncationDirection::Left),
+        Some(other) => bail!(
+            "tokenizer_config.json: truncation_side {other} is not served (served: \"right\", \"left\")"
+        ),
+    }
+}
+
+/// Encodings of `t` at most `max` tokens long, special tokens included,
+/// cut from `side`.
+fn truncate(t: &mut Tokenizer, max: usize, side: TruncationDirection) -> Result<()> {
     t.with_truncation(Some(TruncationParams {
         max_length: max,
+        direction: side,
         ..Default::default()
     }))
     .map_err(|e| anyhow::anyhow!("tokenizer truncation: {e}"))?;
-    t.with_padding(None);
-    Ok(t)
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `left` keeps a long text's end and `right` its start, the special
+    /// tokens kept either way; an unknown side is refused.
+    #[test]
+    fn truncation_follows_the_configured_side() {
+        let doc = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "post_processor": {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "[CLS]", "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}},
+                           {"SpecialToken": {"id": "[SEP]", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+                "special_tokens": {
+                    "[CLS]": {"id": "[CLS]", "ids": [0], "tokens": ["[CLS]"]},
+                    "[SEP]": {"id": "[SEP]", "ids": [1], "tokens": ["[SEP]"]}}},
+            "decoder": null,
+            "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                "max_input_chars_per_word": 100,
+                "vocab": {"[CLS]": 0, "[SEP]": 1, "[UNK]": 2, "a": 3, "b": 4, "c": 5, "d": 6}}
+        });
+        let cut = |side: &str| -> Vec<u32> {
+            let config = serde_json::json!({ "truncation_side": side });
+            let mut t: Tokenizer = doc.to_string().parse().unwrap();
+            truncate(&mut t, 4, truncation_side(Some(&config)).unwrap()).unwrap();
+            t.encode("a b c d", true).unwrap().get_ids().to_vec()
+        };
+        assert_eq!(cut("right"), [0, 3, 4, 1]);
+        assert_eq!(cut("left"), [0, 5, 6, 1]);
+        assert_eq!(truncation_side(None).unwrap(), TruncationDirection::Right);
+        let e = truncation_side(Some(&serde_json::json!({"truncation_side": "middle"})));
+        assert!(e.unwrap_err().to_string().contains("truncation_side"));
+    }
 }
