@@ -379,7 +379,7 @@ impl QMatrix {
         // a decode step's small matrices are done sooner on this thread.
         if threads == 1 || macs < PARALLEL_MIN_MACS {
             for (w, out) in mats.iter().zip(outs.iter_mut()) {
-                w.rows_times(0..w.rows, &acts(w), out, kernel);
+                w.rows_times(0..w.rows, &acts(w), out, w.rows, kernel);
             }
             return;
         }
@@ -401,25 +401,38 @@ impl QMatrix {
             })
             .collect();
         tasks.into_par_iter().with_max_len(1).for_each(|(j, rows)| {
+            // Each task fills a buffer of its own ([m, rows]) and copies it
+            // into its columns through the raw pointer, so no two tasks
+            // hold a reference to the same output.
             let (ptr, len) = outs[j];
-            // SAFETY: every task writes only the columns `rows` of each
-            // output row of matrix `j`, so no two tasks touch the same
-            // element, and the outputs outlive the parallel loop.
-            let out = unsafe { std::slice::from_raw_parts_mut(ptr.get(), len) };
-            mats[j].rows_times(rows, &acts(mats[j]), out, kernel);
+            let n = mats[j].rows;
+            let width = rows.len();
+            let mut part = vec![0f32; m * width];
+            mats[j].rows_times(rows.clone(), &acts(mats[j]), &mut part, width, kernel);
+            for (i, row) in part.chunks_exact(width).enumerate() {
+                let at = i * n + rows.start;
+                assert!(at + width <= len, "output columns in bounds");
+                // SAFETY: `at + width <= len`, the output's length, and no
+                // other task writes columns `rows` of matrix `j` (each
+                // matrix's rows are split into disjoint ranges); the outputs
+                // outlive the parallel loop.
+                unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), ptr.get().add(at), width) };
+            }
         });
     }
 
-    /// Columns `rows` of `out` for every activation row of `x` (`rows`
-    /// starts at a multiple of [`GROUP`]).
+    /// Columns `rows` for every activation row of `x` into `out`, whose
+    /// rows are `stride` values apart and start at column `rows.start`'s
+    /// value (`rows` starts at a multiple of [`GROUP`]).
     fn rows_times(
         &self,
         rows: std::ops::Range<usize>,
         a: &Acts<'_>,
         out: &mut [f32],
+        stride: usize,
         kernel: Kernel,
     ) {
-        let (n, k, nb) = (self.rows, self.cols, self.cols / BLOCK);
+        let (k, nb) = (self.cols, self.cols / BLOCK);
         let m = a.x.len() / k;
         for r in rows.clone().step_by(GROUP) {
             let valid = (rows.end - r).min(GROUP);
@@ -431,7 +444,8 @@ impl QMatrix {
                     qd: a.qd.get(i * nb..(i + 1) * nb).unwrap_or(&[]),
                 };
                 let d4 = self.dot4(r, &xr, kernel);
-                out[i * n + r..i * n + r + valid].copy_from_slice(&d4[..valid]);
+                let at = i * stride + r - rows.start;
+                out[at..at + valid].copy_from_slice(&d4[..valid]);
             }
         }
     }
@@ -541,7 +555,7 @@ struct XRow<'a> {
 /// disjoint elements).
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
-// SAFETY: see `QMatrix::matmul_t`: tasks write disjoint elements.
+// SAFETY: see `QMatrix::matmul_t_many`: tasks write disjoint elements.
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
