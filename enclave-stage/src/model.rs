@@ -2,10 +2,10 @@
 //! loaded model before it serves ([`LoadedModel`]: its manifest and
 //! claims, and the start of its compute thread) and a serving model as the
 //! connection handlers see it ([`ServedModel`]: which endpoints it answers,
-//! and the admission of an opened request). The connection handlers
-//! (`crate::server`) know only these; each kind implements them in its own
-//! folder (`crate::serving::embedding`, `crate::serving::generation`), and
-//! `crate::serving::load` picks the kind from the manifest.
+//! and the admission of an opened request). The connection handlers know
+//! only these; each model kind implements them in its own folder under
+//! `serving/`, whose `load` picks the kind from the manifest. (This module
+//! names neither, so the dependencies point one way: both use it.)
 
 use crate::keys::StageKeys;
 use crate::work::{Output, Work};

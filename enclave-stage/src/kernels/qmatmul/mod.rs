@@ -353,12 +353,16 @@ impl QMatrix {
                 let (q, d) = quantize_i16(x);
                 let wants_even_first = kernel == Kernel::Avx512 || mats.iter().any(q6);
                 let wants_natural = kernel == Kernel::Avx2 && !mats.iter().all(q6);
-                let mut even_first = Vec::new();
+                // A copy only where a group needs both orders (AVX2 with
+                // Q6 and other blocks); the AVX-512 kernel reads one.
+                let (natural, mut even_first) = match (wants_natural, wants_even_first) {
+                    (true, true) => (q.clone(), q),
+                    (true, false) => (q, Vec::new()),
+                    (false, _) => (Vec::new(), q),
+                };
                 if wants_even_first {
-                    even_first = q.clone();
                     blocks::deinterleave_blocks(&mut even_first);
                 }
-                let natural = if wants_natural { q } else { Vec::new() };
                 (natural, even_first, d)
             }
             Kernel::Portable => (Vec::new(), Vec::new(), Vec::new()),

@@ -128,10 +128,8 @@ impl Weight {
                         Tensor::cat(&tiles, 1)
                     };
                 }
-                let xs = x.flatten_all()?.to_vec1::<f32>()?;
-                let mut out = vec![0f32; t * rows];
-                q.matmul_t(&xs, &mut out, *kernel);
-                Tensor::from_vec(out, (t, rows), x.device())
+                let mut out = decode_products(&[q], *kernel, x)?;
+                Ok(out.remove(0))
             }
         }
     }
@@ -156,16 +154,8 @@ impl Weight {
                 if t < DEQUANTIZE_MIN_ROWS
                     && qs.iter().all(|(q, kk)| q.shape().1 == k && *kk == kernel) =>
             {
-                let xs = x.flatten_all()?.to_vec1::<f32>()?;
                 let mats: Vec<&QMatrix> = qs.iter().map(|(q, _)| *q).collect();
-                let mut outs: Vec<Vec<f32>> =
-                    mats.iter().map(|q| vec![0f32; t * q.shape().0]).collect();
-                let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
-                QMatrix::matmul_t_many(&mats, &xs, &mut slices, kernel);
-                outs.into_iter()
-                    .zip(&mats)
-                    .map(|(o, q)| Tensor::from_vec(o, (t, q.shape().0), x.device()))
-                    .collect()
+                decode_products(&mats, kernel, x)
             }
             _ => ws.iter().map(|w| w.forward(x)).collect(),
         }
@@ -196,6 +186,24 @@ impl Weight {
             Weight::Quant(q, _) => q.bytes(),
         }
     }
+}
+
+/// `x · Wⱼᵀ` for a few activation rows `x` (a decode step) with the
+/// quantized dot products, one [`QMatrix::matmul_t_many`] for the group.
+fn decode_products(
+    mats: &[&QMatrix],
+    kernel: Kernel,
+    x: &Tensor,
+) -> candle_core::Result<Vec<Tensor>> {
+    let t = x.dims2()?.0;
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let mut outs: Vec<Vec<f32>> = mats.iter().map(|q| vec![0f32; t * q.shape().0]).collect();
+    let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+    QMatrix::matmul_t_many(mats, &xs, &mut slices, kernel);
+    outs.into_iter()
+        .zip(mats)
+        .map(|(o, q)| Tensor::from_vec(o, (t, q.shape().0), x.device()))
+        .collect()
 }
 
 /// The GGUF tensor types a generation stage loads.
