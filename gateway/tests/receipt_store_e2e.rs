@@ -12,7 +12,7 @@ mod common;
 
 use base64::Engine as _;
 use common::{
-    client_policy_text, evidence_bundle, http_get, metrics_text, post_exact, sample, signal,
+    alive, client_policy_text, evidence_bundle, http_get, metrics_text, post_exact, sample, signal,
     temp_dir, Gateway, Options,
 };
 use proto::policy::Policy;
@@ -247,21 +247,55 @@ impl Postgres {
         format!("postgres://{PG_USER}@127.0.0.1:{}/postgres", self.port)
     }
 
-    /// Stops the server at once (`SIGKILL` of the postmaster).
+    /// Stops the server at once: `SIGKILL` of the postmaster and of every
+    /// backend it forked. A backend outlives its killed postmaster until it
+    /// next waits on its client, so killing only the postmaster leaves the
+    /// gateway's pooled connections answering for a moment (a flaky 200
+    /// where the test expects the store to be gone).
     fn kill(&mut self) {
         if std::mem::replace(&mut self.killed, true) {
             return;
         }
         // Through runuser the child is runuser: kill the server itself (its
-        // pid is the first line of postmaster.pid).
+        // pid is the first line of postmaster.pid). Stopped first, so it
+        // forks no backend between the listing and the kill.
+        let mut pids = Vec::new();
         if let Ok(text) = std::fs::read_to_string(self.dir.join("data/postmaster.pid")) {
-            if let Some(pid) = text.lines().next() {
-                signal(pid.trim().parse().unwrap(), "KILL");
+            if let Some(pid) = text.lines().next().and_then(|l| l.trim().parse().ok()) {
+                signal(pid, "STOP");
+                pids.push(pid);
+                pids.extend(children_of(pid));
             }
+        }
+        for &pid in &pids {
+            signal(pid, "KILL");
+        }
+        let t = Instant::now();
+        while pids.iter().any(|&p| alive(p)) && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The processes whose parent is `pid` (from `/proc/*/stat`).
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|child| {
+            std::fs::read_to_string(format!("/proc/{child}/stat")).is_ok_and(|s| {
+                // Fields after the parenthesised name: state, ppid, ...
+                s.rsplit(')')
+                    .next()
+                    .and_then(|rest| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+                    == Some(pid)
+            })
+        })
+        .collect()
 }
 
 impl Drop for Postgres {
