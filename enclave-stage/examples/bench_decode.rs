@@ -5,8 +5,10 @@
 //! from `RAYON_NUM_THREADS` / `CANDLE_NUM_THREADS`, as in a stage.
 //!
 //! ```text
-//! bench_decode --weights q8_0 --prompt-tokens 32,512 --decode-tokens 64
+//! bench_decode --weights q8_0 --prompt-tokens 32,512 --decode-tokens 64 [--decode-after 32]
 //! ```
+//! (`--decode-after N`: the decode steps follow an N-token prompt, so they
+//! attend over N + i cached positions.)
 //! prints one JSON object: `{"weights", "weight_bytes", "ttft_ms": {"32": …},
 //! "decode_tok_s"}`.
 
@@ -20,6 +22,7 @@ fn main() -> Result<()> {
     let mut weights = WeightFormat::default();
     let mut prompts = vec![32usize, 512];
     let mut decode = 64usize;
+    let mut decode_after = 32usize;
     let mut gguf =
         std::path::PathBuf::from("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
     let mut it = std::env::args().skip(1);
@@ -34,6 +37,7 @@ fn main() -> Result<()> {
                     .collect::<Result<_, _>>()?
             }
             "--decode-tokens" => decode = value()?.parse()?,
+            "--decode-after" => decode_after = value()?.parse()?,
             "--gguf" => gguf = value()?.into(),
             other => bail!("unknown argument {other}"),
         }
@@ -61,7 +65,7 @@ fn main() -> Result<()> {
         part.free(seq);
     }
     seq += 1;
-    let p = ids(32);
+    let p = ids(decode_after);
     let mut tok = first(&mut part, &p, seq)?;
     let t = Instant::now();
     for i in 0..decode {

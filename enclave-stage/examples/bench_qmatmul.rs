@@ -1,11 +1,12 @@
 //! One decode step's matrix-vector products on each quantized kernel this
 //! CPU runs, side by side: a 1B-class Llama layer's shapes (hidden 2048,
-//! FFN 8192) in Q4_1 and Q8_0 blocks, one activation row, on the Rayon pool
+//! FFN 8192) in Q4_1, Q4_K, Q6_K and Q8_0 blocks, one activation row, on the Rayon pool
 //! as a stage runs them. Each product takes the next of enough copies of
 //! the matrix to fill 512 MB, so the weights come from memory as in a
 //! decode step and not from the last-level cache. Prints the median time
 //! per product and the weight bytes read per second, to see whether a
-//! kernel is bound by arithmetic or by memory
+//! kernel is bound by arithmetic or by memory, and how fast each matrix is
+//! dequantized for a prefill's f32 GEMM
 //! (`cargo run --release --example bench_qmatmul`).
 
 use candle_core::quantized::GgmlDType;
@@ -45,6 +46,7 @@ fn main() {
         let t = candle_core::Tensor::from_vec(w.clone(), (rows, cols), &candle_core::Device::Cpu)
             .unwrap();
         let q4k = candle_core::quantized::QTensor::quantize(&t, GgmlDType::Q4K).unwrap();
+        let q6k = candle_core::quantized::QTensor::quantize(&t, GgmlDType::Q6K).unwrap();
         let mats = [
             (
                 "Q4_1",
@@ -53,6 +55,10 @@ fn main() {
             (
                 "Q4_K",
                 QMatrix::from_ggml_q4_k(&q4k.data().unwrap(), rows, cols).unwrap(),
+            ),
+            (
+                "Q6_K",
+                QMatrix::from_ggml_q6_k(&q6k.data().unwrap(), rows, cols).unwrap(),
             ),
             ("Q8_0", QMatrix::q8_0(&w, rows, cols)),
         ];
@@ -75,6 +81,24 @@ fn main() {
                     m.bytes() as f64 / med / 1e9
                 );
             }
+            // A prefill dequantizes each matrix once per product, in bands
+            // of rows of 4 MiB of f32 (as `Weight::forward` does).
+            let band = (4 << 20) / (cols * 4);
+            let mut times = Vec::new();
+            for copy in copies.iter().take(20) {
+                let t = Instant::now();
+                for r0 in (0..rows).step_by(band) {
+                    std::hint::black_box(copy.dequantize_rows(r0..rows.min(r0 + band)));
+                }
+                times.push(t.elapsed().as_secs_f64());
+            }
+            times.sort_by(f64::total_cmp);
+            let med = times[times.len() / 2];
+            println!(
+                "{name} [{rows}, {cols}] dequantize: {:8.1} µs  {:6.2} G values/s",
+                med * 1e6,
+                (rows * cols) as f64 / med / 1e9
+            );
         }
     }
 }

@@ -268,27 +268,33 @@ impl QMatrix {
         }
     }
 
-    /// Row `r`, dequantized into `out` (`cols` values).
+    /// Row `r`, dequantized into `out` (`cols` values), a block of 32 at a
+    /// time into fixed-size arrays (no per-value index arithmetic, so the
+    /// loops vectorize: a prefill dequantizes every matrix once).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         assert!(r < self.rows, "row {r} of {}", self.rows);
-        for b in 0..self.cols / BLOCK {
+        let blocks = out[..self.cols].chunks_exact_mut(BLOCK);
+        for (b, o) in blocks.enumerate() {
+            let o: &mut [f32; BLOCK] = o.try_into().expect("a block");
             let bi = self.at(r, b);
-            let o = &mut out[b * BLOCK..(b + 1) * BLOCK];
             match &self.blocks {
                 Blocks::Q8_0 { qs, d } => {
-                    for (o, &q) in o.iter_mut().zip(&qs[bi * BLOCK..(bi + 1) * BLOCK]) {
-                        *o = q as f32 * d[bi];
+                    let q: &[i8; BLOCK] = qs[bi * BLOCK..][..BLOCK].try_into().expect("a block");
+                    let d = d[bi];
+                    for (o, &q) in o.iter_mut().zip(q) {
+                        *o = q as f32 * d;
                     }
                 }
                 Blocks::Q4_1 { qs, scales } => {
                     let (d, m) = scales.dm(bi);
-                    let bytes = &qs[bi * 16..bi * 16 + 16];
-                    for j in 0..16 {
-                        o[j] = (bytes[j] & 0x0f) as f32 * d + m;
-                        o[j + 16] = (bytes[j] >> 4) as f32 * d + m;
+                    let bytes: &[u8; 16] = qs[bi * 16..][..16].try_into().expect("a block");
+                    let (lo, hi) = o.split_at_mut(16);
+                    for ((lo, hi), &q) in lo.iter_mut().zip(hi).zip(bytes) {
+                        *lo = (q & 0x0f) as f32 * d + m;
+                        *hi = (q >> 4) as f32 * d + m;
                     }
                 }
-                Blocks::Q6 { .. } => o.copy_from_slice(&self.q6_values(bi)),
+                Blocks::Q6 { .. } => *o = self.q6_values(bi),
             }
         }
     }
@@ -510,15 +516,22 @@ impl QMatrix {
             unreachable!("a Q6 block")
         };
         let d = d[super_index(bi)];
-        let (lo, hi) = (&ql[bi * 16..bi * 16 + 16], &qh[bi * 8..bi * 8 + 8]);
+        let lo: &[u8; 16] = ql[bi * 16..][..16].try_into().expect("a block");
+        let hi: &[u8; 8] = qh[bi * 8..][..8].try_into().expect("a block");
+        // Byte `k` of `hi` holds two bits each of elements 2k, 2k+16,
+        // 2k+1 and 2k+17, from the lowest.
+        let mut q = [0u8; BLOCK];
+        for (k, &h) in hi.iter().enumerate() {
+            let (e, f) = (2 * k, 2 * k + 1);
+            q[e] = (lo[e] & 0x0f) | ((h & 3) << 4);
+            q[e + 16] = (lo[e] >> 4) | (((h >> 2) & 3) << 4);
+            q[f] = (lo[f] & 0x0f) | (((h >> 4) & 3) << 4);
+            q[f + 16] = (lo[f] >> 4) | ((h >> 6) << 4);
+        }
+        let scale = [d * sc[bi * 2] as f32, d * sc[bi * 2 + 1] as f32];
         let mut out = [0f32; BLOCK];
-        for (e, o) in out.iter_mut().enumerate() {
-            let (i, upper) = (e % 16, e >= 16);
-            let nib = if upper { lo[i] >> 4 } else { lo[i] & 0x0f };
-            // Byte `i / 2` holds elements 2i', 2i'+16, 2i'+1, 2i'+17.
-            let shift = 2 * ((i % 2) * 2 + upper as usize);
-            let q = nib | (((hi[i / 2] >> shift) & 3) << 4);
-            *o = d * sc[bi * 2 + upper as usize] as f32 * (q as i32 - 32) as f32;
+        for (e, (o, &q)) in out.iter_mut().zip(&q).enumerate() {
+            *o = scale[e / 16] * (q as i32 - 32) as f32;
         }
         out
     }

@@ -42,8 +42,9 @@ fn q8_0_by_bands_equals_the_whole() {
     assert!(QMatrix::q8_0_by_bands(rows, cols, 5, |_| Ok(vec![0.0; 3])).is_err());
 }
 
-/// Q4_0, Q4_K and Q6_K blocks, quantized by Candle's port of ggml and
-/// taken as stored, dequantize to exactly Candle's (= ggml's) values.
+/// Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks, quantized by Candle's port of
+/// ggml and taken as stored, dequantize to exactly Candle's (= ggml's)
+/// values.
 #[test]
 fn ggml_blocks_dequantize_as_ggml_does() {
     use candle_core::quantized::{GgmlDType, QTensor};
@@ -52,8 +53,10 @@ fn ggml_blocks_dequantize_as_ggml_does() {
     let w = random(rows * cols, 11);
     let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
     type From = fn(&[u8], usize, usize) -> Result<QMatrix, String>;
-    let cases: [(GgmlDType, From); 3] = [
+    let cases: [(GgmlDType, From); 5] = [
         (GgmlDType::Q4_0, QMatrix::from_ggml_q4_0),
+        (GgmlDType::Q4_1, QMatrix::from_ggml_q4_1),
+        (GgmlDType::Q8_0, QMatrix::from_ggml_q8_0),
         (GgmlDType::Q4K, QMatrix::from_ggml_q4_k),
         (GgmlDType::Q6K, QMatrix::from_ggml_q6_k),
     ];
