@@ -496,3 +496,65 @@ async fn tokens_fed_back_from_another_pipeline_fail_the_request() {
     e2_host.close().await;
     x1_host.close().await;
 }
+
+/// Plays: a host that delivers clients' sealed completions requests under
+/// another endpoint (chat, embeddings, a look-alike path), each a first
+/// delivery of its own request. The endpoint is not inside the seal, so
+/// the stage only learns it from the host. Must hold: the invariant; no
+/// relabelled delivery gets an answer its client accepts (the stage
+/// refuses what its model does not serve or what does not parse as that
+/// endpoint's request, and the receipt names the endpoint it served,
+/// which the client compares with where it sent the request); a request
+/// delivered under its own endpoint is answered and verifies.
+#[tokio::test]
+async fn relabelled_endpoints_are_not_accepted() {
+    let _one = serial().await;
+    let rig = Rig::generation("hostile-endpoint", &[[0, 30]]);
+    let mut p = rig.pipeline().await;
+    let clean = p.clean_text(VICTIM_PROMPT).await;
+    let labels = [
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/completions/",
+        "/v1/Completions",
+    ];
+    let clients: Vec<Client> = labels
+        .iter()
+        .map(|l| {
+            p.client(
+                &format!("relabelled {l}"),
+                VICTIM_PROMPT,
+                Want::Text(clean.clone()),
+            )
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for (c, label) in clients.iter().zip(labels) {
+        let id = fresh_id();
+        let mut req = request(&c.sealed, id, Sealing::Enclave);
+        req.endpoint = label.into();
+        assert!(p.hosts[0].send(&HostMessage::Request(req)).await);
+        ids.push(id);
+    }
+    let results = p.collect(labels.len(), ANSWER).await;
+    let refs: Vec<&Client> = clients.iter().collect();
+    p.check_invariant(&results, &refs);
+    for ((c, label), id) in clients.iter().zip(labels).zip(&ids) {
+        for r in results.iter().filter(|r| request_id_of(r) == *id) {
+            if let Ok(v) = accept(&p.attested, &c.sealed, r) {
+                panic!("a delivery relabelled {label} was accepted by its client: {v}");
+            }
+        }
+    }
+    // The same kind of request under its own endpoint: answered, verified.
+    let own = p.client("own endpoint", VICTIM_PROMPT, Want::Text(clean.clone()));
+    let id = fresh_id();
+    assert!(p.submit(&own.sealed, id, Sealing::Enclave).await);
+    let r = p
+        .result_for(id, ANSWER)
+        .await
+        .expect("the request under its own endpoint is answered");
+    let v = accept(&p.attested, &own.sealed, &r).expect("and verifies");
+    assert_eq!(completion_text(&v), clean);
+    p.close().await;
+}
