@@ -86,7 +86,8 @@ fn receipt(
 /// The proxy accepts a receipt only when its entry stage says it opened
 /// the proxy's own encapsulated key: a host that opened the request and
 /// re-sealed it (the receipt still saying "enclave") is refused, and so
-/// is a v2 receipt, which cannot say.
+/// is a v2 receipt, which cannot say, and one that names another endpoint
+/// than the request went to.
 #[test]
 fn receipts_must_prove_the_enclave_opened_the_proxys_key() {
     use proto::digest::Sha256Digest;
@@ -148,13 +149,34 @@ fn receipts_must_prove_the_enclave_opened_the_proxys_key() {
     );
     let old = check(OpenedKey::of(5, &enc), ReceiptVersion::V2);
     assert!(!old.ok());
-    let failed: Vec<_> = old
+    assert_eq!(failed(&old), ["proxy.sealing"], "{:#?}", old.checks);
+    // A receipt the stage signed for the same bytes served as another
+    // endpoint (a host that relabelled the request): refused by the
+    // endpoint check alone.
+    let relabelled = RequestRecord {
+        endpoint: "/v1/chat/completions",
+        ..x
+    };
+    let rc = receipt(
+        &key,
+        &stage,
+        &relabelled,
+        response,
+        OpenedKey::of(5, &enc),
+        ReceiptVersion::CURRENT,
+    );
+    let report = check_receipt(&verified, true, &x, &rc, response);
+    assert_eq!(failed(&report), ["proxy.endpoint"], "{:#?}", report.checks);
+}
+
+/// The names of a report's failed checks.
+fn failed(report: &proto::receipt::VerifyReport) -> Vec<&str> {
+    report
         .checks
         .iter()
         .filter(|c| c.error.is_some())
         .map(|c| c.name.as_str())
-        .collect();
-    assert_eq!(failed, ["proxy.sealing"], "{:#?}", old.checks);
+        .collect()
 }
 
 #[test]

@@ -260,7 +260,9 @@ mod tests {
     use super::*;
 
     /// A matrix larger than one dequantized tile (two bands and a part)
-    /// gives the product with the whole dequantized matrix.
+    /// gives the product with the whole dequantized matrix, with the tile
+    /// on either side of the GEMM (fewer rows than
+    /// [`WEIGHT_LEFT_MAX_ROWS`], and that many).
     #[test]
     fn banded_product_equals_the_whole_dequantized_product() {
         let (rows, cols) = (2 * DEQUANTIZE_TILE_BYTES / (64 * 4) + 7, 64);
@@ -270,16 +272,17 @@ mod tests {
         let q = QMatrix::q8_0(&w, rows, cols);
         let dense = Tensor::from_vec(q.dequantize(), (rows, cols), &Device::Cpu).unwrap();
         let weight = Weight::Quant(q, Kernel::detect());
-        let t = DEQUANTIZE_MIN_ROWS;
-        let x: Vec<f32> = (0..t * cols)
-            .map(|i| ((i % 13) as f32 - 6.0) / 5.0)
-            .collect();
-        let x = Tensor::from_vec(x, (t, cols), &Device::Cpu).unwrap();
-        let got = weight.forward(&x).unwrap();
-        let want = x.matmul(&dense.t().unwrap()).unwrap();
-        assert_eq!(got.dims(), &[t, rows]);
-        let diff = (got - want).and_then(|d| d.abs()?.max_all()?.to_scalar::<f32>());
-        let diff = diff.unwrap();
-        assert!(diff < 1e-3, "largest difference {diff}");
+        for t in [DEQUANTIZE_MIN_ROWS, WEIGHT_LEFT_MAX_ROWS] {
+            let x: Vec<f32> = (0..t * cols)
+                .map(|i| ((i % 13) as f32 - 6.0) / 5.0)
+                .collect();
+            let x = Tensor::from_vec(x, (t, cols), &Device::Cpu).unwrap();
+            let got = weight.forward(&x).unwrap();
+            let want = x.matmul(&dense.t().unwrap()).unwrap();
+            assert_eq!(got.dims(), &[t, rows]);
+            let diff = (got - want).and_then(|d| d.abs()?.max_all()?.to_scalar::<f32>());
+            let diff = diff.unwrap();
+            assert!(diff < 1e-3, "{t} rows: largest difference {diff}");
+        }
     }
 }
