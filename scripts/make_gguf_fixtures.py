@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Random-weight GGUF models of real shapes, one per architecture the stages
-load (llama, qwen2, qwen3), written in F32 with the `gguf` package
+load (llama, qwen2, qwen3, phi3), written in F32 with the `gguf` package
 (maintained with llama.cpp) and quantized by llama.cpp itself into every
 tensor type the stages serve, so that both implementations read the same
 bytes (`scripts/test_gguf_models.py` compares them).
@@ -22,7 +22,13 @@ Shapes are small but keep the features that differ between families:
 - `qwen3`: per-head q/k RMSNorm, and heads wider than the hidden width
   shares (4 × 128 = 512 against a hidden width of 256), as in Qwen3;
 - `llama-spm`: the `llama` shape without `rope_freqs`, with the
-  SentencePiece tokenizer above (Llama 2, TinyLlama, Mistral 7B v0.1).
+  SentencePiece tokenizer above (Llama 2, TinyLlama, Mistral 7B v0.1);
+- `phi3`: the SentencePiece tokenizer with Phi-3's chat markers and
+  template, Phi-3's fused tensors (one `attn_qkv`, one `ffn_up` holding the
+  gate and up halves), a separate output head, NEOX rotary, and Phi-3.5's
+  LongRoPE: `rope_factors_long`/`rope_factors_short` with an original
+  context of 256 (under llama.cpp's 512-token context and the file's 2048,
+  so both sides use the long factors) and `rope.scaling.attn_factor`.
 Widths are multiples of 256 so the K-quants apply to every matrix.
 
 Usage: make_gguf_fixtures.py --source SmolLM2.gguf --out DIR [--shape 1b]
@@ -46,7 +52,18 @@ SHAPES = {
     "llama-1b": ("llama", 2048, 8192, 16, 32, 8, 64, True, False),
     # Llama 2's tokenizer kind: SentencePiece BPE (below), no rope_freqs.
     "llama-spm": ("llama", 256, 512, 2, 4, 2, 64, True, False),
+    # Fused q/k/v and gate/up, LongRoPE factors (below).
+    "phi3": ("phi3", 256, 512, 2, 4, 2, 64, False, False),
 }
+
+# Phi-3's chat markers, added to its SentencePiece vocabulary (llama.cpp's
+# vocabulary loader looks them up for a phi3 file), and its chat template.
+PHI3_TOKENS = ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+PHI3_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}"
+    "{{ eos_token }}{% endif %}"
+)
 
 # A Llama-2-style chat template for the SentencePiece fixture.
 SPM_TEMPLATE = (
@@ -56,7 +73,8 @@ SPM_TEMPLATE = (
 )
 
 
-def spm_tokenizer(w: gguf.GGUFWriter, text_files: list) -> int:
+def spm_tokenizer(w: gguf.GGUFWriter, text_files: list, extra: tuple = (),
+                  template: str = "") -> int:
     """Trains a small SentencePiece BPE vocabulary (1,000 pieces, byte
     fallback, as Llama 2's tokenizer is made) on `text_files` and writes it
     as llama.cpp's converter writes a SentencePiece model: pieces, scores,
@@ -73,7 +91,7 @@ def spm_tokenizer(w: gguf.GGUFWriter, text_files: list) -> int:
         byte_fallback=True, character_coverage=1.0, split_digits=True,
         allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
         normalization_rule_name="identity", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        user_defined_symbols=["<tool_call>", "</tool_call>"], minloglevel=2, num_threads=1)
+        user_defined_symbols=["<tool_call>", "</tool_call>", *extra], minloglevel=2, num_threads=1)
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     tokens, scores, types = [], [], []
     for i in range(sp.get_piece_size()):
@@ -85,6 +103,10 @@ def spm_tokenizer(w: gguf.GGUFWriter, text_files: list) -> int:
             kind = gguf.TokenType.CONTROL
         elif sp.is_byte(i):
             kind = gguf.TokenType.BYTE
+        elif piece in extra:
+            # As llama.cpp's converter types the tokens a tokenizer's
+            # configuration marks special (Phi-3's chat markers).
+            kind = gguf.TokenType.CONTROL
         elif piece in ("<tool_call>", "</tool_call>"):
             kind = gguf.TokenType.USER_DEFINED
         tokens.append(piece.encode("utf-8"))
@@ -99,7 +121,7 @@ def spm_tokenizer(w: gguf.GGUFWriter, text_files: list) -> int:
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_chat_template(SPM_TEMPLATE)
+    w.add_chat_template(template or SPM_TEMPLATE)
     return len(tokens)
 
 
@@ -127,9 +149,13 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"random-{name}")
-    if name == "llama-spm":
+    if name in ("llama-spm", "phi3"):
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        vocab = spm_tokenizer(w, [os.path.join(root, "scripts", "data", "quality-text.txt")])
+        text = [os.path.join(root, "scripts", "data", "quality-text.txt")]
+        if name == "phi3":
+            vocab = spm_tokenizer(w, text, PHI3_TOKENS, PHI3_TEMPLATE)
+        else:
+            vocab = spm_tokenizer(w, text)
     else:
         vocab = copy_tokenizer(src, w)
     w.add_context_length(2048)
@@ -141,7 +167,7 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(100000.0 if arch == "llama" else 1000000.0)
+    w.add_rope_freq_base({"llama": 100000.0, "phi3": 10000.0}.get(arch, 1000000.0))
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
 
@@ -171,6 +197,14 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
         # test's 256 positions a factor dropped, or multiplied instead of
         # divided, moves the angles by many radians.
         w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, hd // 2, dtype=np.float32))
+    if arch == "phi3":
+        # Phi-3.5's LongRoPE, as llama.cpp's converter writes it: both
+        # factor sets, the original context, and the attention factor
+        # sqrt(1 + ln(scale) / ln(original)) that scales cos and sin.
+        w.add_tensor("rope_factors_long.weight", np.linspace(1.0, 12.0, hd // 2, dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, hd // 2, dtype=np.float32))
+        w.add_rope_scaling_orig_ctx_len(256)
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(8.0) / np.log(256))))
     if arch == "qwen2":
         # Linear rotary scaling (positions divided by 4), as llama.cpp reads it.
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -184,9 +218,13 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
     for i in range(layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm(hidden))
-        w.add_tensor(p + "attn_q.weight", mat(q_out, hidden, 1.0 / np.sqrt(hidden)))
-        w.add_tensor(p + "attn_k.weight", mat(kv * hd, hidden, 1.0 / np.sqrt(hidden)))
-        w.add_tensor(p + "attn_v.weight", mat(kv * hd, hidden, 1.0 / np.sqrt(hidden)))
+        if arch == "phi3":
+            # q, k and v rows in one matrix, in that order.
+            w.add_tensor(p + "attn_qkv.weight", mat(q_out + 2 * kv * hd, hidden, 1.0 / np.sqrt(hidden)))
+        else:
+            w.add_tensor(p + "attn_q.weight", mat(q_out, hidden, 1.0 / np.sqrt(hidden)))
+            w.add_tensor(p + "attn_k.weight", mat(kv * hd, hidden, 1.0 / np.sqrt(hidden)))
+            w.add_tensor(p + "attn_v.weight", mat(kv * hd, hidden, 1.0 / np.sqrt(hidden)))
         w.add_tensor(p + "attn_output.weight", mat(hidden, q_out, res / np.sqrt(q_out)))
         if arch == "qwen2":
             for t, n in (("attn_q", q_out), ("attn_k", kv * hd), ("attn_v", kv * hd)):
@@ -195,8 +233,12 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
             w.add_tensor(p + "attn_q_norm.weight", norm(hd))
             w.add_tensor(p + "attn_k_norm.weight", norm(hd))
         w.add_tensor(p + "ffn_norm.weight", norm(hidden))
-        w.add_tensor(p + "ffn_gate.weight", mat(ffn, hidden, 1.0 / np.sqrt(hidden)))
-        w.add_tensor(p + "ffn_up.weight", mat(ffn, hidden, 1.0 / np.sqrt(hidden)))
+        if arch == "phi3":
+            # The gate's rows, then the up projection's, in one matrix.
+            w.add_tensor(p + "ffn_up.weight", mat(2 * ffn, hidden, 1.0 / np.sqrt(hidden)))
+        else:
+            w.add_tensor(p + "ffn_gate.weight", mat(ffn, hidden, 1.0 / np.sqrt(hidden)))
+            w.add_tensor(p + "ffn_up.weight", mat(ffn, hidden, 1.0 / np.sqrt(hidden)))
         w.add_tensor(p + "ffn_down.weight", mat(hidden, ffn, res / np.sqrt(ffn)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -211,7 +253,7 @@ def main() -> int:
     ap.add_argument("--shape", default="small", choices=["small", "1b"])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    names = ["llama-1b"] if args.shape == "1b" else ["llama", "qwen2", "qwen3", "llama-spm"]
+    names = ["llama-1b"] if args.shape == "1b" else ["llama", "qwen2", "qwen3", "llama-spm", "phi3"]
     f16 = args.shape == "1b"
     for i, name in enumerate(names):
         path = os.path.join(args.out, f"{name}.{'F16' if f16 else 'F32'}.gguf")

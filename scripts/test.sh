@@ -7,7 +7,7 @@
 #   2. release build with the test-only fault-injection switch compiled into
 #      the stage (tests that start the binaries need it);
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
-#   4. GGUF models of every architecture (llama, qwen2, qwen3) and tensor
+#   4. GGUF models of every architecture (llama, qwen2, qwen3, phi3) and tensor
 #      type the stages load, random weights of real shapes, against
 #      llama.cpp on the same files, and a SentencePiece vocabulary cut and
 #      served as llama.cpp cuts it (scripts/test_gguf_models.py, with

@@ -29,7 +29,9 @@ digits, accents, characters outside its vocabulary (byte fallback), emoji
 and special tokens must be cut into exactly llama.cpp's ids and decoded
 back into llama.cpp's text; and `gateway serve --model` on it must answer
 a chat request whose prompt, rendered with the file's template, counts
-exactly llama.cpp's tokens.
+exactly llama.cpp's tokens. So is the `phi3` fixture (its SentencePiece
+vocabulary with Phi-3's chat markers, after which llama.cpp strips spaces,
+and Phi-3's template), in Q4_K_M over 2 stages.
 
 llama.cpp keeps its KV cache in f32 here (`type_k`/`type_v`), so the
 remaining differences are its rounding of activations to 8 bits in its
@@ -229,7 +231,7 @@ def main() -> int:
     if args.shape == "1b":
         archs, base, types = ["llama-1b"], "F16", [("F16", None, True), TYPES[-1]]
     else:
-        archs = [args.only] if args.only else ["llama", "qwen2", "qwen3", "llama-spm"]
+        archs = [args.only] if args.only else ["llama", "qwen2", "qwen3", "llama-spm", "phi3"]
         base, types = "F32", TYPES
     for arch in archs:
         f32 = os.path.join(args.dir, f"{arch}.{base}.gguf")
@@ -287,7 +289,14 @@ def main() -> int:
     if "llama-spm" in archs:
         spm = os.path.join(args.dir, "llama-spm.F32.gguf")
         failures += check_tokenizer(args.bin, spm)
-        failures += check_served(args.gateway, spm, args.dir)
+        failures += check_served(args.gateway, spm, args.dir, "<s>[INST] Name a colour. [/INST]")
+    if "phi3" in archs:
+        # Phi-3's template and markers (llama.cpp strips the spaces after a
+        # Phi-3 file's special tokens), split over 2 stages.
+        phi3 = os.path.join(args.dir, "phi3.Q4_K_M.gguf")
+        failures += check_tokenizer(args.bin, phi3)
+        failures += check_served(args.gateway, phi3, args.dir,
+                                 "<|user|>\nName a colour.<|end|>\n<|assistant|>\n")
 
     tokens = [t % len(vocab) for t in all_tokens]
     refusals = 0
@@ -320,6 +329,9 @@ TEXTS = [
     "digits 2024 and 3.14159", "café naïve résumé", "你好，世界", "emoji 🙂 and 🚀!",
     "<s>[INST] hi [/INST]", "<tool_call>call<tool_call>x</tool_call>", "   ", "a</s>b",
     "The enclave processed the prompt; receipts bind each answer to the attested stages.",
+    # Phi-3's markers (pieces in the llama-spm vocabulary).
+    "<|user|>\n  hi<|end|>\n<|assistant|>\n", "<|endoftext|> after </s> x",
+    "<tool_call> call </tool_call>\n x",
 ]
 
 
@@ -363,16 +375,17 @@ def check_tokenizer(bin_path: str, path: str) -> list:
             failures.append(f"SentencePiece ids of {text!r}: {ids}, llama.cpp {want}")
         elif back != want_back:
             failures.append(f"SentencePiece text of {text!r}: {back!r}, llama.cpp {want_back!r}")
-    print(f"  llama-spm tokenizer: {len(TEXTS) - len(failures)} of {len(TEXTS)} texts cut and "
+    print(f"  {os.path.basename(path)} tokenizer: {len(TEXTS) - len(failures)} of {len(TEXTS)} texts cut and "
           f"decoded as llama.cpp does", flush=True)
     return failures
 
 
-def check_served(gateway: str, path: str, d: str) -> list:
-    """`gateway serve --model` on the SentencePiece fixture answers chat and
-    a raw completion; each prompt counts llama.cpp's tokens: the chat's (the
-    file's template, rendered: its own BOS) as the text says, the raw one's
-    with the BOS llama.cpp adds for this file (`add_bos_token`)."""
+def check_served(gateway: str, path: str, d: str, chat_prompt: str) -> list:
+    """`gateway serve --model` on a SentencePiece fixture (split over 2
+    stages) answers chat and a raw completion; each prompt counts llama.cpp's
+    tokens: the chat's (`chat_prompt`: the file's template rendered, with
+    whatever BOS it writes itself) as the text says, the raw one's with the
+    BOS llama.cpp adds for this file (`add_bos_token`)."""
     import re
     import time
     import urllib.request
@@ -398,13 +411,14 @@ def check_served(gateway: str, path: str, d: str) -> list:
         if url is None:
             log.seek(0)
             return [f"gateway serve --model {os.path.basename(path)} did not start:\n{log.read()[-3000:]}"]
-        body = {"model": "random-llama-spm", "max_tokens": 8,
+        model = "random-" + os.path.basename(path).split(".")[0]
+        body = {"model": model, "max_tokens": 8,
                 "messages": [{"role": "user", "content": "Name a colour."}]}
         req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.load(r)
-        body = {"model": "random-llama-spm", "max_tokens": 4, "prompt": "Name a colour."}
+        body = {"model": model, "max_tokens": 4, "prompt": "Name a colour."}
         req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
@@ -417,17 +431,16 @@ def check_served(gateway: str, path: str, d: str) -> list:
             proc.kill()
             proc.wait()
     llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
-    prompt = "<s>[INST] Name a colour. [/INST]"
-    want = len(llm.tokenize(prompt.encode(), add_bos=False, special=True))
+    want = len(llm.tokenize(chat_prompt.encode(), add_bos=False, special=True))
     got = answer["usage"]["prompt_tokens"]
-    print(f"  llama-spm served: chat answered ({answer['usage']['completion_tokens']} tokens), "
+    print(f"  {model} served: chat answered ({answer['usage']['completion_tokens']} tokens), "
           f"prompt {got} tokens, llama.cpp {want}", flush=True)
     if got != want or not isinstance(answer["choices"][0]["message"]["content"], str):
         return [f"served SentencePiece chat: prompt {got} tokens, llama.cpp {want}: {answer}"]
     # llama.cpp's add_special: the BOS where the file's add_bos_token says.
     want = len(llm.tokenize(b"Name a colour.", add_bos=True, special=True))
     got = raw["usage"]["prompt_tokens"]
-    print(f"  llama-spm served: raw completion prompt {got} tokens, llama.cpp {want}", flush=True)
+    print(f"  {model} served: raw completion prompt {got} tokens, llama.cpp {want}", flush=True)
     if got != want or want != len(llm.tokenize(b"Name a colour.", add_bos=False)) + 1:
         return [f"served SentencePiece completion: prompt {got} tokens, llama.cpp {want}: {raw}"]
     return []

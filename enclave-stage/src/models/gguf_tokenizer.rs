@@ -331,10 +331,9 @@ fn sentencepiece(
         };
         if matches!(ty, UNKNOWN | CONTROL | USER_DEFINED) {
             // llama.cpp strips the spaces after a Phi-3 file's special
-            // tokens, but for these three.
-            let rstrip = phi3
-                && ty != USER_DEFINED
-                && !matches!(tok.as_str(), "<unk>" | "<s>" | "<|endoftext|>");
+            // tokens (control, user-defined and unknown alike), but for
+            // these three.
+            let rstrip = phi3 && !matches!(tok.as_str(), "<unk>" | "<s>" | "<|endoftext|>");
             added.push(json!({
                 "id": i, "content": tok, "single_word": false, "lstrip": false,
                 "rstrip": rstrip, "normalized": false, "special": ty != USER_DEFINED,

@@ -51,6 +51,12 @@ pub enum Architecture {
     /// `qwen3`: Qwen3 dense. As `qwen2` without the biases, plus an RMSNorm
     /// of each query and key head before the rotary embedding.
     Qwen3,
+    /// `phi3`: Phi-3, Phi-3.5 and Phi-4 (mini, medium). NEOX rotary; the
+    /// q/k/v products in one `attn_qkv` matrix and the gate and up products
+    /// in one `ffn_up` (gate rows first); Phi-3.5's LongRoPE factors
+    /// (`rope_factors_long`/`_short`) and attention factor. Its sliding
+    /// window is not applied, as llama.cpp does not apply it.
+    Phi3,
 }
 
 /// How the rotary embedding pairs a head's dimensions.
@@ -64,7 +70,7 @@ pub enum RopeStyle {
 
 impl Architecture {
     /// Every architecture name this stage loads.
-    pub const NAMES: [&'static str; 3] = ["llama", "qwen2", "qwen3"];
+    pub const NAMES: [&'static str; 4] = ["llama", "qwen2", "qwen3", "phi3"];
 
     /// The architecture a GGUF names, or an error naming it and what is
     /// supported.
@@ -73,6 +79,7 @@ impl Architecture {
             "llama" => Ok(Self::Llama),
             "qwen2" => Ok(Self::Qwen2),
             "qwen3" => Ok(Self::Qwen3),
+            "phi3" => Ok(Self::Phi3),
             other => Err(format!(
                 "GGUF architecture {other:?} is not supported (supported: {})",
                 Self::NAMES.join(", ")
@@ -86,6 +93,7 @@ impl Architecture {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Phi3 => "phi3",
         }
     }
 
@@ -93,7 +101,7 @@ impl Architecture {
     pub fn rope_style(self) -> RopeStyle {
         match self {
             Self::Llama => RopeStyle::Interleaved,
-            Self::Qwen2 | Self::Qwen3 => RopeStyle::Halves,
+            Self::Qwen2 | Self::Qwen3 | Self::Phi3 => RopeStyle::Halves,
         }
     }
 
@@ -105,6 +113,12 @@ impl Architecture {
     /// Whether its blocks must have per-head q/k norms.
     pub fn needs_qk_norm(self) -> bool {
         self == Self::Qwen3
+    }
+
+    /// Whether its blocks hold q/k/v as one `attn_qkv` matrix and the gate
+    /// and up products as one `ffn_up` of twice the feed-forward width.
+    pub fn fused_products(self) -> bool {
+        self == Self::Phi3
     }
 }
 
@@ -133,6 +147,15 @@ pub struct LlamaConfig {
     /// Linear rotary scaling (`rope.scaling.type = linear`): positions are
     /// divided by this factor; 1 without scaling.
     pub rope_linear_factor: f32,
+    /// The rotary embedding's cos and sin are multiplied by this
+    /// (`rope.scaling.attn_factor`, Phi-3.5's LongRoPE); 1 without.
+    pub rope_attn_factor: f32,
+    /// The tensor of per-pair rotary frequency divisors that applies, if
+    /// any: Llama 3's `rope_freqs.weight`, or for LongRoPE
+    /// `rope_factors_long.weight` when the context exceeds
+    /// `rope.scaling.original_context_length` (as llama.cpp picks them for
+    /// a context that long) and `rope_factors_short.weight` otherwise.
+    pub rope_factors: Option<&'static str>,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f64,
     /// Context length the model was trained for (positions available).
@@ -144,6 +167,13 @@ pub struct LlamaConfig {
     /// Whether the output head is the token embedding (no `output.weight`).
     pub tied_embeddings: bool,
 }
+
+/// Llama 3's per-pair rotary frequency divisors.
+pub(super) const ROPE_FREQS: &str = "rope_freqs.weight";
+/// LongRoPE's divisors for a context beyond the original one.
+pub(super) const LONG_FACTORS: &str = "rope_factors_long.weight";
+/// LongRoPE's divisors within the original context.
+pub(super) const SHORT_FACTORS: &str = "rope_factors_short.weight";
 
 /// The widest head this stage accepts (the largest in use is 256).
 const MAX_HEAD_DIM: usize = 1024;
@@ -211,6 +241,27 @@ impl LlamaConfig {
         if !(rope_linear_factor.is_finite() && rope_linear_factor > 0.0) {
             candle_core::bail!("rotary scaling factor {rope_linear_factor} is not positive");
         }
+        let rope_attn_factor = factor("rope.scaling.attn_factor").unwrap_or(1.0);
+        if !(rope_attn_factor.is_finite() && rope_attn_factor > 0.0) {
+            candle_core::bail!("rotary attention factor {rope_attn_factor} is not positive");
+        }
+        let max_seq_len = u("context_length")?;
+        let has = |t: &str| ct.tensor_infos.contains_key(t);
+        let rope_factors = match (has(LONG_FACTORS), has(SHORT_FACTORS)) {
+            _ if has(ROPE_FREQS) => Some(ROPE_FREQS),
+            (false, false) => None,
+            (true, true) => {
+                let original = u("rope.scaling.original_context_length").unwrap_or(max_seq_len);
+                Some(if max_seq_len > original {
+                    LONG_FACTORS
+                } else {
+                    SHORT_FACTORS
+                })
+            }
+            _ => candle_core::bail!(
+                "the GGUF has only one of {LONG_FACTORS} and {SHORT_FACTORS} (LongRoPE needs both)"
+            ),
+        };
         let embd = ct
             .tensor_infos
             .get("token_embd.weight")
@@ -233,9 +284,11 @@ impl LlamaConfig {
             head_dim,
             rope_theta: factor("rope.freq_base").unwrap_or(10_000.0),
             rope_linear_factor,
+            rope_attn_factor,
+            rope_factors,
             rms_norm_eps: md(ct, &format!("{a}.attention.layer_norm_rms_epsilon"))?.to_f32()?
                 as f64,
-            max_seq_len: u("context_length")?,
+            max_seq_len,
             bos_token_id: token("tokenizer.ggml.bos_token_id"),
             eos_token_id: token("tokenizer.ggml.eos_token_id"),
             tied_embeddings: !ct.tensor_infos.contains_key("output.weight"),
@@ -318,6 +371,62 @@ mod tests {
         assert_eq!(c.architecture.rope_style(), RopeStyle::Halves);
         assert!(c.architecture.needs_qk_norm() && !c.architecture.needs_qkv_bias());
         assert!(Architecture::Qwen2.needs_qkv_bias());
+        let c = LlamaConfig::from_gguf(&content("phi3", &[])).unwrap();
+        assert_eq!(c.architecture, Architecture::Phi3);
+        assert_eq!(c.architecture.rope_style(), RopeStyle::Halves);
+        assert!(c.architecture.fused_products() && !Architecture::Llama.fused_products());
+        assert_eq!((c.rope_attn_factor, c.rope_factors), (1.0, None));
+    }
+
+    /// LongRoPE's factor set follows the context as llama.cpp picks it:
+    /// long beyond the original context, short within it; one set alone
+    /// is refused, and Llama 3's `rope_freqs` wins where a file has it.
+    #[test]
+    fn longrope_factors_follow_the_context() {
+        let factors = |c: &mut Content, names: &[&str]| {
+            for n in names {
+                c.tensor_infos.insert(
+                    n.to_string(),
+                    TensorInfo {
+                        ggml_dtype: GgmlDType::F32,
+                        shape: (32,).into(),
+                        offset: 0,
+                    },
+                );
+            }
+        };
+        let attn = ("rope.scaling.attn_factor", Value::F32(1.19));
+        let mut long = content(
+            "phi3",
+            &[
+                attn.clone(),
+                ("rope.scaling.original_context_length", Value::U32(1024)),
+            ],
+        );
+        factors(&mut long, &[LONG_FACTORS, SHORT_FACTORS]);
+        let c = LlamaConfig::from_gguf(&long).unwrap();
+        assert_eq!(
+            (c.rope_factors, c.rope_attn_factor),
+            (Some(LONG_FACTORS), 1.19)
+        );
+        let mut short = content(
+            "phi3",
+            &[
+                attn,
+                ("rope.scaling.original_context_length", Value::U32(2048)),
+            ],
+        );
+        factors(&mut short, &[LONG_FACTORS, SHORT_FACTORS]);
+        let c = LlamaConfig::from_gguf(&short).unwrap();
+        assert_eq!(c.rope_factors, Some(SHORT_FACTORS));
+        let mut one = content("phi3", &[]);
+        factors(&mut one, &[LONG_FACTORS]);
+        let e = LlamaConfig::from_gguf(&one).unwrap_err().to_string();
+        assert!(e.contains("only one of"), "{e}");
+        let mut llama3 = content("llama", &[]);
+        factors(&mut llama3, &[ROPE_FREQS]);
+        let c = LlamaConfig::from_gguf(&llama3).unwrap();
+        assert_eq!(c.rope_factors, Some(ROPE_FREQS));
     }
 
     #[test]

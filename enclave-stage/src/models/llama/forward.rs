@@ -10,8 +10,8 @@ use std::collections::HashMap;
 /// The rotary embedding's angle per position and pair of dimensions,
 /// `[1, head_dim / 2]`, computed in f32 as Hugging Face does
 /// (`inv_freq = 1 / theta^(2i/d)`), each divided by Llama 3's
-/// `rope_freqs` factor where the file has one and by the linear scaling
-/// factor, as llama.cpp applies them.
+/// `rope_freqs` (or LongRoPE) factor where the file has one and by the
+/// linear scaling factor, as llama.cpp applies them.
 pub(super) fn rope_inv_freq(
     cfg: &LlamaConfig,
     factors: Option<&[f32]>,
@@ -21,7 +21,8 @@ pub(super) fn rope_inv_freq(
     if let Some(f) = factors {
         if f.len() != d / 2 || f.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
             candle_core::bail!(
-                "rope_freqs has {} factors (need {} positive ones)",
+                "{} has {} factors (need {} positive ones)",
+                cfg.rope_factors.unwrap_or("the rotary factor tensor"),
                 f.len(),
                 d / 2
             );
@@ -38,17 +39,24 @@ pub(super) fn rope_inv_freq(
 
 /// `cos`/`sin` tables `[positions, head_dim / 2]` for the positions of a
 /// batch's tokens (computed per step: a table for the whole context would
-/// take 64 MiB at 128K positions).
+/// take 64 MiB at 128K positions), each multiplied by `attn_factor`
+/// (LongRoPE's; llama.cpp's `mscale`).
 pub(super) fn rope_for(
     inv_freq: &Tensor,
     positions: &[u32],
+    attn_factor: f32,
     device: &Device,
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let pos = Tensor::new(positions, device)?
         .to_dtype(DType::F32)?
         .reshape((positions.len(), 1))?;
     let freqs = pos.broadcast_mul(inv_freq)?;
-    Ok((freqs.cos()?, freqs.sin()?))
+    let (cos, sin) = (freqs.cos()?, freqs.sin()?);
+    if attn_factor == 1.0 {
+        return Ok((cos, sin));
+    }
+    let f = f64::from(attn_factor);
+    Ok(((cos * f)?, (sin * f)?))
 }
 
 /// Query rows per attention chunk of a long prefill.

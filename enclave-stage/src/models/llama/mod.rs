@@ -1,8 +1,9 @@
 //! Llama-family decoders split by layers, loaded from a GGUF file and
 //! written on Candle's primitives, with a per-sequence KV cache: the
 //! architectures `llama` (Llama 2 and 3.x with its `rope_freqs` factors,
-//! Mistral-style, SmolLM2, TinyLlama), `qwen2` (q/k/v biases) and `qwen3`
-//! (per-head q/k norms), read from the file's own metadata
+//! Mistral-style, SmolLM2, TinyLlama), `qwen2` (q/k/v biases), `qwen3`
+//! (per-head q/k norms) and `phi3` (fused q/k/v and gate/up matrices, split
+//! at load; LongRoPE), read from the file's own metadata
 //! ([`LlamaConfig::from_gguf`]). Anything else, an unknown tensor
 //! included, is refused at load, named.
 //!
@@ -210,22 +211,36 @@ impl LlamaPart {
         let arch = cfg.architecture;
         let mut blocks = Vec::with_capacity(layers.len());
         for i in layers.clone() {
-            let mut lin = |n: &str| -> candle_core::Result<Weight> {
-                Weight::load(
-                    &ct,
-                    &mut file,
-                    &format!("blk.{i}.{n}.weight"),
-                    format,
-                    device,
+            let lin = |file: &mut File, n: &str| -> candle_core::Result<Weight> {
+                Weight::load(&ct, file, &format!("blk.{i}.{n}.weight"), format, device)
+            };
+            let (q, k, v, gate, up) = if arch.fused_products() {
+                // Phi-3: rows [q | k | v] of attn_qkv, [gate | up] of ffn_up,
+                // each split into its own matrix (rows are independent).
+                let (nq, nkv) = (
+                    cfg.num_heads * cfg.head_dim,
+                    cfg.num_kv_heads * cfg.head_dim,
+                );
+                let (qkv, ffn_up) = (
+                    format!("blk.{i}.attn_qkv.weight"),
+                    format!("blk.{i}.ffn_up.weight"),
+                );
+                let [q, k, v] =
+                    Weight::load_split(&ct, &mut file, &qkv, &[nq, nkv, nkv], format, device)?;
+                let f = cfg.intermediate_size;
+                let [gate, up] =
+                    Weight::load_split(&ct, &mut file, &ffn_up, &[f, f], format, device)?;
+                (q, k, v, gate, up)
+            } else {
+                (
+                    lin(&mut file, "attn_q")?,
+                    lin(&mut file, "attn_k")?,
+                    lin(&mut file, "attn_v")?,
+                    lin(&mut file, "ffn_gate")?,
+                    lin(&mut file, "ffn_up")?,
                 )
             };
-            let (q, k, v, o) = (
-                lin("attn_q")?,
-                lin("attn_k")?,
-                lin("attn_v")?,
-                lin("attn_output")?,
-            );
-            let (gate, up, down) = (lin("ffn_gate")?, lin("ffn_up")?, lin("ffn_down")?);
+            let (o, down) = (lin(&mut file, "attn_output")?, lin(&mut file, "ffn_down")?);
             let mut f32_tensor =
                 |n: &str| load_f32(&ct, &mut file, &format!("blk.{i}.{n}"), device);
             let attn_norm = f32_tensor("attn_norm.weight")?;
@@ -269,9 +284,9 @@ impl LlamaPart {
                 ffn_norm,
             });
         }
-        let freq_factors = match ct.tensor_infos.get("rope_freqs.weight") {
-            Some(_) => Some(
-                load_f32(&ct, &mut file, "rope_freqs.weight", device)?
+        let freq_factors = match cfg.rope_factors {
+            Some(name) => Some(
+                load_f32(&ct, &mut file, name, device)?
                     .flatten_all()?
                     .to_vec1::<f32>()?,
             ),
@@ -430,7 +445,8 @@ impl LlamaPart {
             .iter()
             .flat_map(|s| (s.pos..s.pos + s.len).map(|p| p as u32))
             .collect();
-        let (cos, sin) = rope_for(&self.inv_freq, &positions, &self.device)?;
+        let attn_factor = self.cfg.rope_attn_factor;
+        let (cos, sin) = rope_for(&self.inv_freq, &positions, attn_factor, &self.device)?;
 
         let mut x = hidden.clone();
         for (li, block) in self.blocks.iter().enumerate() {
@@ -549,10 +565,12 @@ fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<usize>> {
         cfg.num_kv_heads * cfg.head_dim,
         cfg.head_dim,
     );
+    let fused = cfg.architecture.fused_products();
     match name {
         "token_embd.weight" | "output.weight" => return Some(vec![v, h]),
         "output_norm.weight" => return Some(vec![h]),
-        "rope_freqs.weight" => return Some(vec![d / 2]),
+        config::ROPE_FREQS => return Some(vec![d / 2]),
+        config::LONG_FACTORS | config::SHORT_FACTORS if fused => return Some(vec![d / 2]),
         _ => {}
     }
     let (i, rest) = name.strip_prefix("blk.")?.split_once('.')?;
@@ -562,10 +580,12 @@ fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<usize>> {
     let qk_norm = cfg.architecture.needs_qk_norm();
     Some(match rest {
         "attn_norm.weight" | "ffn_norm.weight" | "attn_output.bias" => vec![h],
-        "attn_q.weight" => vec![q, h],
-        "attn_k.weight" | "attn_v.weight" => vec![kv, h],
+        "attn_qkv.weight" if fused => vec![q + 2 * kv, h],
+        "ffn_up.weight" if fused => vec![2 * f, h],
+        "attn_q.weight" if !fused => vec![q, h],
+        "attn_k.weight" | "attn_v.weight" if !fused => vec![kv, h],
         "attn_output.weight" => vec![h, q],
-        "ffn_gate.weight" | "ffn_up.weight" => vec![f, h],
+        "ffn_gate.weight" | "ffn_up.weight" if !fused => vec![f, h],
         "ffn_down.weight" => vec![h, f],
         "attn_q.bias" => vec![q],
         "attn_k.bias" | "attn_v.bias" => vec![kv],

@@ -52,6 +52,58 @@ impl Weight {
         device: &Device,
     ) -> candle_core::Result<Self> {
         let q = ct.tensor(file, name, device)?;
+        Self::from_tensor(name, q, format, device)
+    }
+
+    /// Loads GGUF tensor `name` as `N` matrices of consecutive rows,
+    /// `rows[j]` rows each (Phi-3's fused q/k/v and gate/up matrices), each
+    /// held as [`Weight::load`] holds a whole tensor. Rows are independent
+    /// in every GGUF type (a block never spans two rows), so each part
+    /// keeps the file's values.
+    pub(super) fn load_split<const N: usize>(
+        ct: &gguf_file::Content,
+        file: &mut File,
+        name: &str,
+        rows: &[usize; N],
+        format: WeightFormat,
+        device: &Device,
+    ) -> candle_core::Result<[Self; N]> {
+        let q = ct.tensor(file, name, device)?;
+        check_served(name, q.dtype())?;
+        let (total, cols) = q.shape().dims2()?;
+        if rows.iter().sum::<usize>() != total {
+            candle_core::bail!(
+                "{name} has {total} rows, not {}",
+                rows.iter().sum::<usize>()
+            );
+        }
+        let raw = q.data()?;
+        let row_bytes = raw.len() / total.max(1);
+        let mut start = 0;
+        let mut parts = Vec::with_capacity(N);
+        for &n in rows {
+            let bytes = raw[start * row_bytes..(start + n) * row_bytes].to_vec();
+            let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), device, q.dtype())?;
+            parts.push(Self::from_tensor(
+                name,
+                QTensor::new(storage, (n, cols))?,
+                format,
+                device,
+            )?);
+            start += n;
+        }
+        parts
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg(format!("{name}: {N} parts expected")))
+    }
+
+    /// [`Weight::load`] of a tensor already read.
+    fn from_tensor(
+        name: &str,
+        q: QTensor,
+        format: WeightFormat,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
         check_served(name, q.dtype())?;
         let (rows, cols) = q.shape().dims2()?;
         // Re-quantized to Q8_0 a band of rows at a time (a transient f32
