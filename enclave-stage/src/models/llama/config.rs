@@ -51,7 +51,7 @@ pub enum Architecture {
     /// `qwen3`: Qwen3 dense. As `qwen2` without the biases, plus an RMSNorm
     /// of each query and key head before the rotary embedding.
     Qwen3,
-    /// `phi3`: Phi-3, Phi-3.5 and Phi-4 (mini, medium). NEOX rotary; the
+    /// `phi3`: Phi-3 and Phi-3.5 (mini, medium), Phi-4. NEOX rotary; the
     /// q/k/v products in one `attn_qkv` matrix and the gate and up products
     /// in one `ffn_up` (gate rows first); Phi-3.5's LongRoPE factors
     /// (`rope_factors_long`/`_short`) and attention factor. Its sliding
