@@ -28,7 +28,9 @@ Shapes are small but keep the features that differ between families:
   gate and up halves), a separate output head, NEOX rotary, and Phi-3.5's
   LongRoPE: `rope_factors_long`/`rope_factors_short` with an original
   context of 256 (under llama.cpp's 512-token context and the file's 2048,
-  so both sides use the long factors) and `rope.scaling.attn_factor`.
+  so both sides use the long factors) and `rope.scaling.attn_factor`;
+- `phi4-mini`: as `phi3` with Phi-4-mini's partial rotary embedding (96
+  of a head's 128 dimensions turned, the rest passed) and a tied head.
 Widths are multiples of 256 so the K-quants apply to every matrix.
 
 Usage: make_gguf_fixtures.py --source SmolLM2.gguf --out DIR [--shape 1b]
@@ -54,7 +56,13 @@ SHAPES = {
     "llama-spm": ("llama", 256, 512, 2, 4, 2, 64, True, False),
     # Fused q/k/v and gate/up, LongRoPE factors (below).
     "phi3": ("phi3", 256, 512, 2, 4, 2, 64, False, False),
+    # Phi-4-mini's kind: heads of 128 with a rotary embedding on 96 of them
+    # (ROPE_DIMS), a tied head, LongRoPE.
+    "phi4-mini": ("phi3", 256, 512, 2, 2, 1, 128, True, False),
 }
+
+# Rotary widths narrower than the head.
+ROPE_DIMS = {"phi4-mini": 96}
 
 # Phi-3's chat markers, added to its SentencePiece vocabulary (llama.cpp's
 # vocabulary loader looks them up for a phi3 file), and its chat template.
@@ -149,10 +157,10 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"random-{name}")
-    if name in ("llama-spm", "phi3"):
+    if name == "llama-spm" or arch == "phi3":
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         text = [os.path.join(root, "scripts", "data", "quality-text.txt")]
-        if name == "phi3":
+        if arch == "phi3":
             vocab = spm_tokenizer(w, text, PHI3_TOKENS, PHI3_TEMPLATE)
         else:
             vocab = spm_tokenizer(w, text)
@@ -166,7 +174,8 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
     w.add_head_count_kv(kv)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)
+    rope_dim = ROPE_DIMS.get(name, hd)
+    w.add_rope_dimension_count(rope_dim)
     w.add_rope_freq_base({"llama": 100000.0, "phi3": 10000.0}.get(arch, 1000000.0))
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
@@ -201,8 +210,8 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
         # Phi-3.5's LongRoPE, as llama.cpp's converter writes it: both
         # factor sets, the original context, and the attention factor
         # sqrt(1 + ln(scale) / ln(original)) that scales cos and sin.
-        w.add_tensor("rope_factors_long.weight", np.linspace(1.0, 12.0, hd // 2, dtype=np.float32))
-        w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, hd // 2, dtype=np.float32))
+        w.add_tensor("rope_factors_long.weight", np.linspace(1.0, 12.0, rope_dim // 2, dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, rope_dim // 2, dtype=np.float32))
         w.add_rope_scaling_orig_ctx_len(256)
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(8.0) / np.log(256))))
     if arch == "qwen2":
@@ -253,7 +262,8 @@ def main() -> int:
     ap.add_argument("--shape", default="small", choices=["small", "1b"])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    names = ["llama-1b"] if args.shape == "1b" else ["llama", "qwen2", "qwen3", "llama-spm", "phi3"]
+    names = ["llama-1b"] if args.shape == "1b" else [
+        "llama", "qwen2", "qwen3", "llama-spm", "phi3", "phi4-mini"]
     f16 = args.shape == "1b"
     for i, name in enumerate(names):
         path = os.path.join(args.out, f"{name}.{'F16' if f16 else 'F32'}.gguf")

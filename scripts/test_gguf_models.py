@@ -231,7 +231,8 @@ def main() -> int:
     if args.shape == "1b":
         archs, base, types = ["llama-1b"], "F16", [("F16", None, True), TYPES[-1]]
     else:
-        archs = [args.only] if args.only else ["llama", "qwen2", "qwen3", "llama-spm", "phi3"]
+        archs = [args.only] if args.only else [
+            "llama", "qwen2", "qwen3", "llama-spm", "phi3", "phi4-mini"]
         base, types = "F32", TYPES
     for arch in archs:
         f32 = os.path.join(args.dir, f"{arch}.{base}.gguf")

@@ -51,7 +51,8 @@ pub enum Architecture {
     /// `qwen3`: Qwen3 dense. As `qwen2` without the biases, plus an RMSNorm
     /// of each query and key head before the rotary embedding.
     Qwen3,
-    /// `phi3`: Phi-3 and Phi-3.5 (mini, medium), Phi-4. NEOX rotary; the
+    /// `phi3`: Phi-3 and Phi-3.5 (mini, medium), Phi-4 and Phi-4-mini (a
+    /// rotary embedding on part of each head). NEOX rotary; the
     /// q/k/v products in one `attn_qkv` matrix and the gate and up products
     /// in one `ffn_up` (gate rows first); Phi-3.5's LongRoPE factors
     /// (`rope_factors_long`/`_short`) and attention factor. Its sliding
@@ -142,6 +143,10 @@ pub struct LlamaConfig {
     /// Width of one head (`heads × head_dim` may differ from the hidden
     /// width, as in Qwen3).
     pub head_dim: usize,
+    /// Leading dimensions of each query and key head the rotary embedding
+    /// turns (`rope.dimension_count`): the whole head, or a part of it as
+    /// in Phi-4-mini (96 of 128); the rest pass unrotated.
+    pub rope_dim: usize,
     /// Rotary embedding base.
     pub rope_theta: f32,
     /// Linear rotary scaling (`rope.scaling.type = linear`): positions are
@@ -214,10 +219,16 @@ impl LlamaConfig {
         }
         let value_dim = u("attention.value_length").unwrap_or(head_dim);
         let rope_dim = u("rope.dimension_count").unwrap_or(head_dim);
-        if value_dim != head_dim || rope_dim != head_dim || head_dim % 2 != 0 || head_dim == 0 {
+        if value_dim != head_dim
+            || rope_dim > head_dim
+            || rope_dim % 2 != 0
+            || rope_dim == 0
+            || head_dim % 2 != 0
+        {
             candle_core::bail!(
                 "heads of key width {head_dim}, value width {value_dim} and rotary width \
-                 {rope_dim}: this stage needs one even width for all three"
+                 {rope_dim}: this stage needs keys and values of one even width, and an \
+                 even rotary width of at most that"
             );
         }
         // As llama.cpp reads them: the type defaults to linear, and the
@@ -282,6 +293,7 @@ impl LlamaConfig {
             num_heads,
             num_kv_heads,
             head_dim,
+            rope_dim,
             rope_theta: factor("rope.freq_base").unwrap_or(10_000.0),
             rope_linear_factor,
             rope_attn_factor,
@@ -473,10 +485,13 @@ mod tests {
             .insert("tokenizer.ggml.eos_token_id".into(), Value::U32(100));
         let e = LlamaConfig::from_gguf(&bad_eos).unwrap_err().to_string();
         assert!(e.contains("eos_token_id = 100"), "{e}");
-        let partial_rope = content("llama", &[("rope.dimension_count", Value::U32(32))]);
-        let e = LlamaConfig::from_gguf(&partial_rope)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("rotary width 32"), "{e}");
+        let partial_rope = content("phi3", &[("rope.dimension_count", Value::U32(48))]);
+        let c = LlamaConfig::from_gguf(&partial_rope).unwrap();
+        assert_eq!((c.head_dim, c.rope_dim), (64, 48));
+        for bad in [96, 31] {
+            let wide_rope = content("llama", &[("rope.dimension_count", Value::U32(bad))]);
+            let e = LlamaConfig::from_gguf(&wide_rope).unwrap_err().to_string();
+            assert!(e.contains(&format!("rotary width {bad}")), "{e}");
+        }
     }
 }

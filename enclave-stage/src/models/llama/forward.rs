@@ -8,8 +8,8 @@ use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 
 /// The rotary embedding's angle per position and pair of dimensions,
-/// `[1, head_dim / 2]`, computed in f32 as Hugging Face does
-/// (`inv_freq = 1 / theta^(2i/d)`), each divided by Llama 3's
+/// `[1, rope_dim / 2]`, computed in f32 as Hugging Face does
+/// (`inv_freq = 1 / theta^(2i/d)`, `d` the rotary width), each divided by Llama 3's
 /// `rope_freqs` (or LongRoPE) factor where the file has one and by the
 /// linear scaling factor, as llama.cpp applies them.
 pub(super) fn rope_inv_freq(
@@ -17,7 +17,7 @@ pub(super) fn rope_inv_freq(
     factors: Option<&[f32]>,
     device: &Device,
 ) -> candle_core::Result<Tensor> {
-    let d = cfg.head_dim;
+    let d = cfg.rope_dim;
     if let Some(f) = factors {
         if f.len() != d / 2 || f.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
             candle_core::bail!(
@@ -37,7 +37,7 @@ pub(super) fn rope_inv_freq(
     Tensor::from_vec(inv_freq, (1, d / 2), device)
 }
 
-/// `cos`/`sin` tables `[positions, head_dim / 2]` for the positions of a
+/// `cos`/`sin` tables `[positions, rope_dim / 2]` for the positions of a
 /// batch's tokens (computed per step: a table for the whole context would
 /// take 64 MiB at 128K positions), each multiplied by `attn_factor`
 /// (LongRoPE's; llama.cpp's `mscale`).
@@ -106,8 +106,18 @@ pub(super) fn block_forward(
         RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i,
         RopeStyle::Halves => candle_nn::rotary_emb::rope,
     };
-    let q = rope(&q, cos, sin)?.squeeze(0)?;
-    let k = rope(&k, cos, sin)?.squeeze(0)?;
+    let r = cfg.rope_dim;
+    // A partial rotary embedding turns the first `r` dimensions of each
+    // head and passes the rest (llama.cpp's `n_rot` < head width).
+    let turn = |x: &Tensor| -> candle_core::Result<Tensor> {
+        if r == d {
+            return rope(x, cos, sin);
+        }
+        let turned = rope(&x.narrow(3, 0, r)?.contiguous()?, cos, sin)?;
+        Tensor::cat(&[turned, x.narrow(3, r, d - r)?], 3)
+    };
+    let q = turn(&q)?.squeeze(0)?;
+    let k = turn(&k)?.squeeze(0)?;
     let v = v.squeeze(0)?;
 
     let scale = 1.0 / (d as f64).sqrt();

@@ -3,7 +3,7 @@
 //! architectures `llama` (Llama 2 and 3.x with its `rope_freqs` factors,
 //! Mistral-style, SmolLM2, TinyLlama), `qwen2` (q/k/v biases), `qwen3`
 //! (per-head q/k norms) and `phi3` (fused q/k/v and gate/up matrices, split
-//! at load; LongRoPE), read from the file's own metadata
+//! at load; LongRoPE; a partial rotary embedding), read from the file's own metadata
 //! ([`LlamaConfig::from_gguf`]). Anything else, an unknown tensor
 //! included, is refused at load, named.
 //!
@@ -121,7 +121,7 @@ pub struct LlamaPart {
     embedding: Option<Weight>,
     blocks: Vec<Block>,
     head: Option<Head>,
-    /// The rotary embedding's angle per position, `[1, head_dim / 2]`
+    /// The rotary embedding's angle per position, `[1, rope_dim / 2]`
     /// (Llama 3's `rope_freqs` factors and linear scaling applied).
     inv_freq: Tensor,
     caches: HashMap<u64, KvCache>,
@@ -569,8 +569,10 @@ fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<usize>> {
     match name {
         "token_embd.weight" | "output.weight" => return Some(vec![v, h]),
         "output_norm.weight" => return Some(vec![h]),
-        config::ROPE_FREQS => return Some(vec![d / 2]),
-        config::LONG_FACTORS | config::SHORT_FACTORS if fused => return Some(vec![d / 2]),
+        config::ROPE_FREQS => return Some(vec![cfg.rope_dim / 2]),
+        config::LONG_FACTORS | config::SHORT_FACTORS if fused => {
+            return Some(vec![cfg.rope_dim / 2])
+        }
         _ => {}
     }
     let (i, rest) = name.strip_prefix("blk.")?.split_once('.')?;
