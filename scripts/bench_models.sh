@@ -8,7 +8,8 @@
 #
 #   scripts/bench_models.sh [ROUNDS]     (default 5; about 15 minutes on
 #   2 cores after the files exist; BENCH_LLAMA_PORTABLE=1 for the portable
-#   llama.cpp build, see scripts/llama_venv.sh)
+#   llama.cpp build, BENCH_LLAMA_AVX512=1 for its AVX-512 build, see
+#   scripts/llama_venv.sh)
 # Writes benchmark_results/models.{json,md,png}.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -12,8 +12,11 @@
 # BENCH_LLAMA_PORTABLE=1 builds the benchmark venv portable too
 # (target/bench-venv-portable), for CPUs where the native build crashes (a
 # 2-core VM with AVX512-FP16 segfaulted in llama_decode with 0.3.36, 26 Nov
-# 2026). Built without pip's wheel cache: the cache would hand one venv the
-# wheel built with the other's flags.
+# 2026). BENCH_LLAMA_AVX512=1 builds it for AVX-512 (VNNI, VBMI, BF16)
+# with explicit flags instead (target/bench-venv-avx512): on that VM this
+# build runs where the native one crashed (27 Nov 2026), so the peer keeps
+# its AVX-512 kernels. Built without pip's wheel cache: the cache would hand
+# one venv the wheel built with another's flags.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PORTABLE="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
@@ -25,6 +28,9 @@ if [[ "${1:-}" == --test ]]; then
 elif [[ "${BENCH_LLAMA_PORTABLE:-0}" == 1 ]]; then
   VENV=target/bench-venv-portable
   FLAGS="$PORTABLE"
+elif [[ "${BENCH_LLAMA_AVX512:-0}" == 1 ]]; then
+  VENV=target/bench-venv-avx512
+  FLAGS="$PORTABLE -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON"
 else
   VENV=target/bench-venv
   FLAGS="-DGGML_NATIVE=ON"
