@@ -51,8 +51,9 @@ pub enum Architecture {
     /// `qwen3`: Qwen3 dense. As `qwen2` without the biases, plus an RMSNorm
     /// of each query and key head before the rotary embedding.
     Qwen3,
-    /// `phi3`: Phi-3 and Phi-3.5 (mini, medium), Phi-4 and Phi-4-mini (a
-    /// rotary embedding on part of each head). NEOX rotary; the
+    /// `phi3`: Phi-3 and Phi-3.5 (mini, medium); Phi-4 and Phi-4-mini (a
+    /// rotary embedding on part of each head) as far as the model goes
+    /// (their tokenizers' split rules are refused). NEOX rotary; the
     /// q/k/v products in one `attn_qkv` matrix and the gate and up products
     /// in one `ffn_up` (gate rows first); Phi-3.5's LongRoPE factors
     /// (`rope_factors_long`/`_short`) and attention factor. Its sliding
@@ -219,8 +220,13 @@ impl LlamaConfig {
         }
         let value_dim = u("attention.value_length").unwrap_or(head_dim);
         let rope_dim = u("rope.dimension_count").unwrap_or(head_dim);
+        // A rotary width narrower than the head only where llama.cpp runs
+        // one: the halves (NEOX) families, as Phi-4-mini; it refuses a
+        // `llama` file's.
+        let partial_ok = architecture.rope_style() == RopeStyle::Halves;
         if value_dim != head_dim
             || rope_dim > head_dim
+            || (rope_dim < head_dim && !partial_ok)
             || rope_dim % 2 != 0
             || rope_dim == 0
             || head_dim % 2 != 0
@@ -228,7 +234,7 @@ impl LlamaConfig {
             candle_core::bail!(
                 "heads of key width {head_dim}, value width {value_dim} and rotary width \
                  {rope_dim}: this stage needs keys and values of one even width, and an \
-                 even rotary width of at most that"
+                 even rotary width of that (or, for qwen2, qwen3 and phi3, of at most that)"
             );
         }
         // As llama.cpp reads them: the type defaults to linear, and the
@@ -251,6 +257,10 @@ impl LlamaConfig {
         };
         if !(rope_linear_factor.is_finite() && rope_linear_factor > 0.0) {
             candle_core::bail!("rotary scaling factor {rope_linear_factor} is not positive");
+        }
+        let intermediate_size = u("feed_forward_length")?;
+        if intermediate_size == 0 {
+            candle_core::bail!("a feed-forward width of 0");
         }
         let rope_attn_factor = factor("rope.scaling.attn_factor").unwrap_or(1.0);
         if !(rope_attn_factor.is_finite() && rope_attn_factor > 0.0) {
@@ -288,7 +298,7 @@ impl LlamaConfig {
             architecture,
             vocab_size,
             hidden_size,
-            intermediate_size: u("feed_forward_length")?,
+            intermediate_size,
             num_layers: u("block_count")?,
             num_heads,
             num_kv_heads,
@@ -488,10 +498,15 @@ mod tests {
         let partial_rope = content("phi3", &[("rope.dimension_count", Value::U32(48))]);
         let c = LlamaConfig::from_gguf(&partial_rope).unwrap();
         assert_eq!((c.head_dim, c.rope_dim), (64, 48));
-        for bad in [96, 31] {
-            let wide_rope = content("llama", &[("rope.dimension_count", Value::U32(bad))]);
+        // Wider than the head, odd, or partial in a `llama` file (which
+        // llama.cpp refuses).
+        for (arch, bad) in [("phi3", 96), ("phi3", 31), ("llama", 32)] {
+            let wide_rope = content(arch, &[("rope.dimension_count", Value::U32(bad))]);
             let e = LlamaConfig::from_gguf(&wide_rope).unwrap_err().to_string();
             assert!(e.contains(&format!("rotary width {bad}")), "{e}");
         }
+        let no_ffn = content("phi3", &[("feed_forward_length", Value::U32(0))]);
+        let e = LlamaConfig::from_gguf(&no_ffn).unwrap_err().to_string();
+        assert!(e.contains("feed-forward width of 0"), "{e}");
     }
 }

@@ -122,7 +122,8 @@ pub struct LlamaPart {
     blocks: Vec<Block>,
     head: Option<Head>,
     /// The rotary embedding's angle per position, `[1, rope_dim / 2]`
-    /// (Llama 3's `rope_freqs` factors and linear scaling applied).
+    /// (Llama 3's `rope_freqs` or LongRoPE's factors and linear scaling
+    /// applied).
     inv_freq: Tensor,
     caches: HashMap<u64, KvCache>,
     device: Device,
@@ -569,7 +570,8 @@ fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<usize>> {
     match name {
         "token_embd.weight" | "output.weight" => return Some(vec![v, h]),
         "output_norm.weight" => return Some(vec![h]),
-        config::ROPE_FREQS => return Some(vec![cfg.rope_dim / 2]),
+        // llama.cpp's phi3 loader has no rope_freqs and no biases.
+        config::ROPE_FREQS if !fused => return Some(vec![cfg.rope_dim / 2]),
         config::LONG_FACTORS | config::SHORT_FACTORS if fused => {
             return Some(vec![cfg.rope_dim / 2])
         }
@@ -581,7 +583,8 @@ fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<usize>> {
     }
     let qk_norm = cfg.architecture.needs_qk_norm();
     Some(match rest {
-        "attn_norm.weight" | "ffn_norm.weight" | "attn_output.bias" => vec![h],
+        "attn_norm.weight" | "ffn_norm.weight" => vec![h],
+        "attn_output.bias" if !fused => vec![h],
         "attn_qkv.weight" if fused => vec![q + 2 * kv, h],
         "ffn_up.weight" if fused => vec![2 * f, h],
         "attn_q.weight" if !fused => vec![q, h],
@@ -589,8 +592,8 @@ fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<usize>> {
         "attn_output.weight" => vec![h, q],
         "ffn_gate.weight" | "ffn_up.weight" if !fused => vec![f, h],
         "ffn_down.weight" => vec![h, f],
-        "attn_q.bias" => vec![q],
-        "attn_k.bias" | "attn_v.bias" => vec![kv],
+        "attn_q.bias" if !fused => vec![q],
+        "attn_k.bias" | "attn_v.bias" if !fused => vec![kv],
         "attn_q_norm.weight" | "attn_k_norm.weight" if qk_norm => vec![d],
         _ => return None,
     })
@@ -617,4 +620,67 @@ fn check_tensors(ct: &gguf_file::Content, cfg: &LlamaConfig) -> candle_core::Res
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(architecture: Architecture) -> LlamaConfig {
+        LlamaConfig {
+            architecture,
+            vocab_size: 100,
+            hidden_size: 256,
+            intermediate_size: 512,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 64,
+            rope_dim: 64,
+            rope_theta: 10_000.0,
+            rope_linear_factor: 1.0,
+            rope_attn_factor: 1.0,
+            rope_factors: None,
+            rms_norm_eps: 1e-6,
+            max_seq_len: 2048,
+            bos_token_id: None,
+            eos_token_id: None,
+            tied_embeddings: true,
+        }
+    }
+
+    /// A phi3 file holds the fused matrices and LongRoPE's factors, and
+    /// nothing llama.cpp's phi3 loader would not create (separate q/k/v or
+    /// gate, biases, Llama 3's rope_freqs); the other families the reverse.
+    #[test]
+    fn phi3_tensors_are_the_fused_ones() {
+        let phi3 = config(Architecture::Phi3);
+        assert_eq!(
+            expected_shape("blk.0.attn_qkv.weight", &phi3),
+            Some(vec![512, 256])
+        );
+        assert_eq!(
+            expected_shape("blk.1.ffn_up.weight", &phi3),
+            Some(vec![1024, 256])
+        );
+        assert_eq!(expected_shape(config::LONG_FACTORS, &phi3), Some(vec![32]));
+        for name in [
+            "blk.0.attn_q.weight",
+            "blk.0.ffn_gate.weight",
+            "blk.0.attn_q.bias",
+            "blk.0.attn_output.bias",
+            config::ROPE_FREQS,
+        ] {
+            assert_eq!(expected_shape(name, &phi3), None, "{name}");
+        }
+        let llama = config(Architecture::Llama);
+        assert_eq!(
+            expected_shape("blk.1.ffn_up.weight", &llama),
+            Some(vec![512, 256])
+        );
+        assert_eq!(expected_shape(config::ROPE_FREQS, &llama), Some(vec![32]));
+        for name in ["blk.0.attn_qkv.weight", config::SHORT_FACTORS] {
+            assert_eq!(expected_shape(name, &llama), None, "{name}");
+        }
+    }
 }

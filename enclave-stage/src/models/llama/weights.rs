@@ -82,8 +82,11 @@ impl Weight {
         let mut start = 0;
         let mut parts = Vec::with_capacity(N);
         for &n in rows {
-            let bytes = raw[start * row_bytes..(start + n) * row_bytes].to_vec();
-            let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), device, q.dtype())?;
+            // Borrowed: no copy of the fused matrix's part while loading,
+            // and a slice of it is aligned for its type even when empty.
+            let bytes = &raw[start * row_bytes..(start + n) * row_bytes];
+            let storage =
+                QStorage::from_data(std::borrow::Cow::Borrowed(bytes), device, q.dtype())?;
             parts.push(Self::from_tensor(
                 name,
                 QTensor::new(storage, (n, cols))?,
