@@ -57,9 +57,7 @@ impl Weight {
 
     /// Loads GGUF tensor `name` as `N` matrices of consecutive rows,
     /// `rows[j]` rows each (Phi-3's fused q/k/v and gate/up matrices), each
-    /// held as [`Weight::load`] holds a whole tensor. Rows are independent
-    /// in every GGUF type (a block never spans two rows), so each part
-    /// keeps the file's values.
+    /// held as [`Weight::load`] holds a whole tensor, with the file's values.
     pub(super) fn load_split<const N: usize>(
         ct: &gguf_file::Content,
         file: &mut File,
@@ -78,21 +76,11 @@ impl Weight {
             );
         }
         let raw = q.data()?;
-        let row_bytes = raw.len() / total.max(1);
         let mut start = 0;
         let mut parts = Vec::with_capacity(N);
         for &n in rows {
-            // Borrowed: no copy of the fused matrix's part while loading,
-            // and a slice of it is aligned for its type even when empty.
-            let bytes = &raw[start * row_bytes..(start + n) * row_bytes];
-            let storage =
-                QStorage::from_data(std::borrow::Cow::Borrowed(bytes), device, q.dtype())?;
-            parts.push(Self::from_tensor(
-                name,
-                QTensor::new(storage, (n, cols))?,
-                format,
-                device,
-            )?);
+            let part = row_band(&raw, q.dtype(), total, cols, start..start + n, device)?;
+            parts.push(Self::from_tensor(name, part, format, device)?);
             start += n;
         }
         parts
@@ -112,14 +100,10 @@ impl Weight {
         // Re-quantized to Q8_0 a band of rows at a time (a transient f32
         // buffer of at most DEQUANTIZE_TILE_BYTES), as the prefill tiles are.
         let requantize = |q: &candle_core::quantized::QTensor| -> candle_core::Result<Self> {
-            let dtype = q.dtype();
             let raw = q.data()?;
-            let row_bytes = raw.len() / rows.max(1);
             let band_rows = (DEQUANTIZE_TILE_BYTES / (cols * 4)).max(1);
             let m = QMatrix::q8_0_by_bands(rows, cols, band_rows, |r: std::ops::Range<usize>| {
-                let bytes = &raw[r.start * row_bytes..r.end * row_bytes];
-                let band = QStorage::from_data(std::borrow::Cow::Borrowed(bytes), device, dtype)
-                    .and_then(|s| QTensor::new(s, (r.len(), cols)))
+                let band = row_band(&raw, q.dtype(), rows, cols, r, device)
                     .and_then(|t| t.dequantize(device))
                     .and_then(|t| t.flatten_all()?.to_vec1::<f32>());
                 band.map_err(|e| e.to_string())
@@ -253,6 +237,25 @@ impl Weight {
             Weight::Quant(q, _) => q.bytes(),
         }
     }
+}
+
+/// Rows `band` of a `[rows, cols]` GGUF tensor's raw bytes `raw` as a
+/// tensor of its own (a band to re-quantize, a part of a fused matrix).
+/// Rows are independent in every GGUF type (a block never spans two rows).
+/// The bytes are borrowed: no copy, and a slice of `raw` is aligned for
+/// its type even when empty.
+fn row_band(
+    raw: &[u8],
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+    band: std::ops::Range<usize>,
+    device: &Device,
+) -> candle_core::Result<QTensor> {
+    let row_bytes = raw.len() / rows.max(1);
+    let bytes = &raw[band.start * row_bytes..band.end * row_bytes];
+    let storage = QStorage::from_data(std::borrow::Cow::Borrowed(bytes), device, dtype)?;
+    QTensor::new(storage, (band.len(), cols))
 }
 
 /// `x · Wⱼᵀ` for a few activation rows `x` (a decode step) with the
