@@ -3,12 +3,19 @@
 BERT encoders in the sentence-transformers folder layout (each pooling the
 stages serve: mean, CLS, max; with and without Normalize; a plain folder with
 no modules.json; tensors with and without the `bert.` prefix; a cased
-tokenizer_config.json over a lower-casing tokenizer.json), each served by
+tokenizer_config.json over a lower-casing tokenizer.json) and XLM-RoBERTa
+encoders (multilingual-e5's layout: mean + Normalize; and CLS under the
+`roberta.` prefix) with a SentencePiece Unigram tokenizer, each served by
 `gateway serve --embedding-model DIR` across two stages, f32 and bf16, its
 vectors compared with sentence-transformers' on the same folder.
 
-The fixtures are made here with numpy from fixed seeds (weights) and the
-shipped all-MiniLM-L6-v2 tokenizer, so CI needs no torch: the reference
+The fixtures are made here with numpy from fixed seeds (weights), the
+shipped all-MiniLM-L6-v2 tokenizer (BERT) and a small multilingual
+SentencePiece tokenizer in XLM-RoBERTa's files (committed in
+gateway/tests/data/xlm-roberta-tokenizer/, made once with --make-tokenizer:
+a Unigram model trained by the sentencepiece package, written as
+transformers' XLM-RoBERTa converter writes tokenizer.json), so CI needs no
+torch: the reference
 vectors are made once with `--make-reference` in an environment with
 scripts/requirements-reference.txt (torch, sentence-transformers) and kept in
 gateway/tests/data/embedding_models_reference.json with every fixture file's
@@ -19,11 +26,12 @@ Passes when every vector has cosine >= 0.9999 (f32) / >= 0.999 (bf16) to the
 reference, a pooling without Normalize keeps the reference's length within
 1e-3 (f32) / 1e-2 (bf16), and every folder the stages do not serve (a Dense
 module, a last-token pooling, two modes at once, do_lower_case, a default
-prompt, an XLM-R config or tokenizer, pickle or sharded weights, no
-tokenizer.json, ...) stops the gateway with an error naming what.
+prompt, a RoBERTa config, a tokenizer of the other family, pickle or sharded
+weights, no tokenizer.json, ...) stops the gateway with an error naming what.
 
     python3 scripts/test_embedding_models.py                  # CI (scripts/test.sh)
     /tmp/refvenv/bin/python scripts/test_embedding_models.py --make-reference
+    /tmp/refvenv/bin/python scripts/test_embedding_models.py --make-tokenizer  # + sentencepiece protobuf
 """
 import argparse
 import hashlib
@@ -44,6 +52,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINILM = os.path.join(ROOT, "models", "all-minilm-l6-v2")
 REFERENCE = os.path.join(ROOT, "gateway", "tests", "data", "embedding_models_reference.json")
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"]
+XLMR_TOKENIZER = os.path.join(ROOT, "gateway", "tests", "data", "xlm-roberta-tokenizer")
+XLMR_TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+XLMR_VOCAB = 1502  # the committed tokenizer's pieces, <mask> included
 
 HIDDEN, HEADS, INTER, LAYERS, POSITIONS, VOCAB = 64, 4, 128, 3, 128, 30522
 MAX_SEQ = 48  # sentence_bert_config.json: shorter than the positions, so truncation is tested
@@ -58,7 +69,39 @@ TEXTS = [
     "cannot read, and attestation proves which code and which model ran there.",
     "Receipts bind each answer to the attested stages and the exact weights.",
     "x " * 5,
+    # XLM-RoBERTa: transformers 5 drops the trailing spaces' `▁` that the
+    # tokenizer.json pipeline alone would keep.
+    "  leading,  double   and trailing spaces  ",
+    "query: Пациент был госпитализирован вчера. 患者は昨日入院しました。 المريض دخل المستشفى",
+    "Ｆｕｌｌｗｉｄｔｈ ﬁ ligature, e\u0301 combining, tab\there and a <mask> token",
 ]
+
+# A small multilingual corpus for the XLM-RoBERTa tokenizer (--make-tokenizer),
+# with the repository's English docs.
+CORPUS = """The enclave processed the prompt and signed a receipt for the answer.
+Confidential computing keeps data encrypted while it is processed.
+Der Patient wurde gestern in die Klinik aufgenommen und untersucht.
+Die Verschlüsselung schützt die Daten während der Verarbeitung im Speicher.
+Le contrat a été signé par les deux parties à Paris le mois dernier.
+Les données médicales sont protégées par le secret professionnel.
+El tribunal dictó sentencia después de escuchar a los testigos.
+Los resultados del análisis financiero se publicarán mañana por la mañana.
+Il paziente ha ricevuto la diagnosi e la terapia è iniziata subito.
+O banco central aumentou a taxa de juros pela terceira vez este ano.
+Пациент был госпитализирован вчера вечером с высокой температурой.
+Шифрование защищает данные во время обработки в памяти сервера.
+患者は昨日入院し、検査を受けました。データは暗号化されています。
+这份合同由双方于上个月在北京签署。医疗数据受到严格保护。
+법원은 증인들의 진술을 들은 후 판결을 내렸습니다.
+المريض دخل المستشفى أمس وأجريت له الفحوصات اللازمة.
+Ο ασθενής εισήχθη στο νοσοκομείο χθες το βράδυ.
+Hasta dün akşam hastaneye kaldırıldı ve tedavisine başlandı.
+मरीज को कल रात अस्पताल में भर्ती कराया गया।
+Bệnh nhân đã được đưa vào bệnh viện tối qua.
+query: how are prompts protected inside the enclave?
+passage: Attestation proves which code and which model ran inside the hardware.
+Ünïcödé accents, CAPITALS and digits 12345 are normalised by the tokenizer.
+"""
 
 # name: (pooling mode or None for no modules.json, Normalize, tensor prefix,
 # seed, the files' form: as sentence-transformers before 6 ("v2", the shipped
@@ -73,7 +116,15 @@ FIXTURES = {
     # tokenizer.json (transformers builds the normalizer from the former) and
     # a model_max_length of 40, shorter than the positions.
     "cased-short": (None, False, "", 6, "cased"),
+    # XLM-RoBERTa: multilingual-e5's layout, and CLS pooling of tensors
+    # saved from an `XLMRobertaFor…` model (`roberta.`).
+    "xlmr-mean-normalize": ("mean", True, "", 7, "v2"),
+    "xlmr-cls": ("cls", False, "roberta.", 8, "v6"),
 }
+
+
+def is_xlmr(name):
+    return name.startswith("xlmr")
 
 
 def sha256(path):
@@ -111,8 +162,10 @@ def write_safetensors(path, tensors):
             f.write(b)
 
 
-def bert_weights(seed, prefix):
+def bert_weights(seed, prefix, xlmr=False):
+    """A BertModel's (xlmr: an XLMRobertaModel's, the same names) tensors."""
     rng = np.random.Generator(np.random.PCG64(seed))
+    vocab, positions, types = (XLMR_VOCAB, POSITIONS + 2, 1) if xlmr else (VOCAB, POSITIONS, 2)
 
     def normal(*shape, std=0.08):
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
@@ -124,9 +177,9 @@ def bert_weights(seed, prefix):
         return {f"{name}.weight": normal(n_out, n_in), f"{name}.bias": normal(n_out, std=0.05)}
 
     t = {
-        "embeddings.word_embeddings.weight": normal(VOCAB, HIDDEN, std=0.5),
-        "embeddings.position_embeddings.weight": normal(POSITIONS, HIDDEN, std=0.2),
-        "embeddings.token_type_embeddings.weight": normal(2, HIDDEN, std=0.2),
+        "embeddings.word_embeddings.weight": normal(vocab, HIDDEN, std=0.5),
+        "embeddings.position_embeddings.weight": normal(positions, HIDDEN, std=0.2),
+        "embeddings.token_type_embeddings.weight": normal(types, HIDDEN, std=0.2),
         **norm("embeddings.LayerNorm"),
     }
     for i in range(LAYERS):
@@ -150,6 +203,16 @@ def bert_config(**over):
         "attention_probs_dropout_prob": 0.1, "initializer_range": 0.02, "pad_token_id": 0,
         "position_embedding_type": "absolute",
     }
+    c.update(over)
+    return c
+
+
+def xlmr_config(**over):
+    """An XLMRobertaModel's config.json (multilingual-e5's keys): positions
+    for POSITIONS tokens after the padding id, one token type."""
+    c = bert_config(architectures=["XLMRobertaModel"], model_type="xlm-roberta", vocab_size=XLMR_VOCAB,
+                    max_position_embeddings=POSITIONS + 2, type_vocab_size=1, layer_norm_eps=1e-5,
+                    pad_token_id=1, bos_token_id=0, eos_token_id=2)
     c.update(over)
     return c
 
@@ -184,13 +247,17 @@ def modules(normalize, extra=(), form="v2"):
     return m
 
 
-def make_fixture(d, mode, normalize, prefix, seed, form):
+def make_fixture(d, mode, normalize, prefix, seed, form, xlmr=False):
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
-    for f in TOKENIZER_FILES:
-        shutil.copy(os.path.join(MINILM, f), d)
-    write_json(os.path.join(d, "config.json"), bert_config())
-    write_safetensors(os.path.join(d, "model.safetensors"), bert_weights(seed, prefix))
+    if xlmr:
+        for f in XLMR_TOKENIZER_FILES:
+            shutil.copy(os.path.join(XLMR_TOKENIZER, f), d)
+    else:
+        for f in TOKENIZER_FILES:
+            shutil.copy(os.path.join(MINILM, f), d)
+    write_json(os.path.join(d, "config.json"), xlmr_config() if xlmr else bert_config())
+    write_safetensors(os.path.join(d, "model.safetensors"), bert_weights(seed, prefix, xlmr))
     if form == "cased":
         tc = json.load(open(os.path.join(MINILM, "tokenizer_config.json")))
         tc.update(do_lower_case=False, model_max_length=40)
@@ -226,7 +293,59 @@ def file_digests(d):
 
 def make_all(root):
     for name, (mode, normalize, prefix, seed, form) in FIXTURES.items():
-        make_fixture(os.path.join(root, name), mode, normalize, prefix, seed, form)
+        make_fixture(os.path.join(root, name), mode, normalize, prefix, seed, form, is_xlmr(name))
+
+
+def make_tokenizer(work):
+    """XLM-RoBERTa's tokenizer files for a small vocabulary: a SentencePiece
+    Unigram model trained on CORPUS (and the repository's English docs) with
+    XLM-RoBERTa's normalization (nmt_nfkc), written as transformers'
+    XLMRobertaConverter writes tokenizer.json (fairseq's ids: <s> <pad> </s>
+    <unk> first, the pieces after SentencePiece's three specials, <mask>
+    last), with multilingual-e5's tokenizer_config.json."""
+    import glob
+
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+
+    corpus = os.path.join(work, "corpus.txt")
+    with open(corpus, "w") as f:
+        f.write(CORPUS * 8)
+        for doc in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+            f.write(open(doc).read())
+    prefix = os.path.join(work, "sp")
+    spm.SentencePieceTrainer.train(input=corpus, model_prefix=prefix, vocab_size=XLMR_VOCAB - 2,
+                                   model_type="unigram", character_coverage=1.0,
+                                   normalization_rule_name="nmt_nfkc", minloglevel=2)
+    m = pb.ModelProto()
+    m.ParseFromString(open(prefix + ".model", "rb").read())
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(p.piece, p.score) for p in m.pieces[3:]] + [("<mask>", 0.0)]
+    assert len(vocab) == XLMR_VOCAB, len(vocab)
+    t = Tokenizer(Unigram(vocab, unk_id=3, byte_fallback=False))
+    t.normalizer = normalizers.Sequence([normalizers.Precompiled(m.normalizer_spec.precompiled_charsmap),
+                                         normalizers.Replace(Regex(" {2,}"), " ")])
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    t.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    specials = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": XLMR_VOCAB - 1}
+    t.add_special_tokens([AddedToken(c, special=True, normalized=False, lstrip=c == "<mask>") for c in specials])
+    os.makedirs(XLMR_TOKENIZER, exist_ok=True)
+    t.save(os.path.join(XLMR_TOKENIZER, "tokenizer.json"))
+    decoder = {str(i): {"content": c, "lstrip": c == "<mask>", "normalized": False, "rstrip": False,
+                        "single_word": False, "special": True} for c, i in specials.items()}
+    named = {"bos_token": "<s>", "cls_token": "<s>", "eos_token": "</s>", "mask_token": "<mask>",
+             "pad_token": "<pad>", "sep_token": "</s>", "unk_token": "<unk>"}
+    write_json(os.path.join(XLMR_TOKENIZER, "tokenizer_config.json"), {
+        **named, "added_tokens_decoder": decoder, "clean_up_tokenization_spaces": True,
+        "model_max_length": 512, "tokenizer_class": "XLMRobertaTokenizer"})
+    write_json(os.path.join(XLMR_TOKENIZER, "special_tokens_map.json"), {
+        **named, "mask_token": {"content": "<mask>", "lstrip": True, "normalized": False, "rstrip": False,
+                                "single_word": False}})
+    print(f"wrote {XLMR_TOKENIZER}")
 
 
 def make_reference(root):
@@ -375,8 +494,8 @@ def check_served(args, ref, work):
 
 
 def refusal_cases(work):
-    """(name, how to spoil a copy of the mean fixture, words the error must contain)"""
-    base = os.path.join(work, "mean-normalize")
+    """(name, how to spoil a copy of a fixture, words the error must contain,
+    the fixture: mean-normalize unless named)"""
 
     def spoil_modules(extra):
         return lambda d: write_json(os.path.join(d, "modules.json"), modules(True, extra))
@@ -420,7 +539,7 @@ def refusal_cases(work):
         m[0]["path"] = "0_Transformer"
         write_json(os.path.join(d, "modules.json"), m)
 
-    return base, [
+    return [
         ("dense-module", spoil_modules(["Dense"]), ["Dense"]),
         ("lasttoken", spoil_pooling(lasttoken=True), ["lasttoken", "not served"]),
         ("two-modes", spoil_pooling(mean_tokens=True, cls_token=True), ["several pooling modes", "cls"]),
@@ -432,7 +551,13 @@ def refusal_cases(work):
         ("tokenizer-class", spoil_tokenizer_config(tokenizer_class="XLMRobertaTokenizer"),
          ["XLMRobertaTokenizer"]),
         ("zero-width", spoil_config(intermediate_size=0), ["intermediate_size is 0"]),
-        ("xlm-roberta", spoil_config(model_type="xlm-roberta"), ["xlm-roberta"]),
+        ("roberta", spoil_config(model_type="roberta"), ["a roberta embedding model", "bert, xlm-roberta"]),
+        ("xlmr-bert-tokenizer", spoil_config(**xlmr_config(vocab_size=VOCAB)), ["BertTokenizer"]),
+        ("xlmr-no-positions", lambda d: write_json(os.path.join(d, "config.json"),
+                                                   xlmr_config(max_position_embeddings=2)),
+         ["max_position_embeddings 2", "no position"], "xlmr-mean-normalize"),
+        ("xlmr-wordpiece", lambda d: shutil.copy(os.path.join(MINILM, "tokenizer.json"), d),
+         ["Unigram", "WordPiece"], "xlmr-mean-normalize"),
         ("gelu-new", spoil_config(hidden_act="gelu_new"), ["gelu_new"]),
         ("relative-positions", spoil_config(position_embedding_type="relative_key"), ["relative_key"]),
         ("pickle", rename("model.safetensors", "pytorch_model.bin"), ["pytorch_model.bin"]),
@@ -443,12 +568,11 @@ def refusal_cases(work):
 def check_refusals(args, work):
     failures = []
     config = os.path.join(work, "gateway.toml")
-    base, cases = refusal_cases(work)
-    for i, (name, spoil, words) in enumerate(cases):
+    for i, (name, spoil, words, *base) in enumerate(refusal_cases(work)):
         # A neutral folder name: the words must come from the error.
         d = os.path.join(work, "refused", f"case{i}")
         shutil.rmtree(d, ignore_errors=True)
-        shutil.copytree(base, d)
+        shutil.copytree(os.path.join(work, (base or ["mean-normalize"])[0]), d)
         spoil(d)
         gw = Gateway(args.gateway, config, d, os.path.join(work, "cache"), "f32")
         try:
@@ -472,10 +596,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--make-reference", action="store_true",
                     help="make the fixtures and write the reference with sentence-transformers")
+    ap.add_argument("--make-tokenizer", action="store_true",
+                    help="train and write the XLM-RoBERTa fixtures' tokenizer (sentencepiece, tokenizers)")
     ap.add_argument("--gateway", default=os.path.join(ROOT, "target", "release", "gateway"))
     ap.add_argument("--dir", default=os.path.join(ROOT, "target", "embedding-fixtures"))
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
+    if args.make_tokenizer:
+        make_tokenizer(args.dir)
+        return
     make_all(args.dir)
     if args.make_reference:
         make_reference(args.dir)

@@ -1,5 +1,6 @@
 //! `gateway serve --embedding-model DIR`: a sentence-transformers model
-//! folder (a BERT-family encoder: MiniLM, bge, e5, gte) served as the
+//! folder (a BERT-family encoder: MiniLM, bge, e5, gte, or XLM-RoBERTa's,
+//! such as multilingual-e5) served as the
 //! embeddings pipeline. Its manifest pins the files the stages read: the
 //! encoder's `config.json` and `model.safetensors`, `tokenizer.json`, and
 //! where present `tokenizer_config.json`, `config_sentence_transformers.json`,
@@ -31,7 +32,7 @@ pub struct EmbeddingModel {
     pub layers: u32,
     /// Longest input in tokens: `sentence_bert_config.json`'s
     /// `max_seq_length`, else the tokenizer's `model_max_length`, at most
-    /// `max_position_embeddings`.
+    /// the tokens `max_position_embeddings` covers.
     pub max_seq_len: usize,
     /// Every file the stages read, as the manifest names it, with its digest.
     pub files: Vec<ManifestFile>,
@@ -85,6 +86,15 @@ impl EmbeddingModel {
             .filter(|&p| p > 0)
             .context("config.json: max_position_embeddings must be a positive number")?
             as usize;
+        // The tokens those positions cover: XLM-RoBERTa numbers a sequence's
+        // positions from its padding id + 1 (the stage's rule,
+        // `enclave_stage::models::bert::BertConfig::first_position`).
+        let first = if architecture == "xlm-roberta" {
+            config["pad_token_id"].as_u64().unwrap_or(1) as usize + 1
+        } else {
+            0
+        };
+        let positions = positions.saturating_sub(first).max(1);
         if !dir.join("model.safetensors").is_file() {
             let why = if dir.join("model.safetensors.index.json").is_file() {
                 "its weights are sharded (model.safetensors.index.json); one model.safetensors is read"
@@ -230,5 +240,32 @@ mod tests {
         let d = Path::new("/h/hub/models--BAAI--bge-small-en-v1.5/snapshots/5c38ec7c");
         assert_eq!(folder_id(d), "bge-small-en-v1.5");
         assert_eq!(folder_id(Path::new("/m/My Model")), "My-Model");
+    }
+
+    /// The longest input is what the position table covers: all of it for
+    /// BERT, two fewer for XLM-RoBERTa (positions after its padding id 1),
+    /// and a shorter `model_max_length` wins.
+    #[test]
+    fn longest_input_follows_the_position_table() {
+        let dir = std::env::temp_dir().join(format!("st-positions-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["model.safetensors", "tokenizer.json"] {
+            std::fs::write(dir.join(f), b"{}").unwrap();
+        }
+        let longest = |model_type: &str, max_length: Option<u64>| {
+            let config = serde_json::json!({"model_type": model_type, "num_hidden_layers": 2,
+                "max_position_embeddings": 514, "pad_token_id": 1});
+            std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+            let _ = std::fs::remove_file(dir.join("tokenizer_config.json"));
+            if let Some(m) = max_length {
+                let c = serde_json::json!({ "model_max_length": m });
+                std::fs::write(dir.join("tokenizer_config.json"), c.to_string()).unwrap();
+            }
+            EmbeddingModel::inspect(&dir).unwrap().max_seq_len
+        };
+        assert_eq!(longest("bert", None), 514);
+        assert_eq!(longest("xlm-roberta", None), 512);
+        assert_eq!(longest("xlm-roberta", Some(100)), 100);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

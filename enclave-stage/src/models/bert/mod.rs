@@ -1,7 +1,8 @@
 //! BERT encoder split by layers (all-MiniLM-L6-v2 and the BERT-family
-//! sentence-transformers models: bge, e5, gte), written on Candle's
-//! primitives because candle-transformers' `BertModel` does not expose a
-//! layer range. A stage loads only the tensors of its own layers (plus the
+//! sentence-transformers models: bge, e5, gte; and XLM-RoBERTa's, such as
+//! multilingual-e5, the same encoder with positions counted from after the
+//! padding id), written on Candle's primitives because candle-transformers'
+//! `BertModel` does not expose a layer range. A stage loads only the tensors of its own layers (plus the
 //! embeddings for the entry stage). Its fused CPU operations are in [`ops`],
 //! the exit stage's pooling as the model's sentence-transformers files name
 //! it in [`pooling`], the entry stage's tokenizer as transformers builds it
@@ -19,10 +20,14 @@ use proto::frames::WeightFormat;
 use serde::Deserialize;
 use std::ops::Range;
 
+/// The `model_type`s this encoder serves: `bert`, and `xlm-roberta` (whose
+/// layers are BERT's; only its position ids and tokenizer differ).
+pub const SERVED: [&str; 2] = ["bert", "xlm-roberta"];
+
 /// The fields of a BERT `config.json` this model uses.
 #[derive(Clone, Debug, Deserialize)]
 pub struct BertConfig {
-    /// The transformers model type (only `bert` is served).
+    /// The transformers model type (one of [`SERVED`]).
     pub model_type: String,
     /// Vocabulary size.
     pub vocab_size: usize,
@@ -45,16 +50,21 @@ pub struct BertConfig {
     /// How positions are embedded (only `absolute`, the default, is served).
     #[serde(default)]
     pub position_embedding_type: Option<String>,
+    /// The padding token's id: XLM-RoBERTa's positions start after it
+    /// (transformers' `XLMRobertaConfig` default: 1).
+    #[serde(default)]
+    pub pad_token_id: Option<usize>,
 }
 
 impl BertConfig {
     /// Refuses, naming it, what this encoder does not implement and sizes
     /// that would fail or panic later rather than at load.
     pub fn check(&self) -> candle_core::Result<()> {
-        if self.model_type != "bert" {
+        if !SERVED.contains(&self.model_type.as_str()) {
             candle_core::bail!(
-                "config.json: model_type {:?} is not served (served: \"bert\")",
-                self.model_type
+                "config.json: model_type {:?} is not served (served: {})",
+                self.model_type,
+                SERVED.map(|t| format!("{t:?}")).join(", ")
             );
         }
         if self.hidden_act != "gelu" {
@@ -84,6 +94,13 @@ impl BertConfig {
                 candle_core::bail!("config.json: {key} is 0");
             }
         }
+        if self.max_tokens() == 0 {
+            candle_core::bail!(
+                "config.json: max_position_embeddings {} leaves no position after the first, {}",
+                self.max_position_embeddings,
+                self.first_position()
+            );
+        }
         if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             candle_core::bail!(
                 "config.json: hidden_size {} is not a multiple of num_attention_heads {}",
@@ -92,6 +109,29 @@ impl BertConfig {
             );
         }
         Ok(())
+    }
+
+    /// Whether this is an XLM-RoBERTa encoder.
+    pub fn is_xlm_roberta(&self) -> bool {
+        self.model_type == "xlm-roberta"
+    }
+
+    /// The position id of a sequence's first token: 0 for BERT; for
+    /// XLM-RoBERTa the padding id + 1 (fairseq's convention, as transformers'
+    /// `create_position_ids_from_input_ids` numbers the tokens that are not
+    /// padding).
+    pub fn first_position(&self) -> usize {
+        if self.is_xlm_roberta() {
+            self.pad_token_id.unwrap_or(1) + 1
+        } else {
+            0
+        }
+    }
+
+    /// The longest sequence, in tokens, the position embeddings cover.
+    pub fn max_tokens(&self) -> usize {
+        self.max_position_embeddings
+            .saturating_sub(self.first_position())
     }
 }
 
@@ -193,12 +233,15 @@ impl BertPart {
             );
         }
         let h = cfg.hidden_size;
-        // A `BertModel` saves its tensors unprefixed; one saved from a
-        // `BertFor…` head model (as some hubs' files are) under `bert.`.
+        // A `BertModel` (`XLMRobertaModel`) saves its tensors unprefixed; one
+        // saved from a `BertFor…` (`XLMRobertaFor…`) head model, as some
+        // hubs' files are, under `bert.` (`roberta.`).
         let vb = if vb.contains_tensor("embeddings.word_embeddings.weight")
             || vb.contains_tensor("encoder.layer.0.attention.self.query.weight")
         {
             vb
+        } else if cfg.is_xlm_roberta() {
+            vb.pp("roberta")
         } else {
             vb.pp("bert")
         };
@@ -278,10 +321,12 @@ impl BertPart {
             .as_ref()
             .ok_or_else(|| candle_core::Error::Msg("this stage has no embeddings".into()))?;
         let (b, l) = ids.dims2()?;
-        if l > self.cfg.max_position_embeddings {
+        if l > self.cfg.max_tokens() {
             candle_core::bail!("sequence of {l} tokens exceeds position embeddings");
         }
-        let pos = Tensor::arange(0u32, l as u32, &self.device)?
+        // Padding rows get positions too; every reader masks them.
+        let first = self.cfg.first_position() as u32;
+        let pos = Tensor::arange(first, first + l as u32, &self.device)?
             .unsqueeze(0)?
             .broadcast_as((b, l))?;
         let types = Tensor::zeros((b, l), DType::U32, &self.device)?;
@@ -352,4 +397,38 @@ fn layer_forward(layer: &Layer, x: &Tensor, lens: &Tensor) -> candle_core::Resul
         .output
         .matmul(&i)?
         .apply_op2_no_bwd(&a, &layer.out_norm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(model_type: &str, pad: Option<usize>) -> BertConfig {
+        serde_json::from_value(serde_json::json!({
+            "model_type": model_type, "vocab_size": 10, "hidden_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
+            "max_position_embeddings": 514, "type_vocab_size": 1, "layer_norm_eps": 1e-5,
+            "hidden_act": "gelu", "pad_token_id": pad}))
+        .unwrap()
+    }
+
+    /// XLM-RoBERTa's positions start after its padding id, so its table
+    /// covers that many fewer tokens; BERT's start at 0; RoBERTa is refused.
+    #[test]
+    fn positions_per_family() {
+        let x = config("xlm-roberta", Some(1));
+        assert_eq!((x.first_position(), x.max_tokens()), (2, 512));
+        assert_eq!(config("xlm-roberta", None).first_position(), 2);
+        let b = config("bert", Some(0));
+        assert_eq!((b.first_position(), b.max_tokens()), (0, 514));
+        let e = config("roberta", Some(1)).check().unwrap_err().to_string();
+        assert!(e.contains("roberta") && e.contains("not served"), "{e}");
+        let mut short = config("xlm-roberta", Some(1));
+        short.max_position_embeddings = 2;
+        assert!(short
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("no position"));
+    }
 }

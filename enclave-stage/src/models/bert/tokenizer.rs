@@ -1,25 +1,38 @@
 //! The entry stage's tokenizer for a BERT-family model folder, as
-//! sentence-transformers (through transformers 5) builds it: the WordPiece
-//! vocabulary, pre-tokenizer and `[CLS] … [SEP]` template from
-//! `tokenizer.json`, but the normalizer from `tokenizer_config.json`'s
-//! `do_lower_case`, `strip_accents` and `tokenize_chinese_chars` (defaults
-//! `true`, none, `true`, also when the file is absent), which transformers'
-//! `BertTokenizer` applies over whatever `tokenizer.json` says. Truncated to
-//! the manifest's `max_seq_len`, special tokens included, from the side
-//! `tokenizer_config.json`'s `truncation_side` names (`right`, the
+//! sentence-transformers (through transformers 5) builds it from the
+//! folder's `tokenizer.json` and `tokenizer_config.json`:
+//!
+//! - BERT: the WordPiece vocabulary, pre-tokenizer and `[CLS] … [SEP]`
+//!   template from `tokenizer.json`, but the normalizer from
+//!   `tokenizer_config.json`'s `do_lower_case`, `strip_accents` and
+//!   `tokenize_chinese_chars` (defaults `true`, none, `true`, also when the
+//!   file is absent), which transformers' `BertTokenizer` applies over
+//!   whatever `tokenizer.json` says.
+//! - XLM-RoBERTa: the Unigram vocabulary, the SentencePiece character map
+//!   (`Precompiled`) and the added tokens from `tokenizer.json`, the rest as
+//!   transformers' `XLMRobertaTokenizer` rebuilds it: unknown id 3, no byte
+//!   fallback, whitespace split then `▁` prepended (unless
+//!   `add_prefix_space` is false), `<s> … </s>` around the text. The
+//!   difference is real: the file's own pipeline keeps a `▁` for trailing
+//!   spaces, transformers 5 (and SentencePiece) drop it.
+//!
+//! Truncated to the manifest's `max_seq_len`, special tokens included, from
+//! the side `tokenizer_config.json`'s `truncation_side` names (`right`, the
 //! default, or `left`: a long text keeps its end), as transformers does.
 //!
 //! Refused, named, rather than served with other vectors than
-//! sentence-transformers would give: a `tokenizer_class` other than BERT's,
-//! `do_lower_case = true` in `sentence_bert_config.json` (the text itself
-//! lower-cased), a `default_prompt_name` in
+//! sentence-transformers would give: a `tokenizer_class` of another family
+//! than the encoder's, `do_lower_case = true` in `sentence_bert_config.json`
+//! (the text itself lower-cased), a `default_prompt_name` in
 //! `config_sentence_transformers.json` (a prompt prepended to every text),
-//! a vocabulary larger than the encoder's embedding table, and a
-//! `max_seq_len` that leaves no room after the special tokens.
+//! an XLM-RoBERTa `tokenizer.json` whose model is not Unigram or has no
+//! `<s>`/`</s>`, a vocabulary larger than the encoder's embedding table,
+//! and a `max_seq_len` that leaves no room after the special tokens.
 
-use anyhow::{bail, Result};
+use crate::models::bert::BertConfig;
+use anyhow::{bail, Context, Result};
 use proto::manifest::LoadedManifest;
-use serde_json::Value;
+use serde_json::{json, Value};
 use tokenizers::normalizers::BertNormalizer;
 use tokenizers::{PostProcessor, Tokenizer, TruncationDirection, TruncationParams};
 
@@ -31,19 +44,25 @@ fn pinned_json(manifest: &LoadedManifest, rel: &str) -> Result<Option<Value>> {
     Ok(Some(manifest.verified_json(rel)?))
 }
 
-/// The normalizer transformers' `BertTokenizer` builds from
-/// `tokenizer_config.json` (`None`: the file's settings at their defaults).
-fn bert_normalizer(config: Option<&Value>) -> Result<BertNormalizer> {
-    let empty = Value::Object(Default::default());
-    let c = config.unwrap_or(&empty);
-    if let Some(class) = c["tokenizer_class"].as_str() {
-        if !matches!(class, "BertTokenizer" | "BertTokenizerFast") {
+/// Refuses a `tokenizer_config.json` whose `tokenizer_class` is not one of
+/// `served` (the encoder's family).
+fn check_class(config: &Value, served: [&str; 2]) -> Result<()> {
+    if let Some(class) = config["tokenizer_class"].as_str() {
+        if !served.contains(&class) {
             bail!(
-                "tokenizer_config.json: tokenizer_class {class:?} is not served \
-                 (served: BertTokenizer, BertTokenizerFast)"
+                "tokenizer_config.json: tokenizer_class {class:?} is not served for this \
+                 encoder (served: {})",
+                served.join(", ")
             );
         }
     }
+    Ok(())
+}
+
+/// The normalizer transformers' `BertTokenizer` builds from
+/// `tokenizer_config.json` (its settings at their defaults when absent).
+fn bert_normalizer(c: &Value) -> Result<BertNormalizer> {
+    check_class(c, ["BertTokenizer", "BertTokenizerFast"])?;
     let flag = |key: &str, default: bool| -> Result<bool> {
         match &c[key] {
             Value::Null => Ok(default),
@@ -64,9 +83,92 @@ fn bert_normalizer(config: Option<&Value>) -> Result<BertNormalizer> {
     ))
 }
 
-/// Loads the entry stage's tokenizer for an encoder of `vocab_size` token
-/// embeddings, refusing what it does not serve (module docs).
-pub fn load(manifest: &LoadedManifest, vocab_size: usize) -> Result<Tokenizer> {
+/// `tokenizer.json` rewritten as transformers' `XLMRobertaTokenizer`
+/// rebuilds it from that file and `tokenizer_config.json` (`c`): the file's
+/// Unigram vocabulary and added tokens, its `Precompiled` character map as
+/// the only normalizer, unknown id 3, no byte fallback, whitespace split
+/// then Metaspace, and `bos … eos` around the text.
+fn xlm_roberta_document(file: &[u8], c: &Value) -> Result<Value> {
+    check_class(c, ["XLMRobertaTokenizer", "XLMRobertaTokenizerFast"])?;
+    let mut doc: Value = serde_json::from_slice(file).context("parsing tokenizer.json")?;
+    let model = &mut doc["model"];
+    if model["type"] != "Unigram" {
+        bail!(
+            "tokenizer.json: an XLM-RoBERTa tokenizer's model is Unigram, not {}",
+            model["type"]
+        );
+    }
+    let vocab = model["vocab"].as_array().map_or(0, Vec::len);
+    if vocab <= 3 {
+        bail!(
+            "tokenizer.json: a Unigram vocabulary of {vocab} pieces has no unknown piece at id 3"
+        );
+    }
+    model["unk_id"] = json!(3);
+    model["byte_fallback"] = json!(false);
+    let id_of = |token: &str| -> Option<usize> {
+        model["vocab"]
+            .as_array()?
+            .iter()
+            .position(|p| p[0].as_str() == Some(token))
+    };
+    let special = |key: &str, default: &str| -> Result<(String, usize)> {
+        let token = match &c[key] {
+            Value::Null => default.to_string(),
+            Value::String(s) => s.clone(),
+            // The `AddedToken` form: `{"content": …, …}`.
+            Value::Object(o) => match o.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                _ => bail!("tokenizer_config.json: {key} has no content"),
+            },
+            other => bail!("tokenizer_config.json: {key} is {other}, not a token"),
+        };
+        let id = id_of(&token).with_context(|| {
+            format!("tokenizer.json: the {key} {token:?} is not in the vocabulary")
+        })?;
+        Ok((token, id))
+    };
+    let (bos, bos_id) = special("bos_token", "<s>")?;
+    let (eos, eos_id) = special("eos_token", "</s>")?;
+    let prepend = match &c["add_prefix_space"] {
+        Value::Null | Value::Bool(true) => "always",
+        Value::Bool(false) => "never",
+        other => bail!("tokenizer_config.json: add_prefix_space is {other}, not a boolean"),
+    };
+    let normalizers = match doc["normalizer"]["type"].as_str() {
+        Some("Sequence") => doc["normalizer"]["normalizers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default(),
+        Some(_) => vec![doc["normalizer"].clone()],
+        None => vec![],
+    };
+    doc["normalizer"] = normalizers
+        .into_iter()
+        .find(|n| n["type"] == "Precompiled")
+        .unwrap_or(Value::Null);
+    doc["pre_tokenizer"] = json!({"type": "Sequence", "pretokenizers": [
+        {"type": "WhitespaceSplit"},
+        {"type": "Metaspace", "replacement": "▁", "prepend_scheme": prepend, "split": true},
+    ]});
+    let piece = |t: &str| json!({"SpecialToken": {"id": t, "type_id": 0}});
+    let a = json!({"Sequence": {"id": "A", "type_id": 0}});
+    let b = json!({"Sequence": {"id": "B", "type_id": 0}});
+    doc["post_processor"] = json!({
+        "type": "TemplateProcessing",
+        "single": [piece(&bos), a.clone(), piece(&eos)],
+        "pair": [piece(&bos), a, piece(&eos), piece(&eos), b, piece(&eos)],
+        "special_tokens": {
+            bos.clone(): {"id": bos, "ids": [bos_id], "tokens": [bos]},
+            eos.clone(): {"id": eos, "ids": [eos_id], "tokens": [eos]},
+        },
+    });
+    Ok(doc)
+}
+
+/// Loads the entry stage's tokenizer for the encoder `cfg` describes,
+/// refusing what it does not serve (module docs).
+pub fn load(manifest: &LoadedManifest, cfg: &BertConfig) -> Result<Tokenizer> {
     if let Some(c) = pinned_json(manifest, "sentence_bert_config.json")? {
         if c["do_lower_case"] == Value::Bool(true) {
             bail!("sentence_bert_config.json: do_lower_case = true is not served");
@@ -80,17 +182,27 @@ pub fn load(manifest: &LoadedManifest, vocab_size: usize) -> Result<Tokenizer> {
             );
         }
     }
-    let config = pinned_json(manifest, "tokenizer_config.json")?;
-    let normalizer = bert_normalizer(config.as_ref())?;
-    let side = truncation_side(config.as_ref())?;
+    let config = pinned_json(manifest, "tokenizer_config.json")?.unwrap_or(json!({}));
+    let side = truncation_side(&config)?;
     let bytes = manifest.verified_bytes("tokenizer.json")?;
-    let mut t = Tokenizer::from_bytes(&bytes)
-        .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?;
-    t.with_normalizer(Some(normalizer))
-        .map_err(|e| anyhow::anyhow!("tokenizer normalizer: {e}"))?;
+    let mut t = if cfg.is_xlm_roberta() {
+        let doc = xlm_roberta_document(&bytes, &config)?;
+        Tokenizer::from_bytes(doc.to_string())
+            .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?
+    } else {
+        let normalizer = bert_normalizer(&config)?;
+        let mut t = Tokenizer::from_bytes(&bytes)
+            .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?;
+        t.with_normalizer(Some(normalizer))
+            .map_err(|e| anyhow::anyhow!("tokenizer normalizer: {e}"))?;
+        t
+    };
     let vocab = t.get_vocab_size(true);
-    if vocab > vocab_size {
-        bail!("tokenizer.json has {vocab} tokens, but the encoder embeds {vocab_size}");
+    if vocab > cfg.vocab_size {
+        bail!(
+            "tokenizer.json has {vocab} tokens, but the encoder embeds {}",
+            cfg.vocab_size
+        );
     }
     let max = manifest.manifest.max_seq_len;
     let special = t.get_post_processor().map_or(0, |p| p.added_tokens(false));
@@ -105,12 +217,12 @@ pub fn load(manifest: &LoadedManifest, vocab_size: usize) -> Result<Tokenizer> {
 /// The side transformers cuts a long text from: `tokenizer_config.json`'s
 /// `truncation_side`, `right` unless it says `left`; anything else is
 /// refused, named.
-fn truncation_side(config: Option<&Value>) -> Result<TruncationDirection> {
-    match config.map(|c| &c["truncation_side"]) {
-        None | Some(Value::Null) => Ok(TruncationDirection::Right),
-        Some(Value::String(s)) if s == "right" => Ok(TruncationDirection::Right),
-        Some(Value::String(s)) if s == "left" => Ok(TruncationDirection::Left),
-        Some(other) => bail!(
+fn truncation_side(config: &Value) -> Result<TruncationDirection> {
+    match &config["truncation_side"] {
+        Value::Null => Ok(TruncationDirection::Right),
+        Value::String(s) if s == "right" => Ok(TruncationDirection::Right),
+        Value::String(s) if s == "left" => Ok(TruncationDirection::Left),
+        other => bail!(
             "tokenizer_config.json: truncation_side {other} is not served (served: \"right\", \"left\")"
         ),
     }
@@ -155,13 +267,52 @@ mod tests {
         let cut = |side: &str| -> Vec<u32> {
             let config = serde_json::json!({ "truncation_side": side });
             let mut t: Tokenizer = doc.to_string().parse().unwrap();
-            truncate(&mut t, 4, truncation_side(Some(&config)).unwrap()).unwrap();
+            truncate(&mut t, 4, truncation_side(&config).unwrap()).unwrap();
             t.encode("a b c d", true).unwrap().get_ids().to_vec()
         };
         assert_eq!(cut("right"), [0, 3, 4, 1]);
         assert_eq!(cut("left"), [0, 5, 6, 1]);
-        assert_eq!(truncation_side(None).unwrap(), TruncationDirection::Right);
-        let e = truncation_side(Some(&serde_json::json!({"truncation_side": "middle"})));
+        assert_eq!(
+            truncation_side(&json!({})).unwrap(),
+            TruncationDirection::Right
+        );
+        let e = truncation_side(&json!({"truncation_side": "middle"}));
         assert!(e.unwrap_err().to_string().contains("truncation_side"));
+    }
+
+    /// An XLM-RoBERTa `tokenizer.json` is rebuilt as transformers 5 does:
+    /// the file's own pipeline keeps a `▁` for a trailing space, the rebuilt
+    /// one drops it (whitespace split first) and wraps the text in
+    /// `<s> … </s>`; a tokenizer of the other family, or a model that is not
+    /// Unigram, is refused.
+    #[test]
+    fn xlm_roberta_tokenizer_follows_transformers() {
+        let vocab = ["<s>", "<pad>", "</s>", "<unk>", "▁a", "▁b", "▁", "a", "b"];
+        let file = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]},
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "▁",
+                "prepend_scheme": "always", "split": true},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "Unigram", "unk_id": 3, "byte_fallback": false,
+                "vocab": vocab.iter().map(|p| json!([p, -1.0])).collect::<Vec<_>>()}
+        });
+        let as_is: Tokenizer = file.to_string().parse().unwrap();
+        assert_eq!(as_is.encode("a b ", true).unwrap().get_ids(), [4, 5, 6]);
+        let config = json!({"tokenizer_class": "XLMRobertaTokenizer"});
+        let doc = xlm_roberta_document(file.to_string().as_bytes(), &config).unwrap();
+        let rebuilt: Tokenizer = doc.to_string().parse().unwrap();
+        assert_eq!(
+            rebuilt.encode("a b ", true).unwrap().get_ids(),
+            [0, 4, 5, 2]
+        );
+        let bert = json!({"tokenizer_class": "BertTokenizer"});
+        let e = xlm_roberta_document(file.to_string().as_bytes(), &bert).unwrap_err();
+        assert!(e.to_string().contains("BertTokenizer"), "{e}");
+        let mut wordpiece = file.clone();
+        wordpiece["model"]["type"] = json!("WordPiece");
+        let e = xlm_roberta_document(wordpiece.to_string().as_bytes(), &config).unwrap_err();
+        assert!(e.to_string().contains("Unigram"), "{e}");
     }
 }

@@ -44,7 +44,8 @@ impl Engine {
     /// Every file is checked against the manifest's SHA-256 by this process
     /// before it is used; a mismatch is an error naming the file.
     pub fn load(model_dir: &Path, spec: &StageSpec, format: WeightFormat) -> Result<Self> {
-        let (manifest, mut claims) = spec.open_manifest(model_dir, &["bert"], "embedding")?;
+        let (manifest, mut claims) =
+            spec.open_manifest(model_dir, &crate::models::bert::SERVED, "embedding")?;
         // f32 is the model's own weights: left unnamed, as before there was a choice.
         claims.weights = (format != WeightFormat::F32).then_some(format);
         let m = &manifest.manifest;
@@ -58,11 +59,14 @@ impl Engine {
                 m.architecture
             );
         }
-        if m.max_seq_len == 0 || m.max_seq_len > cfg.max_position_embeddings {
+        if m.max_seq_len == 0 || m.max_seq_len > cfg.max_tokens() {
             bail!(
-                "the manifest's max_seq_len {} is outside 1..={} (config.json's max_position_embeddings)",
+                "the manifest's max_seq_len {} is outside 1..={} (config.json's \
+                 max_position_embeddings {}, from position {})",
                 m.max_seq_len,
-                cfg.max_position_embeddings
+                cfg.max_tokens(),
+                cfg.max_position_embeddings,
+                cfg.first_position()
             );
         }
         let is_entry = spec.stage_index == 0;
@@ -72,10 +76,7 @@ impl Engine {
             None
         };
         let tokenizer = if is_entry {
-            Some(crate::models::bert::tokenizer::load(
-                &manifest,
-                cfg.vocab_size,
-            )?)
+            Some(crate::models::bert::tokenizer::load(&manifest, &cfg)?)
         } else {
             None
         };
