@@ -30,7 +30,9 @@ Shapes are small but keep the features that differ between families:
   context of 256 (under llama.cpp's 512-token context and the file's 2048,
   so both sides use the long factors) and `rope.scaling.attn_factor`;
 - `phi4-mini`: as `phi3` with Phi-4-mini's partial rotary embedding (96
-  of a head's 128 dimensions turned, the rest passed) and a tied head.
+  of a head's 128 dimensions turned, the rest passed), a tied head, and
+  Phi-4-mini's tokenizer kind: byte-level BPE with the `gpt-4o` split rule
+  (SmolLM2's vocabulary with Phi-3's chat markers added).
 Widths are multiples of 256 so the K-quants apply to every matrix.
 
 Usage: make_gguf_fixtures.py --source SmolLM2.gguf --out DIR [--shape 1b]
@@ -133,8 +135,10 @@ def spm_tokenizer(w: gguf.GGUFWriter, text_files: list, extra: tuple = (),
     return len(tokens)
 
 
-def copy_tokenizer(src: str, w: gguf.GGUFWriter) -> int:
-    """Copies every tokenizer.* key of `src` into `w`; returns the vocab size."""
+def copy_tokenizer(src: str, w: gguf.GGUFWriter, pre=None, extra=(), template=None) -> int:
+    """Copies every tokenizer.* key of `src` into `w` (with the split rule
+    `pre`, the control tokens `extra` appended and the chat template
+    `template` where given); returns the vocab size."""
     r = gguf.GGUFReader(src)
     vocab = 0
     for key, field in r.fields.items():
@@ -142,6 +146,14 @@ def copy_tokenizer(src: str, w: gguf.GGUFWriter) -> int:
             continue
         vtype = field.types[0]
         value = field.contents()
+        if key == "tokenizer.ggml.pre" and pre:
+            value = pre
+        if key == "tokenizer.chat_template" and template:
+            value = template
+        if key == "tokenizer.ggml.tokens":
+            value = value + list(extra)
+        if key == "tokenizer.ggml.token_type":
+            value = value + [int(gguf.TokenType.CONTROL)] * len(extra)
         if vtype == gguf.GGUFValueType.ARRAY:
             sub = field.types[-1]
             if key == "tokenizer.ggml.tokens":
@@ -157,7 +169,12 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"random-{name}")
-    if name == "llama-spm" or arch == "phi3":
+    if name == "phi4-mini":
+        # Phi-4-mini's tokenizer kind: byte-level BPE split by llama.cpp's
+        # `gpt-4o` rule (SmolLM2's vocabulary and merges), with Phi-3's chat
+        # markers as control tokens and its template.
+        vocab = copy_tokenizer(src, w, "gpt-4o", PHI3_TOKENS[1:], PHI3_TEMPLATE)
+    elif name == "llama-spm" or arch == "phi3":
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         text = [os.path.join(root, "scripts", "data", "quality-text.txt")]
         if arch == "phi3":

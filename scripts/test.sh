@@ -65,7 +65,7 @@ LLAMA_VENV="$(scripts/llama_venv.sh --test)"
 "$LLAMA_VENV/bin/python" scripts/test_gguf_models.py \
   --bin target/release/examples/gguf_logits \
   --source models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
-  --dir target/gguf-fixtures/v2 --report target/gguf-fixtures/v2/report.json
+  --dir target/gguf-fixtures/v3 --report target/gguf-fixtures/v3/report.json
 
 echo "== embedding models in the sentence-transformers layout against sentence-transformers (scripts/test_embedding_models.py)"
 # Random-weight BERT folders made with numpy; the reference vectors were made

@@ -31,7 +31,13 @@ back into llama.cpp's text; and `gateway serve --model` on it must answer
 a chat request whose prompt, rendered with the file's template, counts
 exactly llama.cpp's tokens. So is the `phi3` fixture (its SentencePiece
 vocabulary with Phi-3's chat markers, after which llama.cpp strips spaces,
-and Phi-3's template), in Q4_K_M over 2 stages.
+and Phi-3's template), in Q4_K_M over 2 stages, and the `phi4-mini` one
+(byte-level BPE under the `gpt-4o` rule, as Phi-4-mini's). And each byte-level split
+rule the stage supports (`tokenizer.ggml.pre`: smollm, llama-bpe, qwen2,
+dbrx for Phi-4, gpt-4o for Phi-4-mini) on SmolLM2's vocabulary relabelled
+with it: the same texts and more where the rules differ (case changes in
+and out of ASCII, combining marks, Devanagari, Thai, Arabic, contractions)
+must be cut into llama.cpp's ids.
 
 llama.cpp keeps its KV cache in f32 here (`type_k`/`type_v`), so the
 remaining differences are its rounding of activations to 8 bits in its
@@ -53,7 +59,9 @@ import json
 import os
 import subprocess
 import sys
+import re
 import tempfile
+import unicodedata
 
 import numpy as np
 
@@ -62,6 +70,7 @@ import llama_cpp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_gguf_fixtures  # noqa: E402
+import place_models  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POSITIONS = 256
@@ -299,9 +308,18 @@ def main() -> int:
         failures += check_served(args.gateway, phi3, args.dir,
                                  "<|user|>\nName a colour.<|end|>\n<|assistant|>\n")
 
+    if "phi4-mini" in archs:
+        # Phi-4-mini's kind: byte-level BPE under llama.cpp's gpt-4o rule,
+        # Phi-3's markers as control tokens, partial rotary; over 2 stages.
+        phi4 = os.path.join(args.dir, "phi4-mini.Q4_K_M.gguf")
+        failures += check_tokenizer(args.bin, phi4)
+        failures += check_served(args.gateway, phi4, args.dir,
+                                 "<|user|>\nName a colour.<|end|>\n<|assistant|>\n", bos=False)
+
     tokens = [t % len(vocab) for t in all_tokens]
     refusals = 0
     if args.shape == "small":
+        failures += check_split_rules(args.bin, args.source, args.dir)
         # Refusals: a tensor type and an architecture the stage does not load.
         q2k = os.path.join(args.dir, f"{archs[0]}.Q2_K.gguf")
         quantize(f"{args.dir}/{archs[0]}.F32.gguf", q2k, llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K, True)
@@ -350,43 +368,147 @@ def detokenize(llm, ids: list) -> str:
     return buf.raw[:n].decode("utf-8", errors="replace")
 
 
-def check_tokenizer(bin_path: str, path: str) -> list:
+# Texts where split rules differ: case changes in and out of ASCII,
+# combining marks, scripts with marks, contractions, digit runs, newlines.
+SPLIT_TEXTS = [
+    "HelloWorld XMLHttpRequest don't DON'T I'M 12345 path/to/x\n\n  y",
+    "straßeÜber naïveÉcole", "приветМир", "aÉ éÉ", "cafe\u0301 au lait",
+    "नमस्ते दुनिया", "สวัสดีครับ", "مَرْحَبًا", "it'ſ", "ǅungla ǈa", "1234567 ١٢٣٤",
+    "tabs\t\tand\r\n\r\nlines  \n", "日本語のテキスト、中文。", "x" * 40 + " ok",
+]
+
+# Byte-level split rules (`tokenizer.ggml.pre`) checked against llama.cpp on
+# SmolLM2's vocabulary and merges relabelled with each, with the two
+# documented differences: (what llama.cpp is given for a text, which texts
+# are left out)
+SPLIT_RULES = {
+    # GPT-2's rule, as transformers applies to "smollm" (scripts/place_models.py:
+    # the shipped tokenizer.json is transformers'); llama.cpp splits digits off
+    # first, so a space before a digit stays alone where GPT-2's rule may merge
+    # it (" ١" in SmolLM2's merges): such texts are left out.
+    "smollm": (lambda t: t, lambda t: re.search(r"\s\d", t)),
+    "llama-bpe": (lambda t: t, lambda t: False),
+    # Qwen2's tokenizer.json composes (NFC) before splitting; llama.cpp does
+    # not: it is given the composed text.
+    "qwen2": (lambda t: unicodedata.normalize("NFC", t), lambda t: False),
+    "dbrx": (lambda t: t, lambda t: False),
+    "gpt-4o": (lambda t: t, lambda t: False),
+}
+
+
+def word_vocabulary(texts: list) -> dict:
+    """A byte-level BPE vocabulary whose merges build every
+    whitespace-separated word of `texts` (with and without a leading space)
+    byte by byte into one token: a word becomes one token exactly when a
+    split rule keeps it in one piece, so the ids show where a rule splits
+    (SmolLM2's merges rarely span the places where rules differ)."""
+    spell = place_models._bytes_to_unicode()
+    tokens = [spell[b] for b in range(256)]
+    known, merges = set(tokens), []
+    for text in texts:
+        for word in text.split():
+            for w in (word, " " + word):
+                chars = [spell[b] for b in w.encode()]
+                cur = chars[0]
+                for c in chars[1:]:
+                    if cur + c not in known:
+                        known.add(cur + c)
+                        tokens.append(cur + c)
+                        merges.append(f"{cur} {c}")
+                    cur += c
+    return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": [1] * len(tokens)}
+
+
+def vocab_file(source: str, path: str, pre: str, vocabulary=None) -> str:
+    """`source`'s metadata (no tensors) with `tokenizer.ggml.pre` = `pre`
+    (and `vocabulary`'s tokens, merges and types instead of its own):
+    enough for llama.cpp's vocab-only load and the stage's tokenizer."""
+    r = gguf.GGUFReader(source)
+    w = gguf.GGUFWriter(path, r.fields["general.architecture"].contents())
+    vocabulary = vocabulary or {}
+    for key, value in vocabulary.items():
+        if key == "tokenizer.ggml.token_type":
+            w.add_token_types(value)
+        else:
+            w.add_array(key, value)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "tokenizer.ggml.pre") \
+                or key in vocabulary:
+            continue
+        if key.endswith("_token_id") and vocabulary:
+            w.add_key_value(key, 0, gguf.GGUFValueType.UINT32)
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, field.contents(), vtype)
+    w.add_string("tokenizer.ggml.pre", pre)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def check_split_rules(bin_path: str, source: str, d: str) -> list:
+    failures = []
+    words = word_vocabulary(TEXTS + SPLIT_TEXTS)
+    for pre, (given, left_out) in SPLIT_RULES.items():
+        texts = [t for t in TEXTS + SPLIT_TEXTS if not left_out(t)]
+        for vocab_name, vocabulary in (("SmolLM2's", None), ("the texts' words", words)):
+            path = vocab_file(source, os.path.join(d, f"vocab-{pre}-{len(vocabulary or [])}.gguf"),
+                              pre, vocabulary)
+            failures += check_tokenizer(bin_path, path, texts,
+                                        f"split rule {pre}, {vocab_name} vocabulary", given)
+    return failures
+
+
+def check_tokenizer(bin_path: str, path: str, texts=None, label=None, given=None) -> list:
     """The stage's tokenizer built from the file against llama.cpp's: ids
-    (special tokens matched, none added) and the text decoded back."""
+    (special tokens matched, none added) and the text decoded back;
+    llama.cpp tokenizes `given(text)` where a documented difference says
+    so."""
+    texts = texts or TEXTS
+    label = label or os.path.basename(path)
+    given = given or (lambda t: t)
+    sentencepiece = gguf.GGUFReader(path).fields["tokenizer.ggml.model"].contents() == "llama"
     llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(TEXTS, f)
+        json.dump(texts, f)
     p = subprocess.run([bin_path, "--tokenize", path, f.name], capture_output=True, text=True)
     os.unlink(f.name)
     if p.returncode != 0:
         return [f"tokenizing with {os.path.basename(path)} failed: {p.stdout}{p.stderr}"]
     ours = json.loads(p.stdout)
     failures = []
-    for text, ids, back in zip(TEXTS, ours["ids"], ours["texts"]):
-        want = llm.tokenize(text.encode(), add_bos=False, special=True)
+    for text, ids, back in zip(texts, ours["ids"], ours["texts"]):
+        want = llm.tokenize(given(text).encode(), add_bos=False, special=True)
         want_back = detokenize(llm, want)
-        # llama.cpp spends its one leading-space removal on the first token
-        # even when that is a control token rendering nothing (`<s>`); the
-        # stage, as transformers, removes the first space of what is
-        # rendered.
-        if want and llm._model.token_get_attr(want[0]) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL \
+        # SentencePiece: llama.cpp spends its one leading-space removal on
+        # the first token even when that is a control token rendering
+        # nothing (`<s>`); the stage, as transformers, removes the first
+        # space of what is rendered. (Byte-level BPE removes none.)
+        if sentencepiece and want \
+                and llm._model.token_get_attr(want[0]) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL \
                 and want_back.startswith(" "):
             want_back = want_back[1:]
         if ids != want:
-            failures.append(f"SentencePiece ids of {text!r}: {ids}, llama.cpp {want}")
+            failures.append(f"{label}: ids of {text!r}: {ids}, llama.cpp {want}")
         elif back != want_back:
-            failures.append(f"SentencePiece text of {text!r}: {back!r}, llama.cpp {want_back!r}")
-    print(f"  {os.path.basename(path)} tokenizer: {len(TEXTS) - len(failures)} of {len(TEXTS)} texts cut and "
+            failures.append(f"{label}: text of {text!r}: {back!r}, llama.cpp {want_back!r}")
+    print(f"  {label} tokenizer: {len(texts) - len(failures)} of {len(texts)} texts cut and "
           f"decoded as llama.cpp does", flush=True)
     return failures
 
 
-def check_served(gateway: str, path: str, d: str, chat_prompt: str) -> list:
-    """`gateway serve --model` on a SentencePiece fixture (split over 2
-    stages) answers chat and a raw completion; each prompt counts llama.cpp's
-    tokens: the chat's (`chat_prompt`: the file's template rendered, with
-    whatever BOS it writes itself) as the text says, the raw one's with the
-    BOS llama.cpp adds for this file (`add_bos_token`)."""
+def check_served(gateway: str, path: str, d: str, chat_prompt: str, bos: bool = True) -> list:
+    """`gateway serve --model` on a fixture (split over 2 stages) answers
+    chat and a raw completion; each prompt counts llama.cpp's tokens: the
+    chat's (`chat_prompt`: the file's template rendered, with whatever BOS
+    it writes itself) as the text says, the raw one's with the BOS llama.cpp
+    adds for this file (`add_bos_token`; `bos`: the file says to add one)."""
     import re
     import time
     import urllib.request
@@ -437,13 +559,13 @@ def check_served(gateway: str, path: str, d: str, chat_prompt: str) -> list:
     print(f"  {model} served: chat answered ({answer['usage']['completion_tokens']} tokens), "
           f"prompt {got} tokens, llama.cpp {want}", flush=True)
     if got != want or not isinstance(answer["choices"][0]["message"]["content"], str):
-        return [f"served SentencePiece chat: prompt {got} tokens, llama.cpp {want}: {answer}"]
+        return [f"served {model} chat: prompt {got} tokens, llama.cpp {want}: {answer}"]
     # llama.cpp's add_special: the BOS where the file's add_bos_token says.
     want = len(llm.tokenize(b"Name a colour.", add_bos=True, special=True))
     got = raw["usage"]["prompt_tokens"]
     print(f"  {model} served: raw completion prompt {got} tokens, llama.cpp {want}", flush=True)
-    if got != want or want != len(llm.tokenize(b"Name a colour.", add_bos=False)) + 1:
-        return [f"served SentencePiece completion: prompt {got} tokens, llama.cpp {want}: {raw}"]
+    if got != want or want != len(llm.tokenize(b"Name a colour.", add_bos=False)) + bos:
+        return [f"served {model} completion: prompt {got} tokens, llama.cpp {want}: {raw}"]
     return []
 
 

@@ -5,10 +5,11 @@
 //!
 //! Two kinds are supported:
 //! - byte-level BPE (`tokenizer.ggml.model = gpt2`: Llama 3.x,
-//!   Qwen2/2.5/3, SmolLM), with the split rules the file's
-//!   `tokenizer.ggml.pre` names (GPT-2's, Llama 3's, Qwen2's; Llama 3's
-//!   also ignores merges for words in the vocabulary, as its
-//!   `tokenizer.json` and llama.cpp do);
+//!   Qwen2/2.5/3, SmolLM, Phi-4, Phi-4-mini), with the split rules the
+//!   file's `tokenizer.ggml.pre` names (GPT-2's, Llama 3's, Qwen2's, and
+//!   `dbrx` and `gpt-4o` as llama.cpp applies them; Llama 3's also ignores
+//!   merges for words in the vocabulary, as its `tokenizer.json` and
+//!   llama.cpp do);
 //! - SentencePiece BPE (`llama`: Llama 2, TinyLlama, Mistral 7B v0.1), as
 //!   llama.cpp tokenizes it: spaces written `▁` and one prepended to each
 //!   run of text (at the start and after every special token, unless
@@ -47,6 +48,17 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 /// Split rule of Qwen2's tokenizer (`tokenizer.ggml.pre = qwen2`), as its
 /// `tokenizer.json` writes it.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Split rule of `tokenizer.ggml.pre = gpt-4o` (Phi-4-mini) as llama.cpp
+/// applies it, which is not GPT-4o's own (o200k) rule: llama.cpp rewrites
+/// o200k's case classes as "a letter that is not a-z" and "a letter that is
+/// not A-Z" (so every non-ASCII letter counts as both cases and a change of
+/// case between them does not split: `приветМир` is one piece, o200k makes
+/// two) and leaves out combining marks (`\p{M}`), which then split from
+/// their letters; its contractions are ASCII. Written here with the same
+/// classes (`[^\P{L}a-z]`: a letter but not a-z) instead of llama.cpp's
+/// per-character lookaheads.
+const GPT4O_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[^\P{L}a-z]*[^\P{L}A-Z]+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?[^\P{L}a-z]+[^\P{L}A-Z]*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const UNKNOWN: i64 = 2;
@@ -152,11 +164,14 @@ fn pre_tokenizer(pre: &str) -> Result<(serde_json::Value, serde_json::Value, boo
         // and uses GPT-2's, as for "gpt2" and "default".
         "default" | "gpt2" | "smollm" => (serde_json::Value::Null, byte_level(true), false),
         "llama-bpe" | "llama3" | "llama-v3" => (serde_json::Value::Null, split(LLAMA3_SPLIT), true),
+        // Phi-4's (cl100k): Llama 3's split, but merges always applied.
+        "dbrx" => (serde_json::Value::Null, split(LLAMA3_SPLIT), false),
+        "gpt-4o" => (serde_json::Value::Null, split(GPT4O_SPLIT), false),
         "qwen2" => (json!({"type": "NFC"}), split(QWEN2_SPLIT), false),
         other => {
             return Err(format!(
                 "the GGUF's tokenizer split rule tokenizer.ggml.pre = {other:?} is not supported \
-                 (supported: default, gpt2, smollm, llama-bpe, llama3, llama-v3, qwen2)"
+                 (supported: default, gpt2, smollm, llama-bpe, llama3, llama-v3, dbrx, gpt-4o, qwen2)"
             ))
         }
     })
@@ -213,6 +228,12 @@ fn byte_level(
             tok.bytes().map(|b| spelling[b as usize]).collect()
         };
         vocab.entry(key).or_insert(json!(i));
+        // As llama.cpp types them, whatever the file says (as for SentencePiece).
+        let ty = if EOG_NAMES.contains(&tok.as_str()) {
+            &CONTROL
+        } else {
+            ty
+        };
         if (*ty == CONTROL || *ty == USER_DEFINED) && in_alphabet(tok) {
             added.push(json!({
                 "id": i, "content": tok, "single_word": false, "lstrip": false,
@@ -524,7 +545,9 @@ mod tests {
     }
 
     /// Each split rule cuts a text where its tokenizer does: Llama 3's
-    /// digits in threes, Qwen2's one by one, GPT-2's in runs.
+    /// (and dbrx's, gpt-4o's) digits in threes, Qwen2's one by one, GPT-2's
+    /// in runs; gpt-4o splits an ASCII change of case but, as llama.cpp,
+    /// not a Cyrillic one (o200k itself would).
     #[test]
     fn split_rules_cut_digits_as_their_tokenizers_do() {
         use tokenizers::{
@@ -543,7 +566,16 @@ mod tests {
             ("llama-bpe", vec!["123", "45", "Ġab"]),
             ("qwen2", vec!["1", "2", "3", "4", "5", "Ġab"]),
             ("gpt2", vec!["12345", "Ġab"]),
+            ("dbrx", vec!["123", "45", "Ġab"]),
+            ("gpt-4o", vec!["123", "45", "Ġab"]),
+            // " приветМир" one piece, byte-level spelled.
+            ("gpt-4o", vec!["Hello", "World", "ĠÐ¿ÑĢÐ¸Ð²ÐµÑĤÐľÐ¸ÑĢ"]),
         ] {
+            let text = if want[0] == "Hello" {
+                "HelloWorld приветМир"
+            } else {
+                "12345 ab"
+            };
             metadata.insert("tokenizer.ggml.pre".into(), Value::String(pre.into()));
             let ct = Content {
                 magic: candle_core::quantized::gguf_file::VersionedMagic::GgufV3,
@@ -554,7 +586,7 @@ mod tests {
             let doc = tokenizer_json(&ct).unwrap();
             assert_eq!(doc["model"]["ignore_merges"], pre == "llama-bpe", "{pre}");
             let t = Tokenizer::from_bytes(serde_json::to_vec(&doc).unwrap()).unwrap();
-            let mut split = PreTokenizedString::from("12345 ab");
+            let mut split = PreTokenizedString::from(text);
             t.get_pre_tokenizer()
                 .unwrap()
                 .pre_tokenize(&mut split)
@@ -564,7 +596,7 @@ mod tests {
                 .into_iter()
                 .map(|(s, _, _)| s.to_string())
                 .collect();
-            assert_eq!(got, want, "{pre}");
+            assert_eq!(got, want, "{pre} {text:?}");
         }
     }
 

@@ -52,8 +52,7 @@ pub enum Architecture {
     /// of each query and key head before the rotary embedding.
     Qwen3,
     /// `phi3`: Phi-3 and Phi-3.5 (mini, medium); Phi-4 and Phi-4-mini (a
-    /// rotary embedding on part of each head) as far as the model goes
-    /// (their tokenizers' split rules are refused). NEOX rotary; the
+    /// rotary embedding on part of each head). NEOX rotary; the
     /// q/k/v products in one `attn_qkv` matrix and the gate and up products
     /// in one `ffn_up` (gate rows first); Phi-3.5's LongRoPE factors
     /// (`rope_factors_long`/`_short`) and attention factor. Its sliding
