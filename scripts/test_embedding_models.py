@@ -74,6 +74,9 @@ TEXTS = [
     "  leading,  double   and trailing spaces  ",
     "query: Пациент был госпитализирован вчера. 患者は昨日入院しました。 المريض دخل المستشفى",
     "Ｆｕｌｌｗｉｄｔｈ ﬁ ligature, e\u0301 combining, tab\there and a <mask> token",
+    # XLM-RoBERTa: a literal <pad> takes the padding row's position and the
+    # tokens after it move back by one (transformers numbers only the others).
+    "before <pad> after, and <s> inside </s> the text",
 ]
 
 # A small multilingual corpus for the XLM-RoBERTa tokenizer (--make-tokenizer),

@@ -10,8 +10,11 @@ pub fn encode(
     special: bool,
 ) -> Result<Vec<u32>, String> {
     let t = tokenizer.ok_or("this stage does not tokenize")?;
-    let enc = t
-        .encode(text, special)
+    // A model's tokenizer tables are read from its files and trusted by the
+    // tokenizers crate, which can panic on malformed ones: that fails this
+    // text, not the task serving it.
+    let enc = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.encode(text, special)))
+        .map_err(|_| "tokenizer: the model's tokenizer failed on this text".to_string())?
         .map_err(|e| format!("tokenizer: {e}"))?;
     Ok(enc.get_ids().to_vec())
 }

@@ -90,7 +90,7 @@ impl EmbeddingModel {
         // positions from its padding id + 1 (the stage's rule,
         // `enclave_stage::models::bert::BertConfig::first_position`).
         let first = if architecture == "xlm-roberta" {
-            config["pad_token_id"].as_u64().unwrap_or(1) as usize + 1
+            (config["pad_token_id"].as_u64().unwrap_or(1) as usize).saturating_add(1)
         } else {
             0
         };

@@ -94,6 +94,25 @@ impl BertConfig {
                 candle_core::bail!("config.json: {key} is 0");
             }
         }
+        if self.max_position_embeddings > u32::MAX as usize {
+            candle_core::bail!(
+                "config.json: max_position_embeddings {} is too large",
+                self.max_position_embeddings
+            );
+        }
+        if self.is_xlm_roberta() {
+            // Its padding id names a row of both tables (torch refuses
+            // a padding index outside them).
+            let pad = self.padding_id();
+            if pad >= self.vocab_size || pad >= self.max_position_embeddings {
+                candle_core::bail!(
+                    "config.json: pad_token_id {pad} is outside the vocabulary ({}) or the \
+                     position table ({})",
+                    self.vocab_size,
+                    self.max_position_embeddings
+                );
+            }
+        }
         if self.max_tokens() == 0 {
             candle_core::bail!(
                 "config.json: max_position_embeddings {} leaves no position after the first, {}",
@@ -122,10 +141,15 @@ impl BertConfig {
     /// padding).
     pub fn first_position(&self) -> usize {
         if self.is_xlm_roberta() {
-            self.pad_token_id.unwrap_or(1) + 1
+            self.padding_id().saturating_add(1)
         } else {
             0
         }
+    }
+
+    /// `pad_token_id`, or transformers' `XLMRobertaConfig` default, 1.
+    fn padding_id(&self) -> usize {
+        self.pad_token_id.unwrap_or(1)
     }
 
     /// The longest sequence, in tokens, the position embeddings cover.
@@ -324,11 +348,31 @@ impl BertPart {
         if l > self.cfg.max_tokens() {
             candle_core::bail!("sequence of {l} tokens exceeds position embeddings");
         }
-        // Padding rows get positions too; every reader masks them.
-        let first = self.cfg.first_position() as u32;
-        let pos = Tensor::arange(first, first + l as u32, &self.device)?
-            .unsqueeze(0)?
-            .broadcast_as((b, l))?;
+        // Padding columns get positions too; every reader masks them.
+        let pos = if self.cfg.is_xlm_roberta() {
+            // As transformers' `create_position_ids_from_input_ids`: only
+            // tokens other than the padding id are counted, from the padding
+            // id + 1, and a padding id in the text (a literal `<pad>`) takes
+            // the padding row. At most `pad + l` < the table's size (`check`).
+            let pad = self.cfg.padding_id() as u32;
+            let mut pos = Vec::with_capacity(b * l);
+            for row in ids.to_vec2::<u32>()? {
+                let mut n = 0;
+                pos.extend(row.into_iter().map(|id| {
+                    if id == pad {
+                        pad
+                    } else {
+                        n += 1;
+                        pad + n
+                    }
+                }));
+            }
+            Tensor::from_vec(pos, (b, l), &self.device)?
+        } else {
+            Tensor::arange(0u32, l as u32, &self.device)?
+                .unsqueeze(0)?
+                .broadcast_as((b, l))?
+        };
         let types = Tensor::zeros((b, l), DType::U32, &self.device)?;
         let x = e
             .word
@@ -430,5 +474,9 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("no position"));
+        for pad in [10, usize::MAX] {
+            let e = config("xlm-roberta", Some(pad)).check().unwrap_err();
+            assert!(e.to_string().contains("pad_token_id"), "{e}");
+        }
     }
 }

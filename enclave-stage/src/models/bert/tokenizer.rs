@@ -44,6 +44,10 @@ fn pinned_json(manifest: &LoadedManifest, rel: &str) -> Result<Option<Value>> {
     Ok(Some(manifest.verified_json(rel)?))
 }
 
+/// Text of many scripts and character kinds, tokenized once at load.
+const PROBE: &str = "Hello, World! 12345 café Ｆｕｌｌ ﬁ e\u{301} \t\n Пример 患者 مرحبا नमस्ते \
+     สวัสดี 한국어 🙂 \u{a0}\u{200b}\u{feff} <s> </s> <pad> <mask>";
+
 /// Refuses a `tokenizer_config.json` whose `tokenizer_class` is not one of
 /// `served` (the encoder's family).
 fn check_class(config: &Value, served: [&str; 2]) -> Result<()> {
@@ -106,11 +110,12 @@ fn xlm_roberta_document(file: &[u8], c: &Value) -> Result<Value> {
     }
     model["unk_id"] = json!(3);
     model["byte_fallback"] = json!(false);
+    // The last piece of that name, as the Unigram model maps names to ids.
     let id_of = |token: &str| -> Option<usize> {
         model["vocab"]
             .as_array()?
             .iter()
-            .position(|p| p[0].as_str() == Some(token))
+            .rposition(|p| p[0].as_str() == Some(token))
     };
     let special = |key: &str, default: &str| -> Result<(String, usize)> {
         let token = match &c[key] {
@@ -130,11 +135,17 @@ fn xlm_roberta_document(file: &[u8], c: &Value) -> Result<Value> {
     };
     let (bos, bos_id) = special("bos_token", "<s>")?;
     let (eos, eos_id) = special("eos_token", "</s>")?;
-    let prepend = match &c["add_prefix_space"] {
-        Value::Null | Value::Bool(true) => "always",
-        Value::Bool(false) => "never",
-        other => bail!("tokenizer_config.json: add_prefix_space is {other}, not a boolean"),
+    // Absent: the class's default, true; an explicit null is falsy.
+    let prepend = match c.get("add_prefix_space") {
+        None | Some(Value::Bool(true)) => "always",
+        Some(Value::Null | Value::Bool(false)) => "never",
+        Some(other) => bail!("tokenizer_config.json: add_prefix_space is {other}, not a boolean"),
     };
+    // transformers adds the tokens `added_tokens_decoder` lists, with their
+    // flags, instead of tokenizer.json's.
+    if let Some(decoder) = c.get("added_tokens_decoder") {
+        doc["added_tokens"] = added_tokens(decoder)?;
+    }
     let normalizers = match doc["normalizer"]["type"].as_str() {
         Some("Sequence") => doc["normalizer"]["normalizers"]
             .as_array()
@@ -166,6 +177,34 @@ fn xlm_roberta_document(file: &[u8], c: &Value) -> Result<Value> {
     Ok(doc)
 }
 
+/// `tokenizer_config.json`'s `added_tokens_decoder` (`{"id": {"content": …,
+/// flags}}`) as tokenizer.json's `added_tokens`, with `AddedToken`'s
+/// defaults for absent flags.
+fn added_tokens(decoder: &Value) -> Result<Value> {
+    let entries = decoder
+        .as_object()
+        .context("tokenizer_config.json: added_tokens_decoder is not an object")?;
+    let mut tokens = Vec::with_capacity(entries.len());
+    for (id, t) in entries {
+        let id: u32 = id
+            .parse()
+            .with_context(|| format!("tokenizer_config.json: added token id {id:?}"))?;
+        let content = t["content"]
+            .as_str()
+            .with_context(|| format!("tokenizer_config.json: added token {id} has no content"))?;
+        let flag = |key: &str, default: bool| t[key].as_bool().unwrap_or(default);
+        let special = flag("special", false);
+        tokens.push((
+            id,
+            json!({"id": id, "content": content, "single_word": flag("single_word", false),
+                   "lstrip": flag("lstrip", false), "rstrip": flag("rstrip", false),
+                   "normalized": flag("normalized", !special), "special": special}),
+        ));
+    }
+    tokens.sort_by_key(|(id, _)| *id);
+    Ok(Value::Array(tokens.into_iter().map(|(_, t)| t).collect()))
+}
+
 /// Loads the entry stage's tokenizer for the encoder `cfg` describes,
 /// refusing what it does not serve (module docs).
 pub fn load(manifest: &LoadedManifest, cfg: &BertConfig) -> Result<Tokenizer> {
@@ -183,12 +222,24 @@ pub fn load(manifest: &LoadedManifest, cfg: &BertConfig) -> Result<Tokenizer> {
         }
     }
     let config = pinned_json(manifest, "tokenizer_config.json")?.unwrap_or(json!({}));
+    if config["split_special_tokens"] == Value::Bool(true) {
+        bail!("tokenizer_config.json: split_special_tokens = true is not served");
+    }
     let side = truncation_side(&config)?;
     let bytes = manifest.verified_bytes("tokenizer.json")?;
     let mut t = if cfg.is_xlm_roberta() {
         let doc = xlm_roberta_document(&bytes, &config)?;
-        Tokenizer::from_bytes(doc.to_string())
-            .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?
+        let t = Tokenizer::from_bytes(doc.to_string())
+            .map_err(|e| anyhow::anyhow!("loading tokenizer.json: {e}"))?;
+        // The file's SentencePiece character map is a table the tokenizers
+        // crate trusts; a malformed one panics when text is normalized. Try
+        // it here, on text of many scripts, so such a file stops the start
+        // (each request's tokenization also catches a panic:
+        // `crate::tokens::encode`).
+        if crate::tokens::encode(Some(&t), PROBE, true).is_err() {
+            bail!("tokenizer.json: its Precompiled character map fails on text; it is malformed");
+        }
+        t
     } else {
         let normalizer = bert_normalizer(&config)?;
         let mut t = Tokenizer::from_bytes(&bytes)
@@ -314,5 +365,20 @@ mod tests {
         wordpiece["model"]["type"] = json!("WordPiece");
         let e = xlm_roberta_document(wordpiece.to_string().as_bytes(), &config).unwrap_err();
         assert!(e.to_string().contains("Unigram"), "{e}");
+        // tokenizer_config.json's added tokens are the ones matched, and an
+        // explicit `add_prefix_space: null` prepends no `▁`.
+        let encode = |config: Value, text: &str| -> Vec<u32> {
+            let doc = xlm_roberta_document(file.to_string().as_bytes(), &config).unwrap();
+            let t: Tokenizer = doc.to_string().parse().unwrap();
+            t.encode(text, true).unwrap().get_ids().to_vec()
+        };
+        let pad = json!({"1": {"content": "<pad>", "special": true}});
+        let with_pad = json!({ "added_tokens_decoder": pad });
+        assert_eq!(encode(with_pad, "a <pad> b"), [0, 4, 1, 5, 2]);
+        assert_ne!(encode(json!({}), "a <pad> b")[2], 1);
+        assert_eq!(
+            encode(json!({ "add_prefix_space": null }), "a b"),
+            [0, 7, 8, 2]
+        );
     }
 }
