@@ -29,6 +29,9 @@ Shapes are small but keep the features that differ between families:
   LongRoPE: `rope_factors_long`/`rope_factors_short` with an original
   context of 256 (under llama.cpp's 512-token context and the file's 2048,
   so both sides use the long factors) and `rope.scaling.attn_factor`;
+- `phi4`: Phi-4's kind: `phi3` blocks with heads of 128, GQA, a separate
+  head and no LongRoPE, byte-level BPE under the `dbrx` split rule
+  (SmolLM2's vocabulary with Phi-4's `<|im_sep|>`) and Phi-4's template;
 - `phi4-mini`: as `phi3` with Phi-4-mini's partial rotary embedding (96
   of a head's 128 dimensions turned, the rest passed), a tied head, and
   Phi-4-mini's tokenizer kind: byte-level BPE with the `gpt-4o` split rule
@@ -61,6 +64,9 @@ SHAPES = {
     # Phi-4-mini's kind: heads of 128 with a rotary embedding on 96 of them
     # (ROPE_DIMS), a tied head, LongRoPE.
     "phi4-mini": ("phi3", 256, 512, 2, 2, 1, 128, True, False),
+    # Phi-4's kind: heads of 128, GQA, a separate head, no LongRoPE, rotary
+    # base 250000, Llama 3's split rule as `dbrx` (below).
+    "phi4": ("phi3", 256, 512, 2, 2, 1, 128, False, False),
 }
 
 # Rotary widths narrower than the head.
@@ -73,6 +79,13 @@ PHI3_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}"
     "{{ eos_token }}{% endif %}"
+)
+
+# Phi-4's chat template.
+PHI4_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '<|im_sep|>' + "
+    "message['content'] + '<|im_end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}"
 )
 
 # A Llama-2-style chat template for the SentencePiece fixture.
@@ -169,7 +182,12 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"random-{name}")
-    if name == "phi4-mini":
+    if name == "phi4":
+        # Phi-4's tokenizer kind: byte-level BPE under `dbrx` (SmolLM2's
+        # vocabulary, which has <|im_start|> and <|im_end|>, plus Phi-4's
+        # <|im_sep|>) and Phi-4's template.
+        vocab = copy_tokenizer(src, w, "dbrx", ("<|im_sep|>",), PHI4_TEMPLATE)
+    elif name == "phi4-mini":
         # Phi-4-mini's tokenizer kind: byte-level BPE split by llama.cpp's
         # `gpt-4o` rule (SmolLM2's vocabulary and merges), with Phi-3's chat
         # markers as control tokens and its template.
@@ -193,7 +211,8 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
     w.add_value_length(hd)
     rope_dim = ROPE_DIMS.get(name, hd)
     w.add_rope_dimension_count(rope_dim)
-    w.add_rope_freq_base({"llama": 100000.0, "phi3": 10000.0}.get(arch, 1000000.0))
+    w.add_rope_freq_base(250000.0 if name == "phi4" else
+                         {"llama": 100000.0, "phi3": 10000.0}.get(arch, 1000000.0))
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
 
@@ -223,7 +242,7 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
         # test's 256 positions a factor dropped, or multiplied instead of
         # divided, moves the angles by many radians.
         w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, hd // 2, dtype=np.float32))
-    if arch == "phi3":
+    if arch == "phi3" and name != "phi4":
         # Phi-3.5's LongRoPE, as llama.cpp's converter writes it: both
         # factor sets, the original context, and the attention factor
         # sqrt(1 + ln(scale) / ln(original)) that scales cos and sin.
@@ -280,7 +299,7 @@ def main() -> int:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     names = ["llama-1b"] if args.shape == "1b" else [
-        "llama", "qwen2", "qwen3", "llama-spm", "phi3", "phi4-mini"]
+        "llama", "qwen2", "qwen3", "llama-spm", "phi3", "phi4-mini", "phi4"]
     f16 = args.shape == "1b"
     for i, name in enumerate(names):
         path = os.path.join(args.out, f"{name}.{'F16' if f16 else 'F32'}.gguf")

@@ -31,7 +31,7 @@ weights, no tokenizer.json, ...) stops the gateway with an error naming what.
 
     python3 scripts/test_embedding_models.py                  # CI (scripts/test.sh)
     /tmp/refvenv/bin/python scripts/test_embedding_models.py --make-reference
-    /tmp/refvenv/bin/python scripts/test_embedding_models.py --make-tokenizer  # + sentencepiece protobuf
+    /tmp/refvenv/bin/python scripts/test_embedding_models.py --make-tokenizer
 """
 import argparse
 import hashlib

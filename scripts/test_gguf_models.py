@@ -32,7 +32,8 @@ a chat request whose prompt, rendered with the file's template, counts
 exactly llama.cpp's tokens. So is the `phi3` fixture (its SentencePiece
 vocabulary with Phi-3's chat markers, after which llama.cpp strips spaces,
 and Phi-3's template), in Q4_K_M over 2 stages, and the `phi4-mini` one
-(byte-level BPE under the `gpt-4o` rule, as Phi-4-mini's). And each byte-level split
+(byte-level BPE under the `gpt-4o` rule, as Phi-4-mini's) and the `phi4` one
+(`dbrx`, Phi-4's template). And each byte-level split
 rule the stage supports (`tokenizer.ggml.pre`: smollm, llama-bpe, qwen2,
 dbrx for Phi-4, gpt-4o for Phi-4-mini) on SmolLM2's vocabulary relabelled
 with it: the same texts and more where the rules differ (case changes in
@@ -241,7 +242,7 @@ def main() -> int:
         archs, base, types = ["llama-1b"], "F16", [("F16", None, True), TYPES[-1]]
     else:
         archs = [args.only] if args.only else [
-            "llama", "qwen2", "qwen3", "llama-spm", "phi3", "phi4-mini"]
+            "llama", "qwen2", "qwen3", "llama-spm", "phi3", "phi4-mini", "phi4"]
         base, types = "F32", TYPES
     for arch in archs:
         f32 = os.path.join(args.dir, f"{arch}.{base}.gguf")
@@ -315,6 +316,13 @@ def main() -> int:
         failures += check_tokenizer(args.bin, phi4)
         failures += check_served(args.gateway, phi4, args.dir,
                                  "<|user|>\nName a colour.<|end|>\n<|assistant|>\n", bos=False)
+    if "phi4" in archs:
+        # Phi-4's kind: byte-level BPE under dbrx, Phi-4's template.
+        phi4 = os.path.join(args.dir, "phi4.Q4_K_M.gguf")
+        failures += check_tokenizer(args.bin, phi4)
+        failures += check_served(args.gateway, phi4, args.dir,
+                                 "<|im_start|>user<|im_sep|>Name a colour.<|im_end|>"
+                                 "<|im_start|>assistant<|im_sep|>", bos=False)
 
     tokens = [t % len(vocab) for t in all_tokens]
     refusals = 0
