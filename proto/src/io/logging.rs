@@ -2,7 +2,8 @@
 //! is the crate they share): human-readable lines on a terminal, one JSON
 //! object per line otherwise (`LOG_FORMAT=json|text` overrides), filtered by
 //! `RUST_LOG` (default `info`), always to standard error. Nothing logged
-//! anywhere carries request content, keys or tokens.
+//! anywhere carries request content, keys or tokens: a panic is logged as
+//! where it happened, not its message ([`install_panic_hook`]).
 
 use std::io::IsTerminal;
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -47,4 +48,24 @@ pub fn init_with(extra: Option<ExtraLayer>) {
         .with(text_layer)
         .with(json_layer)
         .init();
+    install_panic_hook();
+}
+
+/// Logs every panic as where it happened and on which thread, never its
+/// message: a message can quote the data it failed on (a string slice's
+/// error quotes up to 256 bytes of the string, which in a tokenizer is part
+/// of a prompt), and nothing logged may carry request content.
+pub fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let at = info.location().map_or_else(
+            || "unknown".to_string(),
+            |l| format!("{}:{}", l.file(), l.line()),
+        );
+        let thread = std::thread::current();
+        tracing::error!(
+            at = %at,
+            thread = thread.name().unwrap_or("unnamed"),
+            "panic (its message is not logged: it may quote request data)"
+        );
+    }));
 }
