@@ -93,6 +93,16 @@ const EOG_NAMES: [&str; 22] = [
     "[e~[",
 ];
 
+/// A token's type as llama.cpp uses it: the file's, except that a token
+/// named as an end of generation ([`EOG_NAMES`]) is a control token.
+fn llama_cpp_type(token: &str, file_type: i64) -> i64 {
+    if EOG_NAMES.contains(&token) {
+        CONTROL
+    } else {
+        file_type
+    }
+}
+
 /// The longest SentencePiece piece, in bytes, that merges are recovered
 /// for: SentencePiece learns pieces of at most 16 characters by default
 /// (64 bytes of UTF-8); longer ones are added tokens, matched whole.
@@ -228,16 +238,11 @@ fn byte_level(
             tok.bytes().map(|b| spelling[b as usize]).collect()
         };
         vocab.entry(key).or_insert(json!(i));
-        // As llama.cpp types them, whatever the file says (as for SentencePiece).
-        let ty = if EOG_NAMES.contains(&tok.as_str()) {
-            &CONTROL
-        } else {
-            ty
-        };
-        if (*ty == CONTROL || *ty == USER_DEFINED) && in_alphabet(tok) {
+        let ty = llama_cpp_type(tok, *ty);
+        if (ty == CONTROL || ty == USER_DEFINED) && in_alphabet(tok) {
             added.push(json!({
                 "id": i, "content": tok, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": *ty == CONTROL,
+                "rstrip": false, "normalized": false, "special": ty == CONTROL,
             }));
         }
     }
@@ -345,11 +350,7 @@ fn sentencepiece(
     let mut added = Vec::new();
     for (i, (tok, ty)) in tokens.iter().zip(types).enumerate() {
         vocab.insert(tok.clone(), json!(i));
-        let ty = if EOG_NAMES.contains(&tok.as_str()) {
-            CONTROL
-        } else {
-            *ty
-        };
+        let ty = llama_cpp_type(tok, *ty);
         if matches!(ty, UNKNOWN | CONTROL | USER_DEFINED) {
             // llama.cpp strips the spaces after a Phi-3 file's special
             // tokens (control, user-defined and unknown alike), but for
