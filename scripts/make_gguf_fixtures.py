@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Random-weight GGUF models of real shapes, one per architecture the stages
-load (llama, qwen2, qwen3, phi3), written in F32 with the `gguf` package
+load (llama, qwen2, qwen3, phi3, gemma2), written in F32 with the `gguf` package
 (maintained with llama.cpp) and quantized by llama.cpp itself into every
 tensor type the stages serve, so that both implementations read the same
 bytes (`scripts/test_gguf_models.py` compares them).
@@ -35,7 +35,13 @@ Shapes are small but keep the features that differ between families:
 - `phi4-mini`: as `phi3` with Phi-4-mini's partial rotary embedding (96
   of a head's 128 dimensions turned, the rest passed), a tied head, and
   Phi-4-mini's tokenizer kind: byte-level BPE with the `gpt-4o` split rule
-  (SmolLM2's vocabulary with Phi-3's chat markers added).
+  (SmolLM2's vocabulary with Phi-3's chat markers added);
+- `gemma2`: Gemma 2's blocks (an RMSNorm after attention and after the
+  feed-forward product, GELU, the embedding scaled by sqrt(hidden), soft
+  caps of scores and logits, a sliding window on even layers: window and
+  caps small enough to matter here), heads of 128 with GQA, a tied head,
+  the SentencePiece tokenizer with Gemma's turn markers and no space
+  prefix, and Gemma 2's template.
 Widths are multiples of 256 so the K-quants apply to every matrix.
 
 Usage: make_gguf_fixtures.py --source SmolLM2.gguf --out DIR [--shape 1b]
@@ -67,7 +73,28 @@ SHAPES = {
     # Phi-4's kind: heads of 128, GQA, a separate head, no LongRoPE, rotary
     # base 250000, Llama 3's split rule as `dbrx` (below).
     "phi4": ("phi3", 256, 512, 2, 2, 1, 128, False, False),
+    # Gemma 2's kind: post-norms, GELU, soft caps, a sliding window on the
+    # even layers (GEMMA2 below), the head tied, heads of 128 with GQA.
+    "gemma2": ("gemma2", 256, 512, 2, 2, 1, 128, True, False),
 }
+
+# Gemma 2's window and caps, small enough to matter on these shapes: the
+# 256 teacher-forced positions and the 64-token prefill reach past a
+# 48-position window, and scores (std ~2) and logits (std ~3) reach into
+# caps of 5 and 10 (Gemma 2's own are 4096, 50 and 30).
+GEMMA2 = {"window": 48, "attn_cap": 5.0, "final_cap": 10.0}
+GEMMA2_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+# Gemma 2's chat template (google/gemma-2-2b-it's tokenizer_config.json).
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
 
 # Rotary widths narrower than the head.
 ROPE_DIMS = {"phi4-mini": 96}
@@ -97,7 +124,7 @@ SPM_TEMPLATE = (
 
 
 def spm_tokenizer(w: gguf.GGUFWriter, text_files: list, extra: tuple = (),
-                  template: str = "") -> int:
+                  template: str = "", space_prefix: bool = True) -> int:
     """Trains a small SentencePiece BPE vocabulary (1,000 pieces, byte
     fallback, as Llama 2's tokenizer is made) on `text_files` and writes it
     as llama.cpp's converter writes a SentencePiece model: pieces, scores,
@@ -145,6 +172,9 @@ def spm_tokenizer(w: gguf.GGUFWriter, text_files: list, extra: tuple = (),
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_chat_template(template or SPM_TEMPLATE)
+    if not space_prefix:
+        # Gemma's SentencePiece adds no space before the text.
+        w.add_add_space_prefix(False)
     return len(tokens)
 
 
@@ -192,10 +222,12 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
         # `gpt-4o` rule (SmolLM2's vocabulary and merges), with Phi-3's chat
         # markers as control tokens and its template.
         vocab = copy_tokenizer(src, w, "gpt-4o", PHI3_TOKENS[1:], PHI3_TEMPLATE)
-    elif name == "llama-spm" or arch == "phi3":
+    elif name == "llama-spm" or arch in ("phi3", "gemma2"):
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         text = [os.path.join(root, "scripts", "data", "quality-text.txt")]
-        if arch == "phi3":
+        if arch == "gemma2":
+            vocab = spm_tokenizer(w, text, GEMMA2_TOKENS, GEMMA2_TEMPLATE, space_prefix=False)
+        elif arch == "phi3":
             vocab = spm_tokenizer(w, text, PHI3_TOKENS, PHI3_TEMPLATE)
         else:
             vocab = spm_tokenizer(w, text)
@@ -250,6 +282,10 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
         w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 1.5, rope_dim // 2, dtype=np.float32))
         w.add_rope_scaling_orig_ctx_len(256)
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(8.0) / np.log(256))))
+    if arch == "gemma2":
+        w.add_sliding_window(GEMMA2["window"])
+        w.add_attn_logit_softcapping(GEMMA2["attn_cap"])
+        w.add_final_logit_softcapping(GEMMA2["final_cap"])
     if arch == "qwen2":
         # Linear rotary scaling (positions divided by 4), as llama.cpp reads it.
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -285,6 +321,11 @@ def write_model(name: str, src: str, path: str, seed: int, f16: bool) -> None:
             w.add_tensor(p + "ffn_gate.weight", mat(ffn, hidden, 1.0 / np.sqrt(hidden)))
             w.add_tensor(p + "ffn_up.weight", mat(ffn, hidden, 1.0 / np.sqrt(hidden)))
         w.add_tensor(p + "ffn_down.weight", mat(hidden, ffn, res / np.sqrt(ffn)))
+        if arch == "gemma2":
+            # Norms of the attention and feed-forward outputs (stored, as
+            # llama.cpp's converter writes Gemma's, with the 1 added).
+            w.add_tensor(p + "post_attention_norm.weight", norm(hidden))
+            w.add_tensor(p + "post_ffw_norm.weight", norm(hidden))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -299,7 +340,7 @@ def main() -> int:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     names = ["llama-1b"] if args.shape == "1b" else [
-        "llama", "qwen2", "qwen3", "llama-spm", "phi3", "phi4-mini", "phi4"]
+        "llama", "qwen2", "qwen3", "llama-spm", "phi3", "phi4-mini", "phi4", "gemma2"]
     f16 = args.shape == "1b"
     for i, name in enumerate(names):
         path = os.path.join(args.out, f"{name}.{'F16' if f16 else 'F32'}.gguf")

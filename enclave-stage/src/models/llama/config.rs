@@ -58,6 +58,42 @@ pub enum Architecture {
     /// (`rope_factors_long`/`_short`) and attention factor. Its sliding
     /// window is not applied, as llama.cpp does not apply it.
     Phi3,
+    /// `gemma2`: Gemma 2. NEOX rotary; the token embedding scaled by
+    /// `sqrt(hidden)`; an RMSNorm after attention and after the
+    /// feed-forward product as well as before each; a GELU (tanh) gate;
+    /// attention scores and output logits soft-capped (`cap · tanh(s /
+    /// cap)`); a sliding window on alternate layers ([`SlidingWindow`]);
+    /// the head always tied to the embedding.
+    Gemma2,
+}
+
+/// The activation of the feed-forward gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU): every family but Gemma.
+    Silu,
+    /// GELU, tanh approximation (GeGLU): Gemma.
+    GeluTanh,
+}
+
+/// Attention limited to the last `window` positions (a query at position
+/// `p` sees keys `p − window + 1 ..= p`) on the layers `pattern` picks, as
+/// llama.cpp's `LLAMA_SWA_TYPE_STANDARD` with `set_swa_pattern`: layer `i`
+/// is windowed when `i % pattern < pattern − 1` (Gemma 2: every even layer),
+/// every layer when `pattern` is 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlidingWindow {
+    /// Positions a query sees, itself included.
+    pub window: usize,
+    /// Layers per repeat of the pattern (the last of each is global).
+    pub pattern: usize,
+}
+
+impl SlidingWindow {
+    /// Whether layer `layer` (of the whole model) is windowed.
+    pub fn applies(&self, layer: usize) -> bool {
+        self.pattern == 0 || layer % self.pattern < self.pattern - 1
+    }
 }
 
 /// How the rotary embedding pairs a head's dimensions.
@@ -71,7 +107,7 @@ pub enum RopeStyle {
 
 impl Architecture {
     /// Every architecture name this stage loads.
-    pub const NAMES: [&'static str; 4] = ["llama", "qwen2", "qwen3", "phi3"];
+    pub const NAMES: [&'static str; 5] = ["llama", "qwen2", "qwen3", "phi3", "gemma2"];
 
     /// The architecture a GGUF names, or an error naming it and what is
     /// supported.
@@ -81,6 +117,7 @@ impl Architecture {
             "qwen2" => Ok(Self::Qwen2),
             "qwen3" => Ok(Self::Qwen3),
             "phi3" => Ok(Self::Phi3),
+            "gemma2" => Ok(Self::Gemma2),
             other => Err(format!(
                 "GGUF architecture {other:?} is not supported (supported: {})",
                 Self::NAMES.join(", ")
@@ -95,6 +132,7 @@ impl Architecture {
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
             Self::Phi3 => "phi3",
+            Self::Gemma2 => "gemma2",
         }
     }
 
@@ -102,7 +140,7 @@ impl Architecture {
     pub fn rope_style(self) -> RopeStyle {
         match self {
             Self::Llama => RopeStyle::Interleaved,
-            Self::Qwen2 | Self::Qwen3 | Self::Phi3 => RopeStyle::Halves,
+            Self::Qwen2 | Self::Qwen3 | Self::Phi3 | Self::Gemma2 => RopeStyle::Halves,
         }
     }
 
@@ -120,6 +158,32 @@ impl Architecture {
     /// and up products as one `ffn_up` of twice the feed-forward width.
     pub fn fused_products(self) -> bool {
         self == Self::Phi3
+    }
+
+    /// Whether its blocks normalize the attention and feed-forward outputs
+    /// too (`post_attention_norm`, `post_ffw_norm`) before adding them.
+    pub fn post_norms(self) -> bool {
+        self == Self::Gemma2
+    }
+
+    /// Whether its token embedding is multiplied by `sqrt(hidden)`.
+    pub fn scales_embedding(self) -> bool {
+        self == Self::Gemma2
+    }
+
+    /// Whether its head is the token embedding even where the file has an
+    /// `output.weight` (llama.cpp's gemma2 loader reads none, and refuses a
+    /// file with a tensor it does not read).
+    pub fn always_tied(self) -> bool {
+        self == Self::Gemma2
+    }
+
+    /// The feed-forward gate's activation.
+    pub fn activation(self) -> Activation {
+        match self {
+            Self::Gemma2 => Activation::GeluTanh,
+            _ => Activation::Silu,
+        }
     }
 }
 
@@ -171,6 +235,19 @@ pub struct LlamaConfig {
     pub eos_token_id: Option<u32>,
     /// Whether the output head is the token embedding (no `output.weight`).
     pub tied_embeddings: bool,
+    /// Multiplier of the attention scores: `1/sqrt(head_dim)`, or, for a
+    /// 46-layer `gemma2` (Gemma 2 27B), `1/sqrt(hidden / heads)`, as
+    /// llama.cpp picks it.
+    pub attn_scale: f64,
+    /// Soft cap of the attention scores (`gemma2`: `attn_logit_softcapping`,
+    /// 50 by default), applied after scaling and before the mask.
+    pub attn_softcap: Option<f32>,
+    /// Soft cap of the output logits (`gemma2`: `final_logit_softcapping`,
+    /// 30 by default).
+    pub final_softcap: Option<f32>,
+    /// The sliding window and the layers it applies to (`gemma2`:
+    /// `attention.sliding_window`, 4096 by default, every even layer).
+    pub sliding_window: Option<SlidingWindow>,
 }
 
 /// Llama 3's per-pair rotary frequency divisors.
@@ -282,6 +359,55 @@ impl LlamaConfig {
                 "the GGUF has only one of {LONG_FACTORS} and {SHORT_FACTORS} (LongRoPE needs both)"
             ),
         };
+        let (attn_softcap, final_softcap, sliding_window) = if architecture == Architecture::Gemma2
+        {
+            let cap = |key: &str, default: f32| -> candle_core::Result<f32> {
+                let c = factor(key).unwrap_or(default);
+                if !(c.is_finite() && c > 0.0) {
+                    candle_core::bail!("{a}.{key} = {c} is not a positive number");
+                }
+                Ok(c)
+            };
+            let window = get("attention.sliding_window")
+                .map(|v| v.to_u32())
+                .transpose()?
+                .unwrap_or(4096) as usize;
+            let pattern = match get("attention.sliding_window_pattern") {
+                None => 2,
+                Some(gguf_file::Value::Array(_)) => candle_core::bail!(
+                    "{a}.attention.sliding_window_pattern as a per-layer list is not supported \
+                     (a layer count is)"
+                ),
+                Some(v) => v.to_u32()? as usize,
+            };
+            if window == 0 {
+                candle_core::bail!("{a}.attention.sliding_window = 0");
+            }
+            // llama.cpp turns the windowed layers with this base; a file
+            // whose windowed layers turn differently is not one this stage
+            // runs (Gemma 2's converter writes none).
+            if let Some(swa_base) = factor("rope.freq_base_swa") {
+                if Some(swa_base) != factor("rope.freq_base") {
+                    candle_core::bail!(
+                        "{a}.rope.freq_base_swa = {swa_base}, unlike rope.freq_base: a second \
+                         rotary base for the windowed layers is not supported"
+                    );
+                }
+            }
+            (
+                Some(cap("attn_logit_softcapping", 50.0)?),
+                Some(cap("final_logit_softcapping", 30.0)?),
+                Some(SlidingWindow { window, pattern }),
+            )
+        } else {
+            (None, None, None)
+        };
+        let num_layers = u("block_count")?;
+        let attn_scale = if architecture == Architecture::Gemma2 && num_layers == 46 {
+            1.0 / ((hidden_size / num_heads) as f64).sqrt()
+        } else {
+            1.0 / (head_dim as f64).sqrt()
+        };
         let embd = ct
             .tensor_infos
             .get("token_embd.weight")
@@ -298,7 +424,7 @@ impl LlamaConfig {
             vocab_size,
             hidden_size,
             intermediate_size,
-            num_layers: u("block_count")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -312,8 +438,20 @@ impl LlamaConfig {
             max_seq_len,
             bos_token_id: token("tokenizer.ggml.bos_token_id"),
             eos_token_id: token("tokenizer.ggml.eos_token_id"),
-            tied_embeddings: !ct.tensor_infos.contains_key("output.weight"),
+            tied_embeddings: architecture.always_tied()
+                || !ct.tensor_infos.contains_key("output.weight"),
+            attn_scale,
+            attn_softcap,
+            final_softcap,
+            sliding_window,
         })
+    }
+
+    /// The sliding window of layer `layer` (of the whole model), if it has one.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window
+            .filter(|w| w.applies(layer))
+            .map(|w| w.window)
     }
 
     /// Reads the configuration of the GGUF file at `path` (its header only).
@@ -397,6 +535,70 @@ mod tests {
         assert_eq!(c.architecture.rope_style(), RopeStyle::Halves);
         assert!(c.architecture.fused_products() && !Architecture::Llama.fused_products());
         assert_eq!((c.rope_attn_factor, c.rope_factors), (1.0, None));
+    }
+
+    /// Gemma 2 reads its caps and window with llama.cpp's defaults, windows
+    /// the even layers, scales 27B's scores by the hidden width's share,
+    /// and refuses what it does not run (a per-layer pattern list, a second
+    /// rotary base, a cap of 0).
+    #[test]
+    fn gemma2_reads_caps_and_window() {
+        let c = LlamaConfig::from_gguf(&content("gemma2", &[])).unwrap();
+        assert_eq!(c.architecture.rope_style(), RopeStyle::Halves);
+        assert_eq!((c.attn_softcap, c.final_softcap), (Some(50.0), Some(30.0)));
+        assert_eq!(
+            (c.window(0), c.window(1), c.window(2)),
+            (Some(4096), None, Some(4096))
+        );
+        assert_eq!(c.attn_scale, 1.0 / 8.0);
+        assert!(c.tied_embeddings && c.architecture.post_norms());
+        assert_eq!(c.architecture.activation(), Activation::GeluTanh);
+        let c = LlamaConfig::from_gguf(&content(
+            "gemma2",
+            &[
+                ("attention.sliding_window", Value::U32(48)),
+                ("attention.sliding_window_pattern", Value::U32(3)),
+                ("attn_logit_softcapping", Value::F32(20.0)),
+                ("final_logit_softcapping", Value::F32(4.0)),
+                ("block_count", Value::U32(46)),
+                ("attention.key_length", Value::U32(128)),
+                ("attention.value_length", Value::U32(128)),
+            ],
+        ))
+        .unwrap();
+        assert_eq!((c.attn_softcap, c.final_softcap), (Some(20.0), Some(4.0)));
+        let windowed: Vec<_> = (0..6).map(|l| c.window(l)).collect();
+        assert_eq!(
+            windowed,
+            [Some(48), Some(48), None, Some(48), Some(48), None]
+        );
+        // Gemma 2 27B: hidden / heads (256 / 4), not the key width (128).
+        assert_eq!(c.attn_scale, 1.0 / 8.0);
+        assert_eq!(
+            LlamaConfig::from_gguf(&content("llama", &[]))
+                .unwrap()
+                .window(0),
+            None
+        );
+        for (key, value, named) in [
+            (
+                "attention.sliding_window_pattern",
+                Value::Array(vec![Value::Bool(true)]),
+                "per-layer list",
+            ),
+            ("rope.freq_base_swa", Value::F32(10.0), "freq_base_swa"),
+            ("final_logit_softcapping", Value::F32(0.0), "final_logit"),
+            (
+                "attention.sliding_window",
+                Value::U32(0),
+                "sliding_window = 0",
+            ),
+        ] {
+            let e = LlamaConfig::from_gguf(&content("gemma2", &[(key, value)]))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(named), "{key}: {e}");
+        }
     }
 
     /// LongRoPE's factor set follows the context as llama.cpp picks it:
@@ -484,10 +686,10 @@ mod tests {
 
     #[test]
     fn unsupported_architectures_and_head_shapes_are_named() {
-        let e = LlamaConfig::from_gguf(&content("gemma2", &[]))
+        let e = LlamaConfig::from_gguf(&content("gemma3", &[]))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("gemma2") && e.contains("qwen3"), "{e}");
+        assert!(e.contains("gemma3") && e.contains("gemma2"), "{e}");
         let mut bad_eos = content("llama", &[]);
         bad_eos
             .metadata

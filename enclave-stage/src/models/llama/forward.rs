@@ -1,8 +1,8 @@
 //! One decoder block over a packed batch: rotary tables, attention with
-//! each sequence's cache, the causal mask.
+//! each sequence's cache, the causal mask (and sliding window), soft caps.
 
 use super::cache::{KvCache, SeqSlice};
-use super::config::{LlamaConfig, RopeStyle};
+use super::config::{Activation, LlamaConfig, RopeStyle};
 use super::{Block, Weight};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -62,12 +62,14 @@ pub(super) fn rope_for(
 /// Query rows per attention chunk of a long prefill.
 pub(super) const ATTN_CHUNK: usize = 256;
 
-/// One decoder layer over a packed batch.
+/// One decoder layer over a packed batch: `layer` indexes this part's
+/// caches, `window` is the layer's sliding window if it has one.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn block_forward(
     cfg: &LlamaConfig,
     b: &Block,
     layer: usize,
+    window: Option<usize>,
     x: &Tensor,
     batch: &[SeqSlice],
     cos: &Tensor,
@@ -120,7 +122,7 @@ pub(super) fn block_forward(
     let k = turn(&k)?.squeeze(0)?;
     let v = v.squeeze(0)?;
 
-    let scale = 1.0 / (d as f64).sqrt();
+    let scale = cfg.attn_scale;
     let mut outs = Vec::with_capacity(batch.len());
     let mut off = 0;
     for s in batch {
@@ -136,16 +138,24 @@ pub(super) fn block_forward(
             let c = (n - c0).min(ATTN_CHUNK);
             let past = s.pos + c0;
             let total = past + c;
-            let keys = kc.narrow(1, 0, total)?; // [kv, total, d]
-            let vals = vc.narrow(1, 0, total)?;
+            // The oldest key a query of this chunk sees: the first, or
+            // the first in the window of the chunk's first query.
+            let start = window.map_or(0, |w| (past + 1).saturating_sub(w));
+            let keys = kc.narrow(1, start, total - start)?; // [kv, seen, d]
+            let vals = vc.narrow(1, start, total - start)?;
             // Query heads that share a KV head are stacked: [kv, group * c, d].
             let qs = q
                 .narrow(1, off + c0, c)?
                 .contiguous()?
                 .reshape((nkv, group * c, d))?;
-            let mut scores = (qs.matmul(&keys.t()?)? * scale)?; // [kv, group * c, total]
+            let mut scores = (qs.matmul(&keys.t()?)? * scale)?; // [kv, group * c, seen]
+            if let Some(cap) = cfg.attn_softcap {
+                scores = soft_cap(&scores, cap)?;
+            }
+            // One query sees every key from `start` on; more need a mask.
             if c > 1 {
-                scores = scores.broadcast_add(&causal_mask(group, c, past, x.device())?)?;
+                let mask = attention_mask(group, c, past, start, window, x.device())?;
+                scores = scores.broadcast_add(&mask)?;
             }
             let probs = candle_nn::ops::softmax_last_dim(&scores)?;
             let ctx = probs
@@ -163,13 +173,27 @@ pub(super) fn block_forward(
     } else {
         Tensor::cat(&outs, 0)?
     };
-    let x = (x + proj_ctx(b, &ctx)?)?;
+    // Gemma 2 normalizes each sub-layer's output before adding it.
+    let post = |y: Tensor, which: fn(&(Tensor, Tensor)) -> &Tensor| match &b.post_norms {
+        Some(norms) => candle_nn::ops::rms_norm(&y, which(norms), eps),
+        None => Ok(y),
+    };
+    let x = (x + post(proj_ctx(b, &ctx)?, |n| &n.0)?)?;
     debug_assert_eq!(x.dims2()?, (t, hidden));
 
     let xn = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
     let [gate, up] = products(Weight::forward_many(&[&b.gate, &b.up], &xn)?)?;
-    let act = (candle_nn::ops::silu(&gate)? * up)?;
-    x + b.down.forward(&act)?
+    let gate = match cfg.architecture.activation() {
+        Activation::Silu => candle_nn::ops::silu(&gate)?,
+        Activation::GeluTanh => gate.gelu()?,
+    };
+    x + post(b.down.forward(&(gate * up)?)?, |n| &n.1)?
+}
+
+/// `cap · tanh(x / cap)`: Gemma 2's soft cap of attention scores and
+/// logits, computed as llama.cpp does (scale by `1 / cap`, tanh, scale).
+pub(super) fn soft_cap(x: &Tensor, cap: f32) -> candle_core::Result<Tensor> {
+    (x * f64::from(1.0 / cap))?.tanh()? * f64::from(cap)
 }
 
 /// The `N` products of one [`Weight::forward_many`] call.
@@ -187,25 +211,31 @@ fn proj_ctx(b: &Block, ctx: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// Additive causal mask `[group * n, past + n]` for `n` new tokens after
-/// `past` cached ones (rows repeat per query head of a group).
-pub(super) fn causal_mask(
+/// Additive attention mask `[group * n, past + n − start]` for `n` new
+/// tokens after `past` cached ones, over the keys from position `start` on
+/// (rows repeat per query head of a group): the query at position `p` sees
+/// keys at positions `≤ p` and, with a sliding `window`, `> p − window` (as
+/// llama.cpp's standard window masks a key `window` or more behind).
+pub(super) fn attention_mask(
     group: usize,
     n: usize,
     past: usize,
+    start: usize,
+    window: Option<usize>,
     dev: &Device,
 ) -> candle_core::Result<Tensor> {
-    let total = past + n;
-    let mut m = vec![0f32; group * n * total];
-    for g in 0..group {
-        for i in 0..n {
-            let row = &mut m[(g * n + i) * total..(g * n + i + 1) * total];
-            for x in row.iter_mut().skip(past + i + 1) {
+    let seen = past + n - start;
+    let mut m = vec![0f32; group * n * seen];
+    for (r, row) in m.chunks_exact_mut(seen).enumerate() {
+        let p = past + r % n;
+        for (j, x) in row.iter_mut().enumerate() {
+            let key = start + j;
+            if key > p || window.is_some_and(|w| p - key >= w) {
                 *x = f32::NEG_INFINITY;
             }
         }
     }
-    Tensor::from_vec(m, (group * n, total), dev)
+    Tensor::from_vec(m, (group * n, seen), dev)
 }
 
 /// Index of the largest logit of each row of `[rows, vocab]` logits (greedy
@@ -217,4 +247,48 @@ pub fn argmax_rows(logits: &Tensor) -> candle_core::Result<Vec<u32>> {
         .iter()
         .map(|r| crate::sampling::argmax(r))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows of a mask: which keys (by position) each query row sees.
+    fn seen(m: &Tensor, start: usize) -> Vec<Vec<usize>> {
+        m.to_vec2::<f32>()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .enumerate()
+                    .filter(|(_, x)| x.is_finite())
+                    .map(|(j, _)| start + j)
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Causal without a window; with a window of 2, each query sees itself
+    /// and the key before it, over keys that start where the chunk's first
+    /// query's window does; rows repeat per head of a group.
+    #[test]
+    fn masks_are_causal_and_windowed() {
+        let dev = Device::Cpu;
+        let m = attention_mask(1, 2, 1, 0, None, &dev).unwrap();
+        assert_eq!(seen(&m, 0), [vec![0, 1], vec![0, 1, 2]]);
+        // Queries at positions 3, 4, 5 with a window of 2: keys from 2 on.
+        let m = attention_mask(2, 3, 3, 2, Some(2), &dev).unwrap();
+        let want = [vec![2, 3], vec![3, 4], vec![4, 5]];
+        assert_eq!(seen(&m, 2), [&want[..], &want[..]].concat());
+    }
+
+    /// `cap · tanh(x / cap)`: near the identity for small scores, bounded
+    /// by the cap for large ones.
+    #[test]
+    fn soft_cap_bounds_scores() {
+        let x = Tensor::new(&[0.5f32, 100.0, -100.0], &Device::Cpu).unwrap();
+        let y = soft_cap(&x, 5.0).unwrap().to_vec1::<f32>().unwrap();
+        assert!((y[0] - 5.0 * (0.1f32).tanh()).abs() < 1e-6, "{y:?}");
+        assert!(y[1] <= 5.0 && y[1] > 4.99 && y[2] >= -5.0, "{y:?}");
+    }
 }

@@ -1,5 +1,5 @@
 //! Reading a part from a GGUF file: its configuration, the tensors of its
-//! layer range (Phi-3's fused matrices split by rows), the rotary
+//! layer range (Phi-3's fused matrices split by rows, Gemma 2's post-norms), the rotary
 //! frequencies, and the refusal of any tensor the computation would not
 //! use or of a shape the metadata does not imply.
 
@@ -101,6 +101,14 @@ impl LlamaPart {
                 |n: &str| load_f32(&ct, &mut file, &format!("blk.{i}.{n}"), device);
             let attn_norm = f32_tensor("attn_norm.weight")?;
             let ffn_norm = f32_tensor("ffn_norm.weight")?;
+            let post_norms = if arch.post_norms() {
+                Some((
+                    f32_tensor("post_attention_norm.weight")?,
+                    f32_tensor("post_ffw_norm.weight")?,
+                ))
+            } else {
+                None
+            };
             let qk_norm = if arch.needs_qk_norm() {
                 Some((
                     f32_tensor("attn_q_norm.weight")?,
@@ -138,6 +146,7 @@ impl LlamaPart {
                 down,
                 attn_norm,
                 ffn_norm,
+                post_norms,
             });
         }
         let freq_factors = match cfg.rope_factors {
@@ -172,9 +181,11 @@ fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<usize>> {
         cfg.num_kv_heads * cfg.head_dim,
         cfg.head_dim,
     );
-    let fused = cfg.architecture.fused_products();
+    let arch = cfg.architecture;
+    let fused = arch.fused_products();
     match name {
-        "token_embd.weight" | "output.weight" => return Some(vec![v, h]),
+        "token_embd.weight" => return Some(vec![v, h]),
+        "output.weight" if !arch.always_tied() => return Some(vec![v, h]),
         "output_norm.weight" => return Some(vec![h]),
         // llama.cpp's phi3 loader has no rope_freqs and no biases.
         config::ROPE_FREQS if !fused => return Some(vec![cfg.rope_dim / 2]),
@@ -187,10 +198,13 @@ fn expected_shape(name: &str, cfg: &LlamaConfig) -> Option<Vec<usize>> {
     if !i.parse::<usize>().is_ok_and(|i| i < cfg.num_layers) {
         return None;
     }
-    let qk_norm = cfg.architecture.needs_qk_norm();
+    let qk_norm = arch.needs_qk_norm();
+    let post = arch.post_norms();
     Some(match rest {
         "attn_norm.weight" | "ffn_norm.weight" => vec![h],
-        "attn_output.bias" if !fused => vec![h],
+        "post_attention_norm.weight" | "post_ffw_norm.weight" if post => vec![h],
+        // llama.cpp's gemma2 graph has no output bias.
+        "attn_output.bias" if !fused && !post => vec![h],
         "attn_qkv.weight" if fused => vec![q + 2 * kv, h],
         "ffn_up.weight" if fused => vec![2 * f, h],
         "attn_q.weight" if !fused => vec![q, h],
@@ -253,6 +267,10 @@ mod tests {
             bos_token_id: None,
             eos_token_id: None,
             tied_embeddings: true,
+            attn_scale: 0.125,
+            attn_softcap: None,
+            final_softcap: None,
+            sliding_window: None,
         }
     }
 
@@ -289,5 +307,34 @@ mod tests {
         for name in ["blk.0.attn_qkv.weight", config::SHORT_FACTORS] {
             assert_eq!(expected_shape(name, &llama), None, "{name}");
         }
+    }
+
+    /// A gemma2 file has the post-norms and no head of its own; the other
+    /// families no post-norms.
+    #[test]
+    fn gemma2_tensors_have_post_norms_and_no_head() {
+        let gemma2 = config(Architecture::Gemma2);
+        for name in [
+            "blk.1.post_attention_norm.weight",
+            "blk.0.post_ffw_norm.weight",
+        ] {
+            assert_eq!(expected_shape(name, &gemma2), Some(vec![256]), "{name}");
+            assert_eq!(
+                expected_shape(name, &config(Architecture::Llama)),
+                None,
+                "{name}"
+            );
+        }
+        for name in [
+            "output.weight",
+            "blk.0.attn_output.bias",
+            "blk.0.attn_qkv.weight",
+        ] {
+            assert_eq!(expected_shape(name, &gemma2), None, "{name}");
+        }
+        assert_eq!(
+            expected_shape("blk.0.attn_q.weight", &gemma2),
+            Some(vec![256, 256])
+        );
     }
 }

@@ -2,8 +2,9 @@
 //! written on Candle's primitives, with a per-sequence KV cache: the
 //! architectures `llama` (Llama 2 and 3.x with its `rope_freqs` factors,
 //! Mistral-style, SmolLM2, TinyLlama), `qwen2` (q/k/v biases), `qwen3`
-//! (per-head q/k norms) and `phi3` (fused q/k/v and gate/up matrices, split
-//! at load; LongRoPE; a partial rotary embedding), read from the file's own metadata
+//! (per-head q/k norms), `phi3` (fused q/k/v and gate/up matrices, split
+//! at load; LongRoPE; a partial rotary embedding) and `gemma2` (post-norms,
+//! GELU, soft caps, a sliding window on alternate layers), read from the file's own metadata
 //! ([`LlamaConfig::from_gguf`]). Anything else, an unknown tensor
 //! included, is refused at load, named.
 //!
@@ -48,7 +49,7 @@ mod weights;
 
 use cache::grow;
 pub use cache::{batch_tokens, KvCache, SeqSlice};
-pub use config::{Architecture, LlamaConfig, RopeStyle, TeacherForced};
+pub use config::{Activation, Architecture, LlamaConfig, RopeStyle, SlidingWindow, TeacherForced};
 pub use forward::argmax_rows;
 use forward::{block_forward, rope_for};
 use weights::Weight;
@@ -70,6 +71,9 @@ struct Block {
     /// RMSNorm weights `[head_dim]` of each query and key head (`qwen3`).
     qk_norm: Option<(Tensor, Tensor)>,
     ffn_norm: Tensor,
+    /// RMSNorm weights `[hidden]` of the attention output and of the
+    /// feed-forward output, before each is added (`gemma2`).
+    post_norms: Option<(Tensor, Tensor)>,
     gate: Weight,
     up: Weight,
     down: Weight,
@@ -87,6 +91,7 @@ impl Block {
                 .into_iter()
                 .flatten()
                 .chain(self.qk_norm.iter().flat_map(|(q, k)| [q, k]))
+                .chain(self.post_norms.iter().flat_map(|(a, f)| [a, f]))
                 .chain([&self.attn_norm, &self.ffn_norm])
                 .map(|t| t.elem_count() * 4)
                 .sum::<usize>()
@@ -259,7 +264,12 @@ impl LlamaPart {
                 self.cfg.vocab_size
             );
         }
-        e.rows(tokens, &self.device)
+        let rows = e.rows(tokens, &self.device)?;
+        if self.cfg.architecture.scales_embedding() {
+            // Gemma: × sqrt(hidden) in f32, as llama.cpp's `ggml_scale`.
+            return rows * f64::from((self.cfg.hidden_size as f32).sqrt());
+        }
+        Ok(rows)
     }
 
     /// Runs this part's layers over a packed batch `hidden` `[tokens, hidden]`
@@ -303,7 +313,18 @@ impl LlamaPart {
 
         let mut x = hidden.clone();
         for (li, block) in self.blocks.iter().enumerate() {
-            x = block_forward(&self.cfg, block, li, &x, batch, &cos, &sin, &self.caches)?;
+            let window = self.cfg.window(self.layers.start + li);
+            x = block_forward(
+                &self.cfg,
+                block,
+                li,
+                window,
+                &x,
+                batch,
+                &cos,
+                &sin,
+                &self.caches,
+            )?;
         }
         // Every layer succeeded: commit the new lengths.
         for s in batch {
@@ -332,11 +353,16 @@ impl LlamaPart {
         let idx = Tensor::new(last.as_slice(), &self.device)?;
         let x = hidden.index_select(&idx, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &head.norm, self.cfg.rms_norm_eps as f32)?;
-        head.weight
+        let logits = head
+            .weight
             .as_ref()
             .or(self.embedding.as_ref())
             .expect("an untied head, or the embedding it is tied to")
-            .forward(&x)
+            .forward(&x)?;
+        match self.cfg.final_softcap {
+            Some(cap) => forward::soft_cap(&logits, cap),
+            None => Ok(logits),
+        }
     }
 
     /// Teacher-forced evaluation of a whole model (this part must have the
