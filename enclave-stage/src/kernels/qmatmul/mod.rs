@@ -31,9 +31,11 @@
 //! - [`QMatrix::matmul_t`] for a few activation rows (decode steps): four
 //!   weight rows at a time share every load of an activation row; the
 //!   output columns are split across Rayon's threads for large products.
-//! - Many rows (prefills): the caller dequantizes the matrix for that
-//!   product ([`QMatrix::dequantize`]) and uses an f32 GEMM, which re-uses
-//!   each weight across rows better than a dot-product kernel can.
+//! - Many rows (prefills): on AVX-512 VNNI, an integer GEMM on the blocks'
+//!   own integers ([`gemm`], [`QMatrix::matmul_t_prefill`]); elsewhere the
+//!   caller dequantizes the matrix for that product
+//!   ([`QMatrix::dequantize`]) and uses an f32 GEMM. Both re-use each
+//!   weight across rows better than a dot-product kernel can.
 //!
 //! Kernels, chosen once at run time ([`Kernel::detect`]):
 //! - **AVX-512 VNNI** (x86-64, [`avx512`]): the same i16 activations, 32
@@ -53,6 +55,7 @@ use rayon::prelude::*;
 mod avx2;
 mod avx512;
 mod blocks;
+mod gemm;
 mod ggml;
 
 /// Values per quantization block (Q8_0 and Q4_1 alike).
@@ -512,6 +515,18 @@ impl QMatrix {
     /// The 32 values of the Q6 block at interleaved index `bi`, computed as
     /// ggml's `dequantize_row_q6_K` does (`(d · sc) · (q − 32)` in f32).
     fn q6_values(&self, bi: usize) -> [f32; BLOCK] {
+        let (q, sc, d) = self.q6_codes(bi);
+        let scale = [d * sc[0] as f32, d * sc[1] as f32];
+        let mut out = [0f32; BLOCK];
+        for (e, (o, &q)) in out.iter_mut().zip(&q).enumerate() {
+            *o = scale[e / 16] * (q as i32 - 32) as f32;
+        }
+        out
+    }
+
+    /// The Q6 block at interleaved index `bi` as held: its 32 six-bit codes
+    /// `q`, its two half-block scales `sc` and its super-block's `d`.
+    fn q6_codes(&self, bi: usize) -> ([u8; BLOCK], [i8; 2], f32) {
         let Blocks::Q6 { ql, qh, sc, d } = &self.blocks else {
             unreachable!("a Q6 block")
         };
@@ -528,12 +543,7 @@ impl QMatrix {
             q[f] = (lo[f] & 0x0f) | (((h >> 4) & 3) << 4);
             q[f + 16] = (lo[f] >> 4) | ((h >> 6) << 4);
         }
-        let scale = [d * sc[bi * 2] as f32, d * sc[bi * 2 + 1] as f32];
-        let mut out = [0f32; BLOCK];
-        for (e, (o, &q)) in out.iter_mut().zip(&q).enumerate() {
-            *o = scale[e / 16] * (q as i32 - 32) as f32;
-        }
-        out
+        (q, [sc[bi * 2], sc[bi * 2 + 1]], d)
     }
 }
 

@@ -42,25 +42,32 @@ fn q8_0_by_bands_equals_the_whole() {
     assert!(QMatrix::q8_0_by_bands(rows, cols, 5, |_| Ok(vec![0.0; 3])).is_err());
 }
 
-/// Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks, quantized by Candle's port of
-/// ggml and taken as stored, dequantize to exactly Candle's (= ggml's)
-/// values.
-#[test]
-fn ggml_blocks_dequantize_as_ggml_does() {
-    use candle_core::quantized::{GgmlDType, QTensor};
-    use candle_core::{Device, Tensor};
-    let (rows, cols) = (6, 512);
-    let w = random(rows * cols, 11);
-    let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
-    type From = fn(&[u8], usize, usize) -> Result<QMatrix, String>;
-    let cases: [(GgmlDType, From); 5] = [
+/// Reads ggml blocks of one type into a matrix.
+type FromGgml = fn(&[u8], usize, usize) -> Result<QMatrix, String>;
+
+/// Each block type the matrices take from a GGUF, with its reader.
+fn ggml_cases() -> [(candle_core::quantized::GgmlDType, FromGgml); 5] {
+    use candle_core::quantized::GgmlDType;
+    [
         (GgmlDType::Q4_0, QMatrix::from_ggml_q4_0),
         (GgmlDType::Q4_1, QMatrix::from_ggml_q4_1),
         (GgmlDType::Q8_0, QMatrix::from_ggml_q8_0),
         (GgmlDType::Q4K, QMatrix::from_ggml_q4_k),
         (GgmlDType::Q6K, QMatrix::from_ggml_q6_k),
-    ];
-    for (dtype, from) in cases {
+    ]
+}
+
+/// Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks, quantized by Candle's port of
+/// ggml and taken as stored, dequantize to exactly Candle's (= ggml's)
+/// values.
+#[test]
+fn ggml_blocks_dequantize_as_ggml_does() {
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+    let (rows, cols) = (6, 512);
+    let w = random(rows * cols, 11);
+    let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
+    for (dtype, from) in ggml_cases() {
         let q = QTensor::quantize(&t, dtype).unwrap();
         let want = q
             .dequantize(&Device::Cpu)
@@ -266,4 +273,58 @@ fn q4_1_blocks_round_trip_and_bad_sizes_are_refused() {
     let mut out = [1f32];
     z.matmul_t(&random(64, 1), &mut out, Kernel::detect());
     assert_eq!(out, [0.0]);
+}
+
+/// The prefill GEMM (AVX-512 VNNI) against the dequantized product for
+/// every block kind, with rows that fill no whole panel and activation
+/// rows that fill no whole tile.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn prefill_gemm_equals_the_dequantized_product() {
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+    if Kernel::detect() != Kernel::Avx512 {
+        eprintln!("SKIPPED: this CPU has no AVX-512 VNNI");
+        return;
+    }
+    let (rows, cols, m) = (37, 512, 7);
+    let w = random(rows * cols, 31);
+    let t = Tensor::from_vec(w.clone(), (rows, cols), &Device::Cpu).unwrap();
+    // Blocks of very different sizes, as a model's activations have.
+    let mut x = random(m * cols, 32);
+    for (i, v) in x.iter_mut().enumerate() {
+        *v *= [0.01f32, 1.0, 40.0][(i / BLOCK) % 3];
+    }
+    for (dtype, from) in ggml_cases() {
+        let q = QTensor::quantize(&t, dtype).unwrap();
+        let mat = from(&q.data().unwrap(), rows, cols).unwrap();
+        let mut out = vec![f32::NAN; m * rows];
+        // SAFETY: the CPU has AVX-512 VNNI (checked above).
+        unsafe { mat.matmul_t_prefill(&x, &mut out) };
+        let want = reference(&mat, &x);
+        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+        for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() <= 1e-4 * scale, "{dtype:?} [{i}]: {a} vs {b}");
+        }
+    }
+    // Q6_K's widest integers, (0 − 32) · −128 = 4096 in every block, times
+    // activations that all round to the largest value: 32 products a
+    // block reach 2³¹ − 2¹⁷ and must not wrap.
+    let mut raw = Vec::new();
+    for _ in 0..rows * cols / 256 {
+        raw.extend_from_slice(&[0u8; 128 + 64]);
+        raw.extend_from_slice(&[(-128i8) as u8; 16]);
+        raw.extend_from_slice(&half::f16::from_f32(1.0).to_bits().to_le_bytes());
+    }
+    let mat = QMatrix::from_ggml_q6_k(&raw, rows, cols).unwrap();
+    let x = vec![1.0f32; m * cols];
+    let mut out = vec![0f32; m * rows];
+    // SAFETY: as above.
+    unsafe { mat.matmul_t_prefill(&x, &mut out) };
+    let want = 4096.0 * cols as f32;
+    assert!(
+        out.iter().all(|&v| (v - want).abs() <= 1e-5 * want),
+        "{:?}",
+        &out[..4]
+    );
 }

@@ -16,10 +16,11 @@
 //! reproduces the `transformers` reference token for token,
 //! `tests/llama_reference.rs`, and llama.cpp's F32 logits to a KL of
 //! 1e-12, `scripts/test_gguf_models.py`). Quantized weights stay quantized
-//! in memory and are multiplied by [`crate::kernels::qmatmul`] (decode steps; the
-//! AVX2 kernel rounds activations to 16-bit blocks) or dequantized per
-//! product for an f32 GEMM (prefills), so `q4_1` computes the f32 model up
-//! to that rounding and summation order. Quality against `f32`:
+//! in memory and are multiplied by [`crate::kernels::qmatmul`] (decode
+//! steps, and prefills on AVX-512 VNNI with its integer GEMM; the SIMD
+//! kernels round activations to 16-bit blocks) or, on other CPUs,
+//! dequantized per product for an f32 GEMM (prefills), so `q4_1` computes
+//! the f32 model up to that rounding and summation order. Quality against `f32`:
 //! `tests/llama_quality.rs`, `benchmark_results/quality.md`. Norms and
 //! biases stay f32.
 //!
