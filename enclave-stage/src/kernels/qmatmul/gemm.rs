@@ -65,8 +65,11 @@ fn round_rows(x: &[f32]) -> Rounded {
             let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
             *d = amax / ACT_MAX;
             let inv = if *d > 0.0 { 1.0 / *d } else { 0.0 };
+            // Clamped: a block whose largest value is below ~5e-35 has an
+            // infinite `inv`, and its values must still stay within
+            // ±ACT_MAX (a NaN becomes 0, as in the decode kernels).
             for (q, v) in q.iter_mut().zip(x) {
-                *q = (v * inv).round() as i16;
+                *q = (v * inv).round().clamp(-ACT_MAX, ACT_MAX) as i16;
             }
             *sum = x.iter().sum();
         });

@@ -327,4 +327,15 @@ fn prefill_gemm_equals_the_dequantized_product() {
         "{:?}",
         &out[..4]
     );
+    // Blocks so small that 1 / scale is infinite still round within the
+    // bound (else the sums wrap and the result turns negative).
+    let tiny = vec![1e-36f32; m * cols];
+    // SAFETY: as above.
+    unsafe { mat.matmul_t_prefill(&tiny, &mut out) };
+    let want = 4096.0 * cols as f32 * 1e-36;
+    assert!(
+        out.iter().all(|&v| (v - want).abs() <= 1e-3 * want),
+        "{:?} against {want}",
+        &out[..4]
+    );
 }

@@ -387,7 +387,7 @@ impl LlamaConfig {
             // whose windowed layers turn differently is not one this stage
             // runs (Gemma 2's converter writes none).
             if let Some(swa_base) = factor("rope.freq_base_swa") {
-                if Some(swa_base) != factor("rope.freq_base") {
+                if swa_base != factor("rope.freq_base").unwrap_or(10_000.0) {
                     candle_core::bail!(
                         "{a}.rope.freq_base_swa = {swa_base}, unlike rope.freq_base: a second \
                          rotary base for the windowed layers is not supported"

@@ -18,8 +18,13 @@ pub(super) const DEQUANTIZE_MIN_ROWS: usize = 48;
 /// the integer GEMM. Measured on the 1B-class Q4_K_M shape (2-core Zen 4,
 /// `bench_decode`): an 8-token prefill 186 ms with the dot products
 /// against 290 with the GEMM (which widens every weight once per product),
-/// 16 tokens 330 against 350, 32 tokens 635 against 450.
-const INT_GEMM_MIN_ROWS: usize = 24;
+/// 16 tokens 330 against 350, 32 tokens 635 against 450. It stays at
+/// [`DEQUANTIZE_MIN_ROWS`] all the same: the two paths round activations
+/// differently (±32767 and ±16383 per block) and sum in other orders, so a
+/// row's result depends on which path its packed batch takes, and at 24 rows
+/// concurrent short prompts crossed it often enough to change greedy tokens
+/// between runs (`completions_e2e`'s one-against-two-stage check).
+const INT_GEMM_MIN_ROWS: usize = DEQUANTIZE_MIN_ROWS;
 
 /// The fewest activation rows for which `kernel`'s products use a GEMM.
 fn gemm_min_rows(kernel: Kernel) -> usize {
