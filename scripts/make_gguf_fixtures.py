@@ -178,6 +178,18 @@ def spm_tokenizer(w: gguf.GGUFWriter, text_files: list, extra: tuple = (),
     return len(tokens)
 
 
+def copy_field(w: gguf.GGUFWriter, key: str, field, value=None) -> None:
+    """Writes GGUF metadata `field` (read by `gguf.GGUFReader`) into `w` as
+    `key` with its own type, with `value` in place of its contents where
+    given."""
+    value = field.contents() if value is None else value
+    vtype = field.types[0]
+    if vtype == gguf.GGUFValueType.ARRAY:
+        w.add_key_value(key, value, vtype, sub_type=field.types[-1])
+    else:
+        w.add_key_value(key, value, vtype)
+
+
 def copy_tokenizer(src: str, w: gguf.GGUFWriter, pre=None, extra=(), template=None) -> int:
     """Copies every tokenizer.* key of `src` into `w` (with the split rule
     `pre`, the control tokens `extra` appended and the chat template
@@ -187,7 +199,6 @@ def copy_tokenizer(src: str, w: gguf.GGUFWriter, pre=None, extra=(), template=No
     for key, field in r.fields.items():
         if not key.startswith("tokenizer."):
             continue
-        vtype = field.types[0]
         value = field.contents()
         if key == "tokenizer.ggml.pre" and pre:
             value = pre
@@ -197,13 +208,9 @@ def copy_tokenizer(src: str, w: gguf.GGUFWriter, pre=None, extra=(), template=No
             value = value + list(extra)
         if key == "tokenizer.ggml.token_type":
             value = value + [int(gguf.TokenType.CONTROL)] * len(extra)
-        if vtype == gguf.GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if key == "tokenizer.ggml.tokens":
-                vocab = len(value)
-            w.add_key_value(key, value, vtype, sub_type=sub)
-        else:
-            w.add_key_value(key, value, vtype)
+        if key == "tokenizer.ggml.tokens":
+            vocab = len(value)
+        copy_field(w, key, field, value)
     return vocab
 
 

@@ -459,11 +459,7 @@ def vocab_file(source: str, path: str, pre: str, vocabulary=None) -> str:
         if key.endswith("_token_id") and vocabulary:
             w.add_key_value(key, 0, gguf.GGUFValueType.UINT32)
             continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
-        else:
-            w.add_key_value(key, field.contents(), vtype)
+        make_gguf_fixtures.copy_field(w, key, field)
     w.add_string("tokenizer.ggml.pre", pre)
     w.write_header_to_file()
     w.write_kv_data_to_file()
