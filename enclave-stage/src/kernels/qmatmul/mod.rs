@@ -279,25 +279,16 @@ impl QMatrix {
         let blocks = out[..self.cols].chunks_exact_mut(BLOCK);
         for (b, o) in blocks.enumerate() {
             let o: &mut [f32; BLOCK] = o.try_into().expect("a block");
-            let bi = self.at(r, b);
             match &self.blocks {
-                Blocks::Q8_0 { qs, d } => {
-                    let q: &[i8; BLOCK] = qs[bi * BLOCK..][..BLOCK].try_into().expect("a block");
-                    let d = d[bi];
-                    for (o, &q) in o.iter_mut().zip(q) {
-                        *o = q as f32 * d;
+                // ggml's own order for Q6_K: `(d · sc) · (q − 32)`.
+                Blocks::Q6 { .. } => *o = self.q6_values(self.at(r, b)),
+                // `d · q` (+ `m`): exact, as ggml computes them.
+                _ => {
+                    let (v, d, m) = self.block_ints(r, b);
+                    for (o, &v) in o.iter_mut().zip(&v) {
+                        *o = v as f32 * d + m;
                     }
                 }
-                Blocks::Q4_1 { qs, scales } => {
-                    let (d, m) = scales.dm(bi);
-                    let bytes: &[u8; 16] = qs[bi * 16..][..16].try_into().expect("a block");
-                    let (lo, hi) = o.split_at_mut(16);
-                    for ((lo, hi), &q) in lo.iter_mut().zip(hi).zip(bytes) {
-                        *lo = (q & 0x0f) as f32 * d + m;
-                        *hi = (q >> 4) as f32 * d + m;
-                    }
-                }
-                Blocks::Q6 { .. } => *o = self.q6_values(bi),
             }
         }
     }

@@ -101,22 +101,24 @@ impl LlamaPart {
                 |n: &str| load_f32(&ct, &mut file, &format!("blk.{i}.{n}"), device);
             let attn_norm = f32_tensor("attn_norm.weight")?;
             let ffn_norm = f32_tensor("ffn_norm.weight")?;
-            let post_norms = if arch.post_norms() {
-                Some((
-                    f32_tensor("post_attention_norm.weight")?,
-                    f32_tensor("post_ffw_norm.weight")?,
-                ))
-            } else {
-                None
+            // Two norms a family has or has not.
+            let mut norms = |on: bool, a: &str, b: &str| -> candle_core::Result<_> {
+                Ok(if on {
+                    Some((f32_tensor(a)?, f32_tensor(b)?))
+                } else {
+                    None
+                })
             };
-            let qk_norm = if arch.needs_qk_norm() {
-                Some((
-                    f32_tensor("attn_q_norm.weight")?,
-                    f32_tensor("attn_k_norm.weight")?,
-                ))
-            } else {
-                None
-            };
+            let post_norms = norms(
+                arch.post_norms(),
+                "post_attention_norm.weight",
+                "post_ffw_norm.weight",
+            )?;
+            let qk_norm = norms(
+                arch.needs_qk_norm(),
+                "attn_q_norm.weight",
+                "attn_k_norm.weight",
+            )?;
             let mut bias = |n: &str, required: bool| -> candle_core::Result<Option<Tensor>> {
                 let name = format!("blk.{i}.{n}.bias");
                 if ct.tensor_infos.contains_key(&name) {

@@ -12,28 +12,16 @@ use std::fs::File;
 /// one on the weights dequantized for the product); fewer use the
 /// quantized dot products, which read a quarter (Q8_0) or a sixth (Q4_1)
 /// of the f32 weight bytes.
+///
+/// The integer GEMM is sooner from about 24 rows (1B-class Q4_K_M shape,
+/// 2-core Zen 4, `bench_decode`: 16 tokens 330 ms with the dot products
+/// against 350, 32 tokens 635 against 450), but the switch stays here for
+/// both: the paths round activations differently (±32767 and ±16383 per
+/// block) and sum in other orders, so a row's result depends on the path
+/// its packed batch takes, and at 24 rows concurrent short prompts crossed
+/// it often enough to change greedy tokens between runs
+/// (`completions_e2e`'s one-against-two-stage check).
 pub(super) const DEQUANTIZE_MIN_ROWS: usize = 48;
-
-/// On AVX-512 VNNI, products with at least this many activation rows use
-/// the integer GEMM. Measured on the 1B-class Q4_K_M shape (2-core Zen 4,
-/// `bench_decode`): an 8-token prefill 186 ms with the dot products
-/// against 290 with the GEMM (which widens every weight once per product),
-/// 16 tokens 330 against 350, 32 tokens 635 against 450. It stays at
-/// [`DEQUANTIZE_MIN_ROWS`] all the same: the two paths round activations
-/// differently (±32767 and ±16383 per block) and sum in other orders, so a
-/// row's result depends on which path its packed batch takes, and at 24 rows
-/// concurrent short prompts crossed it often enough to change greedy tokens
-/// between runs (`completions_e2e`'s one-against-two-stage check).
-const INT_GEMM_MIN_ROWS: usize = DEQUANTIZE_MIN_ROWS;
-
-/// The fewest activation rows for which `kernel`'s products use a GEMM.
-fn gemm_min_rows(kernel: Kernel) -> usize {
-    if kernel == Kernel::Avx512 {
-        INT_GEMM_MIN_ROWS
-    } else {
-        DEQUANTIZE_MIN_ROWS
-    }
-}
 
 /// Products with fewer activation rows than this (and at least
 /// [`DEQUANTIZE_MIN_ROWS`]) put the dequantized weight tile on the left of
@@ -172,7 +160,7 @@ impl Weight {
                     candle_core::bail!("activation width {k}, weight has {cols} columns");
                 }
                 #[cfg(target_arch = "x86_64")]
-                if t >= INT_GEMM_MIN_ROWS && *kernel == Kernel::Avx512 {
+                if t >= DEQUANTIZE_MIN_ROWS && *kernel == Kernel::Avx512 {
                     // A prefill on AVX-512 VNNI: the integer GEMM on the
                     // blocks as held (`qmatmul::gemm`), activations rounded
                     // to 16-bit blocks as in a decode step.
@@ -183,7 +171,7 @@ impl Weight {
                     unsafe { q.matmul_t_prefill(&xs, &mut out) };
                     return Tensor::from_vec(out, (t, rows), x.device());
                 }
-                if t >= gemm_min_rows(*kernel) {
+                if t >= DEQUANTIZE_MIN_ROWS {
                     // A prefill (or a large decode batch) elsewhere: the matrix is
                     // dequantized for this product only, a band of rows at a
                     // time (a transient f32 buffer of at most
@@ -237,7 +225,7 @@ impl Weight {
         let kernel = quant.as_ref().and_then(|q| q.first()).map(|(_, k)| *k);
         match (quant, kernel) {
             (Some(qs), Some(kernel))
-                if t < gemm_min_rows(kernel)
+                if t < DEQUANTIZE_MIN_ROWS
                     && qs.iter().all(|(q, kk)| q.shape().1 == k && *kk == kernel) =>
             {
                 let mats: Vec<&QMatrix> = qs.iter().map(|(q, _)| *q).collect();
