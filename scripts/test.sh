@@ -10,7 +10,8 @@
 #   2. release build with the test-only fault-injection switch compiled into
 #      the stage (tests that start the binaries need it);
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
-#   4. GGUF models of every architecture (llama, qwen2, qwen3, phi3) and tensor
+#   4. GGUF models of every architecture (llama, qwen2, qwen3, phi3, gemma2;
+#      Phi-4's and Phi-4-mini's kinds of phi3) and tensor
 #      type the stages load, random weights of real shapes, against
 #      llama.cpp on the same files, and a SentencePiece vocabulary cut and
 #      served as llama.cpp cuts it (scripts/test_gguf_models.py, with
@@ -24,8 +25,9 @@
 #      would start it, serving through a gateway (scripts/test-enclave-image.sh:
 #      a static musl build; ENCLAVE_IMAGE_E2E=0 skips it); the Kubernetes
 #      overlays rendered and schema-validated (scripts/test-k8s-manifests.sh);
-#   5. the stock `openai` Python SDK and LangChain's ChatOpenAI against a live
-#      gateway, directly and through `gateway proxy`, with structured outputs
+#   5. the README's quickstart commands as written, their output against the
+#      README's (scripts/check_quickstart.py); the stock `openai` Python SDK
+#      and LangChain's ChatOpenAI against a live gateway, directly and through `gateway proxy`, with structured outputs
 #      and tool calls (scripts/test_structured.py: the schema suite directly,
 #      a fifth of it through the proxy);
 #   6. the Python package (client/python): its wheel built with maturin from
@@ -83,7 +85,7 @@ echo "== embedding models in the sentence-transformers layout against sentence-t
 # fixtures' digests in gateway/tests/data/embedding_models_reference.json.
 python3 scripts/test_embedding_models.py
 
-echo "== openai SDK against a live gateway"
+echo "== a live gateway, as scripts/start.sh starts it"
 log="$(mktemp)"
 ./target/release/gateway serve --listen 127.0.0.1:0 >"$log.out" 2>"$log" &
 gw=$!
@@ -96,6 +98,9 @@ for _ in $(seq 1 600); do
   sleep 0.1
 done
 [[ -n "$url" ]] || { cat "$log"; echo "gateway did not start" >&2; exit 1; }
+echo "== the README's quickstart, its commands as written (scripts/check_quickstart.py)"
+python3 scripts/check_quickstart.py --base-url "$url"
+echo "== openai SDK against a live gateway"
 python3 scripts/test_openai_sdk.py --base-url "$url/v1"
 echo "== structured outputs and tool calls: schema suite, openai SDK, LangChain (scripts/test_structured.py)"
 python3 scripts/test_structured.py --base-url "$url/v1"

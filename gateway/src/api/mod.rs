@@ -71,10 +71,10 @@ pub struct AppState {
 
 /// Builds the router.
 ///
-/// With `[auth] enabled`, the API routes (embeddings, models, receipts) need
-/// a key. What a client needs before it can trust the gateway (evidence,
-/// published HPKE keys) and what operators probe (health, readiness,
-/// metrics) stay open.
+/// With `[auth] enabled`, the API routes (embeddings, chat completions,
+/// completions, models, receipts) need a key. What a client needs before it
+/// can trust the gateway (evidence, published HPKE keys) and what operators
+/// probe (health, readiness, metrics) stay open.
 pub fn router(state: AppState) -> Router {
     let mut keyed = Router::new().route(ApiEndpoint::Embeddings.path(), post(embeddings_handler));
     for e in [ApiEndpoint::ChatCompletions, ApiEndpoint::Completions] {

@@ -110,7 +110,7 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
     if api_keys.enabled() {
         tracing::info!(
             keys = api_keys.len(),
-            "API keys required on /v1/embeddings, /v1/models, /v1/receipts"
+            "API keys required on /v1/embeddings, /v1/chat/completions, /v1/completions, /v1/models, /v1/receipts"
         );
     } else {
         if env_keys.is_some() {
