@@ -106,20 +106,13 @@ echo "== structured outputs and tool calls: schema suite, openai SDK, LangChain 
 python3 scripts/test_structured.py --base-url "$url/v1"
 
 echo "== openai SDK and LangChain through gateway proxy (sealed end to end, receipts verified)"
-# Policies pinning the measurements this gateway's stages report (a test
-# shortcut: a real client pins measurements it got from a trusted build).
-python3 - "$url" "$log" <<'PYEOF'
-import json, sys, urllib.request
-ready = json.load(urllib.request.urlopen(sys.argv[1] + "/readyz"))
-for i, p in enumerate(ready["pipelines"]):
-    text = "allow_mock = true\n"
-    for st in p["stages"]:
-        text += (f"[[stages]]\nindex = {st['index']}\nlayers = {json.dumps(st['layers'])}\n"
-                 f"measurements = [{json.dumps(st['measurement'])}]\n")
-    open(f"{sys.argv[2]}.policy{i}.toml", "w").write(text)
-PYEOF
+# Policies pinning the measurements this gateway's stages report (trust on
+# first use, a test shortcut: a real client pins measurements it got from a
+# trusted build), one per model.
+./target/release/gateway policy pin --gateway "$url" --all --trust-on-first-use --out "$log.policies"
+POLICIES=("$log.policies/all-MiniLM-L6-v2.toml" "$log.policies/SmolLM2-135M-Instruct.toml")
 ./target/release/gateway proxy --upstream "$url" --listen 127.0.0.1:0 \
-  --policy "$log.policy0.toml" --policy "$log.policy1.toml" >"$log.proxy.out" 2>"$log.proxy" &
+  --policy "${POLICIES[0]}" --policy "${POLICIES[1]}" >"$log.proxy.out" 2>"$log.proxy" &
 px=$!
 trap 'kill -INT $gw $px 2>/dev/null; wait $gw $px 2>/dev/null || true' EXIT
 purl=""
@@ -149,7 +142,7 @@ target/py-client-venv/bin/pip install -q --disable-pip-version-check \
   target/wheels/confidential_gateway-*.whl openai==3.54.0
 # (The script's folder holds no package source: the installed wheel is what runs.)
 target/py-client-venv/bin/python client/python/tests/test_client.py \
-  --base-url "$url" --policy "$log.policy0.toml" --policy "$log.policy1.toml"
+  --base-url "$url" --policy "${POLICIES[0]}" --policy "${POLICIES[1]}"
 
 if [[ "${CONTAINERS_E2E:-}" == 1 ]]; then
   echo "== containers e2e: ran in cargo test (CONTAINERS_E2E=1; it says SKIPPED above if no Docker engine)"

@@ -10,7 +10,9 @@
 //!   and open the sealed response ([`seal_open`]);
 //! - `gateway proxy`: a local OpenAI-compatible endpoint that verifies the
 //!   upstream's evidence, seals every request to the attested entry stage
-//!   and verifies every receipt ([`proxy`]).
+//!   and verifies every receipt ([`proxy`]);
+//! - `gateway policy pin`: a policy pinning what a gateway's stages report
+//!   now, trust on first use, for development ([`policy_pin`]).
 //!
 //! Exit codes: 0 when everything holds, 1 when a verification fails (or the
 //! proxy refuses to start), 2 for usage and I/O errors.
@@ -19,6 +21,7 @@
 pub mod bundle;
 pub mod client_key;
 pub mod io;
+pub mod policy_pin;
 pub mod proxy;
 pub mod seal_open;
 pub mod sealed;
@@ -49,6 +52,10 @@ pub enum ClientCommand {
     /// A local OpenAI-compatible endpoint that verifies the upstream gateway's
     /// evidence, seals every request end to end and verifies every receipt.
     Proxy(proxy::ProxyArgs),
+    /// Measurement policies: `gateway policy pin` writes one from what a
+    /// gateway reports (trust on first use, development only).
+    #[command(subcommand)]
+    Policy(policy_pin::PolicyCommand),
 }
 
 /// Runs a client verb; returns the process exit code.
@@ -58,6 +65,7 @@ pub fn run(cmd: ClientCommand) -> i32 {
         ClientCommand::Seal(a) => seal_open::run_seal(a).map(|()| EXIT_OK),
         ClientCommand::Open(a) => seal_open::run_open(a),
         ClientCommand::Proxy(a) => proxy::run(a),
+        ClientCommand::Policy(c) => policy_pin::run(c),
     };
     match result {
         Ok(code) => code,

@@ -1,6 +1,6 @@
 //! End to end: the client verbs of the `gateway` binary against a real
 //! gateway (real stages): `verify evidence`, `verify receipt`, `seal` →
-//! HTTP → `open`, and `proxy` driven by the stock `openai` Python SDK (or
+//! HTTP → `open`, `policy pin`, and `proxy` driven by the stock `openai` Python SDK (or
 //! reqwest when python3 + openai are not importable).
 //!
 //! One gateway serves every section (each gateway starts two model-loading
@@ -9,6 +9,8 @@
 mod common;
 #[path = "cli_e2e/evidence.rs"]
 mod evidence;
+#[path = "cli_e2e/policy_pin.rs"]
+mod policy_pin;
 #[path = "cli_e2e/proxy.rs"]
 mod proxy;
 #[path = "cli_e2e/sealing.rs"]
@@ -82,6 +84,8 @@ async fn cli_verbs_against_a_real_gateway() {
     eprintln!("seal/open: ok ({:?})", t.elapsed());
     sealing::resealing_host_checks(&ctx).await;
     eprintln!("resealing host caught: ok ({:?})", t.elapsed());
+    policy_pin::policy_pin_checks(&ctx);
+    eprintln!("policy pin: ok ({:?})", t.elapsed());
     proxy::proxy_checks(&ctx).await;
     eprintln!("proxy: ok ({:?})", t.elapsed());
     drop(gw);

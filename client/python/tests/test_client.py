@@ -262,6 +262,16 @@ def wrong_policy_and_unsealed_paths_raise(env: Env):
                       http_client=cg.http_client([str(bad)]))
     raises(lambda: c.embeddings.create(model=EMBED, input="secret"), cg.EvidenceError,
            "evidence_not_verified")
+    # The gateway's own development policy (trust_local_build) cannot work
+    # in a client: the error says what to use instead, as the CLI does.
+    own = openai.OpenAI(base_url=env.base + "/v1", api_key="unused", max_retries=0,
+                        http_client=cg.http_client(["config/policy.toml"]))
+    try:
+        own.embeddings.create(model=EMBED, input="secret")
+    except cg.EvidenceError as e:
+        assert "trust_local_build" in e.message and "gateway policy pin" in e.message, e.message
+    else:
+        raise AssertionError("a trust_local_build policy was accepted by a client")
     raises(lambda: env.http.post(env.base + "/v1/responses", json={"model": LM, "input": "secret"}),
            cg.ConfidentialError, "endpoint_not_sealed")
     # Plain HTTP off loopback is refused before anything is sent.
@@ -271,7 +281,7 @@ def wrong_policy_and_unsealed_paths_raise(env: Env):
         assert "plain HTTP" in str(e), e
     else:
         raise AssertionError("plain HTTP to a remote host was allowed")
-    return "EvidenceError, endpoint_not_sealed, plain HTTP off loopback"
+    return "EvidenceError (with the trust_local_build hint), endpoint_not_sealed, plain HTTP off loopback"
 
 
 @test

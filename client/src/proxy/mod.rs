@@ -97,8 +97,11 @@ pub struct ProxyArgs {
     #[arg(long)]
     pub upstream: String,
     /// Measurement policy a pipeline's evidence must satisfy; repeat it for
-    /// each pipeline to use (e.g. config/policy.toml for embeddings and
-    /// config/policy-completions.toml for completions).
+    /// each pipeline to use (e.g. one for embeddings, one for completions).
+    /// It must pin the stages' measurements: for development, `gateway
+    /// policy pin --trust-on-first-use` writes one. The gateway's own
+    /// config/policy*.toml trust "the local build", which only the gateway
+    /// that launches the stages can compute: they do not work here.
     #[arg(long, required = true)]
     pub policy: Vec<PathBuf>,
     /// Where to listen (keep it on loopback: this side sees plaintext).
@@ -257,7 +260,10 @@ fn log_verified(model: &str, v: &VerifiedBundle, what: &str) {
 type AppState = Arc<Proxy>;
 
 /// The upstream's model ids (`GET /v1/models`).
-async fn upstream_models(client: &reqwest::Client, upstream: &str) -> Result<Vec<String>> {
+pub(crate) async fn upstream_models(
+    client: &reqwest::Client,
+    upstream: &str,
+) -> Result<Vec<String>> {
     let url = format!("{upstream}/v1/models");
     let r = crate::transport::get_ok(client, &url, None).await?;
     let v: serde_json::Value = r.json().await.with_context(|| format!("GET {url}"))?;

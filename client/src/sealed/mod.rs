@@ -100,7 +100,7 @@ impl Attested {
             None => Err(out
                 .lines
                 .iter()
-                .filter(|l| l.status == CheckStatus::Fail)
+                .filter(|l| l.status == CheckStatus::Fail || l.name == "hint")
                 .map(|l| l.to_string())
                 .collect()),
         }

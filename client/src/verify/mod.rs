@@ -96,6 +96,12 @@ pub struct EvidenceArgs {
 /// stable reason code when a receipt check failed.
 pub(crate) type Line = proto::report::Check;
 
+/// What a failed check under a `trust_local_build` policy adds.
+pub const TRUST_LOCAL_BUILD_HINT: &str =
+    "trust_local_build applies only inside the gateway that launches the stages; a client \
+     accepts pinned measurements only (for development, `gateway policy pin \
+     --trust-on-first-use` writes a policy that pins them; docs/curl.md)";
+
 /// The outcome of verifying a bundle.
 pub(crate) struct EvidenceOutcome {
     pub lines: Vec<Line>,
@@ -186,12 +192,7 @@ pub(crate) fn verify_evidence(
         lines.push(Line::new(c.status, c.name, c.detail));
     }
     if measurement_failed && policy.trust_local_build {
-        lines.push(Line::new(
-            CheckStatus::Info,
-            "hint",
-            "trust_local_build applies only inside the gateway that launches the stages; an \
-             offline verifier accepts pinned measurements only (see docs/curl.md)",
-        ));
+        lines.push(Line::new(CheckStatus::Info, "hint", TRUST_LOCAL_BUILD_HINT));
     }
     if let Some(v) = &verified {
         if v.mock {

@@ -1,0 +1,243 @@
+//! `gateway policy pin`: writes a measurement policy that pins what a
+//! gateway's stages report right now, for development only.
+//!
+//! That is trust on first use: the policy says "the stages are whatever this
+//! server said they were", so the verb refuses to run without
+//! `--trust-on-first-use` and prints a warning every time. A policy worth
+//! its name pins measurements from a reproducible build of the stage image,
+//! obtained out of band (docs/curl.md, docs/deploy-nitro.md).
+//!
+//! For each model it fetches `GET /v1/attestation` with a fresh random
+//! nonce, reads each stage's measurement (mock digest or Nitro PCRs), layers
+//! and the manifest digest from the evidence, writes them as a policy, and
+//! verifies the same evidence against the written policy (signatures, nonce
+//! and key bindings, layers, manifest) before it writes the file.
+
+use crate::bundle::fetch_bundle;
+use crate::transport::{base_url, http_client, random_nonce, runtime};
+use crate::verify::verify_evidence;
+use crate::{EXIT_FAILED, EXIT_OK};
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, Subcommand};
+use proto::attestation::{AnyVerifier, Measurement};
+use proto::bundle::{EvidenceBundle, LegacyEvidence};
+use proto::evidence::EvidenceVerifier;
+use proto::policy::{NitroPcrPolicy, Policy, StagePolicy};
+use proto::report::CheckStatus;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// `gateway policy …`
+#[derive(Subcommand, Debug)]
+pub enum PolicyCommand {
+    /// Write a policy pinning the measurements a gateway's stages report
+    /// now (trust on first use: development only; needs
+    /// --trust-on-first-use).
+    Pin(PinArgs),
+}
+
+/// `gateway policy pin`
+#[derive(Args, Debug)]
+pub struct PinArgs {
+    /// The gateway, e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    pub gateway: String,
+    /// The model whose pipeline to pin (an id from `GET /v1/models`).
+    #[arg(long, required_unless_present = "all", conflicts_with = "all")]
+    pub model: Option<String>,
+    /// Pin every model the gateway lists: --out is then a folder, with
+    /// one `<model id>.toml` per model.
+    #[arg(long)]
+    pub all: bool,
+    /// Say that you accept trusting whatever the server reports now (the
+    /// policy then proves nothing about the code; for development only).
+    #[arg(long)]
+    pub trust_on_first_use: bool,
+    /// The policy file to write (with --all: the folder).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// How to reach the gateway.
+    #[command(flatten)]
+    pub transport: crate::Transport,
+}
+
+/// The warning printed by every run.
+pub const TOFU_WARNING: &str = "TRUST ON FIRST USE: this policy pins whatever measurements the \
+     server reported just now. It proves nothing about the code the stages run: a host that \
+     lies now is trusted from now on. For development only; in production pin measurements \
+     from a reproducible build of the stage image, obtained out of band.";
+
+/// Runs `gateway policy …`; returns the exit code.
+pub fn run(cmd: PolicyCommand) -> Result<i32> {
+    match cmd {
+        PolicyCommand::Pin(a) => run_pin(a),
+    }
+}
+
+fn run_pin(a: PinArgs) -> Result<i32> {
+    if !a.trust_on_first_use {
+        bail!(
+            "refusing to pin: a policy made from what the server reports trusts that server \
+             on first use; pass --trust-on-first-use to say you accept that (development only)"
+        );
+    }
+    eprintln!("WARNING: {TOFU_WARNING}");
+    let base = base_url(&a.gateway, &a.transport)?;
+    let client = http_client(Duration::from_secs(60), &a.transport)?;
+    let rt = runtime()?;
+    let models = match &a.model {
+        Some(m) => vec![m.clone()],
+        None => {
+            let ids = rt.block_on(crate::proxy::upstream_models(&client, &base))?;
+            if ids.is_empty() {
+                bail!("{base}/v1/models lists no model");
+            }
+            std::fs::create_dir_all(&a.out)
+                .with_context(|| format!("creating {}", a.out.display()))?;
+            ids
+        }
+    };
+    for model in &models {
+        let nonce = random_nonce(32);
+        let bundle = rt.block_on(fetch_bundle(&client, &base, &nonce, Some(model)))?;
+        let policy = pinned_policy(&bundle).with_context(|| format!("model {model}"))?;
+        let out = verify_evidence(&bundle, &policy, Some(&nonce), None, LegacyEvidence::Refuse);
+        if !out.ok() {
+            for l in out.lines.iter().filter(|l| l.status == CheckStatus::Fail) {
+                eprintln!("{l}");
+            }
+            eprintln!("model {model}: the evidence does not verify even against its own measurements: nothing written");
+            return Ok(EXIT_FAILED);
+        }
+        let path = if a.all {
+            a.out.join(format!("{}.toml", file_stem(model)))
+        } else {
+            a.out.clone()
+        };
+        write_policy(&path, &policy, model, &base)?;
+        let kind = if policy.allow_mock { "mock" } else { "Nitro" };
+        println!(
+            "pinned {model}: {} stage(s), {kind} evidence, manifest {} -> {}",
+            policy.stages.len(),
+            policy.manifest_sha256.as_deref().unwrap_or("-"),
+            path.display()
+        );
+    }
+    eprintln!("WARNING: TRUST ON FIRST USE (development only): see above.");
+    Ok(EXIT_OK)
+}
+
+/// The policy that accepts exactly the stages of `bundle`: each stage's
+/// measurement and layers, the manifest's digest, mock evidence only if the
+/// stages' is mock.
+pub fn pinned_policy(bundle: &EvidenceBundle) -> Result<Policy> {
+    let verifier = AnyVerifier::default();
+    let mut stages = Vec::new();
+    let mut mock = false;
+    let mut manifest = None;
+    for s in &bundle.stages {
+        let doc = verifier
+            .verify(&s.evidence)
+            .map_err(|e| anyhow!("stage {}: its evidence does not verify: {e}", s.index))?;
+        let mut stage = StagePolicy {
+            index: s.index,
+            layers: [s.claims.layer_start, s.claims.layer_end],
+            measurements: Vec::new(),
+            nitro: Vec::new(),
+        };
+        match &doc.measurement {
+            Measurement::Mock(_) => {
+                mock = true;
+                stage.measurements.push(doc.measurement.pinned_form());
+            }
+            Measurement::Nitro(pcrs) => {
+                let pcr = |i: u8| pcrs.get(i).map(hex::encode);
+                stage.nitro.push(NitroPcrPolicy {
+                    pcr0: pcr(0).ok_or_else(|| anyhow!("stage {}: no PCR0", s.index))?,
+                    pcr1: pcr(1).ok_or_else(|| anyhow!("stage {}: no PCR1", s.index))?,
+                    pcr2: pcr(2).ok_or_else(|| anyhow!("stage {}: no PCR2", s.index))?,
+                    pcr3: None,
+                    pcr4: None,
+                    pcr8: pcr(8).filter(|v| v.bytes().any(|b| b != b'0')),
+                });
+            }
+        }
+        let digest = s.claims.manifest_sha256.hex();
+        if manifest.get_or_insert_with(|| digest.clone()) != &digest {
+            bail!("the stages claim different model manifests");
+        }
+        stages.push(stage);
+    }
+    if stages.is_empty() {
+        bail!("the evidence has no stage");
+    }
+    Ok(Policy {
+        allow_mock: mock,
+        trust_local_build: false,
+        allow_debug: false,
+        trust_same_image: false,
+        manifest_sha256: manifest,
+        stages,
+    })
+}
+
+/// A model id as a file name: characters other than `[A-Za-z0-9._-]` as `_`.
+fn file_stem(model: &str) -> String {
+    model
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The policy as TOML, headed by a comment saying where it came from.
+fn policy_toml(policy: &Policy, model: &str, base: &str) -> String {
+    let q = |v: &str| serde_json::Value::from(v).to_string();
+    let mut t = format!(
+        "# Model {model}: pinned by `gateway policy pin --trust-on-first-use` from what\n\
+         # {base} reported. TRUST ON FIRST USE: development only.\n\
+         allow_mock = {}\n",
+        policy.allow_mock
+    );
+    if let Some(m) = &policy.manifest_sha256 {
+        t += &format!("manifest_sha256 = {}\n", q(m));
+    }
+    for s in &policy.stages {
+        let ms: Vec<String> = s.measurements.iter().map(|m| q(m)).collect();
+        t += &format!(
+            "\n[[stages]]\nindex = {}\nlayers = [{}, {}]\nmeasurements = [{}]\n",
+            s.index,
+            s.layers[0],
+            s.layers[1],
+            ms.join(", ")
+        );
+        for n in &s.nitro {
+            t += &format!(
+                "[[stages.nitro]]\npcr0 = {}\npcr1 = {}\npcr2 = {}\n",
+                q(&n.pcr0),
+                q(&n.pcr1),
+                q(&n.pcr2)
+            );
+            if let Some(p8) = &n.pcr8 {
+                t += &format!("pcr8 = {}\n", q(p8));
+            }
+        }
+    }
+    t
+}
+
+fn write_policy(path: &Path, policy: &Policy, model: &str, base: &str) -> Result<()> {
+    let text = policy_toml(policy, model, base);
+    // Read back as a verifier will read it: the same policy.
+    let back =
+        Policy::from_toml(&text).map_err(|e| anyhow!("the written policy does not parse: {e}"))?;
+    if &back != policy {
+        bail!("the written policy does not read back as the one pinned");
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
