@@ -14,14 +14,23 @@ Checked:
   by --base-url, prints its line of the expected output: `…` stands for any
   text, and a number written `0.576…` for a number within 0.01 of it;
 - each Python block of the README runs (address replaced), and each
-  `print(...)  # TEXT` line prints TEXT.
+  `print(...)  # TEXT` line prints TEXT;
+- the sealed path of "Use it" as written (`gateway policy pin`, then
+  `gateway proxy` on the policies it wrote, in a scratch folder, the proxy
+  on a free port): the quickstart's chat request through the proxy gets the
+  same answer, with `receipt-verified: true`.
 """
 import argparse
+import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
+import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +62,56 @@ def matches(expected, actual):
             pattern += re.escape(p)
     m = re.fullmatch(pattern, actual, re.S)
     return bool(m) and all(abs(float(got) - want) <= 0.01 for got, want in zip(m.groups(), numbers))
+
+
+def check_sealed_path(readme, readme_url, base_url, quick_commands, check):
+    """Runs "Use it"'s `policy pin` and `proxy` block, then the quickstart's
+    chat request through that proxy."""
+    sealed = [b for lang, b in blocks(section(readme, "Use it")) if lang == "sh" and "policy pin" in b]
+    check(len(sealed) == 1, "\"Use it\" has one block with `gateway policy pin`")
+    chat = [c for c in quick_commands if "/v1/chat/completions" in c]
+    if len(sealed) != 1 or len(chat) != 1:
+        return
+    body = json.loads(shlex.split(chat[0])[-1])
+    gateway = os.path.join(ROOT, "target/release/gateway")
+    scratch = tempfile.mkdtemp(prefix="quickstart-sealed-")
+    proxy = None
+    try:
+        for cmd in sealed[0].replace("\\\n", " ").splitlines():
+            if not cmd.strip():
+                continue
+            argv = shlex.split(cmd.replace(readme_url, base_url))
+            check(argv[0] == "./target/release/gateway", f"sealed path runs the built gateway: {argv[:3]}")
+            argv[0] = gateway
+            if argv[1] == "proxy":
+                argv[argv.index("--listen") + 1] = "127.0.0.1:0"
+                proxy = subprocess.Popen(argv, cwd=scratch, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+                line = proxy.stdout.readline()
+                check(line.startswith("PROXY LISTENING "), f"gateway proxy starts on the pinned policies ({line.strip()})")
+                if not line.startswith("PROXY LISTENING "):
+                    return
+                proxy_url = line.split()[-1]
+            else:
+                run = subprocess.run(argv, cwd=scratch, capture_output=True, text=True, timeout=120)
+                check(run.returncode == 0 and "TRUST ON FIRST USE" in run.stderr,
+                      f"`gateway {' '.join(argv[1:3])}` succeeds, saying TRUST ON FIRST USE")
+        if proxy is None:
+            check(False, "the sealed block starts `gateway proxy`")
+            return
+        req = urllib.request.Request(proxy_url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no HTTP proxy
+        with direct.open(req, timeout=120) as r:
+            verified = r.headers.get("receipt-verified")
+            answer = json.load(r)["choices"][0]["message"]["content"]
+        check(verified == "true" and answer == "The capital of France is Paris.",
+              f"the quickstart's chat request through the proxy: receipt-verified {verified}, {answer!r}")
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main():
@@ -111,6 +170,8 @@ def main():
         check(ok, f"README python block ({body.splitlines()[0][:50]}…) prints {wants}")
         if not ok:
             print(f"     got: {got}\n     stderr: {run.stderr.strip()[-800:]}")
+
+    check_sealed_path(readme, readme_url, args.base_url, commands, check)
 
     print(f"{'FAIL' if failures else 'OK'}: README quickstart, {len(failures)} failure(s)")
     sys.exit(1 if failures else 0)

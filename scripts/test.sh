@@ -26,7 +26,7 @@
 #      a static musl build; ENCLAVE_IMAGE_E2E=0 skips it); the Kubernetes
 #      overlays rendered and schema-validated (scripts/test-k8s-manifests.sh);
 #   5. the README's quickstart commands as written, their output against the
-#      README's (scripts/check_quickstart.py); the stock `openai` Python SDK
+#      README's, and its sealed path (policy pin, proxy) (scripts/check_quickstart.py); the stock `openai` Python SDK
 #      and LangChain's ChatOpenAI against a live gateway, directly and through `gateway proxy`, with structured outputs
 #      and tool calls (scripts/test_structured.py: the schema suite directly,
 #      a fifth of it through the proxy);
