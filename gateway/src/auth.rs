@@ -1,6 +1,7 @@
-//! API keys for the `/v1/*` routes: bearer tokens checked against SHA-256
-//! digests in constant time, with a per-key token-bucket rate limit and a
-//! per-key concurrency limit.
+//! API keys for the keyed routes (the three POST endpoints, `/v1/models`,
+//! `/v1/receipts`; `/v1/attestation` stays open): bearer tokens checked
+//! against SHA-256 digests in constant time, with a per-key token-bucket
+//! rate limit and a per-key concurrency limit.
 //!
 //! Tokens are never stored: keys come from `[auth] keys` as digests, or from
 //! `GATEWAY_API_KEYS` (`name:token,...`) hashed as soon as they are read.

@@ -163,7 +163,8 @@ pub struct CompletionsConfig {
     pub stages: Vec<StageConfig>,
 }
 
-/// `[auth]`: API keys for the `/v1/*` routes.
+/// `[auth]`: API keys for the keyed routes (all of `/v1/*` but
+/// `/v1/attestation`).
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct AuthConfig {
