@@ -424,11 +424,48 @@ impl StreamOpener {
 }
 
 /// The module.
+/// Runs `gateway policy ARGS...` (`pin`) in this process; returns the exit
+/// code (0 written, 1 the evidence did not verify, 2 usage or I/O).
+#[pyfunction]
+fn policy_main(argv: Vec<String>) -> i32 {
+    use clap::Parser;
+    #[derive(Parser)]
+    #[command(
+        name = "python -m confidential_gateway",
+        about = "Measurement policies, as `gateway policy`"
+    )]
+    struct Cli {
+        #[command(subcommand)]
+        policy: client::policy_pin::PolicyCommand,
+    }
+    let cli = match Cli::try_parse_from(
+        std::iter::once("python -m confidential_gateway".to_string()).chain(argv),
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                client::EXIT_ERROR
+            } else {
+                client::EXIT_OK
+            };
+        }
+    };
+    match client::policy_pin::run(cli.policy) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            client::EXIT_ERROR
+        }
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(endpoints, m)?)?;
     m.add_function(wrap_pyfunction!(base_url, m)?)?;
     m.add_function(wrap_pyfunction!(main, m)?)?;
+    m.add_function(wrap_pyfunction!(policy_main, m)?)?;
     m.add_class::<Evidence>()?;
     m.add_class::<Sealed>()?;
     m.add_class::<StreamOpener>()?;

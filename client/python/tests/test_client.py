@@ -240,6 +240,24 @@ def receipts_verify_only_against_their_own_evidence(env: Env):
     return "wrong evidence: ReceiptError; another request's key: ResponseError"
 
 
+@test
+def pin_writes_a_policy_the_package_accepts(env: Env):
+    out = env.archive.parent / "pinned-embeddings.toml"
+    pin = lambda *extra: subprocess.run([sys.executable, "-m", "confidential_gateway", "pin",  # noqa: E731
+                                         "--gateway", env.base, "--model", EMBED, "--out", str(out),
+                                         *extra], capture_output=True, text=True)
+    refused = pin()
+    assert refused.returncode == 2 and "--trust-on-first-use" in refused.stderr, refused.stderr
+    assert not out.exists()
+    done = pin("--trust-on-first-use")
+    assert done.returncode == 0 and "TRUST ON FIRST USE" in done.stderr, done.stdout + done.stderr
+    c = openai.OpenAI(base_url=env.base + "/v1", api_key="unused", max_retries=0,
+                      http_client=cg.http_client([str(out)]))
+    r = c.embeddings.with_raw_response.create(model=EMBED, input="pinned")
+    assert r.headers["receipt-verified"] == "true", dict(r.headers)
+    return "refused without --trust-on-first-use; the pinned policy verifies"
+
+
 def raises(call, error, code):
     """Runs `call`; it must raise `error` with `code` and return nothing.
     The openai SDK (3.x) passes the package's exceptions through as they
