@@ -62,23 +62,29 @@ fn base_url(url: &str, insecure_plain_http: bool) -> PyResult<String> {
     client::transport::base_url(url, &t).map_err(|e| PyValueError::new_err(format!("{e:#}")))
 }
 
-/// Runs `gateway verify ARGS...` (evidence, receipt, attestation) in this
-/// process; returns the exit code (0 verified, 1 failed, 2 usage or I/O).
-#[pyfunction]
-fn main(argv: Vec<String>) -> i32 {
-    use clap::Parser;
-    #[derive(Parser)]
-    #[command(
-        name = "python -m confidential_gateway",
-        about = "Offline verification, as `gateway verify`"
-    )]
-    struct Cli {
-        #[command(subcommand)]
-        verify: client::verify::VerifyCommand,
-    }
-    let cli = match Cli::try_parse_from(
-        std::iter::once("python -m confidential_gateway verify".to_string()).chain(argv),
-    ) {
+/// Parses `argv` as the subcommands `C` of `prog` (`about` for its help)
+/// and runs the one given with `run`; returns the exit code (2 for usage
+/// errors, 0 after `--help`).
+fn run_cli<C, E>(
+    prog: &'static str,
+    about: &'static str,
+    argv: Vec<String>,
+    run: impl FnOnce(C) -> Result<i32, E>,
+) -> i32
+where
+    C: clap::Subcommand,
+    E: std::fmt::Display,
+{
+    let cmd = C::augment_subcommands(
+        clap::Command::new("python -m confidential_gateway")
+            .about(about)
+            .subcommand_required(true)
+            .arg_required_else_help(true),
+    );
+    let parsed = cmd
+        .try_get_matches_from(std::iter::once(prog.to_string()).chain(argv))
+        .and_then(|m| C::from_arg_matches(&m));
+    let c = match parsed {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
@@ -89,13 +95,25 @@ fn main(argv: Vec<String>) -> i32 {
             };
         }
     };
-    match client::verify::run(cli.verify) {
+    match run(c) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             client::EXIT_ERROR
         }
     }
+}
+
+/// Runs `gateway verify ARGS...` (evidence, receipt, attestation) in this
+/// process; returns the exit code (0 verified, 1 failed, 2 usage or I/O).
+#[pyfunction]
+fn main(argv: Vec<String>) -> i32 {
+    run_cli(
+        "python -m confidential_gateway verify",
+        "Offline verification, as `gateway verify`",
+        argv,
+        client::verify::run,
+    )
 }
 
 /// Evidence that verified against a measurement policy.
@@ -428,36 +446,12 @@ impl StreamOpener {
 /// code (0 written, 1 the evidence did not verify, 2 usage or I/O).
 #[pyfunction]
 fn policy_main(argv: Vec<String>) -> i32 {
-    use clap::Parser;
-    #[derive(Parser)]
-    #[command(
-        name = "python -m confidential_gateway",
-        about = "Measurement policies, as `gateway policy`"
-    )]
-    struct Cli {
-        #[command(subcommand)]
-        policy: client::policy_pin::PolicyCommand,
-    }
-    let cli = match Cli::try_parse_from(
-        std::iter::once("python -m confidential_gateway".to_string()).chain(argv),
-    ) {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() {
-                client::EXIT_ERROR
-            } else {
-                client::EXIT_OK
-            };
-        }
-    };
-    match client::policy_pin::run(cli.policy) {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            client::EXIT_ERROR
-        }
-    }
+    run_cli(
+        "python -m confidential_gateway",
+        "Measurement policies, as `gateway policy`",
+        argv,
+        client::policy_pin::run,
+    )
 }
 
 #[pymodule]
