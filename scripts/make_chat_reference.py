@@ -19,6 +19,16 @@ may use the `developer` role or arrays of text parts) and as the template
 sees them ("template": developer read as system, text parts joined with
 newlines, as the gateway documents).
 
+"ids" are `apply_chat_template`'s, which match special-token text anywhere
+in the rendered prompt, content included; "content_ids" are the stage's
+rule, content is text (docs/architecture.md): the template's own special
+tokens matched, each message's content tokenized with
+`split_special_tokens=True`. They are made here independently of the
+stage's method: the content's place in the rendered text is found by
+rendering with placeholders, and the text between the template's special
+tokens is tokenized piece by piece (for a conversation without
+special-token text in its content, that equals "ids", checked).
+
 Run after scripts/setup.sh in a throwaway venv (no torch needed):
 
     python3 -m venv /tmp/refvenv
@@ -71,6 +81,46 @@ def for_template(messages):
     return out
 
 
+def content_is_text_ids(tok, msgs, text):
+    """The prompt's ids with each message's content as text: the template's
+    special tokens matched, content never cut at one."""
+    marks = [f"\x00{i}\x00" for i in range(len(msgs))]
+    placed = tok.apply_chat_template(
+        [{**m, "content": k} for m, k in zip(msgs, marks)],
+        tokenize=False, add_generation_prompt=True)
+    # The rendered text as (piece, is content), content where its mark was.
+    pieces, rest = [], placed
+    for m, k in zip(msgs, marks):
+        before, rest = rest.split(k, 1)
+        pieces += [(before, False), (m["content"], True)]
+    pieces.append((rest, False))
+    assert "".join(p for p, _ in pieces) == text
+    specials = sorted(tok.all_special_tokens + [t.content for t in tok.added_tokens_decoder.values()
+                                                if t.special], key=len, reverse=True)
+    # Runs of text between the template's special tokens, each tokenized
+    # whole with special-token text split (the template's text holds none
+    # but its markers).
+    ids, run = [], ""
+    for piece, content in pieces:
+        while not content and piece:
+            hit = min(((piece.find(t), -len(t), t) for t in specials if t in piece), default=None)
+            if hit is None:
+                run += piece
+                break
+            at, _, t = hit
+            run += piece[:at]
+            if run:
+                ids += tok(run, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            run = ""
+            ids.append(tok.convert_tokens_to_ids(t))
+            piece = piece[at + len(t):]
+        if content:
+            run += piece
+    if run:
+        ids += tok(run, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids
+
+
 def main():
     field = GGUFReader(os.path.join(MODEL_DIR, GGUF)).fields["tokenizer.chat_template"]
     template = bytes(field.parts[field.data[0]]).decode("utf-8")
@@ -86,7 +136,11 @@ def main():
         msgs = for_template(conv)
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        items.append({"request": conv, "template": msgs, "text": text, "ids": ids})
+        content_ids = content_is_text_ids(tok, msgs, text)
+        if not any(t in m["content"] for m in msgs for t in tok.all_special_tokens):
+            assert content_ids == ids, conv
+        items.append({"request": conv, "template": msgs, "text": text, "ids": ids,
+                      "content_ids": content_ids})
     doc = {
         "model": "SmolLM2-135M-Instruct",
         "gguf": GGUF,

@@ -5,9 +5,11 @@
 //! minijinja set up as `transformers`' `apply_chat_template` sets up Jinja:
 //! `trim_blocks` and `lstrip_blocks`, loop controls, `raise_exception`,
 //! Python string methods (minijinja-contrib's pycompat), `bos_token` and
-//! `eos_token`, and `add_generation_prompt` true. The rendered text is
-//! tokenized like a completions prompt (special-token text such as
-//! `<|im_start|>` becomes the special token, as in `transformers`).
+//! `eos_token`, and `add_generation_prompt` true. In the rendered text the
+//! template's own special-token text (`<|im_start|>`) becomes the special
+//! token, as in `transformers`; the request's strings are content, marked
+//! before the template runs so that special-token text in them is tokenized
+//! as text ([`super::content_text`]).
 //!
 //! A template that writes tool calls in the Hermes style (its source has
 //! `<tool_call>`: Qwen2.5 and Qwen3, Hermes, SmolLM3) is given the tools and
@@ -17,10 +19,12 @@
 //! grammar decodes. Other templates get the generic convention of
 //! `proto::tools` (rendered by the entry stage before the template runs).
 
+use super::content_text::{ContentMarks, MARK};
 use minijinja::value::Serde;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use proto::chat::ChatMessage;
 use proto::tools::{ToolDef, CALL_TAG};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 /// Name of the one template in the environment.
@@ -40,6 +44,10 @@ pub struct ChatTemplate {
     bos: String,
     eos: String,
     takes_tools: bool,
+    /// Whether the source holds [`MARK`] (then it cannot take marks).
+    source_has_mark: bool,
+    /// Marks for the request's strings (none: rendered as given).
+    marks: Option<ContentMarks>,
 }
 
 fn raise_exception(message: String) -> Result<Value, Error> {
@@ -67,7 +75,27 @@ impl ChatTemplate {
             bos: bos.into(),
             eos: eos.into(),
             takes_tools: source.contains(CALL_TAG),
+            source_has_mark: source.contains(MARK),
+            marks: None,
         })
+    }
+
+    /// This template with every string of a request (contents, tool
+    /// results, past calls' names, ids and arguments, tools' definitions)
+    /// marked by `marks` before it runs, so that the rendered prompt,
+    /// tokenized by [`super::content_text::encode`], holds content's
+    /// special-token text as text. Refused for a template whose own
+    /// source holds the mark (U+FDD0).
+    pub fn with_marks(mut self, marks: ContentMarks) -> Result<Self, String> {
+        if self.source_has_mark {
+            return Err(
+                "the model's chat template holds U+FDD0, which the stage reserves to mark \
+                 message content"
+                    .into(),
+            );
+        }
+        self.marks = Some(marks);
+        Ok(self)
     }
 
     /// Whether the template writes tool calls in the syntax the exit
@@ -87,6 +115,13 @@ impl ChatTemplate {
                 messages.len()
             ));
         }
+        let (messages, tools) = match &self.marks {
+            Some(m) => (
+                Cow::Owned(messages.iter().map(|x| marked_message(m, x)).collect()),
+                Cow::Owned(tools.iter().map(|t| marked_tool(m, t)).collect()),
+            ),
+            None => (Cow::Borrowed(messages), Cow::Borrowed(tools)),
+        };
         let messages: Vec<Value> = messages.iter().map(message_value).collect();
         let tools: Option<Vec<serde_json::Value>> =
             (!tools.is_empty()).then(|| tools.iter().map(tool_value).collect());
@@ -110,6 +145,35 @@ impl ChatTemplate {
             }
             _ => format!("the chat template failed on these messages: {e}"),
         })
+    }
+}
+
+/// `m` with every string the request gave marked.
+fn marked_message(marks: &ContentMarks, m: &ChatMessage) -> ChatMessage {
+    let mark = |s: &str| marks.mark(s).into_owned();
+    ChatMessage {
+        role: m.role.clone(),
+        content: mark(&m.content),
+        tool_calls: m
+            .tool_calls
+            .iter()
+            .map(|c| proto::chat::PastCall {
+                id: mark(&c.id),
+                name: mark(&c.name),
+                arguments: mark(&c.arguments),
+            })
+            .collect(),
+        tool_call_id: m.tool_call_id.as_deref().map(mark),
+    }
+}
+
+/// `t` with every string the request gave marked.
+fn marked_tool(marks: &ContentMarks, t: &ToolDef) -> ToolDef {
+    let mark = |s: &str| marks.mark(s).into_owned();
+    ToolDef {
+        name: mark(&t.name),
+        description: t.description.as_deref().map(mark),
+        parameters: mark(&t.parameters),
     }
 }
 

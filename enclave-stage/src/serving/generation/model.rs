@@ -5,6 +5,7 @@
 //! its [`LlamaPart`].
 
 use super::chat_template::ChatTemplate;
+use super::content_text::{self, ContentMarks};
 use super::grammar::Grammars;
 use crate::models::gguf_tokenizer;
 use crate::models::llama::{Architecture, LlamaConfig, LlamaPart, WeightFormat};
@@ -134,6 +135,7 @@ impl GenModel {
                         &token(config.bos_token_id),
                         &token(config.eos_token_id),
                     )
+                    .and_then(|c| c.with_marks(ContentMarks::of_tokenizer(t)))
                     .map_err(anyhow::Error::msg)?,
                 )
             }
@@ -172,11 +174,23 @@ impl GenModel {
         })
     }
 
-    /// Tokenizes a prompt: a raw one (`special`) with the BOS token where
-    /// the model's tokenizer puts one (for a GGUF's own tokenizer, where
-    /// llama.cpp would: `crate::models::gguf_tokenizer`), a rendered chat
-    /// as it is (its template writes its own).
+    /// Tokenizes a prompt: a raw one (`special`: a `/v1/completions`
+    /// prompt, the caller's own text) with its special-token text as
+    /// special tokens and the BOS token where the model's tokenizer puts
+    /// one (for a GGUF's own tokenizer, where llama.cpp would:
+    /// `crate::models::gguf_tokenizer`); a chat rendered by
+    /// [`GenModel::chat_template`] with no BOS added (its template writes
+    /// its own) and its content's special-token text as text
+    /// ([`content_text`]).
     pub fn tokenize(&self, text: &str, special: bool) -> Result<Vec<u32>, String> {
-        crate::tokens::encode(self.tokenizer.as_ref(), text, special)
+        if special {
+            crate::tokens::encode(self.tokenizer.as_ref(), text, true)
+        } else {
+            let t = self
+                .tokenizer
+                .as_ref()
+                .ok_or("this stage does not tokenize")?;
+            content_text::encode(t, text)
+        }
     }
 }
