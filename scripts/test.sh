@@ -25,11 +25,13 @@
 #      would start it, serving through a gateway (scripts/test-enclave-image.sh:
 #      a static musl build; ENCLAVE_IMAGE_E2E=0 skips it); the Kubernetes
 #      overlays rendered and schema-validated (scripts/test-k8s-manifests.sh);
-#   5. the README's quickstart commands as written, their output against the
-#      README's, and its sealed path (policy pin, proxy) (scripts/check_quickstart.py); the stock `openai` Python SDK
-#      and LangChain's ChatOpenAI against a live gateway, directly and through `gateway proxy`, with structured outputs
-#      and tool calls (scripts/test_structured.py: the schema suite directly,
-#      a fifth of it through the proxy);
+#   5. against a live gateway: the README's quickstart commands as written,
+#      their output against the README's, and its sealed path (policy pin,
+#      proxy) (scripts/check_quickstart.py); docs/curl.md's walkthrough as
+#      written (scripts/check_curl_walkthrough.py); the stock `openai` Python
+#      SDK and LangChain's ChatOpenAI, directly and through `gateway proxy`,
+#      with structured outputs and tool calls (scripts/test_structured.py: the
+#      schema suite directly, a fifth of it through the proxy);
 #   6. the Python package (client/python): its wheel built with maturin from
 #      PyPI, installed with `openai` into a clean virtualenv, and
 #      client/python/tests/test_client.py run against the live gateway.
@@ -100,6 +102,8 @@ done
 [[ -n "$url" ]] || { cat "$log"; echo "gateway did not start" >&2; exit 1; }
 echo "== the README's quickstart, its commands as written (scripts/check_quickstart.py)"
 python3 scripts/check_quickstart.py --base-url "$url"
+echo "== docs/curl.md's walkthrough, its commands as written (scripts/check_curl_walkthrough.py)"
+python3 scripts/check_curl_walkthrough.py --base-url "$url"
 echo "== openai SDK against a live gateway"
 python3 scripts/test_openai_sdk.py --base-url "$url/v1"
 echo "== structured outputs and tool calls: schema suite, openai SDK, LangChain (scripts/test_structured.py)"
