@@ -39,6 +39,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base-url", required=True, help="the running gateway")
     args = ap.parse_args()
+    for tool in ("curl", "openssl"):
+        if not shutil.which(tool):
+            sys.exit(f"FAIL the walkthrough needs `{tool}` (Debian: apt-get install {tool})")
     doc = open(os.path.join(ROOT, "docs/curl.md")).read()
     blocks = re.findall(r"^```sh\n(.*?)^```$", doc, re.S | re.M)
     script = "\n".join(blocks[1:])
