@@ -25,6 +25,7 @@
 use crate::bundle::{fetch_bundle, load_bundle};
 use crate::client_key::{aead_name, ClientKeyFile};
 use crate::io::{parse_hex, read_input, write_output};
+use crate::sealed::sse;
 use crate::transport::{base_url, http_client, random_nonce, runtime};
 use crate::verify::verify_evidence;
 use crate::{EXIT_FAILED, EXIT_OK};
@@ -290,7 +291,9 @@ pub fn run_seal(a: SealArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs `gateway open`; returns the exit code.
+/// Runs `gateway open`; returns the exit code: 0 only for a whole answer
+/// with its receipt trailer (a sealed error is written out but exits 1; a
+/// body cut short, without a trailer, exits 1 and writes nothing).
 pub fn run_open(a: OpenArgs) -> Result<i32> {
     let mut file = ClientKeyFile::load(&a.key)?;
     let body = read_input(&a.input)?;
@@ -303,6 +306,14 @@ pub fn run_open(a: OpenArgs) -> Result<i32> {
                     return Ok(EXIT_FAILED);
                 }
             };
+            // No trailer: only a whole sealed error may end so. Anything else
+            // was cut short (a stream the host cancelled ends with the exit
+            // stage's error event and no receipt): nothing proves it, so
+            // nothing is written.
+            if trailer.is_none() && !sse::is_error_object(&plain) {
+                eprintln!("error: {}", cut_short(&plain));
+                return Ok(EXIT_FAILED);
+            }
             // The receipt's entry stage must have opened *this* request's
             // encapsulated key; otherwise the host opened it (it handed out
             // a key of its own) and re-sealed everything: nothing is written.
@@ -377,6 +388,34 @@ pub fn run_open(a: OpenArgs) -> Result<i32> {
     }
 }
 
+/// What `open` says of a sealed body that ended without its receipt trailer
+/// and is not a whole sealed error: where it was cut, and the error event it
+/// ended with, if any.
+fn cut_short(plain: &[u8]) -> String {
+    let last_error = sse::ends_with_error_event(plain)
+        .then(|| {
+            let text = String::from_utf8_lossy(plain);
+            let last = text
+                .trim_end()
+                .rsplit("\n\n")
+                .next()?
+                .strip_prefix("data: ")?;
+            let v: serde_json::Value = serde_json::from_str(last).ok()?;
+            Some(format!(
+                "; its last event is an error: {}",
+                serde_json::to_string(&v["error"]).ok()?
+            ))
+        })
+        .flatten()
+        .unwrap_or_default();
+    format!(
+        "the sealed response was cut: it ends without its receipt trailer and is not a \
+         sealed error (e.g. the host cancelled the stream){last_error}; its {} bytes are \
+         unverified and were not written",
+        plain.len()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -404,5 +443,15 @@ mod tests {
             let sealed = seal_response(&material, b"response").unwrap();
             assert_eq!(open_response(&back.key, &sealed).unwrap(), b"response");
         }
+    }
+
+    #[test]
+    fn a_cut_body_is_named_with_its_last_error_event() {
+        let ev = b"data: {\"choices\":[]}\n\ndata: {\"error\":{\"message\":\"The request was cancelled.\",\"code\":\"generation_failed\"}}\n\n";
+        let m = cut_short(ev);
+        assert!(m.contains("cut"), "{m}");
+        assert!(m.contains("The request was cancelled."), "{m}");
+        let m = cut_short(b"data: {\"choices\":[]}\n\n");
+        assert!(m.contains("cut") && !m.contains("last event"), "{m}");
     }
 }

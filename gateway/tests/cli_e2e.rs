@@ -7,6 +7,8 @@
 //! stage processes); the sections run in order and name themselves on failure.
 
 mod common;
+#[path = "cli_e2e/cut_stream.rs"]
+mod cut_stream;
 #[path = "cli_e2e/evidence.rs"]
 mod evidence;
 #[path = "cli_e2e/policy_pin.rs"]

@@ -295,6 +295,76 @@ async fn attestation_is_cached_per_nonce_and_rate_limited_per_client() {
     assert_eq!(cached, first);
 }
 
+/// Issue 47, finding 3: one address flooding `/v1/attestation` with fresh
+/// nonces, first within its own rate and then far past it, cannot starve
+/// another address (the calls it was refused used to spend the global
+/// budget, and it could take all of a second's budget itself).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flooding_address_cannot_starve_another_of_fresh_attestation() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let gw = Gateway::start(Options {
+        server_extra: "attestation_per_minute = 60\nattestation_cache_secs = 0\n".into(),
+        ..Options::default()
+    });
+    // Two loopback source addresses: the gateway counts clients by address.
+    let from = |ip: &str| {
+        reqwest::Client::builder()
+            .local_address(ip.parse::<std::net::IpAddr>().unwrap())
+            .timeout(std::time::Duration::from_secs(30))
+            .build()
+            .unwrap()
+    };
+    let (flooder, victim) = (from("127.0.0.1"), from("127.0.0.2"));
+    let fresh = |c: reqwest::Client, url: String, nonce: String| async move {
+        c.get(format!("{url}/v1/attestation?nonce={}", hex::encode(nonce)))
+            .header("accept", "application/cbor")
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, refused) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let tasks: Vec<_> = (0..8)
+        .map(|t| {
+            let (c, url, stop) = (flooder.clone(), gw.url.clone(), stop.clone());
+            let (ok, refused) = (ok.clone(), refused.clone());
+            tokio::spawn(async move {
+                for i in 0.. {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    match fresh(c.clone(), url.clone(), format!("flood {t} {i}")).await {
+                        200 => ok.fetch_add(1, Ordering::Relaxed),
+                        429 => refused.fetch_add(1, Ordering::Relaxed),
+                        s => panic!("flood: status {s}"),
+                    };
+                }
+            })
+        })
+        .collect();
+    // The flood runs through its own minute's budget meanwhile.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let mut answers = Vec::new();
+    for i in 0..12 {
+        answers.push(fresh(victim.clone(), gw.url.clone(), format!("victim {i}")).await);
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let (ok, refused) = (ok.load(Ordering::Relaxed), refused.load(Ordering::Relaxed));
+    assert!(ok <= 60, "the flooder got {ok} fresh answers");
+    assert!(refused > 200, "the flood was refused only {refused} times");
+    assert!(
+        answers.iter().all(|&s| s == 200),
+        "the other address got {answers:?} while one address was answered {ok} and refused {refused} times"
+    );
+}
+
 /// Verifies a receipt over `request` and `response` (mock evidence allowed)
 /// and asserts who opened the request.
 fn assert_receipt_sealing(
