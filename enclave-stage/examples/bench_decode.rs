@@ -46,8 +46,8 @@ fn main() -> Result<()> {
     let mut part = LlamaPart::load_as(&gguf, 0..layers, true, true, weights)?;
     // A fixed pseudo-text: ids spread over the vocabulary.
     let ids = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| 100 + (i * 7919) % 40000).collect() };
-    let mut seq = 0u64;
-    let first = |part: &mut LlamaPart, p: &[u32], seq: u64| -> Result<u32> {
+    let mut seq = 0u128;
+    let first = |part: &mut LlamaPart, p: &[u32], seq: u128| -> Result<u32> {
         let b = [SeqSlice::new(seq, 0, p.len())];
         let h = part.embed(p)?;
         let h = part.forward(&h, &b)?;

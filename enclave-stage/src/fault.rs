@@ -7,7 +7,10 @@
 //! - `STAGE_FAULT_TOKEN_ID=<id>` (generation entry stage) fails every step
 //!   whose input token ids contain `id`;
 //! - `STAGE_FAULT_HOST_REPLAY_CAPACITY=<n>` (entry stage) shrinks the replay
-//!   guard's partition for host-sealed requests to `n` keys.
+//!   guard's partition for host-sealed requests to `n` keys;
+//! - `STAGE_FAULT_PANIC=1` makes a step the fault fails panic instead, and
+//!   the first `Stats` a host channel asks for panic its session (panic
+//!   containment tests).
 
 use proto::frames::BatchItem;
 
@@ -24,6 +27,8 @@ pub struct Fault {
     token_id: Option<u32>,
     #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     host_replay_capacity: Option<usize>,
+    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    panic: bool,
 }
 
 impl Fault {
@@ -40,6 +45,7 @@ impl Fault {
                 delay_ms: var("STAGE_FAULT_DELAY_MS"),
                 token_id: var("STAGE_FAULT_TOKEN_ID"),
                 host_replay_capacity: var("STAGE_FAULT_HOST_REPLAY_CAPACITY"),
+                panic: var::<u8>("STAGE_FAULT_PANIC") == Some(1),
             };
             if f.stage.is_some() {
                 tracing::warn!(fault = ?f, "FAULT INJECTION ENABLED (test build)");
@@ -75,6 +81,27 @@ impl Fault {
         }
         let _ = (stage, items);
         false
+    }
+
+    /// Whether a fault that fires panics (instead of failing its step).
+    pub fn panics(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        return self.panic;
+        #[cfg(not(feature = "fault-injection"))]
+        false
+    }
+
+    /// Panics once per process at `stage` when `STAGE_FAULT_PANIC` is set:
+    /// the first host session that asks for `Stats` dies of it.
+    pub fn panic_once_in_session(&self, stage: u32) {
+        #[cfg(feature = "fault-injection")]
+        if self.stage == Some(stage) && self.panic {
+            static ONCE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !ONCE.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                panic!("injected panic in a host session");
+            }
+        }
+        let _ = stage;
     }
 
     /// [`Fault::fires`] for a generation step; also fails a step whose input

@@ -74,11 +74,14 @@ impl StageCounters {
             requests: get(&self.requests),
             waiting: get(&self.waiting),
             active_sequences: get(&self.active_sequences),
-            kv_tokens_used: get(&self.kv_tokens_used),
+            // Bucketed as sealed requests' token counts are: polled
+            // exactly, they would tell a lone request's prompt length and
+            // `max_tokens × n` (issue 47).
+            kv_tokens_used: proto::frames::bucket_count(get(&self.kv_tokens_used)),
             batches: get(&self.batches),
             batch_rows: get(&self.batch_rows),
             batch_size_counts: self.batch_sizes.iter().map(get).collect(),
-            tokens: get(&self.tokens),
+            tokens: proto::frames::bucket_count(get(&self.tokens)),
             compute_ns: get(&self.compute_ns),
         }
     }
@@ -153,7 +156,8 @@ mod tests {
         let s = c.snapshot();
         assert_eq!(s.batches, 4);
         assert_eq!(s.batch_rows, 306);
-        assert_eq!(s.tokens, 40);
+        // 40 tokens, shown to the host to their bucket.
+        assert_eq!(s.tokens, 48);
         assert_eq!(&s.batch_size_counts[..3], &[1, 1, 1]);
         assert_eq!(*s.batch_size_counts.last().unwrap(), 1);
     }

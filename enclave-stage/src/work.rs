@@ -55,6 +55,41 @@ pub enum Work {
     Reset,
 }
 
+impl Work {
+    /// The requests this work is about, sorted without repeats (none for
+    /// [`Work::Reset`]): what fails when handling it panics.
+    pub fn request_ids(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = match self {
+            Work::Begin(ctx) => vec![ctx.env.request_id],
+            Work::Seqs(seqs) => seqs.iter().map(|s| s.item.request_id).collect(),
+            Work::Batch(b) | Work::Activation(ActivationMessage::Batch(b)) => {
+                b.items.iter().map(|i| i.request_id).collect()
+            }
+            Work::BeginGeneration { ctx, .. }
+            | Work::Activation(ActivationMessage::BeginGeneration(ctx)) => {
+                vec![ctx.env.request_id]
+            }
+            Work::Activation(ActivationMessage::Begin(ctx)) => vec![ctx.env.request_id],
+            Work::Activation(ActivationMessage::Step(b)) => {
+                b.seqs.iter().map(|s| s.request_id).collect()
+            }
+            Work::Activation(
+                ActivationMessage::Links { request_id, .. }
+                | ActivationMessage::Failed { request_id, .. },
+            )
+            | Work::Links { request_id, .. }
+            | Work::Failed { request_id, .. }
+            | Work::Cancel { request_id }
+            | Work::Feedback(FeedbackMessage::Dropped { request_id }) => vec![*request_id],
+            Work::Feedback(FeedbackMessage::Tokens(t)) => t.iter().map(|t| t.request_id).collect(),
+            Work::Reset => Vec::new(),
+        };
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+}
+
 /// What the compute thread (or a session) sends downstream.
 pub enum Output {
     /// To the next stage.

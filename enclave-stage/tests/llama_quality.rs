@@ -120,7 +120,7 @@ fn quantized_decode_is_batch_invariant_and_prefill_agrees() {
     for (i, &t) in p.iter().enumerate() {
         step(&mut again, &[SeqSlice::new(2, i, 1)], &[t]);
     }
-    for s in [7u64, 8] {
+    for s in [7u128, 8] {
         step(&mut again, &[SeqSlice::new(s, 0, 3)], &ids[70..73]);
     }
     let b = [

@@ -83,7 +83,7 @@ impl Pipeline {
     }
 
     /// Greedy-decodes `n` tokens for one sequence.
-    fn generate(&mut self, seq: u64, prompt: &[u32], n: usize) -> Vec<u32> {
+    fn generate(&mut self, seq: u128, prompt: &[u32], n: usize) -> Vec<u32> {
         let mut out = self.step(prompt, &[SeqSlice::new(seq, 0, prompt.len())]);
         while out.len() < n {
             let pos = prompt.len() + out.len() - 1;
@@ -103,7 +103,7 @@ impl Pipeline {
         let batch: Vec<SeqSlice> = prompts
             .iter()
             .enumerate()
-            .map(|(i, p)| SeqSlice::new(100 + i as u64, 0, p.len()))
+            .map(|(i, p)| SeqSlice::new(100 + i as u128, 0, p.len()))
             .collect();
         let mut outs: Vec<Vec<u32>> = self
             .step(&tokens, &batch)
@@ -114,7 +114,7 @@ impl Pipeline {
             let batch: Vec<SeqSlice> = prompts
                 .iter()
                 .enumerate()
-                .map(|(i, p)| SeqSlice::new(100 + i as u64, p.len() + outs[i].len() - 1, 1))
+                .map(|(i, p)| SeqSlice::new(100 + i as u128, p.len() + outs[i].len() - 1, 1))
                 .collect();
             let last: Vec<u32> = outs.iter().map(|o| *o.last().unwrap()).collect();
             for (o, t) in outs.iter_mut().zip(self.step(&last, &batch)) {
@@ -123,7 +123,7 @@ impl Pipeline {
         }
         for i in 0..prompts.len() {
             for p in &mut self.parts {
-                assert!(p.free(100 + i as u64));
+                assert!(p.free(100 + i as u128));
             }
         }
         outs
@@ -192,7 +192,7 @@ fn greedy_matches_reference_whole_split_and_batched() {
     let single: Vec<Vec<u32>> = prompts
         .iter()
         .enumerate()
-        .map(|(i, p)| whole.generate(i as u64, p, 32))
+        .map(|(i, p)| whole.generate(i as u128, p, 32))
         .collect();
     let dt = t0.elapsed().as_secs_f64();
     let n_tok = 32 * prompts.len();
@@ -223,7 +223,7 @@ fn greedy_matches_reference_whole_split_and_batched() {
     let two: Vec<Vec<u32>> = prompts
         .iter()
         .enumerate()
-        .map(|(i, p)| split.generate(i as u64, p, 32))
+        .map(|(i, p)| split.generate(i as u128, p, 32))
         .collect();
     check_all("two parts", &r, &two);
     let batched2 = split.generate_batched(&prompts, 32);
@@ -332,13 +332,13 @@ fn batched_decode_throughput() {
             .collect();
         let tokens: Vec<u32> = prompts.concat();
         let batch: Vec<SeqSlice> = (0..bs)
-            .map(|i| SeqSlice::new(i as u64, 0, prompts[i].len()))
+            .map(|i| SeqSlice::new(i as u128, 0, prompts[i].len()))
             .collect();
         let mut last = whole.step(&tokens, &batch);
         let t0 = Instant::now();
         for s in 0..steps {
             let batch: Vec<SeqSlice> = (0..bs)
-                .map(|i| SeqSlice::new(i as u64, prompts[i].len() + s, 1))
+                .map(|i| SeqSlice::new(i as u128, prompts[i].len() + s, 1))
                 .collect();
             last = whole.step(&last, &batch);
         }
@@ -349,7 +349,7 @@ fn batched_decode_throughput() {
             1e3 * dt / steps as f64
         );
         for i in 0..bs {
-            whole.parts[0].free(i as u64);
+            whole.parts[0].free(i as u128);
         }
     }
 }

@@ -135,7 +135,7 @@ fn baseline(args: &Args) -> Result<Value> {
     let mut part = LlamaPart::load(&gguf, 0..30, true, true)?;
     let prompts = tokenize(&PROMPTS)?;
     let eos = 2usize;
-    let mut next_id = 0u64;
+    let mut next_id = 0u128;
     // Greedy step over a batch; EOS suppressed as in the gateway runs.
     let step = |part: &mut LlamaPart, batch: &[SeqSlice], ids: &[u32]| -> Result<Vec<u32>> {
         let h = part.embed(ids)?;
@@ -176,8 +176,8 @@ fn baseline(args: &Args) -> Result<Value> {
     // Aggregate: C sequences decoded together (one batch per step).
     let mut agg = serde_json::Map::new();
     for &c in &args.concurrency {
-        let ids: Vec<u64> = (0..c as u64).map(|i| next_id + i).collect();
-        next_id += c as u64;
+        let ids: Vec<u128> = (0..c as u128).map(|i| next_id + i).collect();
+        next_id += c as u128;
         let ps: Vec<&Vec<u32>> = (0..c).map(|i| &prompts[i % prompts.len()]).collect();
         let t0 = Instant::now();
         let batch: Vec<SeqSlice> = ids

@@ -373,6 +373,47 @@ async fn a_fault_on_one_sequence_ends_only_its_stream() {
     assert!(gw.log().contains("injected fault"));
 }
 
+/// Issue 47, item 8: a step that panics (injected in the test build) fails
+/// the request it belongs to, and the stage's compute thread goes on: the
+/// next request is answered. Before, the panic ended the compute thread and
+/// every later request waited for its deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_panic_in_a_step_fails_only_its_request() {
+    let poison = 48_000u32;
+    let items = reference();
+    let mut opts = completions_options(&[[0, 15], [15, 30]], F32);
+    opts.env = common::fault_env(
+        0,
+        &[
+            ("STAGE_FAULT_TOKEN_ID", &poison.to_string()),
+            ("STAGE_FAULT_PANIC", "1"),
+        ],
+    );
+    let gw = Gateway::start(opts);
+    let tok = tokenizer();
+    let mut bias = serde_json::Map::new();
+    bias.insert(poison.to_string(), json!(100));
+    let limit = Duration::from_secs(60);
+    let poisoned = json!({"model": MODEL, "prompt": "Write a poem", "max_tokens": 8,
+                          "temperature": 0, "logit_bias": bias});
+    let (status, body, _) = tokio::time::timeout(limit, complete(&gw.url, poisoned))
+        .await
+        .expect("the poisoned request is answered (the stage did not hang)");
+    assert_eq!(status, 500, "{body}");
+    assert_error_shape(&body);
+    for it in items.iter().take(2) {
+        let clean = json!({"model": MODEL, "prompt": it.prompt, "max_tokens": 32,
+                           "temperature": 0});
+        let (status, body, _) = tokio::time::timeout(limit, complete(&gw.url, clean))
+            .await
+            .expect("a request after the panic is answered");
+        assert_eq!(status, 200, "{body}");
+        let (_, want, _) = expected(&tok, &it.ids);
+        assert_eq!(body["choices"][0]["text"], want.as_str(), "{:?}", it.prompt);
+    }
+    assert!(gw.log().contains("the step panicked"), "{}", gw.log());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn admission_by_kv_memory_and_disconnect_frees_every_stage() {
     // 2100 KV tokens per stage; nobody may wait.

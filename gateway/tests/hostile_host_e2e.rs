@@ -436,30 +436,153 @@ async fn an_extra_feedback_session_is_refused() {
 /// exit stage X2 feeds a second entry process E2; E → X2 and E2 → X1. The
 /// victim's request goes to E and the host's own to E2 under the same id,
 /// both running exactly 8 tokens (end-of-text banned), so the tokens the
-/// host's pipeline samples become the victim's next inputs while X2 streams
-/// and signs the victim's answer. Must hold: the victim never accepts an
-/// answer that is not the model's own greedy completion of its prompt (the
-/// exit stage checks every step's input token against the one it sampled,
-/// and fails the request).
+/// host's pipeline samples would become the victim's next inputs while X2
+/// streams and signs the victim's answer. Must hold: the victim never
+/// accepts an answer that is not the model's own greedy completion of its
+/// prompt, and (issue 47) the victim's outcome is **the same** whether the
+/// host's tokens equal the victim's (the host's request is the victim's
+/// prompt) or not: otherwise fail-or-continue answers "was my guess the
+/// victim's token?". Before fed-back tokens were tagged with the request's
+/// feedback key, the first run failed and the second was answered.
 #[tokio::test]
 async fn tokens_fed_back_from_another_pipeline_fail_the_request() {
     let _one = serial().await;
     let rig = Rig::generation("hostile-crosswired", &[[0, 15], [15, 30]]);
-    let body = |p: &Pipeline, prompt: &str| {
-        let mut b = p.body(json!(prompt));
-        b["logit_bias"] = json!({"0": -100, "2": -100});
-        b
-    };
     // The victim's right answer, from the pipeline wired as the gateway wires it.
     let mut p = rig.pipeline().await;
     let clean = {
-        let s = p.seal(&body(&p, VICTIM_PROMPT));
+        let s = p.seal(&banned_eos(&p, VICTIM_PROMPT));
         completion_text(&p.answer(&s).await)
     };
     p.close().await;
+    let wrong_guess = crosswired(&rig, ATTACKER_PROMPT, &clean, "a").await;
+    let right_guess = crosswired(&rig, VICTIM_PROMPT, &clean, "b").await;
+    assert_eq!(
+        wrong_guess, right_guess,
+        "the victim's outcome depends on whether the host's fed-back tokens equal its own: \
+         an equality oracle on the sealed answer"
+    );
+    assert!(
+        wrong_guess.starts_with("failed"),
+        "a cross-wired pipeline should fail the victim's request: {wrong_guess}"
+    );
+}
 
-    let e2 = rig.extra_stage(0, "entry2");
-    let x1 = rig.extra_stage(1, "exit1");
+/// Plays (issue 47): a host that reads a sealed stream's chunk sizes, which
+/// were one sealed chunk per token with the token's text length in clear
+/// (" capital of France is Paris." read as 8, 3, 7, 3, 6, 1). Must hold:
+/// every chunk after the first of a sealed stream has the same ciphertext
+/// length, whatever its tokens, for answers of different token lengths, and
+/// the stream still opens and verifies for its client (`completions_e2e`,
+/// `sealing_e2e` stream their answers through the same code).
+#[tokio::test]
+async fn sealed_stream_chunks_do_not_tell_token_lengths() {
+    let _one = serial().await;
+    let rig = Rig::generation("hostile-shape", &[[0, 15], [15, 30]]);
+    let mut p = rig.pipeline().await;
+    let mut lengths = std::collections::BTreeMap::new();
+    for prompt in [VICTIM_PROMPT, ATTACKER_PROMPT, "Numbers: 1, 22, 333, 4444,"] {
+        let mut b = banned_eos(&p, prompt);
+        b["stream"] = json!(true);
+        b["max_tokens"] = json!(12);
+        let sealed = p.seal(&b);
+        let id = fresh_id();
+        assert!(p.submit(&sealed, id, Sealing::Enclave).await);
+        let mut first = true;
+        let mut chunks = Vec::new();
+        for m in p.stream_for(id, ANSWER).await {
+            let data = match m {
+                ResultMessage::StreamData { data, .. } => data,
+                ResultMessage::StreamEnd { data, .. } => data,
+                ResultMessage::StreamStart { .. } => continue,
+                other => panic!("the stream for {prompt:?} failed: {other:?}"),
+            };
+            // The first bytes are the response nonce (AES-128-GCM: 16).
+            let mut rest = if std::mem::take(&mut first) {
+                &data[16..]
+            } else {
+                &data[..]
+            };
+            while !rest.is_empty() {
+                let len = u32::from_be_bytes(rest[..4].try_into().unwrap()) as usize;
+                chunks.push(len);
+                rest = &rest[4 + len..];
+            }
+        }
+        assert!(chunks.len() >= 12, "{prompt:?}: {chunks:?}");
+        lengths.insert(prompt, chunks);
+    }
+    // The token chunks (all but the first, which carries the first event,
+    // and the last two: the final event and the trailer) are all one size,
+    // for every answer; every chunk is a whole bucket.
+    let mut sizes = std::collections::BTreeSet::new();
+    for (prompt, chunks) in &lengths {
+        for &c in chunks {
+            assert_eq!(
+                (c - proto::sealing::TAG_LEN) % proto::sealing::PAD_BUCKET,
+                0,
+                "{prompt:?}: a chunk of {c} bytes is not a whole bucket: {chunks:?}"
+            );
+        }
+        sizes.extend(chunks[1..chunks.len() - 2].iter().copied());
+    }
+    assert_eq!(
+        sizes.len(),
+        1,
+        "token chunks of several sizes, so their lengths show: {lengths:?}"
+    );
+    p.close().await;
+}
+
+/// Plays (issue 47, item 8): a host whose session with a stage dies of a
+/// panic inside the stage (injected in the test build: the first `Stats`
+/// a session asks for). Must hold: the stage tears that session's pipeline
+/// down and releases itself, so a new host channel configures it (before,
+/// it stayed owned by the dead session and refused every configuration
+/// until restarted).
+#[tokio::test]
+async fn a_host_session_that_panics_releases_the_stage() {
+    let _one = serial().await;
+    let rig = Rig::generation("hostile-panic", &[[0, 30]]);
+    let stage = rig.extra_stage_with(
+        0,
+        "panicky",
+        &[("STAGE_FAULT_STAGE", "0"), ("STAGE_FAULT_PANIC", "1")],
+    );
+    let (mut h, r) = configure_at(&stage.endpoint, None, None).await;
+    r.expect("the first host channel configures the stage");
+    assert!(h.send(&HostMessage::Stats).await);
+    assert!(
+        h.closed_within(CLOSE).await,
+        "the panicking session's channel closes"
+    );
+    let (mut h2, r) = configure_at(&stage.endpoint, None, None).await;
+    r.expect("a new host channel configures the stage after the panic");
+    assert!(h2.send(&HostMessage::Stats).await);
+    assert!(
+        matches!(
+            h2.next(ANSWER).await,
+            common::hostile::Next::Reply(proto::frames::StageReply::Stats(_))
+        ),
+        "the reconfigured stage answers"
+    );
+    h2.close().await;
+}
+
+/// A completions body for `prompt` that runs exactly 8 tokens (the end of
+/// text and padding banned).
+fn banned_eos(p: &Pipeline, prompt: &str) -> serde_json::Value {
+    let mut b = p.body(json!(prompt));
+    b["logit_bias"] = json!({"0": -100, "2": -100});
+    b
+}
+
+/// One cross-wired run (see above) with the host's own request for
+/// `attacker_prompt`: what the victim observes of its request (failed with
+/// a status, accepted, refused, nothing), after checking the invariant.
+async fn crosswired(rig: &Rig, attacker_prompt: &str, clean: &str, tag: &str) -> String {
+    let e2 = rig.extra_stage(0, &format!("entry2{tag}"));
+    let x1 = rig.extra_stage(1, &format!("exit1{tag}"));
     let (x1_host, r) = configure_at(&x1.endpoint, None, Some(rig.endpoint(0))).await;
     r.expect("X1 takes the entry stage's feedback session");
     let (mut e2_host, r) = configure_at(&e2.endpoint, Some(x1.endpoint.clone()), None).await;
@@ -467,14 +590,14 @@ async fn tokens_fed_back_from_another_pipeline_fail_the_request() {
     let mut p = rig.pipeline_fed_by(Some(e2.endpoint.clone())).await;
     let victim = Client {
         name: "victim".into(),
-        sealed: p.seal(&body(&p, VICTIM_PROMPT)),
-        want: Want::Text(clean),
+        sealed: p.seal(&banned_eos(&p, VICTIM_PROMPT)),
+        want: Want::Text(clean.into()),
     };
     // The host's own request, sealed to E2's key.
     let (keys, _) =
         proto::bundle::entry_keys(e2_host.peer.claims.as_ref().unwrap(), e2_keys.as_deref())
             .unwrap();
-    let attacker_body = serde_json::to_vec(&body(&p, ATTACKER_PROMPT)).unwrap();
+    let attacker_body = serde_json::to_vec(&banned_eos(&p, attacker_prompt)).unwrap();
     let (headers, sealed_body, _) =
         proto::sealing::seal_request(&keys[0], proto::sealing::Aead::Aes128Gcm, &attacker_body)
             .unwrap();
@@ -492,9 +615,18 @@ async fn tokens_fed_back_from_another_pipeline_fail_the_request() {
     assert!(e2_host.send(&attack).await);
     let results = p.collect(1, Duration::from_secs(30)).await;
     p.check_invariant(&results, &[&victim]);
+    let seen = match results.iter().find(|r| request_id_of(r) == id) {
+        None => "no answer".to_string(),
+        Some(ResultMessage::Failed { error, .. }) => format!("failed with {}", error.status),
+        Some(r) => match accept(&p.attested, &victim.sealed, r) {
+            Ok(_) => "accepted".into(),
+            Err(_) => "refused".into(),
+        },
+    };
     p.close().await;
     e2_host.close().await;
     x1_host.close().await;
+    seen
 }
 
 /// Plays: a host that delivers clients' sealed completions requests under

@@ -173,6 +173,30 @@ pub struct RequestTelemetry {
     pub first_token_unix_ns: Option<u64>,
 }
 
+impl RequestTelemetry {
+    /// What the host may learn of a request sealed as `sealing`: all of it
+    /// when the host saw the request anyway (`plain`, `gateway`); for a
+    /// request sealed to the enclave, token counts only to their bucket
+    /// ([`bucket_count`]) and no finish reasons (whether an answer stopped
+    /// or ran to its limit says something about it).
+    pub fn for_host(mut self, sealing: Sealing) -> Self {
+        if sealing == Sealing::Enclave {
+            self.input_tokens = bucket_count(self.input_tokens);
+            self.output_tokens = bucket_count(self.output_tokens);
+            self.finish_reasons.clear();
+        }
+        self
+    }
+}
+
+/// A count as the host may see it for a request sealed to the enclave:
+/// rounded up to a multiple of 16, then as sealed bodies' lengths are
+/// (Padmé: only the top `⌊log₂ ⌊log₂ n⌋⌋ + 1` bits may be set), so that it
+/// tells about `log log n` bits.
+pub fn bucket_count(n: u64) -> u64 {
+    crate::sealing::padded_len_with(n as usize, 16) as u64
+}
+
 /// A stage's load counters, answered to [`HostMessage::Stats`]. Counters
 /// are totals since the stage started.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -183,7 +207,8 @@ pub struct StageStats {
     pub waiting: u64,
     /// Sequences being generated (generation stages).
     pub active_sequences: u64,
-    /// KV-cache tokens allocated (generation stages).
+    /// KV-cache tokens allocated (generation stages), to its
+    /// [`bucket_count`].
     pub kv_tokens_used: u64,
     /// Micro-batches (or generation steps) run.
     pub batches: u64,
@@ -193,7 +218,7 @@ pub struct StageStats {
     /// (not cumulative: bucket *i* counts sizes in `(bound[i-1], bound[i]]`),
     /// plus one for larger ones.
     pub batch_size_counts: Vec<u64>,
-    /// Tokens run through this stage's layers.
+    /// Tokens run through this stage's layers, to its [`bucket_count`].
     pub tokens: u64,
     /// Time spent computing (ns).
     pub compute_ns: u64,
@@ -339,6 +364,9 @@ pub struct GenerationContext {
     pub seed: u64,
     /// Unix seconds when the entry stage accepted the request.
     pub created: u64,
+    /// The key the exit stage tags fed-back tokens with (drawn by the entry
+    /// stage per request; see [`crate::feedback`]).
+    pub feedback_key: crate::feedback::FeedbackKey,
 }
 
 /// One sequence's tokens in a generation step.
@@ -384,6 +412,10 @@ pub struct NextToken {
     pub token: u32,
     /// The choice is complete: the entry stage stops feeding it.
     pub finished: bool,
+    /// The exit stage's tag over this token under the request's feedback
+    /// key; the entry stage fails the request, before feeding anything, on
+    /// a tag that does not verify ([`crate::feedback`]).
+    pub tag: crate::feedback::FeedbackTag,
 }
 
 /// Exit stage → entry stage (generation pipelines of two or more stages).
@@ -501,5 +533,28 @@ mod tests {
         fn assert_zod<T: zeroize::ZeroizeOnDrop>() {}
         assert_zod::<Envelope>();
         assert_zod::<ResponseKeyMaterial>();
+    }
+
+    /// Issue 47, item 6: the host gets bucketed counts and no finish
+    /// reasons for a request sealed to the enclave, all of it otherwise.
+    #[test]
+    fn telemetry_of_sealed_requests_is_bucketed() {
+        let t = RequestTelemetry {
+            input_tokens: 13,
+            output_tokens: 1_000,
+            finish_reasons: vec!["stop".into()],
+            ..Default::default()
+        };
+        let sealed = t.clone().for_host(Sealing::Enclave);
+        assert_eq!((sealed.input_tokens, sealed.output_tokens), (16, 1_024));
+        assert!(sealed.finish_reasons.is_empty());
+        for s in [Sealing::Plain, Sealing::Gateway] {
+            assert_eq!(t.clone().for_host(s), t);
+        }
+        assert_eq!(bucket_count(0), 0);
+        for n in [1, 17, 100, 5_000] {
+            assert!(bucket_count(n) >= n && bucket_count(n).is_multiple_of(16));
+        }
+        assert_eq!(bucket_count(1), bucket_count(16));
     }
 }

@@ -22,6 +22,7 @@ pub mod claims;
 pub mod completions;
 pub mod digest;
 pub mod evidence;
+pub mod feedback;
 pub mod frames;
 #[cfg(feature = "io")]
 pub mod io;

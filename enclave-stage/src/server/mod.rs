@@ -330,6 +330,13 @@ impl StageServer {
 
     async fn host_session(self: &Arc<Self>, tx: SharedSender, mut rx: ChannelReceiver) {
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
+        // Releases the stage if this session unwinds (a panic): otherwise
+        // the stage would stay owned by a channel that no longer exists and
+        // refuse every new configuration until restarted.
+        let mut guard = OwnerGuard {
+            server: Some(self.clone()),
+            session,
+        };
         // Set once this channel configured the stage: only then may it
         // send requests and cancellations.
         let mut my_epoch: Option<u64> = None;
@@ -427,7 +434,11 @@ impl StageServer {
                     self.accept_request(req, epoch).await;
                     None
                 }
-                HostMessage::Stats => Some(StageReply::Stats(crate::stats::STATS.snapshot())),
+                HostMessage::Stats => {
+                    crate::fault::Fault::from_env()
+                        .panic_once_in_session(self.claims().stage_index);
+                    Some(StageReply::Stats(crate::stats::STATS.snapshot()))
+                }
                 HostMessage::Attest { nonce } => {
                     if nonce.len() > MAX_NONCE {
                         tracing::warn!("attestation nonce too long; closing");
@@ -454,6 +465,7 @@ impl StageServer {
                 }
             }
         }
+        guard.server = None;
         if let Some(p) = key_pusher {
             p.abort();
         }
@@ -683,5 +695,39 @@ fn received<T>(r: Result<Option<T>, proto::channel::ChannelError>, channel: &str
             tracing::warn!(channel, error = %e, "channel error");
             None
         }
+    }
+}
+
+/// Armed while a host session runs: dropped armed (the session unwound from
+/// a panic), it tears the pipeline down and then releases the stage's
+/// ownership, if the session held it, so that a host can configure the stage
+/// again. A session that ends normally disarms it and does the same itself.
+struct OwnerGuard {
+    server: Option<Arc<StageServer>>,
+    session: u64,
+}
+
+impl Drop for OwnerGuard {
+    fn drop(&mut self) {
+        let Some(server) = self.server.take() else {
+            return;
+        };
+        let session = self.session;
+        if *server.owner.lock().unwrap_or_else(|e| e.into_inner()) != Some(session) {
+            return;
+        }
+        tracing::error!("the host session that configured this stage panicked; tearing down");
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        // Ownership is released only after the teardown, so a new
+        // configuration cannot race the old pipeline's channels.
+        rt.spawn(async move {
+            server.tear_down().await;
+            let mut owner = server.owner.lock().unwrap_or_else(|e| e.into_inner());
+            if *owner == Some(session) {
+                *owner = None;
+            }
+        });
     }
 }

@@ -190,6 +190,7 @@ fn frames() -> Vec<(u8, Vec<u8>)> {
                 choice: 0,
                 token: 42,
                 finished: false,
+                tag: [0; 16],
             }])),
         ),
         (4, cbor(&hidden)),

@@ -285,12 +285,18 @@ impl Rig {
     /// Starts another process for stage `index` of the same build, model
     /// and policy (what a host can always do), logging to `dir/{log}.log`.
     pub fn extra_stage(&self, index: u32, log: &str) -> StageProc {
+        self.extra_stage_with(index, log, &[])
+    }
+
+    /// [`Self::extra_stage`] with extra environment (fault switches).
+    pub fn extra_stage_with(&self, index: u32, log: &str, env: &[(&str, &str)]) -> StageProc {
         let spec = StageSpec {
             model: &self.model,
             index,
             n: self.layers.len() as u32,
             layers: self.layers[index as usize],
             log,
+            env,
         };
         StageProc::spawn(
             &spec,
@@ -486,6 +492,34 @@ impl Pipeline {
                         ResultMessage::Response { .. } | ResultMessage::Failed { .. }
                     ) {
                         out.push(m);
+                    }
+                }
+                Next::Reply(_) | Next::Quiet => {}
+                Next::Closed => break,
+            }
+        }
+        out
+    }
+
+    /// Every message of request `id`'s stream on the exit stage's host
+    /// channel (start, data, end; or its failure) until it ends or `max`
+    /// passes; other requests' messages are dropped.
+    pub async fn stream_for(&mut self, id: u64, max: Duration) -> Vec<ResultMessage> {
+        let deadline = Instant::now() + max;
+        let mut out = Vec::new();
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            let exit = self.hosts.last_mut().unwrap();
+            match exit.next(left.min(Duration::from_millis(100))).await {
+                Next::Reply(StageReply::Result(m)) if request_id_of(&m) == id => {
+                    let end = matches!(
+                        m,
+                        ResultMessage::StreamEnd { .. }
+                            | ResultMessage::Failed { .. }
+                            | ResultMessage::Response { .. }
+                    );
+                    out.push(m);
+                    if end {
+                        break;
                     }
                 }
                 Next::Reply(_) | Next::Quiet => {}

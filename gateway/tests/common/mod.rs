@@ -478,6 +478,8 @@ pub struct StageSpec<'a> {
     pub layers: [u32; 2],
     /// Log file name in the test folder, without `.log`.
     pub log: &'a str,
+    /// Extra environment (the test build's fault switches).
+    pub env: &'a [(&'a str, &'a str)],
 }
 
 /// A stage process started by the test itself (for `launch = "remote"`).
@@ -510,6 +512,7 @@ impl StageProc {
             n,
             layers,
             log: &log,
+            env: &[],
         };
         Self::spawn(&spec, policy, dir, listen, extra)
     }
@@ -529,6 +532,7 @@ impl StageProc {
             n,
             layers,
             log,
+            env,
         } = *spec;
         let mut child = Command::new(stage_binary())
             .arg("--model-dir")
@@ -546,6 +550,7 @@ impl StageProc {
             .args(extra)
             .arg("--exit-with-stdin")
             .env("NO_COLOR", "1")
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(dir.join(format!("{log}.log"))).unwrap())

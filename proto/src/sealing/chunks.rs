@@ -4,8 +4,10 @@
 use super::cipher::{OpenCipher, SealCipher};
 use super::error::SealError;
 use super::headers::SealLimits;
+use super::padding::{pad, unpad};
 use super::{
-    AAD_FINAL, AAD_NOT_FINAL, AAD_TRAILER, CHUNK_OVERHEAD, DEFAULT_MAX_CHUNK, LEN_PREFIX, TAG_LEN,
+    AAD_FINAL, AAD_NOT_FINAL, AAD_TRAILER, CHUNK_OVERHEAD, DEFAULT_MAX_CHUNK, LEN_PREFIX,
+    PAD_BUCKET, TAG_LEN,
 };
 
 /// Streaming sealer: turns plaintext pieces into framed chunks.
@@ -31,11 +33,12 @@ impl ChunkSealer {
         }
     }
 
-    /// Sets the largest plaintext per chunk (default [`DEFAULT_MAX_CHUNK`];
-    /// at least 1). The receiver's [`SealLimits::max_chunk`] must be at
-    /// least this.
+    /// Sets the largest plaintext per chunk, padding included (default
+    /// [`DEFAULT_MAX_CHUNK`]; at least 2: one data byte and the padding's
+    /// marker). The receiver's [`SealLimits::max_chunk`] must be at least
+    /// this.
     pub fn set_max_chunk(&mut self, max_chunk: usize) {
-        self.max_chunk = max_chunk.max(1);
+        self.max_chunk = max_chunk.max(2);
     }
 
     /// Seals `data` as one or more chunks; with `last`, the final one is
@@ -45,10 +48,12 @@ impl ChunkSealer {
         if self.finished {
             return Err(SealError::Finished);
         }
-        let pieces = data.len().div_ceil(self.max_chunk);
+        // One byte of each chunk is the padding's marker at least.
+        let room = self.max_chunk - 1;
+        let pieces = data.len().div_ceil(room);
         let mut out = std::mem::take(&mut self.prefix);
-        out.reserve(data.len() + (pieces + 1) * CHUNK_OVERHEAD);
-        let mut chunks: Vec<&[u8]> = data.chunks(self.max_chunk).collect();
+        out.reserve(data.len() + (pieces + 1) * (CHUNK_OVERHEAD + PAD_BUCKET));
+        let mut chunks: Vec<&[u8]> = data.chunks(room).collect();
         if last && chunks.is_empty() {
             chunks.push(&[]);
         }
@@ -59,9 +64,10 @@ impl ChunkSealer {
             } else {
                 &AAD_NOT_FINAL
             };
+            let pt = pad(piece, self.max_chunk);
             let ct = match &mut self.cipher {
-                SealCipher::Hpke(c) => c.seal(piece, aad)?,
-                SealCipher::Direct(c) => c.seal(piece, aad)?,
+                SealCipher::Hpke(c) => c.seal(&pt, aad)?,
+                SealCipher::Direct(c) => c.seal(&pt, aad)?,
             };
             out.extend_from_slice(&(ct.len() as u32).to_be_bytes());
             out.extend_from_slice(&ct);
@@ -83,16 +89,17 @@ impl ChunkSealer {
         if self.finished {
             return Err(SealError::Finished);
         }
-        if trailer.len() > self.max_chunk {
+        if trailer.len() >= self.max_chunk {
             return Err(SealError::Malformed(format!(
                 "trailer of {} bytes exceeds the chunk size {}",
                 trailer.len(),
                 self.max_chunk
             )));
         }
+        let pt = pad(trailer, self.max_chunk);
         let ct = match &mut self.cipher {
-            SealCipher::Hpke(c) => c.seal(trailer, &AAD_TRAILER)?,
-            SealCipher::Direct(c) => c.seal(trailer, &AAD_TRAILER)?,
+            SealCipher::Hpke(c) => c.seal(&pt, &AAD_TRAILER)?,
+            SealCipher::Direct(c) => c.seal(&pt, &AAD_TRAILER)?,
         };
         let mut out = std::mem::take(&mut self.prefix);
         out.extend_from_slice(&(ct.len() as u32).to_be_bytes());
@@ -201,16 +208,16 @@ impl ChunkOpener {
             }
             let ct = &self.buf[pos + LEN_PREFIX..pos + LEN_PREFIX + len];
             if let Some(pt) = self.cipher.open(ct, &AAD_NOT_FINAL)? {
-                out.push(pt);
+                out.push(unpad(pt)?);
             } else if let Some(pt) = self.cipher.open(ct, &AAD_FINAL)? {
                 self.state = OpenState::Done;
-                out.push(pt);
+                out.push(unpad(pt)?);
             } else if let Some(pt) = match self.allow_trailer {
                 true => self.cipher.open(ct, &AAD_TRAILER)?,
                 false => None,
             } {
                 self.state = OpenState::Done;
-                self.trailer = Some(pt);
+                self.trailer = Some(unpad(pt)?);
             } else {
                 return Err(SealError::Open);
             }

@@ -317,7 +317,7 @@ pub fn select_key<'a>(
 }
 
 /// The HPKE `info` of a request:
-/// `"confidential-inference request v2" ‖ 0x00 ‖ key_id ‖ u16be(kem_id) ‖
+/// `"confidential-inference request v3" ‖ 0x00 ‖ key_id ‖ u16be(kem_id) ‖
 /// u16be(kdf_id) ‖ u16be(aead_id) ‖ u64be(sealed_at)` (the OHTTP header,
 /// RFC 9458 §4.3, and the sealing time).
 pub fn request_info(key_id: u8, aead: Aead, sealed_at: u64) -> Vec<u8> {

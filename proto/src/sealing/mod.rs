@@ -54,8 +54,10 @@ pub const LEN_PREFIX: usize = 4;
 pub const CHUNK_OVERHEAD: usize = LEN_PREFIX + TAG_LEN;
 
 /// First part of the HPKE `info` of a request (see [`request_info`]). v2
-/// binds the sealing time ([`HEADER_SEALED_AT`]).
-pub const REQUEST_INFO_LABEL: &[u8] = b"confidential-inference request v2";
+/// binds the sealing time ([`HEADER_SEALED_AT`]); v3, that every chunk of
+/// the request and of its response is padded ([`PAD_BUCKET`]), so a client
+/// of another version fails to open rather than misread.
+pub const REQUEST_INFO_LABEL: &[u8] = b"confidential-inference request v3";
 /// Exporter context for the response secret.
 pub const RESPONSE_EXPORT_LABEL: &[u8] = b"confidential-inference response v1";
 
@@ -104,6 +106,7 @@ mod error;
 mod freshness;
 mod headers;
 mod keys;
+mod padding;
 mod replay;
 mod request;
 mod response;
@@ -116,6 +119,7 @@ pub use error::SealError;
 pub use freshness::{check_fresh, unix_now};
 pub use headers::{SealLimits, SealedHeaders};
 pub use keys::{request_info, select_key, Aead, KeyConfig, ServerKey};
+pub use padding::{padded_len, padded_len_with, PAD_BUCKET};
 pub use replay::ReplayGuard;
 pub use request::{
     open_request, open_request_stream, seal_request, seal_request_stream, seal_request_stream_at,

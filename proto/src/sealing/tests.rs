@@ -16,7 +16,7 @@ use super::response::{
 use super::response_key::{ClientResponseKey, ResponseKeyMaterial};
 use super::{
     CHUNK_OVERHEAD, HEADER_AEAD, HEADER_ENCAPSULATED_KEY, HEADER_KEY_ID, HEADER_SEALED_AT,
-    LEN_PREFIX, MAX_REQUEST_AGE_SECS, REPLAY_WINDOW, RESPONSE_EXPORT_LABEL, TAG_LEN,
+    LEN_PREFIX, MAX_REQUEST_AGE_SECS, PAD_BUCKET, REPLAY_WINDOW, RESPONSE_EXPORT_LABEL, TAG_LEN,
 };
 use aes_gcm::aead::{Aead as _, KeyInit, Payload};
 use rand::{rngs::StdRng, SeedableRng};
@@ -109,6 +109,14 @@ fn requests_never_accept_a_trailer() {
     assert_eq!(open_all(&h, &body), Err(SealError::Open));
 }
 
+/// `data` as a chunk's plaintext: the marker 0x80, zeros to one bucket.
+fn padded(data: &[u8]) -> Vec<u8> {
+    let mut p = data.to_vec();
+    p.push(0x80);
+    p.resize(PAD_BUCKET, 0);
+    p
+}
+
 #[test]
 fn response_nonce_length_is_max_nn_nk() {
     assert_eq!(Aead::Aes128Gcm.response_nonce_len(), 16);
@@ -117,21 +125,28 @@ fn response_nonce_length_is_max_nn_nk() {
         let (h, body, _) = seal_request(&key().config(), aead, b"q").unwrap();
         let (_, m) = open_request(&key(), &h, &body).unwrap();
         let resp = seal_response(&m, b"").unwrap();
-        // nonce ‖ u32 len ‖ tag (empty final chunk)
-        assert_eq!(resp.len(), aead.response_nonce_len() + CHUNK_OVERHEAD);
+        // nonce ‖ u32 len ‖ one bucket of padding ‖ tag (empty final chunk)
+        assert_eq!(
+            resp.len(),
+            aead.response_nonce_len() + CHUNK_OVERHEAD + PAD_BUCKET
+        );
     }
 }
 
 #[test]
 fn wire_layout_of_request_chunks() {
     let (h, body, _) = seal_request(&key().config(), Aead::Aes128Gcm, b"hello").unwrap();
-    assert_eq!(body.len(), 4 + 5 + TAG_LEN);
-    assert_eq!(&body[..4], &(5u32 + 16).to_be_bytes());
+    // One chunk: "hello", the padding's marker and zeros to a bucket.
+    assert_eq!(body.len(), 4 + PAD_BUCKET + TAG_LEN);
+    assert_eq!(&body[..4], &(PAD_BUCKET as u32 + 16).to_be_bytes());
     // Built by hand with the HPKE receiver: chunk 0, AAD 0x01.
     let info = request_info(7, Aead::Aes128Gcm, h.sealed_at);
     let mut r = HpkeReceiver::setup(&key(), &h.enc, &info, Aead::Aes128Gcm).unwrap();
     assert!(r.open(&body[4..], &[0x00]).unwrap().is_none());
-    assert_eq!(r.open(&body[4..], &[0x01]).unwrap().unwrap(), b"hello");
+    assert_eq!(
+        r.open(&body[4..], &[0x01]).unwrap().unwrap(),
+        padded(b"hello")
+    );
 }
 
 #[test]
@@ -155,7 +170,8 @@ fn streaming_one_byte_feeds() {
                 got.extend(c);
             }
         }
-        assert_eq!(chunks, 8 + 8); // ceil(50/7) + ceil(50/7)
+        // 6 data bytes and the padding's marker per chunk: 2 × ceil(50/6).
+        assert_eq!(chunks, 9 + 9);
         assert!(o.is_complete());
         o.finish().unwrap();
         assert_eq!(got, msg);
@@ -375,7 +391,7 @@ fn response_key_schedule_matches_rfc9458_by_hand() {
             },
         )
         .unwrap();
-    assert_eq!(pt0, b"first");
+    assert_eq!(pt0, padded(b"first"));
     let rest = &rest[4 + l0..];
     let mut n1 = n;
     n1[11] ^= 1;
@@ -388,7 +404,7 @@ fn response_key_schedule_matches_rfc9458_by_hand() {
             },
         )
         .unwrap();
-    assert_eq!(pt1, b"second");
+    assert_eq!(pt1, padded(b"second"));
     // And the exported secret is the HPKE export with our label.
     let info = request_info(7, Aead::Aes128Gcm, h.sealed_at);
     let r = HpkeReceiver::setup(&key(), &h.enc, &info, Aead::Aes128Gcm).unwrap();

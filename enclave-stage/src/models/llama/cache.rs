@@ -6,11 +6,15 @@ use candle_core::{DType, Device, Tensor};
 #[cfg(doc)]
 use super::LlamaPart;
 
+/// A sequence's key in a part's KV caches (wide enough that a request id
+/// and a choice index never share one).
+pub type SeqId = u128;
+
 /// The tokens of one sequence inside a packed batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SeqSlice {
     /// The sequence.
-    pub seq_id: u64,
+    pub seq_id: SeqId,
     /// Position of the first of these tokens: how many tokens of this
     /// sequence are already cached (0 for a prefill from scratch). Checked
     /// against the part's cache, so stages that drift apart fail loudly.
@@ -21,7 +25,7 @@ pub struct SeqSlice {
 
 impl SeqSlice {
     /// `len` tokens of `seq_id` starting at position `pos`.
-    pub fn new(seq_id: u64, pos: usize, len: usize) -> Self {
+    pub fn new(seq_id: SeqId, pos: usize, len: usize) -> Self {
         Self { seq_id, pos, len }
     }
 }

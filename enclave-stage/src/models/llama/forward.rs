@@ -1,7 +1,7 @@
 //! One decoder block over a packed batch: rotary tables, attention with
 //! each sequence's cache, the causal mask (and sliding window), soft caps.
 
-use super::cache::{KvCache, SeqSlice};
+use super::cache::{KvCache, SeqId, SeqSlice};
 use super::config::{Activation, LlamaConfig, RopeStyle};
 use super::{Block, Weight};
 use candle_core::{DType, Device, Tensor};
@@ -74,7 +74,7 @@ pub(super) fn block_forward(
     batch: &[SeqSlice],
     cos: &Tensor,
     sin: &Tensor,
-    caches: &HashMap<u64, KvCache>,
+    caches: &HashMap<SeqId, KvCache>,
 ) -> candle_core::Result<Tensor> {
     let eps = cfg.rms_norm_eps as f32;
     let (t, hidden) = x.dims2()?;

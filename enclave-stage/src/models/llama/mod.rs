@@ -49,7 +49,7 @@ mod load;
 mod weights;
 
 use cache::grow;
-pub use cache::{batch_tokens, KvCache, SeqSlice};
+pub use cache::{batch_tokens, KvCache, SeqId, SeqSlice};
 pub use config::{Activation, Architecture, LlamaConfig, RopeStyle, SlidingWindow, TeacherForced};
 pub use forward::argmax_rows;
 use forward::{block_forward, rope_for};
@@ -130,7 +130,7 @@ pub struct LlamaPart {
     /// (Llama 3's `rope_freqs` or LongRoPE's factors and linear scaling
     /// applied).
     inv_freq: Tensor,
-    caches: HashMap<u64, KvCache>,
+    caches: HashMap<SeqId, KvCache>,
     device: Device,
 }
 
@@ -215,7 +215,7 @@ impl LlamaPart {
     }
 
     /// The cache of one sequence, if this part has seen it.
-    pub fn cache(&self, seq_id: u64) -> Option<&KvCache> {
+    pub fn cache(&self, seq_id: SeqId) -> Option<&KvCache> {
         self.caches.get(&seq_id)
     }
 
@@ -227,7 +227,7 @@ impl LlamaPart {
     /// Allocates room for `tokens` tokens of `seq_id` up front (creating its
     /// cache if needed), so that a stage can account its KV memory exactly
     /// when it admits a request. Never shrinks.
-    pub fn reserve(&mut self, seq_id: u64, tokens: usize) -> candle_core::Result<()> {
+    pub fn reserve(&mut self, seq_id: SeqId, tokens: usize) -> candle_core::Result<()> {
         if tokens > self.cfg.max_seq_len {
             candle_core::bail!(
                 "{tokens} tokens exceed the context length of {}",
@@ -249,7 +249,7 @@ impl LlamaPart {
     }
 
     /// Drops the cache of `seq_id`; returns whether there was one.
-    pub fn free(&mut self, seq_id: u64) -> bool {
+    pub fn free(&mut self, seq_id: SeqId) -> bool {
         self.caches.remove(&seq_id).is_some()
     }
 
@@ -375,7 +375,7 @@ impl LlamaPart {
     pub fn teacher_forced(
         &mut self,
         tokens: &[u32],
-        seq_id: u64,
+        seq_id: SeqId,
     ) -> candle_core::Result<TeacherForced> {
         let mut out = TeacherForced::default();
         let result = (|| {

@@ -290,7 +290,8 @@ impl Tracker {
             stages: timings,
             input_tokens: r.tokens.iter().map(|&t| t as u64).sum(),
             ..Default::default()
-        };
+        }
+        .for_host(r.ctx.env.sealing);
         let body = serde_json::to_vec(&body).map_err(|_| fail("response encoding failed"))?;
         let receipt = receipt_link::sign_exit_receipt(
             c,

@@ -234,6 +234,14 @@ impl Scheduler {
         out
     }
 
+    /// The position a sequence's next token comes back for (its tokens
+    /// cached once its step ran), while that token is awaited: `None` when
+    /// the sequence is unknown, done, or has no step in flight.
+    pub fn awaited_pos(&self, request_id: u64, choice: u32) -> Option<u32> {
+        let seq = self.running.get(&request_id)?.seqs.get(choice as usize)?;
+        (seq.in_flight && !seq.done).then_some(seq.pos)
+    }
+
     /// A sequence's next token came back. Returns `true` when this finished
     /// the whole request (its KV room is released and waiting requests may
     /// start).

@@ -114,6 +114,7 @@ fn work(
             .collect(),
         seed,
         created,
+        feedback_key: proto::feedback::FeedbackKey::random(),
     };
     Work::BeginGeneration {
         ctx: Box::new(ctx),

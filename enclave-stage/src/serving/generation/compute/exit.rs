@@ -335,7 +335,8 @@ impl Generator {
                 .filter_map(|c| c.finish().map(|f| f.as_str().to_string()))
                 .collect(),
             first_token_unix_ns: ex.first_token_unix_ns,
-        };
+        }
+        .for_host(r.ctx.env.sealing);
         let (body, stream) = match ex.stream {
             Some(mut st) => {
                 let mut tail = Vec::new();

@@ -18,12 +18,13 @@ use super::model::GenModel;
 use super::scheduler::{Admission, Scheduler, SchedulerLimits};
 use crate::fault::Fault;
 use crate::keys::StageKeys;
-use crate::models::llama::LlamaPart;
+use crate::models::llama::{LlamaPart, SeqId};
 use crate::stats::{RequestTimer, STATS};
 use crate::work::{failure, Output, Work};
 use candle_core::Tensor;
 use proto::completions::stream_error_event;
 use proto::digest::Sha256Digest;
+use proto::feedback::FedToken;
 use proto::frames::{
     ActivationMessage, ErrorKind, FeedbackMessage, GenerationContext, NextToken, PipelineError,
     ResultMessage, StageTiming, StepSeq,
@@ -54,9 +55,11 @@ pub struct GenLimits {
     pub max_waiting: usize,
 }
 
-/// Key of a sequence in the KV caches.
-fn seq_key(request_id: u64, choice: u32) -> u64 {
-    (request_id << 8) | choice as u64
+/// Key of a sequence in the KV caches: the request id and the choice side
+/// by side, so no two (request, choice) pairs share a cache (the key was
+/// once `request_id << 8 | choice`: ids `k · 2^56` apart collided).
+fn seq_key(request_id: u64, choice: u32) -> SeqId {
+    ((request_id as SeqId) << 32) | choice as SeqId
 }
 
 /// Chains one sequence's rows of one step into its running digest, so a
@@ -190,14 +193,32 @@ impl Generator {
             };
             let mut next = first;
             while let Some(w) = next.take().or_else(|| rx.try_recv().ok()) {
-                self.handle(w);
+                let ids = w.request_ids();
+                self.contained(&ids, |g| g.handle(w));
             }
             if let Some(plan) = self.sched.as_mut().map(Scheduler::next_step) {
                 if !plan.is_empty() {
-                    self.run_entry_step(plan);
+                    let ids: Vec<u64> = plan.iter().map(|p| p.request_id).collect();
+                    self.contained(&ids, |g| g.run_entry_step(plan));
                 }
             }
             self.update_gauges();
+        }
+    }
+
+    /// Runs `f`; if it panics, fails `request_ids` (what the work was
+    /// about) and goes on, so that one request's poison does not stop the
+    /// stage's compute thread for every other (issue 47).
+    fn contained(&mut self, request_ids: &[u64], f: impl FnOnce(&mut Self)) {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(self)));
+        if r.is_err() {
+            let mut ids = request_ids.to_vec();
+            ids.sort_unstable();
+            ids.dedup();
+            self.fail(
+                &ids,
+                &anyhow::anyhow!("a panic in this stage's compute thread"),
+            );
         }
     }
 
@@ -548,17 +569,54 @@ impl Generator {
 
     // ---- steps ----
 
-    /// Entry stage: tokens from the exit stage.
+    /// Entry stage: tokens from the exit stage. Each must carry its
+    /// request's feedback tag over the position it is awaited at; a token
+    /// that does not (from another pipeline's exit stage, or not awaited)
+    /// fails its request before anything of that request is fed, whatever
+    /// the token, so the outcome tells the host nothing about its value.
     fn feedback(&mut self, tokens: Vec<NextToken>) {
         let Some(sched) = self.sched.as_mut() else {
             tracing::warn!("feedback tokens at a stage that is not the entry; ignored");
             return;
         };
+        let mut forged = Vec::new();
+        for t in &tokens {
+            // A request that already ended here has nothing left to feed.
+            let Some(r) = self.requests.get(&t.request_id) else {
+                continue;
+            };
+            let bound = sched
+                .awaited_pos(t.request_id, t.choice)
+                .is_some_and(|pos| {
+                    let fed = FedToken {
+                        request_id: t.request_id,
+                        choice: t.choice,
+                        pos,
+                        token: t.token,
+                        finished: t.finished,
+                    };
+                    r.ctx.feedback_key.verify(&fed, &t.tag)
+                });
+            if !bound {
+                forged.push(t.request_id);
+            }
+        }
+        forged.sort_unstable();
+        forged.dedup();
         let mut completed = Vec::new();
         for t in tokens {
+            if forged.binary_search(&t.request_id).is_ok() {
+                continue;
+            }
             if sched.feed(t.request_id, t.choice, t.token, t.finished) {
                 completed.push(t.request_id);
             }
+        }
+        if !forged.is_empty() {
+            self.fail(
+                &forged,
+                &anyhow::anyhow!("a fed-back token is not bound to its request; refused"),
+            );
         }
         for request_id in completed {
             if let Some(r) = self.requests.get_mut(&request_id) {
@@ -566,5 +624,21 @@ impl Generator {
             }
             self.try_finish(request_id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::seq_key;
+
+    #[test]
+    fn sequence_keys_do_not_collide() {
+        // These pairs shared a cache under `request_id << 8 | choice`.
+        let k = 5u64;
+        assert_ne!(seq_key(k, 0), seq_key(k + (1 << 56), 0));
+        assert_ne!(seq_key(k, 0), seq_key(k + (3 << 56), 0));
+        assert_ne!(seq_key(1, 0), seq_key(0, 256));
+        assert_ne!(seq_key(u64::MAX, u32::MAX), seq_key(u64::MAX - 1, u32::MAX));
+        assert_eq!(seq_key(7, 3), seq_key(7, 3));
     }
 }

@@ -9,6 +9,7 @@ use crate::stats::unix_ns;
 use crate::work::Output;
 use anyhow::{anyhow, bail, Result};
 use candle_core::Tensor;
+use proto::feedback::FedToken;
 use proto::frames::{
     ActivationMessage, BatchItem, FeedbackMessage, NextToken, ResultMessage, StepBatch, StepSeq,
 };
@@ -97,7 +98,13 @@ impl Generator {
         if seqs.is_empty() {
             return;
         }
-        match self.try_step(&seqs, &input, reserves.as_deref()) {
+        // A panic in a step is that step's failure, retried per sequence
+        // like any other: one request's poison fails that request only.
+        let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.try_step(&seqs, &input, reserves.as_deref())
+        }))
+        .unwrap_or_else(|_| Err(anyhow!("the step panicked")));
+        match tried {
             Ok(()) => {}
             Err(e) if seqs.len() > 1 => {
                 tracing::warn!(seqs = seqs.len(), error = %e, "step failed; retrying its sequences one by one");
@@ -136,6 +143,9 @@ impl Generator {
             .fault
             .fires_step(self.model.claims.stage_index, &items, ids)
         {
+            if self.fault.panics() {
+                panic!("injected panic in a step");
+            }
             bail!("injected fault");
         }
         let began = Instant::now();
@@ -265,11 +275,19 @@ impl Generator {
                     completed.push(s.request_id);
                 }
             }
+            let fed = FedToken {
+                request_id: s.request_id,
+                choice: s.choice,
+                pos: s.pos + s.len,
+                token,
+                finished: finish.is_some(),
+            };
             next.push(NextToken {
                 request_id: s.request_id,
                 choice: s.choice,
                 token,
-                finished: finish.is_some(),
+                finished: fed.finished,
+                tag: r.ctx.feedback_key.tag(&fed),
             });
         }
         // Seal each stream's events of this step as one chunk.
