@@ -7,7 +7,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use proto::receipt::{DigestSalt, OpenedKey, ReceiptVersion, SealedTo};
-use proto::sealing::{Aead, ClientResponseKey};
+use proto::sealing::{Aead, ClientResponseKey, KeyConfig};
 use serde_json::json;
 use std::path::Path;
 
@@ -167,4 +167,19 @@ impl ClientKeyFile {
             None => bail!("the receipt's entry link does not say which key it opened"),
         }
     }
+}
+
+/// Picks the key to seal to.
+pub(crate) fn pick_key(keys: &[KeyConfig], key_id: Option<u8>, aead: Aead) -> Result<KeyConfig> {
+    let found = keys
+        .iter()
+        .find(|k| key_id.is_none_or(|id| k.key_id == id) && k.supports(aead));
+    found.cloned().ok_or_else(|| match key_id {
+        Some(id) => anyhow!(
+            "no key with id {id} that supports {} (keys: {:?})",
+            aead_name(aead),
+            keys.iter().map(|k| k.key_id).collect::<Vec<_>>()
+        ),
+        None => anyhow!("no key supports {}", aead_name(aead)),
+    })
 }

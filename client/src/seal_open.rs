@@ -23,7 +23,7 @@
 //!   `gateway open`.
 
 use crate::bundle::{fetch_bundle, load_bundle};
-use crate::client_key::{aead_name, ClientKeyFile};
+use crate::client_key::{aead_name, pick_key, ClientKeyFile};
 use crate::io::{parse_hex, read_input, write_output};
 use crate::sealed::sse;
 use crate::transport::{base_url, http_client, random_nonce, runtime};
@@ -137,21 +137,6 @@ pub struct OpenArgs {
     /// (its trailer), for `gateway verify receipt --receipt`.
     #[arg(long)]
     pub receipt_out: Option<PathBuf>,
-}
-
-/// Picks the key to seal to.
-pub(crate) fn pick_key(keys: &[KeyConfig], key_id: Option<u8>, aead: Aead) -> Result<KeyConfig> {
-    let found = keys
-        .iter()
-        .find(|k| key_id.is_none_or(|id| k.key_id == id) && k.supports(aead));
-    found.cloned().ok_or_else(|| match key_id {
-        Some(id) => anyhow!(
-            "no key with id {id} that supports {} (keys: {:?})",
-            aead_name(aead),
-            keys.iter().map(|k| k.key_id).collect::<Vec<_>>()
-        ),
-        None => anyhow!("no key supports {}", aead_name(aead)),
-    })
 }
 
 fn load_policy(path: Option<&Path>) -> Result<Policy> {

@@ -121,6 +121,19 @@ pub struct SealedRequest {
     pub trace: Option<TraceContext>,
 }
 
+impl SealedRequest {
+    /// Who must have sealed the body for its label to be true: a client
+    /// for `enclave`, the host's gateway for `plain` and `gateway`. The
+    /// stage opens it as sealed by that party (bound in the HPKE `info`),
+    /// so a relabelled request does not open.
+    pub fn sealer(&self) -> crate::sealing::Sealer {
+        match self.sealing {
+            Sealing::Enclave => crate::sealing::Sealer::Client,
+            Sealing::Plain | Sealing::Gateway => crate::sealing::Sealer::Host,
+        }
+    }
+}
+
 /// W3C trace context of a request: which trace and parent span the stages'
 /// timings belong to. Random ids chosen by the gateway or its caller; never
 /// derived from request content.

@@ -12,7 +12,7 @@
 //!    ([`Sealed::stream`], [`StreamOpen`]), or a sealed stage error opened
 //!    ([`Sealed::open_error`]).
 
-use crate::seal_open::pick_key;
+use crate::client_key::pick_key;
 use crate::verify::verify_evidence;
 use proto::bundle::{EvidenceBundle, VerifiedBundle};
 use proto::policy::Policy;

@@ -12,7 +12,7 @@ use proto::digest::Sha256Digest;
 use proto::frames::{Envelope, ErrorKind, PipelineError, SealedRequest};
 use proto::openai::{ApiEndpoint, ApiError};
 use proto::receipt::{OpenedKey, ReceiptId, Sealing};
-use proto::sealing::{open_request, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
+use proto::sealing::{open_request_as, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
 use rand::RngCore;
 use std::time::{Duration, Instant};
 
@@ -144,7 +144,7 @@ impl StageServer {
                     ),
                 )
             })?;
-        let (plaintext, material) = open_request(&key, &req.headers, &req.body)
+        let (plaintext, material) = open_request_as(&key, &req.headers, &req.body, req.sealer())
             .map_err(|e| sealing_error(400, format!("the sealed request cannot be opened: {e}")))?;
         // Its sealing time opened with it (bound in the HPKE info): an old
         // request is refused outright, so no replay outlives the guard.

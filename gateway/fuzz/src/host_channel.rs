@@ -16,7 +16,7 @@
 //! | --- | --- |
 //! | 0, 1 | submit victim `a & 1` under id `base + a % 16` |
 //! | 2 | submit the attacker under id `base + a % 16` |
-//! | 3 | submit victim `a & 1` labelled `plain` or `gateway` (`a & 2`) |
+//! | 3 | submit victim `a & 1` labelled `plain` or `gateway` (`a & 2`; it does not open) |
 //! | 4 | cancel id `base + a % 16` |
 //! | 5 | a second `Configure` on the same channel |
 //! | 6 | ask for evidence |
@@ -26,7 +26,9 @@
 //! and offers every result to every client's verifier (the host may hand
 //! any answer to anyone). A result a verifier accepts must be that
 //! client's own embedding (cosine ≥ 0.9999 to a clean run's); anything else
-//! panics. Without the model files (`scripts/setup.sh`) the target does
+//! panics; so does a sealed answer or error whose chunks are not whole
+//! padding buckets (issue 47: their sizes would tell the host about the
+//! content). Without the model files (`scripts/setup.sh`) the target does
 //! nothing.
 
 use client::sealed::{Attested, Sealed};
@@ -368,6 +370,29 @@ fn accept(attested: &Attested, sealed: &Sealed, r: &ResultMessage) -> Result<Val
     serde_json::from_slice(&plain).map_err(|e| e.to_string())
 }
 
+/// Whether every chunk of a sealed response body (after its `nonce`
+/// bytes) carries a whole number of padding buckets.
+fn chunks_are_bucketed(body: &[u8], nonce: usize) -> bool {
+    let Some(mut rest) = body.get(nonce..) else {
+        return false;
+    };
+    while !rest.is_empty() {
+        let Some(len) = rest.get(..4) else {
+            return false;
+        };
+        let len = u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
+        let padded = len.checked_sub(proto::sealing::TAG_LEN);
+        if !padded.is_some_and(|p| p > 0 && p.is_multiple_of(proto::sealing::PAD_BUCKET)) {
+            return false;
+        }
+        let Some(next) = rest.get(4 + len..) else {
+            return false;
+        };
+        rest = next;
+    }
+    true
+}
+
 /// The one embedding of an embeddings answer.
 fn embedding(v: &Value) -> Option<Vec<f32>> {
     let data = v["data"].as_array()?;
@@ -437,6 +462,22 @@ async fn play(rig: &Rig, data: &[u8], base: u64) -> usize {
         }
     }
     results.extend(host.collect(QUIET, usize::MAX).await);
+    // What the host sees of a sealed answer or error is its chunks' sizes
+    // to their bucket only (issue 47).
+    for r in &results {
+        let sealed = match r {
+            ResultMessage::Response { body, .. } => Some(body),
+            ResultMessage::Failed { error, .. } => error.sealed_body.as_ref(),
+            _ => None,
+        };
+        if let Some(body) = sealed {
+            assert!(
+                chunks_are_bucketed(body, Aead::Aes128Gcm.response_nonce_len()),
+                "issue 47: a sealed body whose chunks are not whole buckets: {} bytes",
+                body.len()
+            );
+        }
+    }
     // The invariant: every result is offered to every client.
     let mut accepted = 0;
     for r in &results {

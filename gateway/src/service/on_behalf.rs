@@ -10,8 +10,8 @@ use crate::pipeline::{Failure, Replicas, Reply, Submission};
 use proto::openai::ApiEndpoint;
 use proto::receipt::{ReceiptTrailer, Sealing};
 use proto::sealing::{
-    open_response, open_response_with_trailer, seal_request, seal_response,
-    seal_response_with_trailer, Aead, ClientResponseKey, ResponseSealer, SealedHeaders,
+    open_response, open_response_with_trailer, seal_request_as, seal_response,
+    seal_response_with_trailer, Aead, ClientResponseKey, ResponseSealer, SealedHeaders, Sealer,
 };
 use std::sync::Arc;
 
@@ -131,7 +131,7 @@ impl Service {
             } else {
                 key.aeads[0]
             };
-            let (sealed, body, client_key) = seal_request(key, aead, plaintext)
+            let (sealed, body, client_key) = seal_request_as(key, aead, plaintext, Sealer::Host)
                 .map_err(|e| ApiError::internal(format!("sealing failed: {e}")))?;
             match pipeline
                 .submit(

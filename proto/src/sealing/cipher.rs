@@ -366,7 +366,7 @@ mod tests {
     fn the_hpke_receiver_and_sender_report_the_limit_as_such() {
         let key = ServerKey::derive(1, b"limit");
         let aead = Aead::ChaCha20Poly1305;
-        let info = request_info(1, aead, 0);
+        let info = request_info(1, aead, 0, crate::sealing::Sealer::Client);
         let (enc, mut sender) =
             HpkeSender::setup(&key.public_key(), &info, aead, &mut rand::rngs::OsRng).unwrap();
         let mut receiver = HpkeReceiver::setup(&key, &enc, &info, aead).unwrap();

@@ -316,12 +316,37 @@ pub fn select_key<'a>(
         .ok_or(SealError::UnknownKeyId(headers.key_id))
 }
 
+/// Who sealed a request, bound in its HPKE `info`: a client (to the entry
+/// stage's key or the gateway's) or the host (the gateway sealing a plain
+/// client's request, or re-sealing one it opened with its own key). The
+/// stage opens a request with the sealer its host label implies, so a host
+/// that labels a client's request as its own (to read its metadata, or to
+/// pick the replay guard's partition) gets a body that does not open.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sealer {
+    /// A client.
+    #[default]
+    Client,
+    /// The host's gateway.
+    Host,
+}
+
+impl Sealer {
+    fn byte(self) -> u8 {
+        match self {
+            Sealer::Client => 0x01,
+            Sealer::Host => 0x02,
+        }
+    }
+}
+
 /// The HPKE `info` of a request:
 /// `"confidential-inference request v3" ‖ 0x00 ‖ key_id ‖ u16be(kem_id) ‖
-/// u16be(kdf_id) ‖ u16be(aead_id) ‖ u64be(sealed_at)` (the OHTTP header,
-/// RFC 9458 §4.3, and the sealing time).
-pub fn request_info(key_id: u8, aead: Aead, sealed_at: u64) -> Vec<u8> {
-    let mut info = Vec::with_capacity(REQUEST_INFO_LABEL.len() + 16);
+/// u16be(kdf_id) ‖ u16be(aead_id) ‖ u64be(sealed_at) ‖ sealer` (the OHTTP
+/// header, RFC 9458 §4.3, the sealing time, and who sealed it: `0x01` a
+/// client, `0x02` the host).
+pub fn request_info(key_id: u8, aead: Aead, sealed_at: u64, sealer: Sealer) -> Vec<u8> {
+    let mut info = Vec::with_capacity(REQUEST_INFO_LABEL.len() + 17);
     info.extend_from_slice(REQUEST_INFO_LABEL);
     info.push(0);
     info.push(key_id);
@@ -329,5 +354,6 @@ pub fn request_info(key_id: u8, aead: Aead, sealed_at: u64) -> Vec<u8> {
     info.extend_from_slice(&KDF_ID.to_be_bytes());
     info.extend_from_slice(&aead.id().to_be_bytes());
     info.extend_from_slice(&sealed_at.to_be_bytes());
+    info.push(sealer.byte());
     info
 }

@@ -118,11 +118,12 @@ pub use chunks::{ChunkOpener, ChunkSealer};
 pub use error::SealError;
 pub use freshness::{check_fresh, unix_now};
 pub use headers::{SealLimits, SealedHeaders};
-pub use keys::{request_info, select_key, Aead, KeyConfig, ServerKey};
+pub use keys::{request_info, select_key, Aead, KeyConfig, Sealer, ServerKey};
 pub use padding::{padded_len, padded_len_with, PAD_BUCKET};
 pub use replay::ReplayGuard;
 pub use request::{
-    open_request, open_request_stream, seal_request, seal_request_stream, seal_request_stream_at,
+    open_request, open_request_as, open_request_stream, open_request_stream_as, seal_request,
+    seal_request_as, seal_request_stream, seal_request_stream_as, seal_request_stream_at,
     seal_request_stream_with_rng,
 };
 pub use response::{

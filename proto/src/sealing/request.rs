@@ -5,7 +5,7 @@ use super::cipher::{HpkeReceiver, HpkeSender, OpenCipher, SealCipher};
 use super::error::SealError;
 use super::freshness::unix_now;
 use super::headers::{SealLimits, SealedHeaders};
-use super::keys::{request_info, Aead, KeyConfig, ServerKey};
+use super::keys::{request_info, Aead, KeyConfig, Sealer, ServerKey};
 use super::response_key::{ClientResponseKey, ResponseKeyMaterial};
 use super::RESPONSE_EXPORT_LABEL;
 use hpke::rand_core::{CryptoRng, RngCore};
@@ -41,10 +41,22 @@ pub fn seal_request_stream_at<R: CryptoRng + RngCore>(
     sealed_at: u64,
     rng: &mut R,
 ) -> Result<(SealedHeaders, ChunkSealer, ClientResponseKey), SealError> {
+    seal_request_stream_as(config, aead, sealed_at, Sealer::Client, rng)
+}
+
+/// [`seal_request_stream_at`] for a request sealed by `sealer` (the
+/// others seal as a client).
+pub fn seal_request_stream_as<R: CryptoRng + RngCore>(
+    config: &KeyConfig,
+    aead: Aead,
+    sealed_at: u64,
+    sealer: Sealer,
+    rng: &mut R,
+) -> Result<(SealedHeaders, ChunkSealer, ClientResponseKey), SealError> {
     if !config.supports(aead) {
         return Err(SealError::UnsupportedAead(aead.id()));
     }
-    let info = request_info(config.key_id, aead, sealed_at);
+    let info = request_info(config.key_id, aead, sealed_at, sealer);
     let (enc, ctx) = HpkeSender::setup(&config.public_key, &info, aead, rng)?;
     let mut secret = vec![0u8; aead.key_len()];
     ctx.export(RESPONSE_EXPORT_LABEL, &mut secret)?;
@@ -69,10 +81,21 @@ pub fn open_request_stream(
     headers: &SealedHeaders,
     limits: SealLimits,
 ) -> Result<(ChunkOpener, ResponseKeyMaterial), SealError> {
+    open_request_stream_as(key, headers, limits, Sealer::Client)
+}
+
+/// [`open_request_stream`] for a request sealed by `sealer` (a request
+/// sealed by another does not open: [`SealError::Open`]).
+pub fn open_request_stream_as(
+    key: &ServerKey,
+    headers: &SealedHeaders,
+    limits: SealLimits,
+    sealer: Sealer,
+) -> Result<(ChunkOpener, ResponseKeyMaterial), SealError> {
     if headers.key_id != key.key_id {
         return Err(SealError::UnknownKeyId(headers.key_id));
     }
-    let info = request_info(key.key_id, headers.aead, headers.sealed_at);
+    let info = request_info(key.key_id, headers.aead, headers.sealed_at, sealer);
     let ctx = HpkeReceiver::setup(key, &headers.enc, &info, headers.aead)?;
     let mut secret = vec![0u8; headers.aead.key_len()];
     ctx.export(RESPONSE_EXPORT_LABEL, &mut secret)?;
@@ -87,24 +110,46 @@ pub fn open_request_stream(
     ))
 }
 
-/// Seals a whole request body (one-shot).
+/// Seals a whole request body as a client (one-shot).
 pub fn seal_request(
     config: &KeyConfig,
     aead: Aead,
     plaintext: &[u8],
 ) -> Result<(SealedHeaders, Vec<u8>, ClientResponseKey), SealError> {
-    let (headers, mut sealer, key) = seal_request_stream(config, aead)?;
-    let body = sealer.seal(plaintext, true)?;
+    seal_request_as(config, aead, plaintext, Sealer::Client)
+}
+
+/// Seals a whole request body as `sealer` (one-shot).
+pub fn seal_request_as(
+    config: &KeyConfig,
+    aead: Aead,
+    plaintext: &[u8],
+    sealer: Sealer,
+) -> Result<(SealedHeaders, Vec<u8>, ClientResponseKey), SealError> {
+    let (headers, mut chunks, key) =
+        seal_request_stream_as(config, aead, unix_now(), sealer, &mut rand::rngs::OsRng)?;
+    let body = chunks.seal(plaintext, true)?;
     Ok((headers, body, key))
 }
 
-/// Opens a whole sealed request body (one-shot, default limits).
+/// Opens a whole request body a client sealed (one-shot, default limits).
 pub fn open_request(
     key: &ServerKey,
     headers: &SealedHeaders,
     body: &[u8],
 ) -> Result<(Vec<u8>, ResponseKeyMaterial), SealError> {
-    let (mut opener, material) = open_request_stream(key, headers, SealLimits::default())?;
+    open_request_as(key, headers, body, Sealer::Client)
+}
+
+/// Opens a whole request body `sealer` sealed (one-shot, default limits).
+pub fn open_request_as(
+    key: &ServerKey,
+    headers: &SealedHeaders,
+    body: &[u8],
+    sealer: Sealer,
+) -> Result<(Vec<u8>, ResponseKeyMaterial), SealError> {
+    let (mut opener, material) =
+        open_request_stream_as(key, headers, SealLimits::default(), sealer)?;
     let plaintext = opener.feed(body)?.concat();
     opener.finish()?;
     Ok((plaintext, material))

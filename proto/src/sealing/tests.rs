@@ -4,7 +4,7 @@ use super::cipher::HpkeReceiver;
 use super::error::SealError;
 use super::freshness::{check_fresh, unix_now};
 use super::headers::{SealLimits, SealedHeaders};
-use super::keys::{request_info, select_key, Aead, KeyConfig, ServerKey};
+use super::keys::{request_info, select_key, Aead, KeyConfig, Sealer, ServerKey};
 use super::replay::ReplayGuard;
 use super::request::{
     open_request, open_request_stream, seal_request, seal_request_stream, seal_request_stream_at,
@@ -140,7 +140,7 @@ fn wire_layout_of_request_chunks() {
     assert_eq!(body.len(), 4 + PAD_BUCKET + TAG_LEN);
     assert_eq!(&body[..4], &(PAD_BUCKET as u32 + 16).to_be_bytes());
     // Built by hand with the HPKE receiver: chunk 0, AAD 0x01.
-    let info = request_info(7, Aead::Aes128Gcm, h.sealed_at);
+    let info = request_info(7, Aead::Aes128Gcm, h.sealed_at, Sealer::Client);
     let mut r = HpkeReceiver::setup(&key(), &h.enc, &info, Aead::Aes128Gcm).unwrap();
     assert!(r.open(&body[4..], &[0x00]).unwrap().is_none());
     assert_eq!(
@@ -406,7 +406,7 @@ fn response_key_schedule_matches_rfc9458_by_hand() {
         .unwrap();
     assert_eq!(pt1, padded(b"second"));
     // And the exported secret is the HPKE export with our label.
-    let info = request_info(7, Aead::Aes128Gcm, h.sealed_at);
+    let info = request_info(7, Aead::Aes128Gcm, h.sealed_at, Sealer::Client);
     let r = HpkeReceiver::setup(&key(), &h.enc, &info, Aead::Aes128Gcm).unwrap();
     let mut s = [0u8; 16];
     r.export(RESPONSE_EXPORT_LABEL, &mut s).unwrap();
@@ -854,4 +854,28 @@ fn rfc9180_base_mode_vectors() {
         r.export(b"TestContext", &mut out).unwrap();
         assert_eq!(hex::encode(out), tv.export_test_context);
     }
+}
+
+/// Issue 47: who sealed a request is bound in its HPKE `info`, so a
+/// client's request labelled as the host's (or the reverse) does not open.
+#[test]
+fn the_sealer_is_bound_and_a_relabelled_request_does_not_open() {
+    let k = key();
+    for sealer in [Sealer::Client, Sealer::Host] {
+        let (h, body, _) =
+            super::request::seal_request_as(&k.config(), Aead::Aes128Gcm, b"q", sealer).unwrap();
+        let (plain, _) = super::request::open_request_as(&k, &h, &body, sealer).unwrap();
+        assert_eq!(plain, b"q");
+        let other = match sealer {
+            Sealer::Client => Sealer::Host,
+            Sealer::Host => Sealer::Client,
+        };
+        assert_eq!(
+            super::request::open_request_as(&k, &h, &body, other).unwrap_err(),
+            SealError::Open
+        );
+    }
+    // The one-shot helpers seal and open as a client.
+    let (h, body, _) = seal_request(&k.config(), Aead::Aes128Gcm, b"q").unwrap();
+    assert!(super::request::open_request_as(&k, &h, &body, Sealer::Client).is_ok());
 }

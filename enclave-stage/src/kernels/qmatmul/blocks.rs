@@ -93,9 +93,16 @@ impl Scales4 {
 /// read as they are held. Shared by the SIMD kernels.
 ///
 /// # Safety
-/// The CPU must have SSE4.1 and FMA.
+/// The CPU must have SSE4.1 and FMA, and the caller must be compiled for
+/// them: the function has no `target_feature` of its own but is always
+/// inlined into its callers (kernels that enable a superset), so that the
+/// per-block `block` closure is inlined into the caller's loop too. As a
+/// separate function (which `target_feature` makes it, `inline(always)`
+/// being refused there) LLVM inlined it or not depending on how the crate
+/// was split into codegen units: an unrelated change to the crate once
+/// left it out of line and the decode kernel ~30 % slower (issue 47's A/B).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse4.1,fma")]
+#[inline(always)]
 pub(super) unsafe fn walk_scales4(
     scales: &Scales4,
     g0: usize,
