@@ -441,7 +441,6 @@ impl StreamOpener {
     }
 }
 
-/// The module.
 /// Runs `gateway policy ARGS...` (`pin`) in this process; returns the exit
 /// code (0 written, 1 the evidence did not verify, 2 usage or I/O).
 #[pyfunction]
@@ -454,6 +453,7 @@ fn policy_main(argv: Vec<String>) -> i32 {
     )
 }
 
+/// The module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(endpoints, m)?)?;
