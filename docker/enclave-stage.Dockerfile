@@ -1,12 +1,17 @@
 # The enclave image: one pipeline stage, FROM scratch. It is the input to
 # `nitro-cli build-enclave` and the image of the compose stages.
 #
-# Build context: target/images/<tag>/stage/, assembled by
-# scripts/build-images.sh (do not build it by hand):
+# Build context: target/images/<tag>/stage/ or target/eif/<name>/stage/,
+# assembled by scripts/build-images.sh or scripts/build-eif.sh (do not build
+# it by hand); it is the image's whole file system, copied in one layer:
 #   enclave-stage                 static (musl) release binary
 #   models/<MODEL>/               the model files and manifest.json
-#   policy.toml                   the policy that pins the stage measurement
+#   config/policy.toml            the policy that pins the stage measurement
 #                                 (used to verify the neighbouring stages)
+# One `COPY . /` (not one COPY per path): COPY gives a folder it has to
+# create the time of the build, while a folder copied from the context keeps
+# the context's time, which the scripts fix at SOURCE_DATE_EPOCH, so the same
+# inputs give the same layer (docs/deploy-nitro.md, "Reproducible builds").
 #
 # The model folder is the build argument MODEL (all-minilm-l6-v2, or
 # smollm2-135m-instruct for the completions stages), passed to the stage as
@@ -17,9 +22,7 @@
 FROM scratch
 ARG MODEL=all-minilm-l6-v2
 ENV STAGE_MODEL_DIR=/models/${MODEL}
-COPY enclave-stage /enclave-stage
-COPY models/ /models/
-COPY policy.toml /config/policy.toml
+COPY . /
 # No user database in a scratch image: a numeric unprivileged id.
 USER 65534:65534
 EXPOSE 9000

@@ -3,9 +3,15 @@
 # into a gateway policy (docs/deploy-nitro.md):
 #
 #   1. a static musl build of enclave-stage with the `nitro` feature
-#      (target dir target/static-nitro);
+#      (target dir target/static-nitro), reproducible: `--locked`,
+#      SOURCE_DATE_EPOCH (the last commit's time unless set), RUSTFLAGS
+#      remapping cargo home, the toolchain and the target dir, and musl-gcc's
+#      -ffile-prefix-map the same (docs/deploy-nitro.md, "Reproducible
+#      builds"); scripts/test-reproducible-build.sh checks it;
 #   2. the stage image (docker/enclave-stage.Dockerfile, MODEL build arg)
-#      with the in-enclave policy, and on top of it the enclave image whose
+#      with the in-enclave policy, its context's files at SOURCE_DATE_EPOCH
+#      with fixed modes (docker COPY keeps mtimes; owner is root), and on top
+#      of it the enclave image whose
 #      CMD is the whole command line: nitro-cli takes CMD alone when an image
 #      has one (with its ENV) and never joins it to ENTRYPOINT, so the
 #      enclave image clears ENTRYPOINT and its CMD starts with the program
@@ -22,6 +28,9 @@
 #   4. OUT/policy.toml: the gateway's policy (allow_mock = false, the model
 #      manifest pinned, PCR0/1/2 of the EIF for every stage, PCR8 too when
 #      nitro-cli reports one).
+# Every build writes OUT/build-record.json (scripts/build_record.py): the
+# binary's sha256, the inputs' digests, the toolchain, and the image layers
+# and PCRs where they were made; `gateway policy from-build` reads it.
 #
 # Usage: scripts/build-eif.sh [options]
 #   --model DIR          model folder (default models/all-minilm-l6-v2;
@@ -44,13 +53,22 @@
 #   --dry-run            print the commands instead of running them
 #   --image-only         steps 1-2 only: the enclave image, no nitro-cli (for
 #                        scripts/test-enclave-image.sh, which runs it here)
+#   --binary-only        step 1 only: OUT/enclave-stage (the binary exactly as
+#                        the image gets it), OUT/stage-policy.toml (the
+#                        in-enclave policy) and OUT/build-record.json; no docker
+#   --out DIR            output folder (default target/eif/NAME)
+#   --target-dir DIR     cargo's target dir for step 1 (default
+#                        target/static-nitro)
+#   --no-cache           docker build --no-cache (every layer made afresh:
+#                        what a reproducibility check compares)
 #   --policy-from FILE   only step 4: read nitro-cli's output from FILE and
 #                        write the policy (to --policy-out, default OUT/policy.toml)
 #   --policy-out FILE    where step 4 writes the policy
 # Writes OUT/eif.env (EIF, POLICY, MODEL_DIR, LAYERS, CID_BASE, PORT,
 # NITRO_CLI_VERSION) for scripts/run-nitro.sh. Needs docker and nitro-cli (AWS
-# Nitro Enclaves CLI) unless --dry-run, --image-only or --policy-from; says so
-# and exits 1 if either is missing.
+# Nitro Enclaves CLI) unless --dry-run, --image-only (docker only),
+# --binary-only (neither) or --policy-from; says so and exits 1 if one is
+# missing. The musl target and musl-gcc: scripts/ensure-musl.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -63,6 +81,10 @@ THREADS=0
 SIGN_CERT=""
 SIGN_KEY=""
 IMAGE_ONLY=0
+BINARY_ONLY=0
+NO_CACHE=()
+OUT=""
+STATIC_DIR=target/static-nitro
 NAME=""
 PREFIX=confidential-inference
 DRY_RUN=0
@@ -79,12 +101,16 @@ while [[ $# -gt 0 ]]; do
     --signing-certificate) SIGN_CERT="$2"; shift 2 ;;
     --private-key) SIGN_KEY="$2"; shift 2 ;;
     --image-only) IMAGE_ONLY=1; shift ;;
+    --binary-only) BINARY_ONLY=1; shift ;;
+    --out) OUT="$2"; shift 2 ;;
+    --target-dir) STATIC_DIR="$2"; shift 2 ;;
+    --no-cache) NO_CACHE=(--no-cache); shift ;;
     --name) NAME="$2"; shift 2 ;;
     --prefix) PREFIX="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --policy-from) POLICY_FROM="$2"; shift 2 ;;
     --policy-out) POLICY_OUT="$2"; shift 2 ;;
-    -h|--help) sed -n '2,54p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,70p' "$0"; exit 0 ;;
     *) echo "build-eif: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -99,7 +125,9 @@ NAME="${NAME:-$model}"
   && { echo "build-eif: --signing-certificate and --private-key go together" >&2; exit 2; }
 [[ -z "$SIGN_CERT" || -f "$SIGN_CERT" ]] || { echo "build-eif: no certificate at $SIGN_CERT" >&2; exit 1; }
 [[ -f "$MODEL_DIR/manifest.json" ]] || { echo "build-eif: no $MODEL_DIR/manifest.json; run scripts/setup.sh first" >&2; exit 1; }
-OUT="target/eif/$NAME"
+OUT="${OUT:-target/eif/$NAME}"
+OUT="${OUT%/}"
+[[ $IMAGE_ONLY == 1 && $BINARY_ONLY == 1 ]] && { echo "build-eif: --image-only or --binary-only, not both" >&2; exit 2; }
 POLICY_OUT="${POLICY_OUT:-$OUT/policy.toml}"
 MANIFEST_SHA256="$(sha256sum "$MODEL_DIR/manifest.json" | cut -d' ' -f1)"
 
@@ -118,29 +146,7 @@ stage_entries() {
 write_policy() {
   local from="$1" out="$2" pcrs version=""
   [[ -f "$(dirname "$from")/nitro-cli.version" ]] && version="$(head -n1 "$(dirname "$from")/nitro-cli.version")"
-  pcrs="$(python3 - "$from" <<'PY'
-import json, re, sys
-text = open(sys.argv[1]).read()
-start = text.find("{")
-if start < 0:
-    sys.exit(f"{sys.argv[1]}: no JSON object in nitro-cli's output")
-try:
-    m = json.JSONDecoder().raw_decode(text[start:])[0]["Measurements"]
-except (ValueError, KeyError, TypeError) as e:
-    sys.exit(f"{sys.argv[1]}: not nitro-cli build-enclave output ({e!r})")
-out = []
-for k in ("PCR0", "PCR1", "PCR2", "PCR8"):
-    v = m.get(k)
-    if v is None:
-        if k == "PCR8":
-            continue
-        sys.exit(f"{sys.argv[1]}: no {k} in Measurements")
-    if not re.fullmatch(r"[0-9a-fA-F]{96}", v):
-        sys.exit(f"{sys.argv[1]}: {k} is not 96 hex digits (SHA-384)")
-    out.append(f"{k.lower()} = \"{v.lower()}\"")
-print("\n".join(out))
-PY
-)" || exit 1
+  pcrs="$(python3 scripts/build_record.py pcrs "$from")" || exit 1
   mkdir -p "$(dirname "$out")"
   {
     cat <<EOT
@@ -170,7 +176,7 @@ run() {
   fi
 }
 
-if [[ $DRY_RUN == 0 && $IMAGE_ONLY == 0 ]]; then
+if [[ $DRY_RUN == 0 && $IMAGE_ONLY == 0 && $BINARY_ONLY == 0 ]]; then
   command -v nitro-cli >/dev/null || {
     echo "build-eif: nitro-cli is not installed: it runs on an AWS Nitro Enclaves parent instance" >&2
     echo "  (Amazon Linux: dnf install aws-nitro-enclaves-cli; see docs/deploy-nitro.md)." >&2
@@ -179,12 +185,12 @@ if [[ $DRY_RUN == 0 && $IMAGE_ONLY == 0 ]]; then
   }
 fi
 if [[ $DRY_RUN == 0 ]]; then
-  command -v docker >/dev/null || { echo "build-eif: docker is not installed" >&2; exit 1; }
+  [[ $BINARY_ONLY == 1 ]] || command -v docker >/dev/null || { echo "build-eif: docker is not installed" >&2; exit 1; }
   command -v musl-gcc >/dev/null || { echo "build-eif: musl-gcc not found (Debian: apt-get install musl-tools)" >&2; exit 1; }
 fi
 
 TARGET=x86_64-unknown-linux-musl
-STATIC_DIR=target/static-nitro
+STATIC_DIR="${STATIC_DIR%/}"
 BIN="$STATIC_DIR/$TARGET/release/enclave-stage"
 BASE_IMAGE="$PREFIX/enclave-stage-nitro-base:$NAME"
 EIF_IMAGE="$PREFIX/enclave-stage-nitro:$NAME"
@@ -212,24 +218,106 @@ cmd_json() {
   echo "[$out]"
 }
 
-echo "== static build with the nitro feature ($TARGET, $STATIC_DIR)"
+# The source: its commit, whether tracked files differ from it, and
+# SOURCE_DATE_EPOCH (the commit's time unless the environment sets it; a
+# copy without .git, as scripts/test-reproducible-build.sh makes, sets it).
+COMMIT=""
+DIRTY=""
+if [[ "$(git rev-parse --show-toplevel 2>/dev/null)" == "$(pwd -P)" ]]; then
+  COMMIT="$(git rev-parse HEAD)"
+  DIRTY=no
+  [[ -z "$(git status --porcelain --untracked-files=no)" ]] || DIRTY=yes
+  SOURCE_DATE_EPOCH="${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct)}"
+fi
+if [[ -z "${SOURCE_DATE_EPOCH:-}" ]]; then
+  if [[ $DRY_RUN == 1 ]]; then SOURCE_DATE_EPOCH=0; else
+    echo "build-eif: not a git checkout: set SOURCE_DATE_EPOCH (the source commit's time, in seconds)" >&2
+    exit 1
+  fi
+fi
+[[ "$SOURCE_DATE_EPOCH" =~ ^[0-9]+$ ]] || { echo "build-eif: SOURCE_DATE_EPOCH is not a number of seconds" >&2; exit 2; }
+export SOURCE_DATE_EPOCH
+[[ $DIRTY != yes ]] || echo "build-eif: WARNING: tracked files differ from commit $COMMIT (the record says dirty)" >&2
+
+# Paths of this machine out of the binary: cargo's registry sources (panic
+# locations of dependencies), the toolchain's and the target dir's (code
+# included from build scripts' OUT_DIR) are remapped to fixed names.
+# Workspace crates are compiled from relative paths, so the checkout's folder
+# does not reach the binary (scripts/test-reproducible-build.sh checks both).
+# RUSTFLAGS from the environment would change the binary: replaced.
+CARGO_HOME_DIR="${CARGO_HOME:-$HOME/.cargo}"
+if [[ $DRY_RUN == 0 ]]; then
+  mkdir -p "$STATIC_DIR"
+  TARGET_DIR_ABS="$(cd "$STATIC_DIR" && pwd)"
+  SYSROOT="$(rustc --print sysroot)"
+else
+  TARGET_DIR_ABS="$STATIC_DIR"
+  SYSROOT='$(rustc --print sysroot)'
+fi
+[[ -z "${RUSTFLAGS:-}${CARGO_ENCODED_RUSTFLAGS:-}" ]] || echo "build-eif: RUSTFLAGS from the environment replaced (a reproducible build sets its own)" >&2
+unset CARGO_ENCODED_RUSTFLAGS
+export RUSTFLAGS="--remap-path-prefix=$CARGO_HOME_DIR=/cargo --remap-path-prefix=$SYSROOT=/rustup-toolchain --remap-path-prefix=$TARGET_DIR_ABS=/target"
+export CFLAGS_x86_64_unknown_linux_musl="-ffile-prefix-map=$CARGO_HOME_DIR=/cargo -ffile-prefix-map=$TARGET_DIR_ABS=/target"
 export CC_x86_64_unknown_linux_musl="${CC_x86_64_unknown_linux_musl:-musl-gcc}"
-run cargo build --release --locked --target "$TARGET" --target-dir "$STATIC_DIR" -p enclave-stage --features nitro
+# The same, as the record says them (no machine paths).
+RUSTFLAGS_RECORD='--remap-path-prefix=$CARGO_HOME=/cargo --remap-path-prefix=$(rustc --print sysroot)=/rustup-toolchain --remap-path-prefix=$CARGO_TARGET_DIR=/target'
+CFLAGS_RECORD='-ffile-prefix-map=$CARGO_HOME=/cargo -ffile-prefix-map=$CARGO_TARGET_DIR=/target'
+CARGO_ARGS=(build --release --locked --target "$TARGET" -p enclave-stage --features nitro)
+
+# OUT/build-record.json for the binary $1 and the in-enclave policy $2, with
+# scripts/build_record.py's further options (image, nitro-cli output).
+write_record() {
+  local bin="$1" pol="$2"
+  shift 2
+  python3 scripts/build_record.py write --out "$OUT/build-record.json" --binary "$bin" \
+    --model-dir "$MODEL_DIR" --stage-policy "$pol" --layers "$LAYERS" --cmd "$(cmd_json)" \
+    --commit "$COMMIT" --dirty "$DIRTY" --source-date-epoch "$SOURCE_DATE_EPOCH" \
+    --command "cargo ${CARGO_ARGS[*]}" --target "$TARGET" --features nitro \
+    --rustflags "$RUSTFLAGS_RECORD" --cflags "$CFLAGS_RECORD" --cc "$CC_x86_64_unknown_linux_musl" "$@"
+}
+
+# docker COPY keeps a file's mtime and mode (the owner is root:root): both
+# fixed here, so that the same inputs give the same layer (one `COPY . /`:
+# the folders it creates come from here too, not from the time of the build).
+normalize_context() {
+  find "$1" -type d -exec chmod 0755 {} +
+  find "$1" -type f -exec chmod 0644 {} +
+  chmod 0755 "$1/enclave-stage"
+  find "$1" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
+}
+
+echo "== static build with the nitro feature ($TARGET, $STATIC_DIR, SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH)"
+[[ $DRY_RUN == 0 ]] || echo "+ RUSTFLAGS=$RUSTFLAGS"
+run cargo "${CARGO_ARGS[@]}" --target-dir "$STATIC_DIR"
+if [[ $BINARY_ONLY == 1 ]]; then
+  if [[ $DRY_RUN == 1 ]]; then
+    echo "+ (copy $BIN to $OUT/enclave-stage; write $OUT/stage-policy.toml and $OUT/build-record.json)"
+    exit 0
+  fi
+  mkdir -p "$OUT"
+  cp "$BIN" "$OUT/enclave-stage"
+  stage_policy >"$OUT/stage-policy.toml"
+  write_record "$OUT/enclave-stage" "$OUT/stage-policy.toml"
+  echo "build-eif: $OUT/enclave-stage sha256 $(sha256sum "$OUT/enclave-stage" | cut -d' ' -f1); record $OUT/build-record.json"
+  exit 0
+fi
 echo "== build context $OUT/stage"
 if [[ $DRY_RUN == 0 ]]; then
-  rm -rf "$OUT/stage"; mkdir -p "$OUT/stage/models"
+  rm -rf "$OUT/stage"; mkdir -p "$OUT/stage/models" "$OUT/stage/config"
   cp "$BIN" "$OUT/stage/enclave-stage"
   cp -rL "$MODEL_DIR" "$OUT/stage/models/$model"
-  stage_policy >"$OUT/stage/policy.toml"
+  stage_policy >"$OUT/stage/config/policy.toml"
+  normalize_context "$OUT/stage"
   printf 'FROM %s\nENTRYPOINT []\nCMD %s\n' "$BASE_IMAGE" "$(cmd_json)" >"$OUT/enclave.Dockerfile"
 else
   echo "+ (copy $BIN, $MODEL_DIR, the in-enclave policy into $OUT/stage)"
   echo "+ (write $OUT/enclave.Dockerfile: FROM $BASE_IMAGE; ENTRYPOINT []; CMD $(cmd_json))"
 fi
-run docker build -q -f docker/enclave-stage.Dockerfile --build-arg "MODEL=$model" -t "$BASE_IMAGE" "$OUT/stage"
-run docker build -q -f "$OUT/enclave.Dockerfile" -t "$EIF_IMAGE" "$OUT"
+run docker build -q ${NO_CACHE[@]+"${NO_CACHE[@]}"} -f docker/enclave-stage.Dockerfile --build-arg "MODEL=$model" -t "$BASE_IMAGE" "$OUT/stage"
+run docker build -q ${NO_CACHE[@]+"${NO_CACHE[@]}"} -f "$OUT/enclave.Dockerfile" -t "$EIF_IMAGE" "$OUT"
 if [[ $IMAGE_ONLY == 1 ]]; then
-  echo "build-eif: enclave image $EIF_IMAGE (no EIF: --image-only)"
+  [[ $DRY_RUN == 1 ]] || write_record "$OUT/stage/enclave-stage" "$OUT/stage/config/policy.toml" --image "$EIF_IMAGE"
+  echo "build-eif: enclave image $EIF_IMAGE (no EIF: --image-only); record $OUT/build-record.json"
   exit 0
 fi
 echo "== nitro-cli build-enclave"
@@ -237,12 +325,14 @@ SIGN=()
 [[ -n "$SIGN_CERT" ]] && SIGN=(--signing-certificate "$SIGN_CERT" --private-key "$SIGN_KEY")
 if [[ $DRY_RUN == 1 ]]; then
   run nitro-cli build-enclave --docker-uri "$EIF_IMAGE" --output-file "$EIF" ${SIGN[@]+"${SIGN[@]}"}
-  echo "+ (write $POLICY_OUT from its output, $OUT/build-enclave.json)"
+  echo "+ (write $POLICY_OUT from its output, $OUT/build-enclave.json, and $OUT/build-record.json)"
   exit 0
 fi
 nitro-cli --version >"$OUT/nitro-cli.version"
 nitro-cli build-enclave --docker-uri "$EIF_IMAGE" --output-file "$EIF" ${SIGN[@]+"${SIGN[@]}"} | tee "$OUT/build-enclave.json"
 write_policy "$OUT/build-enclave.json" "$POLICY_OUT"
+write_record "$OUT/stage/enclave-stage" "$OUT/stage/config/policy.toml" --image "$EIF_IMAGE" \
+  --nitro-output "$OUT/build-enclave.json" --nitro-cli-version "$(head -n1 "$OUT/nitro-cli.version")"
 if [[ -n "$SIGN_CERT" ]] && ! grep -q '^pcr8 = ' "$POLICY_OUT"; then
   echo "build-eif: the EIF was signed but nitro-cli reported no PCR8" >&2
   exit 1

@@ -22,7 +22,7 @@
 # Environment: MODEL_DIR (default models/all-minilm-l6-v2, from scripts/setup.sh).
 #
 # Writes target/images/$TAG/: policy.toml (the gateway's policy; the stage's
-# is stage/policy.toml), measurement
+# is stage/config/policy.toml), measurement
 # (mock:<hex>), images.env (IMAGE_PREFIX, IMAGE_TAG, STAGE_IMAGE,
 # GATEWAY_IMAGE, MEASUREMENT) and the two build contexts.
 set -euo pipefail
@@ -76,7 +76,7 @@ done
 
 OUT="target/images/$TAG"
 rm -rf "$OUT"
-mkdir -p "$OUT/stage/models" "$OUT/gateway/models"
+mkdir -p "$OUT/stage/models" "$OUT/stage/config" "$OUT/gateway/models"
 model="$(basename "$MODEL_DIR")"
 cp "$BIN/enclave-stage" "$OUT/stage/enclave-stage"
 cp -rL "$MODEL_DIR" "$OUT/stage/models/$model"
@@ -98,7 +98,7 @@ MANIFEST_SHA256="$(sha256sum "$OUT/stage/models/$model/manifest.json" | cut -d' 
 # The stages' own policy (baked into the stage image): mock evidence, peers
 # must be this same build (the stage's own measurement). It cannot pin that
 # measurement itself: the measurement covers this very file.
-cat >"$OUT/stage/policy.toml" <<EOF
+cat >"$OUT/stage/config/policy.toml" <<EOF
 # Written by scripts/build-images.sh for $PREFIX/enclave-stage:$TAG: the
 # policy each stage judges its neighbours by. MOCK evidence is accepted (no
 # enclave hardware in containers); a neighbour must report this stage's own
@@ -111,7 +111,7 @@ $(stage_tables "")
 EOF
 # The measurement of the binary, manifest and stage policy in the stage image.
 MEASUREMENT="$("$BIN/gateway" measure --stage-binary "$OUT/stage/enclave-stage" \
-  --model-dir "$OUT/stage/models/$model" --stage-policy "$OUT/stage/policy.toml")"
+  --model-dir "$OUT/stage/models/$model" --stage-policy "$OUT/stage/config/policy.toml")"
 cat >"$OUT/policy.toml" <<EOF
 # Written by scripts/build-images.sh for the images tagged $TAG: the
 # gateway's policy. MOCK evidence: the containers run without enclave

@@ -21,7 +21,8 @@
 #      over /config/policy.toml;
 #   4. a gateway (target/release/gateway) attests both stages against a
 #      policy pinning the mock measurement of the image's binary, manifest
-#      and that policy, and serves embeddings through them.
+#      and that policy, written from the build's record by `gateway policy
+#      from-build --mock --stage-policy`, and serves embeddings through them.
 # Needs Docker; installs Debian's musl-tools and the musl Rust target (rustup)
 # when missing; without a Docker engine it says SKIPPED and exits 0.
 # Env: ENCLAVE_IMAGE_E2E=0 skips it.
@@ -33,17 +34,8 @@ fi
 if ! docker info >/dev/null 2>&1; then
   echo "enclave image: SKIPPED (no Docker engine)"; exit 0
 fi
-rustup target list --installed 2>/dev/null | grep -qx x86_64-unknown-linux-musl \
-  || rustup target add x86_64-unknown-linux-musl
-# The static build's C parts (ring) need Debian's musl-gcc: installed here, as
-# scripts/test.sh installs PostgreSQL, so the README's test command works on
-# a fresh machine with Docker.
-if ! command -v musl-gcc >/dev/null; then
-  echo "== installing Debian's musl-tools (the enclave image is a static musl build)"
-  SUDO=""; [[ "$(id -u)" == 0 ]] || SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq musl-tools >/dev/null
-fi
+# The musl target and musl-gcc (ring's C parts), installed when missing.
+scripts/ensure-musl.sh
 fail() { echo "FAIL: $*" >&2; exit 1; }
 [[ -x target/release/gateway ]] || fail "no target/release/gateway (cargo build --release -p gateway)"
 
@@ -138,20 +130,16 @@ ip0="$(ip "stage0-$RUN")"; ip1="$(ip "stage1-$RUN")"
 port="$(echo "${CMD[*]}" | sed -n 's/.*vsock:\/\/any:\([0-9]*\).*/\1/p')"
 
 echo "== 4. a gateway attests them and serves through them"
+# The gateway's policy from the build's record (`gateway policy from-build
+# --mock`, with the mounted stage policy in place of the image's), and the
+# measurement it pins against `gateway measure` on the image's own files.
+target/release/gateway policy from-build "$OUT/build-record.json" --mock --stage-policy "$stage_policy" \
+  --out "$tmp/policy.toml" >"$tmp/from-build.out" 2>&1 || { cat "$tmp/from-build.out"; fail "policy from-build"; }
 measurement="$(target/release/gateway measure --stage-binary "$OUT/stage/enclave-stage" \
   --model-dir "$OUT/stage/models/$(basename "$MODEL")" --stage-policy "$stage_policy")"
-cat >"$tmp/policy.toml" <<EOF
-allow_mock = true
-manifest_sha256 = "$manifest_sha"
-[[stages]]
-index = 0
-layers = [0, 3]
-measurements = ["$measurement"]
-[[stages]]
-index = 1
-layers = [3, 6]
-measurements = ["$measurement"]
-EOF
+[[ "$(grep -c "^measurements = \[\"$measurement\"\]$" "$tmp/policy.toml")" == 2 ]] \
+  || { cat "$tmp/policy.toml"; fail "the policy from the build record does not pin $measurement for both stages"; }
+grep -q "^manifest_sha256 = \"$manifest_sha\"$" "$tmp/policy.toml" || fail "the policy from the build record pins another manifest"
 gport="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 GATEWAY_SERVER__LISTEN="127.0.0.1:$gport" GATEWAY_RECEIPTS__PATH="$tmp/receipts.sqlite3" \
   GATEWAY_PIPELINE__POLICY="$tmp/policy.toml" GATEWAY_PIPELINE__MODEL_DIR="$MODEL" \

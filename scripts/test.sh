@@ -23,7 +23,10 @@
 #      (scripts/test-nitro-scripts.sh, no hardware needed); where a Docker
 #      engine runs, the Nitro enclave image started as an enclave's init
 #      would start it, serving through a gateway (scripts/test-enclave-image.sh:
-#      a static musl build; ENCLAVE_IMAGE_E2E=0 skips it); the Kubernetes
+#      a static musl build; ENCLAVE_IMAGE_E2E=0 skips it); the enclave
+#      binary built in two folders from copies of the commit, byte for byte
+#      the same, and where Docker runs the stage image's layers twice
+#      (scripts/test-reproducible-build.sh; REPRO_BUILD=0 skips it); the Kubernetes
 #      overlays rendered and schema-validated (scripts/test-k8s-manifests.sh);
 #   5. against a live gateway: the README's quickstart commands as written,
 #      their output against the README's, and its sealed path (policy pin,
@@ -69,6 +72,11 @@ echo "== Nitro deployment scripts (docs/deploy-nitro.md; no hardware needed)"
 scripts/test-nitro-scripts.sh
 echo "== the Nitro enclave image, booted as an enclave's init would (scripts/test-enclave-image.sh; Docker)"
 scripts/test-enclave-image.sh
+echo "== the enclave binary built twice in two folders: the same bytes (scripts/test-reproducible-build.sh)"
+# About 3 minutes once the image test has built the static dependencies
+# (about 13 without Docker, which builds them here); REPRO_FULL=1 builds
+# both from scratch (about 21 minutes); REPRO_BUILD=0 skips it.
+scripts/test-reproducible-build.sh
 echo "== Kubernetes manifests (docs/deploy-kubernetes.md; rendered and validated offline)"
 scripts/test-k8s-manifests.sh
 

@@ -12,7 +12,9 @@
 //!   upstream's evidence, seals every request to the attested entry stage
 //!   and verifies every receipt ([`proxy`]);
 //! - `gateway policy pin`: a policy pinning what a gateway's stages report
-//!   now, trust on first use, for development ([`policy_pin`]).
+//!   now, trust on first use, for development ([`policy_pin`]);
+//! - `gateway policy from-build`: a policy from the build record of an
+//!   enclave image the client rebuilt itself ([`policy_build`]).
 //!
 //! Exit codes: 0 when everything holds, 1 when a verification fails (or the
 //! proxy refuses to start), 2 for usage and I/O errors.
@@ -21,6 +23,8 @@
 pub mod bundle;
 pub mod client_key;
 pub mod io;
+pub mod policy_build;
+pub mod policy_file;
 pub mod policy_pin;
 pub mod proxy;
 pub mod seal_open;
@@ -52,7 +56,8 @@ pub enum ClientCommand {
     /// A local OpenAI-compatible endpoint that verifies the upstream gateway's
     /// evidence, seals every request end to end and verifies every receipt.
     Proxy(proxy::ProxyArgs),
-    /// Measurement policies: `gateway policy pin` writes one from what a
+    /// Measurement policies: `gateway policy from-build` writes one from a
+    /// build record of the enclave image; `gateway policy pin` from what a
     /// gateway reports (trust on first use, development only).
     #[command(subcommand)]
     Policy(policy_pin::PolicyCommand),

@@ -24,7 +24,7 @@ use proto::bundle::{EvidenceBundle, LegacyEvidence};
 use proto::evidence::EvidenceVerifier;
 use proto::policy::{NitroPcrPolicy, Policy, StagePolicy};
 use proto::report::CheckStatus;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// `gateway policy …`
@@ -34,6 +34,10 @@ pub enum PolicyCommand {
     /// now (trust on first use: development only; needs
     /// --trust-on-first-use).
     Pin(PinArgs),
+    /// Write a policy from the build record of an enclave image you built
+    /// yourself (`scripts/build-eif.sh`'s build-record.json): its PCRs, or
+    /// with --mock its mock measurement, and its layers and manifest.
+    FromBuild(crate::policy_build::FromBuildArgs),
 }
 
 /// `gateway policy pin`
@@ -71,6 +75,7 @@ pub const TOFU_WARNING: &str = "TRUST ON FIRST USE: this policy pins whatever me
 pub fn run(cmd: PolicyCommand) -> Result<i32> {
     match cmd {
         PolicyCommand::Pin(a) => run_pin(a),
+        PolicyCommand::FromBuild(a) => crate::policy_build::run(a),
     }
 }
 
@@ -114,7 +119,11 @@ fn run_pin(a: PinArgs) -> Result<i32> {
         } else {
             a.out.clone()
         };
-        write_policy(&path, &policy, model, &base)?;
+        let header = format!(
+            "# Model {model}: pinned by `gateway policy pin --trust-on-first-use` from what\n\
+             # {base} reported. TRUST ON FIRST USE: development only.\n"
+        );
+        crate::policy_file::write_policy(&path, &policy, &header)?;
         let kind = if policy.allow_mock { "mock" } else { "Nitro" };
         println!(
             "pinned {model}: {} stage(s), {kind} evidence, manifest {} -> {}",
@@ -193,51 +202,4 @@ fn file_stem(model: &str) -> String {
             }
         })
         .collect()
-}
-
-/// The policy as TOML, headed by a comment saying where it came from.
-fn policy_toml(policy: &Policy, model: &str, base: &str) -> String {
-    let q = |v: &str| serde_json::Value::from(v).to_string();
-    let mut t = format!(
-        "# Model {model}: pinned by `gateway policy pin --trust-on-first-use` from what\n\
-         # {base} reported. TRUST ON FIRST USE: development only.\n\
-         allow_mock = {}\n",
-        policy.allow_mock
-    );
-    if let Some(m) = &policy.manifest_sha256 {
-        t += &format!("manifest_sha256 = {}\n", q(m));
-    }
-    for s in &policy.stages {
-        let ms: Vec<String> = s.measurements.iter().map(|m| q(m)).collect();
-        t += &format!(
-            "\n[[stages]]\nindex = {}\nlayers = [{}, {}]\nmeasurements = [{}]\n",
-            s.index,
-            s.layers[0],
-            s.layers[1],
-            ms.join(", ")
-        );
-        for n in &s.nitro {
-            t += &format!(
-                "[[stages.nitro]]\npcr0 = {}\npcr1 = {}\npcr2 = {}\n",
-                q(&n.pcr0),
-                q(&n.pcr1),
-                q(&n.pcr2)
-            );
-            if let Some(p8) = &n.pcr8 {
-                t += &format!("pcr8 = {}\n", q(p8));
-            }
-        }
-    }
-    t
-}
-
-fn write_policy(path: &Path, policy: &Policy, model: &str, base: &str) -> Result<()> {
-    let text = policy_toml(policy, model, base);
-    // Read back as a verifier will read it: the same policy.
-    let back =
-        Policy::from_toml(&text).map_err(|e| anyhow!("the written policy does not parse: {e}"))?;
-    if &back != policy {
-        bail!("the written policy does not read back as the one pinned");
-    }
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }

@@ -1,6 +1,6 @@
 //! End to end: the client verbs of the `gateway` binary against a real
 //! gateway (real stages): `verify evidence`, `verify receipt`, `seal` →
-//! HTTP → `open`, `policy pin`, and `proxy` driven by the stock `openai` Python SDK (or
+//! HTTP → `open`, `policy pin`, `policy from-build`, and `proxy` driven by the stock `openai` Python SDK (or
 //! reqwest when python3 + openai are not importable).
 //!
 //! One gateway serves every section (each gateway starts two model-loading
@@ -11,6 +11,8 @@ mod common;
 mod cut_stream;
 #[path = "cli_e2e/evidence.rs"]
 mod evidence;
+#[path = "cli_e2e/policy_build.rs"]
+mod policy_build;
 #[path = "cli_e2e/policy_pin.rs"]
 mod policy_pin;
 #[path = "cli_e2e/proxy.rs"]
@@ -50,6 +52,11 @@ struct Ctx {
     nonce: Vec<u8>,
     evidence_cbor: PathBuf,
     evidence_json: PathBuf,
+    /// The gateway's folder (its gateway.toml, and policy.toml, which its
+    /// stages are started with).
+    gateway_dir: PathBuf,
+    /// The policy file the stages run with.
+    stage_policy: PathBuf,
 }
 
 #[tokio::test]
@@ -76,6 +83,8 @@ async fn cli_verbs_against_a_real_gateway() {
         nonce,
         evidence_cbor,
         evidence_json,
+        gateway_dir: gw.dir.clone(),
+        stage_policy: gw.dir.join("policy.toml"),
     };
     let t = std::time::Instant::now();
     evidence::evidence_checks(&ctx);
@@ -88,6 +97,8 @@ async fn cli_verbs_against_a_real_gateway() {
     eprintln!("resealing host caught: ok ({:?})", t.elapsed());
     policy_pin::policy_pin_checks(&ctx);
     eprintln!("policy pin: ok ({:?})", t.elapsed());
+    policy_build::policy_from_build_checks(&ctx);
+    eprintln!("policy from-build: ok ({:?})", t.elapsed());
     proxy::proxy_checks(&ctx).await;
     eprintln!("proxy: ok ({:?})", t.elapsed());
     drop(gw);

@@ -99,8 +99,9 @@ pub(crate) type Line = proto::report::Check;
 /// What a failed check under a `trust_local_build` policy adds.
 pub const TRUST_LOCAL_BUILD_HINT: &str =
     "trust_local_build applies only inside the gateway that launches the stages; a client \
-     accepts pinned measurements only (for development, `gateway policy pin \
-     --trust-on-first-use` writes a policy that pins them; docs/curl.md)";
+     accepts pinned measurements only (`gateway policy from-build` writes them from the \
+     build record of an image you rebuilt; for development, `gateway policy pin \
+     --trust-on-first-use` pins what the server reports; docs/curl.md)";
 
 /// The outcome of verifying a bundle.
 pub(crate) struct EvidenceOutcome {
