@@ -10,6 +10,7 @@ pub mod model;
 pub mod models;
 pub mod provider;
 pub mod receipt_link;
+pub mod request_ids;
 pub mod role;
 pub mod sampling;
 pub mod server;

@@ -176,3 +176,37 @@ fn schemas_the_engine_refuses_name_the_field() {
     assert!(v.accepts(&r, r#""aaab""#) && !v.accepts(&r, r#""ba""#));
     assert!(v.grammars.check(&request(json!({}))).is_ok());
 }
+
+/// A grammar compiled once is served again from the stage's cache, each
+/// time as a matcher of its own (one request's tokens never move another's
+/// parser); only the last `CACHED_GRAMMARS` are kept.
+#[test]
+fn compiled_grammars_are_reused_as_independent_copies() {
+    use enclave_stage::serving::generation::grammar::CACHED_GRAMMARS;
+    let v = vocab();
+    let r = schema_request(json!({"type": "string", "enum": ["red", "green"]}));
+    let g = grammar_text(&r).unwrap();
+    let before = v.grammars.cache_hits();
+    let mut first = v.grammars.matcher(&g).unwrap();
+    assert_eq!(v.grammars.cache_hits(), before, "a new grammar compiles");
+    // The first matcher moves on; a copy served later starts at the start.
+    let quote = v.tokenizer.encode("\"", false).unwrap().get_ids()[0];
+    first.consume_token(quote).unwrap();
+    let mut second = v.grammars.matcher(&g).unwrap();
+    assert_eq!(
+        v.grammars.cache_hits(),
+        before + 1,
+        "the same text is reused"
+    );
+    assert!(!second.compute_mask_or_eos().unwrap().is_allowed(v.eos));
+    second.consume_token(quote).unwrap();
+    assert!(v.accepts(&r, r#""red""#) && !v.accepts(&r, r#""blue""#));
+    // Past the cache's size, the oldest grammar compiles again.
+    for i in 0..CACHED_GRAMMARS {
+        let other = schema_request(json!({"type": "string", "enum": [format!("v{i}")]}));
+        v.grammars.matcher(&grammar_text(&other).unwrap()).unwrap();
+    }
+    let hits = v.grammars.cache_hits();
+    v.grammars.matcher(&g).unwrap();
+    assert_eq!(v.grammars.cache_hits(), hits, "the oldest was kept");
+}

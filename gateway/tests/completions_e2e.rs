@@ -15,6 +15,7 @@
 //!   does not fit now gets 503 + Retry-After, and a client that disconnects
 //!   mid-stream frees its sequence in every stage (the next request that
 //!   needs all of the budget runs in both stages);
+//! - a prompt that is slow to admit does not hold back a short request;
 //! - validation errors are OpenAI-shaped.
 
 mod common;
@@ -412,6 +413,53 @@ async fn a_panic_in_a_step_fails_only_its_request() {
         assert_eq!(body["choices"][0]["text"], want.as_str(), "{:?}", it.prompt);
     }
     assert!(gw.log().contains("the step panicked"), "{}", gw.log());
+}
+
+/// Issue 47, item 7: admissions run side by side. Eight prompts of a
+/// quarter MiB of letters with no space each (about a second of
+/// tokenizing, then refused for the context) do not hold back a short
+/// request sent after them: the short one is answered first. With admission done in turn on the
+/// host channel, the long prompt's refusal always came first. How long the
+/// short request waits is measured by `scripts/bench_admission.py`, not
+/// asserted here.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_admission_does_not_hold_back_a_short_request() {
+    let gw = Gateway::start(completions_options(&[[0, 30]], ""));
+    // Just under the 32 bytes per context token the stage reads at most.
+    let mut x = 0x2545_f491_u32;
+    let letters: String = (0..8192 * 32 - 64)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (b'a' + (x % 26) as u8) as char
+        })
+        .collect();
+    let url = gw.url.clone();
+    let slow = tokio::spawn(async move {
+        let body = json!({"model": MODEL, "prompt": vec![&letters; 8],
+                          "max_tokens": 1});
+        let r = complete(&url, body).await;
+        (r, Instant::now())
+    });
+    // The long prompt is on its way to the stage before the short one.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let short = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0});
+    let (status, body, _) = complete(&gw.url, short).await;
+    let short_done = Instant::now();
+    assert_eq!(status, 200, "{body}");
+    let ((status, body, _), slow_done) = slow.await.unwrap();
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+    assert!(
+        short_done < slow_done,
+        "the short request waited for the long prompts' admission ({:?} after it)",
+        short_done - slow_done
+    );
+    eprintln!(
+        "the short request was answered {:?} before the long prompts' refusal",
+        slow_done - short_done
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

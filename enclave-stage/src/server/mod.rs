@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, Mutex};
 
+mod admissions;
 mod requests;
 mod work_gate;
 
@@ -25,6 +26,7 @@ use work_gate::WorkGate;
 #[cfg(test)]
 mod tests;
 
+use admissions::Admissions;
 use requests::ReplayGuards;
 
 /// How long an encapsulated key is remembered to refuse replays: every time
@@ -97,6 +99,8 @@ pub struct StageServer {
     /// attested peer, and a second instance of a neighbour that the host
     /// starts cannot inject into (or reuse the ids of) the first one's requests.
     sessions: std::sync::Mutex<[Option<u64>; 2]>,
+    /// Entry stage: the requests being admitted, each a task of its own.
+    admissions: Admissions,
 }
 
 /// Which peer session a stage takes one of per configuration epoch.
@@ -139,6 +143,9 @@ impl StageServer {
             owner: std::sync::Mutex::new(None),
             next_session: AtomicU64::new(1),
             sessions: std::sync::Mutex::new([None; 2]),
+            admissions: Admissions::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            ),
         })
     }
 
@@ -407,7 +414,9 @@ impl StageServer {
                         tracing::warn!("cancellation from a host channel that did not configure the stage; closing");
                         break;
                     };
-                    self.gate.submit(epoch, [Work::Cancel { request_id }]);
+                    self.admissions.cancel(epoch, request_id, || {
+                        self.gate.submit(epoch, [Work::Cancel { request_id }]);
+                    });
                     None
                 }
                 HostMessage::Request(req) => {
@@ -431,7 +440,10 @@ impl StageServer {
                         break;
                     }
                     last_request = Some(req.request_id);
-                    self.accept_request(req, epoch).await;
+                    // Admitted by a task of its own (the loop reads on), in
+                    // the room `enter` waits for.
+                    let ticket = self.admissions.enter(epoch, req.request_id).await;
+                    self.clone().spawn_admission(req, epoch, ticket);
                     None
                 }
                 HostMessage::Stats => {

@@ -5,6 +5,7 @@
 //! request's envelope, handed to the compute thread; errors after the body
 //! opened are sealed to the client.
 
+use super::admissions::{HandOver, Ticket};
 use super::StageServer;
 use crate::model::{Admission, OpenedRequest, Refusal};
 use crate::work::failure;
@@ -14,20 +15,45 @@ use proto::openai::{ApiEndpoint, ApiError};
 use proto::receipt::{OpenedKey, ReceiptId, Sealing};
 use proto::sealing::{open_request_as, seal_response, ReplayGuard, ResponseKeyMaterial, SealError};
 use rand::RngCore;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 impl StageServer {
+    /// Admits a request read off the host channel in a task of its own
+    /// ([`Self::accept_request`]); a panic in it fails that request alone.
+    pub(super) fn spawn_admission(self: Arc<Self>, req: SealedRequest, epoch: u64, ticket: Ticket) {
+        let request_id = req.request_id;
+        let this = self.clone();
+        let admission = tokio::spawn(async move { this.accept_request(req, epoch, ticket).await });
+        tokio::spawn(async move {
+            if admission.await.is_err_and(|e| e.is_panic()) {
+                tracing::error!(request_id, "a request's admission panicked; it fails");
+                let api = ApiError::internal("the request could not be admitted");
+                let error =
+                    crate::work::sealed_error(None, &api, ErrorKind::Internal, api.message.clone());
+                self.emit_in(
+                    epoch,
+                    failure(self.model.claims().is_exit(), request_id, error),
+                )
+                .await;
+            }
+        });
+    }
+
     /// Opens a sealed request, has the model admit it (validation,
     /// tokenization: [`crate::model::ServedModel::admit`]), records it in
-    /// the replay guard and hands its work to the compute thread. Errors
-    /// after the body is open are sealed to the client.
-    /// `epoch` is the configuration epoch of the host channel it came on.
-    pub(super) async fn accept_request(&self, req: SealedRequest, epoch: u64) {
+    /// the replay guard and hands its work to the compute thread, unless
+    /// the host cancelled it meanwhile. Errors after the body is open are
+    /// sealed to the client. `epoch` is the configuration epoch of the host
+    /// channel it came on.
+    pub(super) async fn accept_request(&self, req: SealedRequest, epoch: u64, ticket: Ticket) {
         let exit = self.model.claims().is_exit();
         let request_id = req.request_id;
+        // One core's worth of work at a time per admission.
+        let working = self.admissions.work().await;
         let (plaintext, key) = match self.open(&req) {
             Ok(v) => v,
-            Err(e) => return self.gate.emit(failure(exit, request_id, e)).await,
+            Err(e) => return self.emit_in(epoch, failure(exit, request_id, e)).await,
         };
         // The details (which may echo request content, e.g. a model name) go
         // only into the sealed body; the host sees the status and a generic line.
@@ -52,8 +78,7 @@ impl StageServer {
                     code: Some("unknown_url".into()),
                 };
                 return self
-                    .gate
-                    .emit(failure(exit, request_id, refused(api.into())))
+                    .emit_in(epoch, failure(exit, request_id, refused(api.into())))
                     .await;
             }
         };
@@ -64,21 +89,47 @@ impl StageServer {
         };
         let admission = match self.model.admit(opened).await {
             Ok(a) => a,
-            Err(r) => return self.gate.emit(failure(exit, request_id, refused(r))).await,
+            Err(r) => {
+                return self
+                    .emit_in(epoch, failure(exit, request_id, refused(r)))
+                    .await
+            }
         };
+        drop(working);
         if let Err(e) = self.record_replay(&req) {
             admission.release();
-            return self.gate.emit(failure(exit, request_id, e)).await;
+            return self.emit_in(epoch, failure(exit, request_id, e)).await;
         }
         let mut receipt_id = [0u8; 16];
         rand::rngs::OsRng.fill_bytes(&mut receipt_id);
         let env = envelope(req, receipt_id, &plaintext, key);
         let Admission { work, release } = admission;
-        if !self.gate.submit(epoch, work(env)) {
+        let handed = ticket.hand_over(|| self.gate.submit(epoch, work(env)));
+        if !matches!(handed, HandOver::Done(true)) {
             if let Some(release) = release {
                 release();
             }
-            tracing::info!("a request outlived its pipeline; dropped");
+        }
+        match handed {
+            HandOver::Done(true) => {}
+            HandOver::Done(false) => tracing::info!("a request outlived its pipeline; dropped"),
+            HandOver::Cancelled => {
+                tracing::info!(
+                    request_id,
+                    "request cancelled by the client during admission"
+                );
+                self.emit_in(epoch, failure(exit, request_id, crate::work::cancelled()))
+                    .await;
+            }
+        }
+    }
+
+    /// Queues an answer made outside the compute thread, unless the
+    /// pipeline of configuration `epoch` was torn down since (its host
+    /// channel is gone; a new owner never sees an old request's answer).
+    async fn emit_in(&self, epoch: u64, o: crate::work::Output) {
+        if self.gate.current() == epoch {
+            self.gate.emit(o).await;
         }
     }
 

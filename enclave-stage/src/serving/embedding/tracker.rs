@@ -13,6 +13,7 @@
 
 use crate::keys::StageKeys;
 use crate::receipt_link;
+use crate::request_ids::IdWindow;
 use crate::stats::RequestTimer;
 use proto::digest::Sha256Digest;
 use proto::frames::{
@@ -73,9 +74,9 @@ pub enum Finished {
 pub struct Tracker {
     requests: HashMap<u64, Request>,
     claims: StageClaims,
-    /// The id of the last request begun in this configuration: ids must
-    /// increase, so none is ever given to two requests.
-    last_begun: Option<u64>,
+    /// The ids begun in this configuration: none is ever given to two
+    /// requests.
+    begun: IdWindow,
 }
 
 impl Tracker {
@@ -84,28 +85,23 @@ impl Tracker {
         Self {
             requests: HashMap::new(),
             claims,
-            last_begun: None,
+            begun: IdWindow::new(),
         }
     }
 
-    /// Whether a request with this id may begin: ids increase within a
-    /// configuration (the entry stage takes them in increasing order from
-    /// its host, and each stage passes them on in order), so an id that
-    /// does not is a reused one and is refused, never merged.
+    /// Whether a request with this id may begin: an id begins at most once
+    /// in a configuration ([`IdWindow`]), so a reused one is refused, never
+    /// merged.
     pub fn may_begin(&self, request_id: u64) -> Result<(), String> {
-        match self.last_begun {
-            Some(last) if request_id <= last => Err(format!(
-                "request id {request_id} is not above the last one begun ({last}); refused"
-            )),
-            _ => Ok(()),
-        }
+        self.begun.check(request_id)
     }
 
     /// Starts tracking a request ([`Self::may_begin`] checked first).
     pub fn begin(&mut self, ctx: RequestContext) {
         let n = ctx.n_inputs as usize;
         let entry = self.claims.is_entry();
-        self.last_begun = Some(ctx.env.request_id);
+        let began = self.begun.begin(ctx.env.request_id);
+        debug_assert!(began.is_ok(), "may_begin was not checked first");
         self.requests.insert(
             ctx.env.request_id,
             Request {
@@ -222,7 +218,7 @@ impl Tracker {
     /// Stops tracking every request (a new configuration begins).
     pub fn clear(&mut self) {
         self.requests.clear();
-        self.last_begun = None;
+        self.begun.clear();
     }
 
     /// If the request is complete in this stage, signs this stage's link and

@@ -5,9 +5,13 @@
 //!
 //! The entry stage compiles a request's grammar once to refuse what cannot
 //! be compiled (a 400 naming the field); the exit stage, where sampling
-//! happens, compiles it again per choice. Work is bounded by llguidance's
-//! fuel limits ([`limits`]): a grammar that needs more to compile, or a
-//! step that needs more to compute its mask, fails rather than hangs.
+//! happens, needs it again. The last [`CACHED_GRAMMARS`] grammars that
+//! compiled are kept by the digest of their text, so a client that sends
+//! the same schema or tools each time (the usual case) pays for one
+//! compile per stage, not one per request on the exit stage's compute
+//! thread. Work is bounded by llguidance's fuel limits ([`limits`]): a
+//! grammar that needs more to compile, or a step that needs more to
+//! compute its mask, fails rather than hangs.
 
 use anyhow::{anyhow, Result};
 use llguidance::api::{ParserLimits, TopLevelGrammar};
@@ -15,10 +19,13 @@ use llguidance::earley::SlicedBiasComputer;
 use llguidance::toktrie::{InferenceCapabilities, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use proto::completions::CompletionsRequest;
+use proto::digest::Sha256Digest;
 use proto::openai::ApiError;
 use proto::tools::{ToolCalls, CALL_CLOSE, CALL_MID, CALL_OPEN, CALL_SEP, CALL_TAG};
 use serde_json::Value;
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use tokenizers::Tokenizer;
 
 /// JSON whitespace the model may write between two tokens: up to 32
@@ -59,9 +66,18 @@ impl TokenizerEnv for Vocabulary {
     }
 }
 
-/// Compiles requests' grammars for one model's vocabulary.
+/// How many compiled grammars a stage keeps (each its parser and lexer
+/// tables: tens to hundreds of KiB).
+pub const CACHED_GRAMMARS: usize = 16;
+
+/// Compiles requests' grammars for one model's vocabulary, and keeps the
+/// last few that compiled.
 pub struct Grammars {
     factory: ParserFactory,
+    /// Compiled grammars by the digest of their text, most recent first.
+    compiled: Mutex<VecDeque<(Sha256Digest, Matcher)>>,
+    /// Matchers served from `compiled`.
+    hits: AtomicU64,
 }
 
 impl Grammars {
@@ -93,18 +109,41 @@ impl Grammars {
         // Nothing on standard error: a parser's messages may quote output.
         factory.quiet();
         *factory.limits_mut() = limits();
-        Ok(Self { factory })
+        Ok(Self {
+            factory,
+            compiled: Mutex::new(VecDeque::new()),
+            hits: AtomicU64::new(0),
+        })
     }
 
-    /// A matcher for `lark` (see [`grammar_text`]); an error says why it
-    /// does not compile.
+    /// A fresh matcher for `lark` (see [`grammar_text`]), compiled or a
+    /// copy of one compiled before; an error says why it does not compile.
     pub fn matcher(&self, lark: &str) -> Result<Matcher, String> {
+        let digest = Sha256Digest::of(lark.as_bytes());
+        {
+            let mut compiled = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = compiled.iter().position(|(d, _)| *d == digest) {
+                let entry = compiled.remove(i).expect("the position is in range");
+                let m = entry.1.deep_clone();
+                compiled.push_front(entry);
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(m);
+            }
+        }
         let grammar = TopLevelGrammar::from_lark(lark.to_string());
         let m = Matcher::new(self.factory.create_parser(grammar));
-        match m.get_error() {
-            Some(e) => Err(e),
-            None => Ok(m),
+        if let Some(e) = m.get_error() {
+            return Err(e);
         }
+        let mut compiled = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
+        compiled.push_front((digest, m.deep_clone()));
+        compiled.truncate(CACHED_GRAMMARS);
+        Ok(m)
+    }
+
+    /// How many matchers were copies of a grammar compiled before.
+    pub fn cache_hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
     }
 
     /// A matcher for JSON valid against `schema` alone (its errors name

@@ -10,7 +10,6 @@ use crate::model::{
     spawn_compute, Admission, ComputeSetup, LoadedModel, OpenedRequest, Pending, Refusal,
     ServedModel, StageModel,
 };
-use crate::tokens::off_runtime_if_large;
 use crate::work::Work;
 use anyhow::{Context, Result};
 use proto::chat::{generic_messages, parse_chat};
@@ -79,8 +78,17 @@ impl ServedModel for Generation {
     }
 
     fn admit<'a>(&'a self, request: OpenedRequest<'a>) -> Pending<'a, Result<Admission, Refusal>> {
+        // Template render, tokenization and the grammar compile are CPU
+        // work of a size the client chooses: on the blocking pool, so the
+        // stage's runtime thread keeps moving everyone else's messages.
+        let model = self.0.clone();
+        let endpoint = request.endpoint;
+        let plaintext = request.plaintext.to_vec();
         Box::pin(async move {
-            let (request, prompts) = prepare(&self.0, &request).await?;
+            let (request, prompts) =
+                tokio::task::spawn_blocking(move || prepare(&model, endpoint, &plaintext))
+                    .await
+                    .map_err(|_| ApiError::internal("the request could not be prepared"))??;
             Ok(Admission {
                 work: Box::new(move |env| vec![work(env, request, prompts)]),
                 release: None,
@@ -124,16 +132,16 @@ fn work(
 
 /// Parses, checks and tokenizes a completions or chat request: the request
 /// (its prompts taken out) and its prompts' token ids.
-async fn prepare(
-    model: &Arc<GenModel>,
-    opened: &OpenedRequest<'_>,
+fn prepare(
+    model: &GenModel,
+    endpoint: ApiEndpoint,
+    plaintext: &[u8],
 ) -> Result<(proto::completions::CompletionsRequest, Vec<Vec<u32>>), ApiError> {
     let cfg = &model.config;
     let vocab = cfg.vocab_size as u32;
-    let plaintext = opened.plaintext;
     // A chat request becomes one text prompt: the model's chat template
     // over its messages, rendered here, inside the stage.
-    let (mut request, default_limit) = if opened.endpoint == ApiEndpoint::ChatCompletions {
+    let (mut request, default_limit) = if endpoint == ApiEndpoint::ChatCompletions {
         let chat = parse_chat(plaintext, vocab, DEFAULT_CHAT_MAX_TOKENS)?;
         let template = model.chat_template.as_ref().ok_or_else(|| {
             ApiError::invalid(
@@ -182,29 +190,20 @@ async fn prepare(
             )
         });
     }
-    let total_bytes: usize = prompts
-        .iter()
-        .map(|p| match p {
-            Prompt::Text(t) => t.len(),
-            Prompt::Tokens(t) => t.len() * 4,
-        })
-        .sum();
-    let m = model.clone();
     // A raw prompt gets the BOS the model's tokenizer adds; a rendered
     // chat's template wrote its own.
     let raw = request.api == Api::Completions;
-    let ids = off_runtime_if_large(total_bytes, move || {
-        prompts
-            .into_iter()
-            .enumerate()
-            .map(|(i, p)| match p {
-                Prompt::Text(t) => m.tokenize(&t, raw).map_err(|e| format!("prompt {i}: {e}")),
-                Prompt::Tokens(ids) => Ok(ids),
-            })
-            .collect::<Result<Vec<_>, String>>()
-    })
-    .await
-    .map_err(|e| ApiError::invalid(Some(prompt_param), e))?;
+    let ids = prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| match p {
+            Prompt::Text(t) => model
+                .tokenize(&t, raw)
+                .map_err(|e| format!("prompt {i}: {e}")),
+            Prompt::Tokens(ids) => Ok(ids),
+        })
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(|e| ApiError::invalid(Some(prompt_param), e))?;
     if default_limit {
         // No limit from the client: answer up to the default, or to
         // what the context leaves.
@@ -230,17 +229,15 @@ async fn prepare(
     // checks and before any model work (compiling is bounded by the
     // engine's fuel; off the runtime).
     if request.constrained() {
-        let m = model.clone();
-        let r = request.clone();
-        tokio::task::spawn_blocking(move || match m.grammars.as_ref() {
-            Some(g) => g.check(&r),
-            None => Err(ApiError::invalid(
-                Some("response_format"),
-                "This model has no end-of-sequence token, so no grammar can end.",
-            )),
-        })
-        .await
-        .map_err(|e| ApiError::invalid(Some("response_format"), format!("grammar task: {e}")))??;
+        match model.grammars.as_ref() {
+            Some(g) => g.check(&request)?,
+            None => {
+                return Err(ApiError::invalid(
+                    Some("response_format"),
+                    "This model has no end-of-sequence token, so no grammar can end.",
+                ))
+            }
+        }
     }
     Ok((request, ids))
 }

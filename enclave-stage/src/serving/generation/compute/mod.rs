@@ -19,6 +19,7 @@ use super::scheduler::{Admission, Scheduler, SchedulerLimits};
 use crate::fault::Fault;
 use crate::keys::StageKeys;
 use crate::models::llama::{LlamaPart, SeqId};
+use crate::request_ids::IdWindow;
 use crate::stats::{RequestTimer, STATS};
 use crate::work::{failure, Output, Work};
 use candle_core::Tensor;
@@ -128,9 +129,9 @@ pub struct Generator {
     sched: Option<Scheduler>,
     requests: HashMap<u64, GenRequest>,
     next_step: u64,
-    /// The id of the last request registered in this configuration: ids
-    /// must increase, so none is ever given to two requests.
-    last_begun: Option<u64>,
+    /// The ids registered in this configuration: none is ever given to
+    /// two requests.
+    begun: IdWindow,
 }
 
 impl Generator {
@@ -161,7 +162,7 @@ impl Generator {
             sched,
             requests: HashMap::new(),
             next_step: 0,
-            last_begun: None,
+            begun: IdWindow::new(),
         }
     }
 
@@ -297,13 +298,13 @@ impl Generator {
     // ---- request lifecycle ----
 
     /// Registers a request; `false` (and the request failed) when its id
-    /// was used before in this configuration (ids increase; a live request
+    /// was used before in this configuration ([`IdWindow`]; a live request
     /// with that id fails too rather than share its sequences), or when the
     /// exit stage cannot seal to its response key.
     fn register(&mut self, ctx: GenerationContext) -> bool {
         let request_id = ctx.env.request_id;
-        if let Some(last) = self.last_begun.filter(|&last| request_id <= last) {
-            tracing::warn!(request_id, last, "request id reused; refused");
+        if let Err(why) = self.begun.begin(request_id) {
+            tracing::warn!(request_id, %why, "request id refused");
             let api = ApiError::internal("the request id was reused; refused");
             let err = self.error_for(request_id, &api, ErrorKind::Internal);
             if let Some(s) = self.sched.as_mut() {
@@ -315,7 +316,6 @@ impl Generator {
             self.send(failure(self.is_exit(), request_id, err));
             return false;
         }
-        self.last_begun = Some(request_id);
         let n = ctx.prompts.len() * ctx.request.n as usize;
         let exit = match self.is_exit().then(|| self.exit_state(&ctx)).transpose() {
             Ok(exit) => exit,
@@ -468,7 +468,7 @@ impl Generator {
         if let Some(s) = self.sched.as_mut() {
             s.clear();
         }
-        self.last_begun = None;
+        self.begun.clear();
         let ids: Vec<u64> = self.requests.keys().copied().collect();
         let n = ids.len();
         for id in ids {
