@@ -26,13 +26,15 @@
 # are touched: cargo would otherwise take the other copy's artifacts as
 # fresh, since it fingerprints workspace files by relative path and mtime),
 # which is what shows that the checkout's folder does not reach the binary.
-# Measured on 2 cores (Zen 4, another build running beside it): each copy's
-# build about 1.5 minutes with the dependencies built; a first build of the
-# dependencies about 10.5 minutes (no Docker: scripts/test-enclave-image.sh
-# did not build them); the two images about 1 minute.
+# Measured on 2 cores (Zen 4): the whole check 3 minutes with the
+# dependencies built (each copy's build 79 and 80 s, each image 10 s); a
+# first build of the dependencies adds 7.5 minutes (456 s; 640 s with
+# another build beside it), as without Docker, where
+# scripts/test-enclave-image.sh did not build them.
 # REPRO_FULL=1: each copy builds from scratch in its own target dir inside
-# the copy (two full release builds, about 2 × 10.5 minutes on those cores),
-# which also shows that the target dir's path does not reach the binary.
+# the copy (two full release builds, about 2 × 8 to 11 minutes on those
+# cores), which also shows that the target dir's path does not reach the
+# binary.
 # Needs the musl target and musl-gcc (installed when missing:
 # scripts/ensure-musl.sh). Env: REPRO_BUILD=0 skips it; KEEP=1 keeps the
 # copies (their folders are printed).
@@ -50,7 +52,17 @@ SOURCE_DATE_EPOCH="$(git log -1 --format=%ct)"
 COMMIT="$(git rev-parse HEAD)"
 export SOURCE_DATE_EPOCH
 tmp="$(mktemp -d)"
-cleanup() { [[ "${KEEP:-0}" == 1 ]] && echo "kept $tmp" || rm -rf "$tmp"; }
+# The shared target dir ends holding the workspace crates compiled from a
+# copy, and cargo fingerprints their sources by relative path and mtime: a
+# later build of this checkout, whose files are older, would take them as
+# its own. Their fingerprints are removed, so the next build compiles them.
+forget_copies() {
+  rm -rf "$ROOT"/target/static-nitro/x86_64-unknown-linux-musl/release/.fingerprint/{enclave-stage,proto}-*
+}
+cleanup() {
+  [[ "${REPRO_FULL:-0}" == 1 ]] || forget_copies
+  [[ "${KEEP:-0}" == 1 ]] && echo "kept $tmp" || rm -rf "$tmp"
+}
 trap cleanup EXIT
 # Two folders whose paths differ in length too (a path embedded in the
 # binary would move everything after it).
@@ -60,8 +72,6 @@ dirs=("$tmp/a" "$tmp/second-checkout")
 for d in "${dirs[@]}"; do
   mkdir -p "$d"
   git archive HEAD | tar -x -C "$d"
-  # Newer than any artifact in the shared target dir: rebuilt from this copy.
-  find "$d" -type f -exec touch {} +
 done
 
 sums=()
@@ -69,10 +79,15 @@ for i in 0 1; do
   d="${dirs[$i]}"
   if [[ "${REPRO_FULL:-0}" == 1 ]]; then target="$d/target/static-nitro"; else target="$ROOT/target/static-nitro"; fi
   echo "== build $((i + 1)) of 2 in $d (target dir $target)"
+  # Newer than any artifact in the shared target dir, so that the workspace
+  # crates are compiled from this copy.
+  find "$d" -type f -exec touch {} +
   start=$(date +%s)
   "$d/scripts/build-eif.sh" --binary-only --out "$d/out" --model "$MODEL" --target-dir "$target" \
     >"$tmp/build$i.log" 2>&1 || { tail -30 "$tmp/build$i.log"; fail "build in $d"; }
   echo "build $((i + 1)): $(( $(date +%s) - start )) s"
+  grep -q "Compiling enclave-stage v.* ($d/enclave-stage)" "$tmp/build$i.log" \
+    || { tail -5 "$tmp/build$i.log"; fail "the build in $d did not compile enclave-stage from $d"; }
   sums+=("$(sha256sum "$d/out/enclave-stage" | cut -d' ' -f1)")
   echo "enclave-stage sha256 ${sums[$i]}"
   # No path of this machine in the binary.

@@ -73,9 +73,9 @@ scripts/test-nitro-scripts.sh
 echo "== the Nitro enclave image, booted as an enclave's init would (scripts/test-enclave-image.sh; Docker)"
 scripts/test-enclave-image.sh
 echo "== the enclave binary built twice in two folders: the same bytes (scripts/test-reproducible-build.sh)"
-# About 3 minutes once the image test has built the static dependencies
-# (about 13 without Docker, which builds them here); REPRO_FULL=1 builds
-# both from scratch (about 21 minutes); REPRO_BUILD=0 skips it.
+# 3 minutes once the image test has built the static dependencies (about
+# 11 without Docker, which builds them here); REPRO_FULL=1 builds both from
+# scratch (16 to 21 minutes); REPRO_BUILD=0 skips it.
 scripts/test-reproducible-build.sh
 echo "== Kubernetes manifests (docs/deploy-kubernetes.md; rendered and validated offline)"
 scripts/test-k8s-manifests.sh
