@@ -8,7 +8,8 @@
 //!   whose input token ids contain `id`;
 //! - `STAGE_FAULT_HOST_REPLAY_CAPACITY=<n>` (entry stage) shrinks the replay
 //!   guard's partition for host-sealed requests to `n` keys;
-//! - `STAGE_FAULT_PANIC=1` makes a step the fault fails panic instead, and
+//! - `STAGE_FAULT_PANIC=1` makes a step or micro-batch the fault fails
+//!   panic instead, and
 //!   the first `Stats` a host channel asks for panic its session (panic
 //!   containment tests).
 

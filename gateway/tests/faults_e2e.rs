@@ -16,10 +16,14 @@ fn poison() -> String {
     vec!["hello"; 35].join(" ")
 }
 
-async fn fault_isolation_at(stage: u32) {
+async fn fault_isolation_at(stage: u32, panic: bool) {
     let (texts, _, refs) = reference();
+    let mut env = vec![("STAGE_FAULT_TOKENS", "37")];
+    if panic {
+        env.push(("STAGE_FAULT_PANIC", "1"));
+    }
     let gw = Gateway::start_faulty(Options {
-        env: fault_env(stage, &[("STAGE_FAULT_TOKENS", "37")]),
+        env: fault_env(stage, &env),
         ..Options::default()
     });
     let (s, b) = embed(&gw.url, json!({"model": MODEL, "input": poison()})).await;
@@ -87,12 +91,20 @@ async fn fault_isolation_at(stage: u32) {
 
 #[tokio::test]
 async fn a_fault_in_stage_1_fails_only_its_request() {
-    fault_isolation_at(1).await;
+    fault_isolation_at(1, false).await;
 }
 
 #[tokio::test]
 async fn a_fault_in_stage_0_fails_only_its_request() {
-    fault_isolation_at(0).await;
+    fault_isolation_at(0, false).await;
+}
+
+/// Issue 47, item 8: a panic in an embedding stage's micro-batch fails the
+/// request whose row caused it, like an error; the compute thread (and so
+/// every other request of the stage) lives on.
+#[tokio::test]
+async fn a_panic_in_a_micro_batch_fails_only_its_request() {
+    fault_isolation_at(1, true).await;
 }
 
 #[tokio::test]

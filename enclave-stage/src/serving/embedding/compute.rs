@@ -238,7 +238,12 @@ impl Compute {
     /// failed single row is reported failed.
     fn attempt(&mut self, items: &[BatchItem], input: Input<'_>) -> bool {
         let began = Instant::now();
-        let r = self.process(items, input);
+        // A panic in the model's code (a shape it did not expect) fails
+        // this micro-batch like an error, not the compute thread and with
+        // it every request of the stage.
+        let r =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.process(items, input)))
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("a panic in this stage's compute thread")));
         self.record_batch(items, began, began.elapsed());
         match r {
             Ok(out) => self.emit(items.to_vec(), out),
@@ -296,6 +301,9 @@ impl Compute {
 
     fn process(&self, items: &[BatchItem], input: Input<'_>) -> anyhow::Result<Padded> {
         if self.fault.fires(self.engine.claims.stage_index, items) {
+            if self.fault.panics() {
+                panic!("injected panic in a micro-batch");
+            }
             anyhow::bail!("injected fault");
         }
         match input {
