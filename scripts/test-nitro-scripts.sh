@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks the Nitro deployment scripts without Nitro hardware (scripts/test.sh
 # runs it; a few seconds): build-eif.sh's PCR parsing and policy writing on
-# a sample of nitro-cli build-enclave's output, the policy loading in the
+# a sample of nitro-cli build-enclave's output, the same output in a build
+# record and `gateway policy from-build` on it, the policy loading in the
 # gateway's config check, the refusal without nitro-cli, the enclave image's
 # command as nitro-cli takes it (CMD alone), run-nitro.sh's sizing rules
 # (4 x the EIF, whole cores, the parent's core, the allocator and instance)
@@ -29,6 +30,22 @@ GATEWAY_PIPELINE__POLICY="$tmp/policy.toml" target/release/gateway check-config 
   --config config/gateway-nitro.toml >"$tmp/check.out" || { cat "$tmp/check.out"; fail "check-config"; }
 grep -q "remote" "$tmp/check.out" || fail "check-config summary"
 grep -q "MOCK" "$tmp/check.out" && fail "the Nitro policy must not allow mock"
+echo "== the same output in a build record (scripts/build_record.py), and gateway policy from-build on it"
+echo "# a stand-in in-enclave policy" >"$tmp/stage-policy.toml"
+python3 scripts/build_record.py write --out "$tmp/record.json" --binary "$SAMPLE" \
+  --model-dir models/all-minilm-l6-v2 --stage-policy "$tmp/stage-policy.toml" --layers 0..3,3..6 \
+  --source-date-epoch 0 --command "cargo build" --target x86_64-unknown-linux-musl \
+  --nitro-output "$SAMPLE" --nitro-cli-version "Nitro CLI (the sample)" || fail "build_record.py write"
+target/release/gateway policy from-build "$tmp/record.json" --out "$tmp/from-build.toml" >/dev/null \
+  || fail "policy from-build on a record with PCRs"
+# The policy build-eif.sh writes and the one written from the record: the same.
+python3 - "$tmp/policy.toml" "$tmp/from-build.toml" <<'PY' || fail "the policy from the build record differs from build-eif.sh's"
+import sys, tomllib
+a, b = (tomllib.load(open(p, "rb")) for p in sys.argv[1:])
+for p in (a, b):
+    p.setdefault("allow_debug", False)
+assert a == b, (a, b)
+PY
 # Broken output is refused, naming what is wrong.
 sed 's/"PCR1": "235c/"PCR1": "zz5c/' "$SAMPLE" >"$tmp/bad.txt"
 if scripts/build-eif.sh --policy-from "$tmp/bad.txt" --policy-out "$tmp/bad.toml" 2>"$tmp/err"; then

@@ -137,9 +137,8 @@ if [[ -x target/release/gateway ]]; then
   echo "== gateway policy from-build on the record"
   target/release/gateway policy from-build "${dirs[0]}/out/build-record.json" --mock --out "$tmp/policy.toml" \
     || fail "policy from-build"
-  sed "s|^policy = .*|policy = \"$tmp/policy.toml\"|; s|^model_dir = .*|model_dir = \"$MODEL\"|" \
-    config/gateway-nitro.toml >"$tmp/gateway.toml"
-  target/release/gateway check-config --config "$tmp/gateway.toml" >"$tmp/check.out" 2>&1 \
+  GATEWAY_PIPELINE__POLICY="$tmp/policy.toml" GATEWAY_PIPELINE__MODEL_DIR="$MODEL" \
+    target/release/gateway check-config --config config/gateway-nitro.toml >"$tmp/check.out" 2>&1 \
     || { cat "$tmp/check.out"; fail "check-config with the policy written from the record"; }
 fi
 echo "reproducible build: OK (two folders, one binary: sha256 ${sums[0]})"
