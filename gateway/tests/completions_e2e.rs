@@ -8,7 +8,8 @@
 //!   same tokens, and the evidence names the format;
 //! - a seeded, streamed request concatenates to the non-streamed text, ends
 //!   with the usage chunk and `[DONE]`, and its receipt verifies offline
-//!   against the exact event-stream bytes;
+//!   against the exact event-stream bytes; sealed per time slice
+//!   (`stream_options.coalesce_ms`) it gives the same events;
 //! - a stage fault on one sequence mid-stream ends that stream with an error
 //!   event while the concurrent streams' text stays exactly the reference;
 //! - admission by KV memory: a request that can never fit gets 400, one that
@@ -219,6 +220,30 @@ async fn streamed_text_equals_non_streamed_and_its_receipt_verifies() {
         assert!(!texts[i].contains("\n\n"), "stop sequence removed");
     }
     assert_ne!(texts[0], texts[1], "the n samples of one prompt differ");
+    // Sealed per 200 ms slice (`stream_options.coalesce_ms`): the same
+    // events in the same order, whatever chunks carried them.
+    let mut sliced = req.clone();
+    sliced["stream_options"]["coalesce_ms"] = json!(200);
+    let r = http_post(&format!("{}/v1/completions", gw.url), &sliced).await;
+    assert_eq!(r.status(), 200);
+    let sliced = sse_events(&r.bytes().await.unwrap());
+    assert_eq!(sliced.len(), events.len());
+    for (a, b) in events.iter().zip(&sliced) {
+        if a == "[DONE]" {
+            assert_eq!(a, b);
+            continue;
+        }
+        let (mut a, mut b): (Value, Value) = (
+            serde_json::from_str(a).unwrap(),
+            serde_json::from_str(b).unwrap(),
+        );
+        for v in [&mut a, &mut b] {
+            let o = v.as_object_mut().unwrap();
+            o.remove("id");
+            o.remove("created");
+        }
+        assert_eq!(a, b);
+    }
 
     // The receipt covers the exact event stream, through [DONE].
     let nonce = "00112233445566778899aabbccddeeff";

@@ -499,30 +499,7 @@ async fn sealed_stream_chunks_do_not_tell_token_lengths() {
         let mut b = banned_eos(&p, prompt);
         b["stream"] = json!(true);
         b["max_tokens"] = json!(12);
-        let sealed = p.seal(&b);
-        let id = fresh_id();
-        assert!(p.submit(&sealed, id, Sealing::Enclave).await);
-        let mut first = true;
-        let mut chunks = Vec::new();
-        for m in p.stream_for(id, ANSWER).await {
-            let data = match m {
-                ResultMessage::StreamData { data, .. } => data,
-                ResultMessage::StreamEnd { data, .. } => data,
-                ResultMessage::StreamStart { .. } => continue,
-                other => panic!("the stream for {prompt:?} failed: {other:?}"),
-            };
-            // The first bytes are the response nonce (AES-128-GCM: 16).
-            let mut rest = if std::mem::take(&mut first) {
-                &data[16..]
-            } else {
-                &data[..]
-            };
-            while !rest.is_empty() {
-                let len = u32::from_be_bytes(rest[..4].try_into().unwrap()) as usize;
-                chunks.push(len);
-                rest = &rest[4 + len..];
-            }
-        }
+        let chunks = sealed_chunk_lengths(&mut p, &b).await;
         assert!(chunks.len() >= 12, "{prompt:?}: {chunks:?}");
         lengths.insert(prompt, chunks);
     }
@@ -545,6 +522,69 @@ async fn sealed_stream_chunks_do_not_tell_token_lengths() {
         1,
         "token chunks of several sizes, so their lengths show: {lengths:?}"
     );
+    p.close().await;
+}
+
+/// The ciphertext length of every sealed chunk of the stream the pipeline
+/// answers `body` with, sealed to the enclave, as the host sees them.
+async fn sealed_chunk_lengths(p: &mut Pipeline, body: &serde_json::Value) -> Vec<usize> {
+    let sealed = p.seal(body);
+    let id = fresh_id();
+    assert!(p.submit(&sealed, id, Sealing::Enclave).await);
+    let mut first = true;
+    let mut chunks = Vec::new();
+    for m in p.stream_for(id, ANSWER).await {
+        let data = match m {
+            ResultMessage::StreamData { data, .. } => data,
+            ResultMessage::StreamEnd { data, .. } => data,
+            ResultMessage::StreamStart { .. } => continue,
+            other => panic!("the stream failed: {other:?}"),
+        };
+        // The first bytes are the response nonce (AES-128-GCM: 16).
+        let mut rest = if std::mem::take(&mut first) {
+            &data[16..]
+        } else {
+            &data[..]
+        };
+        while !rest.is_empty() {
+            let len = u32::from_be_bytes(rest[..4].try_into().unwrap()) as usize;
+            chunks.push(len);
+            rest = &rest[4 + len..];
+        }
+    }
+    chunks
+}
+
+/// Plays (issue 47, item 2): counting a coalesced stream's chunks. Must
+/// hold: with `stream_options.coalesce_ms`, the host sees about one chunk
+/// per time slice, not one per token: 48 tokens in slices of a second
+/// come in far fewer chunks than tokens (the first chunk goes at once, the
+/// rest at the first step after each second and at the end), each a whole
+/// bucket.
+#[tokio::test]
+async fn coalesced_streams_show_slices_not_tokens() {
+    let _one = serial().await;
+    let rig = Rig::generation("hostile-slices", &[[0, 15], [15, 30]]);
+    let mut p = rig.pipeline().await;
+    let mut b = banned_eos(&p, VICTIM_PROMPT);
+    b["stream"] = json!(true);
+    b["max_tokens"] = json!(48);
+    let per_token = sealed_chunk_lengths(&mut p, &b).await;
+    assert!(per_token.len() >= 48, "{per_token:?}");
+    b["stream_options"] = json!({"coalesce_ms": 1000});
+    let sliced = sealed_chunk_lengths(&mut p, &b).await;
+    assert!(
+        sliced.len() * 4 <= per_token.len(),
+        "{} chunks for 48 tokens in one-second slices: {sliced:?}",
+        sliced.len()
+    );
+    for c in &sliced {
+        assert_eq!(
+            (c - proto::sealing::TAG_LEN) % proto::sealing::PAD_BUCKET,
+            0,
+            "{sliced:?}"
+        );
+    }
     p.close().await;
 }
 

@@ -16,6 +16,9 @@ pub const MAX_STOP: usize = 4;
 pub const MAX_CHOICES: usize = 128;
 /// Most alternatives per position with `logprobs` (OpenAI's limit).
 pub const MAX_LOGPROBS: u32 = 5;
+/// Longest time slice a stream's events may be held for
+/// (`stream_options.coalesce_ms`).
+pub const MAX_COALESCE_MS: u32 = 1000;
 
 /// One prompt: text (tokenized by the entry stage) or token ids.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,6 +59,12 @@ pub struct CompletionsRequest {
     pub stream: bool,
     /// Add a usage chunk before `[DONE]` (`stream_options.include_usage`).
     pub include_usage: bool,
+    /// Seal a stream's events per time slice of this many milliseconds
+    /// instead of one chunk per step (`stream_options.coalesce_ms`, this
+    /// server's extension; 0: per step): the number and times of the
+    /// chunks then tell the host about slices, not tokens.
+    #[serde(default)]
+    pub coalesce_ms: u32,
     /// OpenAI's presence penalty in `[-2, 2]`.
     pub presence_penalty: f32,
     /// OpenAI's frequency penalty in `[-2, 2]`.
@@ -289,18 +298,35 @@ pub(crate) fn shared_fields(
              ask without streaming.",
         );
     }
-    let include_usage = match obj.get("stream_options") {
-        None | Some(Value::Null) => false,
-        Some(Value::Object(o)) if stream => match o.get("include_usage") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => {
-                return invalid(
-                    "stream_options",
-                    "`stream_options.include_usage` must be a boolean.",
-                )
-            }
-        },
+    let (include_usage, coalesce_ms) = match obj.get("stream_options") {
+        None | Some(Value::Null) => (false, 0),
+        Some(Value::Object(o)) if stream => (
+            match o.get("include_usage") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return invalid(
+                        "stream_options",
+                        "`stream_options.include_usage` must be a boolean.",
+                    )
+                }
+            },
+            match o.get("coalesce_ms") {
+                None | Some(Value::Null) => 0,
+                Some(v) => match v.as_u64().filter(|&ms| ms <= MAX_COALESCE_MS as u64) {
+                    Some(ms) => ms as u32,
+                    None => {
+                        return invalid(
+                            "stream_options",
+                            format!(
+                                "`stream_options.coalesce_ms` must be an integer from 0 to \
+                                 {MAX_COALESCE_MS}."
+                            ),
+                        )
+                    }
+                },
+            },
+        ),
         Some(Value::Object(_)) => {
             return invalid(
                 "stream_options",
@@ -355,6 +381,7 @@ pub(crate) fn shared_fields(
         logprobs,
         stream,
         include_usage,
+        coalesce_ms,
         presence_penalty: ranged(obj, "presence_penalty", -2.0, 2.0, 0.0)?,
         frequency_penalty: ranged(obj, "frequency_penalty", -2.0, 2.0, 0.0)?,
         logit_bias,
@@ -616,6 +643,21 @@ mod tests {
         let r = p(r#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":true},"user":"u","logit_bias":{"5":-100}}"#).unwrap();
         assert!(r.stream && r.include_usage);
         assert_eq!(r.logit_bias, vec![(5, -100.0)]);
+        assert_eq!(r.coalesce_ms, 0);
+    }
+
+    #[test]
+    fn coalesce_ms_is_a_bounded_stream_option() {
+        let r =
+            p(r#"{"model":"m","prompt":"x","stream":true,"stream_options":{"coalesce_ms":50}}"#)
+                .unwrap();
+        assert_eq!((r.coalesce_ms, r.include_usage), (50, false));
+        for bad in ["-1", "1001", "2.5", "\"50\""] {
+            let body = format!(
+                r#"{{"model":"m","prompt":"x","stream":true,"stream_options":{{"coalesce_ms":{bad}}}}}"#
+            );
+            assert_eq!(param_of(&body).as_deref(), Some("stream_options"), "{bad}");
+        }
     }
 
     #[test]

@@ -49,9 +49,40 @@ pub(super) struct Streaming {
     receipt_id: [u8; 16],
     /// Per choice, with tools: what it is, and its calls sent so far.
     calls: Option<Vec<(Kind, CallStream)>>,
+    /// Events not sealed yet (`stream_options.coalesce_ms`).
+    pending: Vec<u8>,
+    /// The time slice events are held for; zero: sealed every step.
+    slice: std::time::Duration,
+    /// When the last chunk was sealed (none yet: the first goes at once).
+    sealed_at: Option<std::time::Instant>,
 }
 
 impl Streaming {
+    /// Takes a step's events: the bytes to seal now as one chunk, if their
+    /// time slice is over (the first chunk and every chunk without
+    /// coalescing go at once); else they wait for a later step or the end.
+    pub(super) fn take_chunk(
+        &mut self,
+        events: Vec<u8>,
+        now: std::time::Instant,
+    ) -> Option<Vec<u8>> {
+        self.bytes.extend_from_slice(&events);
+        self.pending.extend(events);
+        let due = self
+            .sealed_at
+            .is_none_or(|t| now.duration_since(t) >= self.slice);
+        if !due || self.pending.is_empty() {
+            return None;
+        }
+        self.sealed_at = Some(now);
+        Some(std::mem::take(&mut self.pending))
+    }
+
+    /// The events still held back, to go before the stream's last ones.
+    pub(super) fn take_pending(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.pending)
+    }
+
     /// The events for `choice` after a step: its new text (or tool-call
     /// pieces) and, on its last step, why it ended. Chat sends the role
     /// first, then content or calls, then an empty delta with the finish
@@ -221,6 +252,9 @@ impl Generator {
                     .tool_calls
                     .as_ref()
                     .map(|_| vec![(Kind::Undecided, CallStream::default()); choices.len()]),
+                pending: Vec::new(),
+                slice: std::time::Duration::from_millis(r.coalesce_ms.into()),
+                sealed_at: None,
             }),
             false => None,
         };
@@ -339,7 +373,8 @@ impl Generator {
         .for_host(r.ctx.env.sealing);
         let (body, stream) = match ex.stream {
             Some(mut st) => {
-                let mut tail = Vec::new();
+                // Events held for their time slice go out with the last ones.
+                let mut tail = st.take_pending();
                 if st.identity.include_usage {
                     tail.extend(stream_usage_event(&st.identity, usage));
                 }

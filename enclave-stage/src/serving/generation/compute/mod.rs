@@ -516,10 +516,10 @@ impl Generator {
             param: None,
             code: Some("generation_failed".into()),
         };
-        let data = s
-            .sealer
-            .seal(&stream_error_event(&api), true)
-            .unwrap_or_default();
+        // Events held for their time slice go out before the error.
+        let mut last = s.take_pending();
+        last.extend(stream_error_event(&api));
+        let data = s.sealer.seal(&last, true).unwrap_or_default();
         self.send(Output::Result(ResultMessage::StreamEnd {
             request_id,
             data,

@@ -290,9 +290,11 @@ impl Generator {
                 tag: r.ctx.feedback_key.tag(&fed),
             });
         }
-        // Seal each stream's events of this step as one chunk.
+        // Seal each stream's events of this step as one chunk (or of its
+        // time slice, with `stream_options.coalesce_ms`).
         let mut ids: Vec<u64> = events.keys().copied().collect();
         ids.sort_unstable();
+        let now = std::time::Instant::now();
         for request_id in ids {
             let ev = events.remove(&request_id).expect("listed");
             let Some(st) = self
@@ -303,8 +305,10 @@ impl Generator {
             else {
                 continue;
             };
-            st.bytes.extend_from_slice(&ev);
-            match st.sealer.seal(&ev, false) {
+            let Some(chunk) = st.take_chunk(ev, now) else {
+                continue;
+            };
+            match st.sealer.seal(&chunk, false) {
                 Ok(data) => self.send(Output::Result(ResultMessage::StreamData {
                     request_id,
                     data,
