@@ -441,8 +441,9 @@ impl StreamOpener {
     }
 }
 
-/// Runs `gateway policy ARGS...` (`pin`) in this process; returns the exit
-/// code (0 written, 1 the evidence did not verify, 2 usage or I/O).
+/// Runs `gateway policy ARGS...` (`pin`, `from-build`) in this process;
+/// returns the exit code (0 written, 1 the evidence did not verify, 2 usage
+/// or I/O).
 #[pyfunction]
 fn policy_main(argv: Vec<String>) -> i32 {
     run_cli(

@@ -258,6 +258,32 @@ def pin_writes_a_policy_the_package_accepts(env: Env):
     return "refused without --trust-on-first-use; the pinned policy verifies"
 
 
+@test
+def from_build_writes_a_nitro_policy(env: Env):
+    record = env.archive.parent / "build-record.json"
+    record.write_text(json.dumps({
+        "format": "enclave-stage build record v1",
+        "source": {"commit": "0" * 40, "dirty": False, "source_date_epoch": 1_700_000_000},
+        "binary": {"file": "enclave-stage", "sha256": "ab" * 32},
+        "model": {"name": "all-minilm-l6-v2", "manifest_sha256": "cd" * 32},
+        "stage_policy": {"path_in_image": "/config/policy.toml", "sha256": "ef" * 32},
+        "pipeline": {"layers": [[0, 3], [3, 6]]},
+        "nitro": {"nitro_cli": "Nitro CLI 1.4.2", "pcr0": "a1" * 48, "pcr1": "b2" * 48,
+                  "pcr2": "c3" * 48}}))
+    out = env.archive.parent / "from-build.toml"
+    done = subprocess.run([sys.executable, "-m", "confidential_gateway", "from-build", str(record),
+                           "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = out.read_text()
+    assert "allow_mock = false" in text and text.count('pcr2 = "' + "c3" * 48 + '"') == 2, text
+    # The gateway's stages are mock: the Nitro policy refuses them.
+    c = openai.OpenAI(base_url=env.base + "/v1", api_key="unused", max_retries=0,
+                      http_client=cg.http_client([str(out)]))
+    raises(lambda: c.embeddings.create(model=EMBED, input="secret"), cg.EvidenceError,
+           "evidence_not_verified")
+    return "a Nitro policy with the record's PCRs for both stages; mock stages refused"
+
+
 def raises(call, error, code):
     """Runs `call`; it must raise `error` with `code` and return nothing.
     The openai SDK (3.x) passes the package's exceptions through as they
