@@ -38,4 +38,5 @@ pub mod structured;
 pub mod tensor;
 pub mod text;
 pub mod tools;
+pub mod transparency;
 pub mod wipe;

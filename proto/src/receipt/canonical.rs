@@ -120,7 +120,7 @@ impl Fields {
             .map_err(|_| format!("key {k}: not {N} bytes"))
     }
 
-    pub(super) fn digest(&mut self, k: u64) -> Result<Sha256Digest, String> {
+    pub(crate) fn digest(&mut self, k: u64) -> Result<Sha256Digest, String> {
         Ok(Sha256Digest(self.array::<32>(k)?))
     }
 
@@ -134,7 +134,7 @@ impl Fields {
         }
     }
 
-    pub(super) fn text(&mut self, k: u64) -> Result<String, String> {
+    pub(crate) fn text(&mut self, k: u64) -> Result<String, String> {
         match self.take(k) {
             Value::Text(t) => Ok(t),
             _ => Err(format!("key {k}: not a text string")),
