@@ -34,3 +34,4 @@ pub mod stage_metrics;
 pub mod telemetry;
 pub mod timeouts;
 pub mod tls;
+pub mod transparency;
