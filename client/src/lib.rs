@@ -12,7 +12,9 @@
 //!   upstream's evidence, seals every request to the attested entry stage
 //!   and verifies every receipt ([`proxy`]);
 //! - `gateway policy pin`: a policy pinning what a gateway's stages report
-//!   now, trust on first use, for development ([`policy_pin`]);
+//!   now, trust on first use, for development, or only what its
+//!   transparency log holds under a key the client names ([`policy_pin`],
+//!   [`log_view`]);
 //! - `gateway policy from-build`: a policy from the build record of an
 //!   enclave image the client rebuilt itself ([`policy_build`]).
 //!
@@ -23,6 +25,7 @@
 pub mod bundle;
 pub mod client_key;
 pub mod io;
+pub mod log_view;
 pub mod policy_build;
 pub mod policy_file;
 pub mod policy_pin;

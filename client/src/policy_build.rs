@@ -153,6 +153,41 @@ impl BuildRecord {
         })
     }
 
+    /// The measurement stages of this build report: its EIF's PCRs (PCR8
+    /// when signed), or with `mock` the mock measurement of its binary,
+    /// manifest and the stage policy digest `stage_policy` (the record's own
+    /// when `None`).
+    pub fn measurement(
+        &self,
+        mock: bool,
+        stage_policy: Option<&Sha256Digest>,
+    ) -> Result<proto::evidence::Measurement> {
+        if mock {
+            return Ok(mock_measurement(
+                &self.binary,
+                &self.manifest,
+                stage_policy.unwrap_or(&self.stage_policy),
+            ));
+        }
+        let Some(p) = &self.pcrs else {
+            bail!("the record has no PCRs (nitro-cli did not build this image); --mock for its mock measurement");
+        };
+        let mut pcrs = std::collections::BTreeMap::new();
+        for (i, v) in [
+            (0u8, Some(&p.pcr0)),
+            (1, Some(&p.pcr1)),
+            (2, Some(&p.pcr2)),
+            (8, p.pcr8.as_ref()),
+        ] {
+            if let Some(v) = v {
+                pcrs.insert(i, hex::decode(v).context("a PCR is not hex")?);
+            }
+        }
+        Ok(proto::evidence::Measurement::Nitro(proto::evidence::Pcrs(
+            pcrs,
+        )))
+    }
+
     /// The policy for this build: its PCRs (Nitro evidence only), or with
     /// `mock` the mock measurement of its binary, manifest and the stage
     /// policy digest `stage_policy` (the record's own when `None`).

@@ -14,6 +14,7 @@
 //! and key bindings, layers, manifest) before it writes the file.
 
 use crate::bundle::fetch_bundle;
+use crate::log_view::LogView;
 use crate::transport::{base_url, http_client, random_nonce, runtime};
 use crate::verify::verify_evidence;
 use crate::{EXIT_FAILED, EXIT_OK};
@@ -55,8 +56,18 @@ pub struct PinArgs {
     pub all: bool,
     /// Say that you accept trusting whatever the server reports now (the
     /// policy then proves nothing about the code; for development only).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "log_key")]
     pub trust_on_first_use: bool,
+    /// Pin only measurements the transparency log holds under this
+    /// verifier key (`gateway log vkey`): each stage's measurement, layers
+    /// and manifest must be a release entry of the log, whose entries must
+    /// hash to a checkpoint signed by this key.
+    #[arg(long, value_name = "VKEY")]
+    pub log_key: Option<String>,
+    /// With --log-key: the log's URL prefix (a mirror, say); default
+    /// `<gateway>/v1/transparency`.
+    #[arg(long, requires = "log_key", value_name = "URL")]
+    pub log: Option<String>,
     /// The policy file to write (with --all: the folder).
     #[arg(long)]
     pub out: PathBuf,
@@ -80,16 +91,37 @@ pub fn run(cmd: PolicyCommand) -> Result<i32> {
 }
 
 fn run_pin(a: PinArgs) -> Result<i32> {
-    if !a.trust_on_first_use {
+    if !a.trust_on_first_use && a.log_key.is_none() {
         bail!(
             "refusing to pin: a policy made from what the server reports trusts that server \
-             on first use; pass --trust-on-first-use to say you accept that (development only)"
+             on first use; pass --log-key VKEY to pin only what its transparency log holds, or \
+             --trust-on-first-use to say you accept that (development only)"
         );
     }
-    eprintln!("WARNING: {TOFU_WARNING}");
     let base = base_url(&a.gateway, &a.transport)?;
     let client = http_client(Duration::from_secs(60), &a.transport)?;
     let rt = runtime()?;
+    let log = match &a.log_key {
+        Some(vkey) => {
+            let url = a
+                .log
+                .clone()
+                .unwrap_or_else(|| format!("{base}/v1/transparency"));
+            let view = rt
+                .block_on(LogView::fetch(&client, &url, vkey))
+                .context("reading the transparency log")?;
+            eprintln!(
+                "transparency log {}: {} entries, checkpoint verified with the given key",
+                view.checkpoint.origin(),
+                view.checkpoint.size()
+            );
+            Some(view)
+        }
+        None => {
+            eprintln!("WARNING: {TOFU_WARNING}");
+            None
+        }
+    };
     let models = match &a.model {
         Some(m) => vec![m.clone()],
         None => {
@@ -106,6 +138,16 @@ fn run_pin(a: PinArgs) -> Result<i32> {
         let nonce = random_nonce(32);
         let bundle = rt.block_on(fetch_bundle(&client, &base, &nonce, Some(model)))?;
         let policy = pinned_policy(&bundle).with_context(|| format!("model {model}"))?;
+        let logged = match &log {
+            Some(view) => match logged_entries(&bundle, view) {
+                Ok(at) => Some(at),
+                Err(e) => {
+                    eprintln!("model {model}: {e:#}: nothing written");
+                    return Ok(EXIT_FAILED);
+                }
+            },
+            None => None,
+        };
         let out = verify_evidence(&bundle, &policy, Some(&nonce), None, LegacyEvidence::Refuse);
         if !out.ok() {
             for l in out.lines.iter().filter(|l| l.status == CheckStatus::Fail) {
@@ -119,10 +161,19 @@ fn run_pin(a: PinArgs) -> Result<i32> {
         } else {
             a.out.clone()
         };
-        let header = format!(
-            "# Model {model}: pinned by `gateway policy pin --trust-on-first-use` from what\n\
-             # {base} reported. TRUST ON FIRST USE: development only.\n"
-        );
+        let header = match (&logged, &log) {
+            (Some(at), Some(view)) => format!(
+                "# Model {model}: pinned by `gateway policy pin --log-key` from {base}: each\n\
+                 # stage's measurement is release entry {at:?} of transparency log\n\
+                 # {} at checkpoint size {}.\n",
+                view.checkpoint.origin(),
+                view.checkpoint.size()
+            ),
+            _ => format!(
+                "# Model {model}: pinned by `gateway policy pin --trust-on-first-use` from what\n\
+                 # {base} reported. TRUST ON FIRST USE: development only.\n"
+            ),
+        };
         crate::policy_file::write_policy(&path, &policy, &header)?;
         let kind = if policy.allow_mock { "mock" } else { "Nitro" };
         println!(
@@ -132,8 +183,42 @@ fn run_pin(a: PinArgs) -> Result<i32> {
             path.display()
         );
     }
-    eprintln!("WARNING: TRUST ON FIRST USE (development only): see above.");
+    if log.is_none() {
+        eprintln!("WARNING: TRUST ON FIRST USE (development only): see above.");
+    }
     Ok(EXIT_OK)
+}
+
+/// The index of the log's release entry for each stage of `bundle` (its
+/// measurement, layers and manifest), each proven included in the view's
+/// checkpoint; an error naming the first stage the log does not hold.
+pub fn logged_entries(bundle: &EvidenceBundle, view: &LogView) -> Result<Vec<u64>> {
+    let verifier = AnyVerifier::default();
+    let mut at = Vec::new();
+    for s in &bundle.stages {
+        let doc = verifier
+            .verify(&s.evidence)
+            .map_err(|e| anyhow!("stage {}: its evidence does not verify: {e}", s.index))?;
+        let m = proto::transparency::Measurement::of_evidence(&doc.measurement)
+            .ok_or_else(|| anyhow!("stage {}: its PCRs are incomplete", s.index))?;
+        let layers = [s.claims.layer_start, s.claims.layer_end];
+        let Some((i, _)) = view.find_release(&m, &s.claims.manifest_sha256, layers) else {
+            bail!(
+                "stage {}: measurement {} (layers {}..{}, manifest {}) is not a release in \
+                 transparency log {} at size {}",
+                s.index,
+                m.pinned_form(),
+                layers[0],
+                layers[1],
+                s.claims.manifest_sha256.hex(),
+                view.checkpoint.origin(),
+                view.checkpoint.size()
+            );
+        };
+        view.inclusion_proof(i)?;
+        at.push(i);
+    }
+    Ok(at)
 }
 
 /// The policy that accepts exactly the stages of `bundle`: each stage's

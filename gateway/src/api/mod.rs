@@ -67,14 +67,16 @@ pub struct AppState {
     pub attestation: Arc<crate::attestation_limits::AttestationLimits>,
     /// The gateway-wide cap on requests in flight.
     pub in_flight: Arc<crate::in_flight::InFlightCap>,
+    /// The transparency log served under `/v1/transparency/`, if any.
+    pub transparency: Option<Arc<std::sync::Mutex<crate::transparency::Log>>>,
 }
 
 /// Builds the router.
 ///
 /// With `[auth] enabled`, the API routes (embeddings, chat completions,
 /// completions, models, receipts) need a key. What a client needs before it
-/// can trust the gateway (evidence, published HPKE keys) and what operators
-/// probe (health, readiness, metrics) stay open.
+/// can trust the gateway (evidence, published HPKE keys, the transparency
+/// log) and what operators probe (health, readiness, metrics) stay open.
 pub fn router(state: AppState) -> Router {
     let mut keyed = Router::new().route(ApiEndpoint::Embeddings.path(), post(embeddings_handler));
     for e in [ApiEndpoint::ChatCompletions, ApiEndpoint::Completions] {
@@ -108,6 +110,11 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_handler));
+    // The log is public: anyone may read and mirror it.
+    let open = match &state.transparency {
+        Some(log) => open.merge(crate::transparency::http::routes(log.clone())),
+        None => open,
+    };
     keyed
         .merge(open)
         .fallback(|method: Method, uri: Uri| async move {

@@ -45,6 +45,10 @@ enum Command {
     /// Relay bytes between endpoints (vsock <-> TCP) on a Nitro parent
     /// instance; one `--route LISTEN=TARGET` per relay. Sees ciphertext only.
     HostProxy(host_proxy::HostProxyArgs),
+    /// The transparency log: make one, print its verifier key, log an
+    /// image's release from its build record, print its checkpoint or entries.
+    #[command(subcommand)]
+    Log(crate::transparency::cli::LogCommand),
     #[command(flatten)]
     Client(client::ClientCommand),
 }
@@ -168,6 +172,7 @@ pub fn run() -> Result<()> {
         Some(Command::Measure(a)) => return measure(&a),
         Some(Command::Plan(a)) => return print_plan(&a),
         Some(Command::HostProxy(a)) => return host_proxy::main(a),
+        Some(Command::Log(c)) => return crate::transparency::cli::run(c),
         None => ServeArgs {
             config: "config/gateway.toml".into(),
             ..ServeArgs::default()

@@ -134,6 +134,17 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
     let receipt_store =
         receipt_store::ReceiptStore::open(&cfg.receipts, cfg.server.receipt_retention).await?;
     tracing::info!(store = receipt_store.kind(), "receipt store open");
+    // The transparency log too: a folder that cannot be read stops the start.
+    let transparency = match &cfg.transparency {
+        Some(t) => {
+            let log = t
+                .open()
+                .with_context(|| format!("transparency log {}", t.dir.display()))?;
+            tracing::info!(dir = %t.dir.display(), size = log.size(), vkey = %log.vkey(), "transparency log open");
+            Some(std::sync::Arc::new(std::sync::Mutex::new(log)))
+        }
+        None => None,
+    };
     let specs = cfg.pipelines();
     let mut policies = Vec::new();
     for s in &specs {
@@ -206,6 +217,12 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
             ));
         }
     }
+    if let (Some(log), Some(t)) = (&transparency, &cfg.transparency) {
+        if t.log_local_build {
+            crate::transparency::releases::log_local_builds(log, &pipelines)
+                .context("logging the local build's releases")?;
+        }
+    }
     let pipeline = models[0].clone();
     let completions = models.get(1).cloned();
     let shutdown = shutdown::Shutdown::new(Duration::from_secs(cfg.server.shutdown_grace_secs));
@@ -239,6 +256,7 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
             Duration::from_secs(cfg.server.attestation_cache_secs),
         )),
         in_flight: crate::in_flight::InFlightCap::new(cfg.server.max_in_flight, longest_route),
+        transparency,
     };
     let listener = serve::bind(&cfg.server.listen, cfg.server.send_buffer_bytes)
         .await

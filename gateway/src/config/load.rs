@@ -150,6 +150,9 @@ impl GatewayConfig {
         self.check_listen()?;
         self.telemetry.validate(&k)?;
         self.receipts.check(&k)?;
+        if let Some(t) = &self.transparency {
+            t.check(&k)?;
+        }
         if self.keys.rotate_secs > 0 && self.keys.overlap_secs == 0 {
             bail!(
                 "{}: must be at least 1 when keys rotate (requests sealed to the old key need time to arrive)",

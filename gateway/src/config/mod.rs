@@ -57,6 +57,9 @@ pub struct GatewayConfig {
     /// Where receipts are kept (an SQLite file by default).
     #[serde(default)]
     pub receipts: crate::receipt_store::ReceiptsConfig,
+    /// The transparency log served under `/v1/transparency/` (none: off).
+    #[serde(default)]
+    pub transparency: Option<crate::transparency::releases::TransparencyConfig>,
 }
 
 /// `[keys]`: rotation of the HPKE keys clients seal to: the gateway-held

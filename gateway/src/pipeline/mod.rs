@@ -257,6 +257,24 @@ impl Pipeline {
         }))
     }
 
+    /// When this pipeline trusts the stage binary the gateway launches
+    /// (`trust_local_build`): the mock measurement of that build and each
+    /// stage's layers, what a release entry of the local build says.
+    pub fn local_build(&self) -> Option<(&Measurement, Vec<[u32; 2]>)> {
+        let m = self.local_measurement.as_ref()?;
+        if !self.policy.trust_local_build {
+            return None;
+        }
+        let layers = self
+            .targets
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|t| t.layers)
+            .collect();
+        Some((m, layers))
+    }
+
     /// Whether this pipeline generates text (`/v1/completions`, `/v1/chat/completions`).
     pub fn is_generation(&self) -> bool {
         self.endpoint.is_generation()

@@ -1,7 +1,12 @@
 //! The gateway's transparency log (issue 49): a file-backed append-only log
-//! of `proto::transparency` entries that cuts C2SP tlog-tiles tiles and
-//! entry bundles and signs checkpoints. Not yet served over HTTP.
+//! of `proto::transparency` entries ([`store`]), served read-only over HTTP
+//! in the C2SP tlog-tiles layout ([`http`]), written by the `gateway log`
+//! verbs ([`cli`]) and, for locally built stages, by `gateway serve` at
+//! start ([`releases`]).
 
+pub mod cli;
+pub mod http;
+pub mod releases;
 pub mod store;
 
 pub use store::Log;

@@ -5,26 +5,35 @@
 //! - `entries`: every entry as a big-endian u16 length and its bytes,
 //!   appended and fsynced before the checkpoint moves. The file is its own
 //!   journal: a crash mid-append leaves at most a partial last record, which
-//!   [`Log::open`] truncates away (the recoverable tail);
+//!   the next writer truncates away (the recoverable tail);
 //! - `checkpoint`: the latest signed checkpoint, written to a temporary file,
-//!   fsynced and renamed over the old one.
+//!   fsynced and renamed over the old one;
+//! - `lock`: held (`flock`, exclusive) by whoever appends, so that several
+//!   processes (gateways sharing the folder, `gateway log add-release`) can
+//!   write one log: each catches up with the others' entries under the lock
+//!   before it appends.
 //!
 //! The tree's stored hashes are recomputed from `entries` at open and kept
 //! in memory (a [`HashStore`]); tiles and bundles are cut from them.
+//! [`Log::refresh`] reads what other processes appended since.
 
 use anyhow::{bail, Context, Result};
-use proto::transparency::{sign_checkpoint, verifier_key, HashStore, Tile, TILE_HEIGHT};
+use proto::transparency::{
+    join_bundle, sign_checkpoint, verifier_key, verify_checkpoint, HashStore, Tile, TILE_HEIGHT,
+};
 use std::fs::{self, File, OpenOptions};
-use std::io::Write;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-/// An open log (one writer at a time).
+/// An open log.
 pub struct Log {
     dir: PathBuf,
     origin: String,
     key: ed25519_dalek::SigningKey,
     entries: Vec<Vec<u8>>,
+    /// Bytes of `entries` read so far (whole records only).
+    read_bytes: u64,
     hashes: HashStore,
 }
 
@@ -33,13 +42,43 @@ fn sync_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The exclusive lock on a log's folder, released when dropped.
+struct WriteLock(File);
+
+impl WriteLock {
+    fn take(dir: &Path) -> Result<Self> {
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(dir.join("lock"))
+            .with_context(|| format!("opening {}/lock", dir.display()))?;
+        f.lock()
+            .with_context(|| format!("locking {}/lock", dir.display()))?;
+        Ok(Self(f))
+    }
+}
+
+impl Drop for WriteLock {
+    fn drop(&mut self) {
+        let _ = self.0.unlock();
+    }
+}
+
+/// Checks an origin: one line, no spaces or `+` (a signed-note key name).
+pub fn check_origin(origin: &str) -> Result<()> {
+    if origin.is_empty() || origin.contains(|c: char| c.is_whitespace() || c == '+') {
+        bail!("a log origin is one word without spaces or '+', e.g. example.com/log");
+    }
+    Ok(())
+}
+
 impl Log {
     /// Creates a log in `dir` (made if missing; refused if it holds a key)
     /// with a fresh key, and signs the empty tree's checkpoint.
     pub fn init(dir: &Path, origin: &str) -> Result<Self> {
-        if origin.is_empty() || origin.contains(['\n', ' ', '+']) {
-            bail!("a log origin is one line without spaces or '+'");
-        }
+        check_origin(origin)?;
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let key = ed25519_dalek::SigningKey::generate(&mut rand::rngs::OsRng);
         let mut f = OpenOptions::new()
@@ -52,48 +91,92 @@ impl Log {
         f.sync_all()?;
         fs::write(dir.join("origin"), format!("{origin}\n"))?;
         File::create(dir.join("entries"))?.sync_all()?;
-        sync_dir(dir)?;
-        let log = Self::open(dir)?;
+        let log = Self {
+            dir: dir.to_path_buf(),
+            origin: origin.to_string(),
+            key,
+            entries: Vec::new(),
+            read_bytes: 0,
+            hashes: HashStore::new(),
+        };
         log.write_checkpoint()?;
         Ok(log)
     }
 
-    /// Opens the log in `dir`, dropping a partial record a crash left at
-    /// the end of `entries`.
+    /// Opens the log in `dir` and reads its entries.
     pub fn open(dir: &Path) -> Result<Self> {
         let seed: [u8; 32] = fs::read(dir.join("key"))
-            .with_context(|| format!("reading {}/key", dir.display()))?
+            .with_context(|| {
+                format!(
+                    "reading {}/key (no log there? `gateway log init`)",
+                    dir.display()
+                )
+            })?
             .try_into()
             .map_err(|_| anyhow::anyhow!("the log key is not 32 bytes"))?;
         let origin = fs::read_to_string(dir.join("origin"))?
             .trim_end()
             .to_string();
-        let raw = fs::read(dir.join("entries"))?;
-        let (mut entries, mut at) = (Vec::new(), 0usize);
+        check_origin(&origin)?;
+        let mut log = Self {
+            dir: dir.to_path_buf(),
+            origin,
+            key: ed25519_dalek::SigningKey::from_bytes(&seed),
+            entries: Vec::new(),
+            read_bytes: 0,
+            hashes: HashStore::new(),
+        };
+        log.refresh()?;
+        log.check_stored_checkpoint()?;
+        Ok(log)
+    }
+
+    /// Checks that the stored checkpoint is signed by this log's key and
+    /// that the entries hash to its root: a log whose file was altered or
+    /// cut is refused, not signed anew over the changed history.
+    fn check_stored_checkpoint(&self) -> Result<()> {
+        let note = self.stored_checkpoint()?;
+        let cp = verify_checkpoint(&note, &self.vkey(), &self.origin)
+            .with_context(|| format!("{}/checkpoint", self.dir.display()))?;
+        if cp.size() > self.size() {
+            bail!(
+                "{}: the signed checkpoint covers {} entries, the entries file holds {}: entries were lost",
+                self.dir.display(),
+                cp.size(),
+                self.size()
+            );
+        }
+        if self.hashes.root(cp.size())? != *cp.hash() {
+            bail!(
+                "{}: the entries do not hash to the signed checkpoint (size {}): the log was altered",
+                self.dir.display(),
+                cp.size()
+            );
+        }
+        Ok(())
+    }
+
+    /// Reads the whole records other processes appended since the last
+    /// read (a partial record, being written or torn, is left for later);
+    /// returns how many.
+    pub fn refresh(&mut self) -> Result<u64> {
+        let mut f = File::open(self.dir.join("entries"))?;
+        f.seek(SeekFrom::Start(self.read_bytes))?;
+        let mut raw = Vec::new();
+        f.read_to_end(&mut raw)?;
+        let (mut at, before) = (0usize, self.size());
         while at + 2 <= raw.len() {
             let n = u16::from_be_bytes([raw[at], raw[at + 1]]) as usize;
             if at + 2 + n > raw.len() {
                 break;
             }
-            entries.push(raw[at + 2..at + 2 + n].to_vec());
+            let leaf = raw[at + 2..at + 2 + n].to_vec();
+            self.hashes.append(&leaf)?;
+            self.entries.push(leaf);
             at += 2 + n;
         }
-        if at != raw.len() {
-            let f = OpenOptions::new().write(true).open(dir.join("entries"))?;
-            f.set_len(at as u64)?;
-            f.sync_all()?;
-        }
-        let mut hashes = HashStore::new();
-        for e in &entries {
-            hashes.append(e)?;
-        }
-        Ok(Self {
-            dir: dir.to_path_buf(),
-            origin,
-            key: ed25519_dalek::SigningKey::from_bytes(&seed),
-            entries,
-            hashes,
-        })
+        self.read_bytes += at as u64;
+        Ok(self.size() - before)
     }
 
     /// The log's origin.
@@ -101,9 +184,16 @@ impl Log {
         &self.origin
     }
 
-    /// The number of entries.
+    /// The number of entries read.
     pub fn size(&self) -> u64 {
         self.hashes.size()
+    }
+
+    /// Entry `index`'s bytes.
+    pub fn entry(&self, index: u64) -> Option<&[u8]> {
+        self.entries
+            .get(usize::try_from(index).ok()?)
+            .map(Vec::as_slice)
     }
 
     /// The log's verifier key in signed-note `vkey` form.
@@ -111,21 +201,31 @@ impl Log {
         verifier_key(&self.origin, &self.key.verifying_key())
     }
 
-    /// Appends entries (each a leaf's bytes, at most 65535), fsyncs them,
-    /// then signs and stores the new checkpoint; returns the first index.
+    /// Appends entries (each a leaf's bytes, at most 65535), under the
+    /// folder's lock after reading what others appended: fsyncs them, then
+    /// signs and stores the new checkpoint; returns the first new index.
     pub fn append(&mut self, leaves: &[Vec<u8>]) -> Result<u64> {
-        let first = self.size();
         let mut buf = Vec::new();
         for leaf in leaves {
             let n = u16::try_from(leaf.len()).context("an entry over 65535 bytes")?;
             buf.extend_from_slice(&n.to_be_bytes());
             buf.extend_from_slice(leaf);
         }
+        let _lock = WriteLock::take(&self.dir)?;
+        self.refresh()?;
         let mut f = OpenOptions::new()
-            .append(true)
+            .write(true)
             .open(self.dir.join("entries"))?;
+        // Under the lock nobody else is writing: bytes past the last whole
+        // record are a crashed writer's torn tail.
+        if f.metadata()?.len() != self.read_bytes {
+            f.set_len(self.read_bytes)?;
+        }
+        f.seek(SeekFrom::Start(self.read_bytes))?;
         f.write_all(&buf)?;
         f.sync_all()?;
+        let first = self.size();
+        self.read_bytes += buf.len() as u64;
         for leaf in leaves {
             self.hashes.append(leaf)?;
             self.entries.push(leaf.clone());
@@ -134,7 +234,37 @@ impl Log {
         Ok(first)
     }
 
-    /// The latest checkpoint, signed now over the current tree.
+    /// Appends the entries of `leaves` that the log does not hold yet (the
+    /// same bytes), in order; returns each one's index.
+    pub fn append_missing(&mut self, leaves: &[Vec<u8>]) -> Result<Vec<u64>> {
+        self.refresh()?;
+        let mut out = Vec::with_capacity(leaves.len());
+        let mut new = Vec::new();
+        for leaf in leaves {
+            match self.entries.iter().position(|e| e == leaf) {
+                Some(i) => out.push(i as u64),
+                None => {
+                    out.push(u64::MAX);
+                    new.push(leaf.clone());
+                }
+            }
+        }
+        if !new.is_empty() {
+            self.append(&new)?;
+            for (slot, leaf) in out.iter_mut().zip(leaves) {
+                if *slot == u64::MAX {
+                    *slot = self
+                        .entries
+                        .iter()
+                        .position(|e| e == leaf)
+                        .expect("appended") as u64;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A checkpoint signed now over the entries read.
     pub fn checkpoint(&self) -> Result<Vec<u8>> {
         let root = self.hashes.root(self.size())?;
         Ok(sign_checkpoint(&self.key, &self.origin, self.size(), root)?)
@@ -150,12 +280,12 @@ impl Log {
     }
 
     /// The stored checkpoint (what `GET /v1/transparency/checkpoint` serves).
-    pub fn stored_checkpoint(dir: &Path) -> Result<Vec<u8>> {
-        Ok(fs::read(dir.join("checkpoint"))?)
+    pub fn stored_checkpoint(&self) -> Result<Vec<u8>> {
+        Ok(fs::read(self.dir.join("checkpoint"))?)
     }
 
     /// A hash tile at `level`, index `n`, `width` hashes (256 when full),
-    /// if the tree holds it.
+    /// if the entries read hold it.
     pub fn hash_tile(&self, level: u8, n: u64, width: u32) -> Result<Option<Vec<u8>>> {
         if !self.in_tree(level, n, width) {
             return Ok(None);
@@ -171,25 +301,24 @@ impl Log {
             return None;
         }
         let start = usize::try_from(n << TILE_HEIGHT).ok()?;
-        let mut out = Vec::new();
-        for e in &self.entries[start..start + width as usize] {
-            out.extend_from_slice(&(e.len() as u16).to_be_bytes());
-            out.extend_from_slice(e);
-        }
-        Some(out)
+        let entries = &self.entries[start..start + width as usize];
+        Some(join_bundle(entries.iter().map(Vec::as_slice)))
     }
 
-    /// Whether tile `(level, n)` of `width` exists in the current tree:
-    /// a full tile, or the partial right-hand tile of exactly that width.
+    /// Whether tile `(level, n)` of `width` is in the tree read so far:
+    /// the tree has that level's first `n * 256 + width` nodes. Partial
+    /// tiles of every width up to that stay served (C2SP: a log MUST serve
+    /// the partial tiles of every tree size it made a checkpoint for), and
+    /// never change, since the tree only grows.
     fn in_tree(&self, level: u8, n: u64, width: u32) -> bool {
         let shift = u32::from(TILE_HEIGHT) * u32::from(level);
         let Some(nodes) = self.size().checked_shr(shift) else {
             return false;
         };
-        let full = nodes >> TILE_HEIGHT;
-        let rest = nodes & 0xff;
         (1..=256).contains(&width)
-            && ((n < full && width == 256) || (n == full && u64::from(width) == rest))
+            && n.checked_mul(256)
+                .and_then(|s| s.checked_add(u64::from(width)))
+                .is_some_and(|end| end <= nodes)
     }
 }
 
@@ -223,16 +352,102 @@ mod tests {
         let log = Log::open(&dir).unwrap();
         assert_eq!(log.size(), 301);
         assert_eq!(log.entries[300], b"next");
-        let note = Log::stored_checkpoint(&dir).unwrap();
+        let note = log.stored_checkpoint().unwrap();
         let cp: Checkpoint = verify_checkpoint(&note, &log.vkey(), "test.example/log").unwrap();
         assert_eq!(cp.size(), 301);
         assert_eq!(log.hash_tile(0, 0, 256).unwrap().unwrap().len(), 256 * 32);
         assert_eq!(log.hash_tile(0, 1, 45).unwrap().unwrap().len(), 45 * 32);
-        assert!(log.hash_tile(0, 1, 44).unwrap().is_none());
+        // An older tree's partial tile stays served (it is a prefix).
+        let older = log.hash_tile(0, 1, 44).unwrap().unwrap();
+        assert_eq!(
+            older[..],
+            log.hash_tile(0, 1, 45).unwrap().unwrap()[..44 * 32]
+        );
+        assert!(log.hash_tile(0, 1, 46).unwrap().is_none());
+        assert!(log.hash_tile(0, 2, 1).unwrap().is_none());
         assert!(log.hash_tile(1, 0, 1).unwrap().is_some());
         let bundle = log.entry_bundle(1, 45).unwrap();
         assert_eq!(&bundle[..6], &[0, 4, 0, 0, 1, 0]);
         assert_eq!(*cp.hash(), log.hashes.root(301).unwrap());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn writers_in_several_processes_share_one_log() {
+        let dir = std::env::temp_dir().join(format!("tlog-share-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let mut a = Log::init(&dir, "test.example/shared").unwrap();
+        let mut b = Log::open(&dir).unwrap();
+        a.append(&[b"a1".to_vec()]).unwrap();
+        // b catches up under the lock before it appends: nothing is lost.
+        assert_eq!(b.append(&[b"b1".to_vec()]).unwrap(), 1);
+        assert_eq!(a.size(), 1);
+        assert_eq!(a.refresh().unwrap(), 1);
+        assert_eq!(a.entry(1), Some(&b"b1"[..]));
+        let cp = verify_checkpoint(
+            &a.stored_checkpoint().unwrap(),
+            &a.vkey(),
+            "test.example/shared",
+        )
+        .unwrap();
+        assert_eq!((cp.size(), *cp.hash()), (2, a.hashes.root(2).unwrap()));
+        // The same entry twice is logged once.
+        assert_eq!(
+            a.append_missing(&[b"b1".to_vec(), b"c".to_vec()]).unwrap(),
+            vec![1, 2]
+        );
+        assert_eq!(b.append_missing(&[b"c".to_vec()]).unwrap(), vec![2]);
+        // Threads with a handle each (a lock per open file, as processes).
+        let threads: Vec<_> = (0..4u8)
+            .map(|t| {
+                let dir = dir.clone();
+                std::thread::spawn(move || {
+                    let mut log = Log::open(&dir).unwrap();
+                    for i in 0..25u8 {
+                        log.append(&[vec![t, i]]).unwrap();
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        let log = Log::open(&dir).unwrap();
+        assert_eq!(log.size(), 103);
+        let mut seen: Vec<_> = (3..103).map(|i| log.entry(i).unwrap().to_vec()).collect();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), 100);
+        let cp = verify_checkpoint(
+            &log.stored_checkpoint().unwrap(),
+            &log.vkey(),
+            "test.example/shared",
+        )
+        .unwrap();
+        assert_eq!(
+            (cp.size(), *cp.hash()),
+            (103, log.hashes.root(103).unwrap())
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_altered_or_cut_log_is_refused_at_open() {
+        let dir = std::env::temp_dir().join(format!("tlog-alter-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let mut log = Log::init(&dir, "test.example/altered").unwrap();
+        log.append(&[b"first".to_vec(), b"second".to_vec()])
+            .unwrap();
+        let path = dir.join("entries");
+        let good = fs::read(&path).unwrap();
+        let mut altered = good.clone();
+        altered[3] ^= 1; // a byte of "first"
+        fs::write(&path, &altered).unwrap();
+        let e = Log::open(&dir).err().expect("an altered entry is refused");
+        assert!(format!("{e:#}").contains("the log was altered"), "{e:#}");
+        fs::write(&path, &good[..good.len() - 8]).unwrap();
+        let e = Log::open(&dir).err().expect("a lost entry is refused");
+        assert!(format!("{e:#}").contains("entries were lost"), "{e:#}");
+        fs::write(&path, &good).unwrap();
+        assert_eq!(Log::open(&dir).unwrap().size(), 2);
         fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -124,6 +124,50 @@ impl Measurement {
     }
 }
 
+impl Measurement {
+    /// The form policies pin and print: `mock:<hex>`, or
+    /// `nitro:pcr0=…,pcr1=…,pcr2=…` with `,pcr8=…` when PCR8 is not zero.
+    pub fn pinned_form(&self) -> String {
+        match self {
+            Self::Mock(h) => format!("mock:{h}"),
+            Self::Nitro {
+                pcr0,
+                pcr1,
+                pcr2,
+                pcr8,
+            } => crate::evidence::Pcrs(
+                [(0, pcr0), (1, pcr1), (2, pcr2), (8, pcr8)]
+                    .into_iter()
+                    .map(|(i, v)| (i, v.clone()))
+                    .collect(),
+            )
+            .pinned_form(),
+        }
+    }
+
+    /// The release form of a measurement that evidence reports (or a policy
+    /// pins): the mock digest, or Nitro PCRs 0, 1, 2 and 8 (PCR8 zero when
+    /// absent). `None` for Nitro evidence missing PCR0-2 or with PCRs not
+    /// 48 bytes long.
+    pub fn of_evidence(m: &crate::evidence::Measurement) -> Option<Self> {
+        match m {
+            crate::evidence::Measurement::Mock(d) => Some(Self::Mock(d.hex())),
+            crate::evidence::Measurement::Nitro(p) => {
+                let pcr = |i: u8| p.get(i).filter(|v| v.len() == 48).map(<[u8]>::to_vec);
+                Some(Self::Nitro {
+                    pcr0: pcr(0)?,
+                    pcr1: pcr(1)?,
+                    pcr2: pcr(2)?,
+                    pcr8: match p.get(8) {
+                        None => vec![0; 48],
+                        Some(_) => pcr(8)?,
+                    },
+                })
+            }
+        }
+    }
+}
+
 fn is_lower_hex(s: &str) -> bool {
     s.bytes()
         .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))

@@ -7,6 +7,7 @@
 
 mod checkpoint;
 mod entry;
+mod paths;
 mod proof;
 #[cfg(test)]
 mod tests;
@@ -15,6 +16,7 @@ pub use checkpoint::{
     sign_checkpoint, signer_key, verifier_key, verify_checkpoint, CheckpointError,
 };
 pub use entry::{Entry, KeySetEntry, Measurement, ReceiptEntry, ReleaseEntry};
+pub use paths::{join_bundle, split_bundle, TileName};
 pub use proof::{
     check_consistency, check_inclusion, prove_consistency_from_tiles, prove_inclusion_from_tiles,
     HashStore, TILE_HEIGHT,

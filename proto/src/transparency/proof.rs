@@ -93,6 +93,22 @@ impl HashStore {
     pub fn root(&self, size: u64) -> Result<Hash, tlog_tiles::Error> {
         tree_hash(size, self)
     }
+
+    /// The inclusion proof of record `index` in the tree of its first
+    /// `size` records.
+    pub fn prove_inclusion(&self, size: u64, index: u64) -> Result<RecordProof, tlog_tiles::Error> {
+        prove_record(size, index, self)
+    }
+
+    /// The consistency proof from the tree of `old_size` records to that of
+    /// `size`.
+    pub fn prove_consistency(
+        &self,
+        size: u64,
+        old_size: u64,
+    ) -> Result<TreeProof, tlog_tiles::Error> {
+        prove_tree(size, old_size, self)
+    }
 }
 
 impl HashReader for HashStore {
