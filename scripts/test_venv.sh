@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The virtualenv of the Python test dependencies (scripts/requirements-test.txt:
-# openai, LangChain, jsonschema, numpy), cached in target/test-venv; prints its
-# path. scripts/test.sh makes it and puts it first on PATH; nothing else
-# installs these (scripts/setup.sh and scripts/start.sh install nothing).
+# openai, LangChain, jsonschema, numpy, cryptography), cached in
+# target/test-venv; prints its path. scripts/test.sh makes it and puts it
+# first on PATH; nothing else installs these (scripts/setup.sh and
+# scripts/start.sh install nothing).
 # Made with the `python3` on PATH (PYTHON=... to choose another); on Debian and
 # Ubuntu `python3 -m venv` needs the python3-venv package.
 set -euo pipefail
