@@ -6,7 +6,10 @@
 #      again with the distribution's externally-managed /usr/bin/python3
 #      (scripts/test-setup-stock-python.sh); docs/layout.md is
 #      current (scripts/layout.py --check); no crate's modules import each
-#      other in a circle (scripts/module_cycles.py);
+#      other in a circle (scripts/module_cycles.py); the transparency-log
+#      verifier written from the C2SP texts checks itself
+#      (scripts/tlog_verify.py --self-test; gateway/tests/transparency_e2e.rs
+#      then runs it against the gateway's log);
 #   2. release build with the test-only fault-injection switch compiled into
 #      the stage (tests that start the binaries need it);
 #   3. cargo test (unit, channel adversarial, model vs reference, end to end);
@@ -62,6 +65,8 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
 fi
 python3 scripts/layout.py --check
 python3 scripts/module_cycles.py
+echo "== the independent transparency-log verifier, against spec vectors and tampered logs (scripts/tlog_verify.py --self-test)"
+python3 scripts/tlog_verify.py --self-test
 cargo build --release --workspace "${FEATURES[@]}"
 cargo test --release --workspace "${FEATURES[@]}"
 
