@@ -8,8 +8,13 @@
 # 2Mi pages, one aws.ec2.nitro/nitro_enclaves per enclave and the enclave
 # CPUs as aws.ec2.nitro/nitro_enclaves_cpus, one runner pod per node (required
 # anti-affinity on the hostname, no surge), the fixed CIDs and routes of the
-# single EIF, and readiness and liveness probes that follow the runner. No
-# cluster is needed or contacted. Run by scripts/test.sh.
+# single EIF, and readiness and liveness probes that follow the runner; and
+# what a first bring-up needs (issue 48): a runner memory limit that holds
+# any EIF its enclaves can run (a quarter of the largest enclave, nitro-cli's
+# E26 rule, + the runner's 256 MiB), the node's start lock on a hostPath,
+# the runner's LOG_DIR on a volume, its log as the termination message, no
+# host-proxy route on vsock port 9000. No cluster is needed or contacted.
+# Run by scripts/test.sh.
 #
 # Env: K8S_VERSIONS="1.30 1.33" (default), K8S_VENV (default target/k8s-venv).
 set -euo pipefail
@@ -119,12 +124,42 @@ check("exec" in rp and ready in " ".join(rp["exec"].get("command", [])) and "tcp
 lp = c.get("livenessProbe", {})
 check("exec" in lp and env.get("HEARTBEAT_FILE", "/tmp/enclave-runner-heartbeat") in " ".join(lp["exec"].get("command", [])),
       f"the liveness probe must check the runner's heartbeat file, not {lp}")
+# The runner's memory: nitro-cli holds the EIF while it loads it, and the
+# runner refuses to start below EIF + RUNNER_MIB; an EIF is at most a
+# quarter of its enclave's memory (E26), so this limit holds any EIF.
+def mib(q):
+    q = str(q or "0")
+    for suf, f in (("Gi", 1024), ("Mi", 1), ("G", 1e9 / 2**20), ("M", 1e6 / 2**20)):
+        if q.endswith(suf):
+            return float(q[: -len(suf)]) * f
+    return float(q) / 2**20
+runner_mib = int(env.get("RUNNER_MIB", "256"))
+need = max(mems) // 4 + runner_mib
+check(mib(lim.get("memory")) >= need and mib(req.get("memory")) >= need,
+      f"the runner's memory request and limit must be at least {need}Mi (largest enclave {max(mems)} MiB / 4, the "
+      f"largest EIF it runs, + RUNNER_MIB {runner_mib}), not {req.get('memory')}/{lim.get('memory')}")
+# Starts on a node take turns: START_LOCK on the node (hostPath), not in the container.
+lock = env.get("START_LOCK")
+mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+vols = {v["name"]: v for v in pod.get("volumes", [])}
+lock_vol = next((vols.get(n) for p, n in mounts.items() if lock and lock.startswith(p.rstrip("/") + "/")), None)
+check(lock_vol is not None and "hostPath" in lock_vol,
+      f"START_LOCK ({lock}) must lie on a hostPath volume, shared by every runner of the node")
+logs = env.get("LOG_DIR")
+check(logs in mounts, f"LOG_DIR ({logs}) must be a mounted volume (kept across container restarts)")
+check(c.get("terminationMessagePolicy") == "FallbackToLogsOnError",
+      "the runner's terminationMessagePolicy must be FallbackToLogsOnError (a failed start shows in kubectl describe pod)")
+check(not any(re.match(r"vsock://[^=]*:9000=", r) for r in routes),
+      "a route listens on vsock port 9000 of the parent: nitro-cli's boot heartbeat port")
 runner_cm = find("ConfigMap", "enclave-runner")["data"].get("run-enclaves.sh", "")
 check("describe-enclaves" in runner_cm, "the runner in the ConfigMap does not supervise (no describe-enclaves)")
+check("BACKOFF_MAX_SECS" in runner_cm and "flock" in runner_cm,
+      "the runner in the ConfigMap has no restart back-off or start lock")
 if fails:
     for f in fails:
         print(f"FAIL nitro overlay: {f}", file=sys.stderr)
     sys.exit(1)
 print(f"PASS nitro overlay: seccomp {seccomp} on the runner, hugepages-1Gi {gib}Gi, {stages} enclaves and "
-      f"{stages * cpus} enclave CPUs, one runner per node, CIDs 16.., exec readiness and liveness, no mock")
+      f"{stages * cpus} enclave CPUs, one runner per node, CIDs 16.., exec readiness and liveness, no mock, "
+      f"runner memory {lim.get('memory')} >= {need}Mi, START_LOCK on the node, LOG_DIR kept, no route on port 9000")
 PY
