@@ -2,6 +2,7 @@
 //! stage channel. The binary (`main.rs`) wires these modules together; the
 //! engine is also used in-process by tests and the benchmark baseline.
 
+pub mod clock;
 pub mod fault;
 pub mod kernels;
 pub mod keys;

@@ -143,11 +143,15 @@ fn main() -> Result<()> {
     };
     // Before the model loads: a build without Nitro support says so at once.
     provider::ensure_supported(args.attestation)?;
+    // The clock against the KVM PTP clock, logged now (crate::clock).
+    let clock = Arc::new(enclave_stage::clock::ClockGuard::new(
+        enclave_stage::clock::PTP_DEVICE,
+    ));
     // The policy file is part of what this stage is (its mock measurement):
     // read once, parsed and hashed from the same bytes.
     let policy_text = std::fs::read_to_string(&args.policy)
         .with_context(|| format!("reading policy {}", args.policy.display()))?;
-    let policy = Policy::from_toml(&policy_text)
+    let mut policy = Policy::from_toml(&policy_text)
         .map_err(|e| anyhow::anyhow!("policy {}: {e}", args.policy.display()))?;
     let policy_digest = Sha256Digest::of(policy_text.as_bytes());
     let mut loaded = enclave_stage::serving::load(&args.model_dir, &spec, args.weights)
@@ -168,6 +172,7 @@ fn main() -> Result<()> {
         &manifest_digest,
         &policy_digest,
     )?;
+    provider::apply_debug_rule(&mut policy, &measurement);
     let (_, claims) = loaded.manifest_and_claims();
     let rotation = (args.hpke_rotate_secs > 0).then(|| Rotation {
         every: Duration::from_secs(args.hpke_rotate_secs),
@@ -214,6 +219,7 @@ fn main() -> Result<()> {
             provider,
             policy,
             local_measurement: measurement,
+            clock,
         };
         let server = StageServer::new(setup, work_tx, out_tx);
         let endpoint: Endpoint = args.listen.parse().map_err(anyhow::Error::msg)?;

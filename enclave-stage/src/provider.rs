@@ -4,9 +4,10 @@
 
 use anyhow::Result;
 use proto::attestation::{
-    mock_measurement, AttestationProvider, Measurement, MockProvider, MOCK_WARNING,
+    mock_measurement, AttestationProvider, Measurement, MockProvider, DEBUG_WARNING, MOCK_WARNING,
 };
 use proto::digest::Sha256Digest;
+use proto::policy::Policy;
 use std::sync::Arc;
 
 /// `--attestation`.
@@ -95,6 +96,36 @@ fn nitro(_stage_index: u32) -> Result<Selected> {
     unreachable!("ensure_supported refuses nitro in this build")
 }
 
+/// Applies the in-enclave policy's `allow_debug` (written by `build-eif.sh
+/// --debug-policy` for a first bring-up) only where it is safe: a stage
+/// that runs in Nitro debug mode itself (its own PCRs zero, its memory open
+/// to the parent anyway) may accept debug-mode neighbours; a stage that is
+/// not in debug mode never does, whatever the policy says, so a production
+/// enclave never sends data to one whose memory the parent can read. Says
+/// so loudly either way.
+pub fn apply_debug_rule(policy: &mut Policy, own: &Measurement) {
+    let own_debug = matches!(own, Measurement::Nitro(pcrs) if pcrs.is_debug());
+    if own_debug {
+        tracing::warn!("{DEBUG_WARNING}");
+    }
+    if !policy.allow_debug {
+        return;
+    }
+    if own_debug {
+        tracing::warn!(
+            "the policy allows debug-mode neighbours (allow_debug = true, a build-eif.sh \
+             --debug-policy image): accepted, since this enclave runs in debug mode too"
+        );
+    } else {
+        policy.allow_debug = false;
+        tracing::warn!(
+            "the policy allows debug-mode neighbours (allow_debug = true, a build-eif.sh \
+             --debug-policy image), but this stage is not in Nitro debug mode: \
+             debug-mode neighbours are refused"
+        );
+    }
+}
+
 /// Fails when this build cannot provide `kind` (Nitro without the feature).
 pub fn ensure_supported(kind: AttestationKind) -> Result<()> {
     if kind == AttestationKind::Nitro && !NITRO_BUILT_IN {
@@ -152,5 +183,50 @@ mod tests {
         } else {
             assert!(e.contains("built without Nitro support"), "{e}");
         }
+    }
+
+    fn nitro(fill: u8) -> Measurement {
+        Measurement::Nitro(proto::evidence::Pcrs(
+            [0u8, 1, 2, 8]
+                .iter()
+                .map(|&i| (i, vec![fill; 48]))
+                .collect(),
+        ))
+    }
+
+    fn debug_policy() -> Policy {
+        Policy::from_toml(
+            "allow_mock = false\nallow_debug = true\ntrust_same_image = true\n\
+             [[stages]]\nindex = 0\nlayers = [0, 3]\n",
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_stage_not_in_debug_mode_ignores_allow_debug() {
+        let mut p = debug_policy();
+        apply_debug_rule(&mut p, &nitro(7));
+        assert!(!p.allow_debug);
+        let mut p = debug_policy();
+        apply_debug_rule(
+            &mut p,
+            &mock_measurement(
+                &Sha256Digest([1; 32]),
+                &Sha256Digest([2; 32]),
+                &Sha256Digest([3; 32]),
+            ),
+        );
+        assert!(!p.allow_debug, "a mock stage is not in debug mode");
+    }
+
+    #[test]
+    fn a_debug_mode_stage_keeps_allow_debug_and_a_production_policy_stays_closed() {
+        let mut p = debug_policy();
+        apply_debug_rule(&mut p, &nitro(0));
+        assert!(p.allow_debug);
+        let mut p = debug_policy();
+        p.allow_debug = false;
+        apply_debug_rule(&mut p, &nitro(0));
+        assert!(!p.allow_debug);
     }
 }

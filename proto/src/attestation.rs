@@ -34,6 +34,11 @@ const MOCK_KEY_SEED_LABEL: &[u8] = b"confidential-inference MOCK attestation key
 pub const MOCK_WARNING: &str =
     "MOCK ATTESTATION: not produced by enclave hardware; proves nothing about where code runs";
 
+/// The warning every output involving a Nitro enclave in debug mode carries
+/// (stage logs, the gateway's `/readyz` and `/v1/attestation`).
+pub const DEBUG_WARNING: &str = "NITRO DEBUG MODE: the enclave's PCRs read zero and the parent instance can read its memory; \
+     for a first bring-up only (scripts/build-eif.sh --debug-policy), refused by every production policy";
+
 fn mock_signing_key() -> SigningKey {
     SigningKey::from_bytes(&Sha256Digest::of(MOCK_KEY_SEED_LABEL).0)
 }

@@ -252,6 +252,11 @@ pub enum StageReply {
         /// ([`crate::key_rotation::KeySet`]); `None` elsewhere.
         #[serde(default)]
         key_set: Option<serde_bytes::ByteBuf>,
+        /// The stage's clock check against its reference clock, one line
+        /// for the operator (`/readyz`); `None` from a stage that does not
+        /// check. The host's to read and report, bound to nothing.
+        #[serde(default)]
+        clock: Option<String>,
     },
     /// The entry stage rotated its HPKE key: its new signed key set, sent
     /// on the host channel unasked.

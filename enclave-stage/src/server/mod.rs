@@ -57,6 +57,9 @@ pub struct StageSetup {
     pub policy: Policy,
     /// This binary's own measurement (for `trust_local_build`).
     pub local_measurement: Measurement,
+    /// The clock check: a stage whose clock is off beyond the sealed-request
+    /// window refuses configuration and sealed requests.
+    pub clock: Arc<crate::clock::ClockGuard>,
 }
 
 /// A channel's writer task ([`proto::io::queue`]): sends are cancel-safe.
@@ -79,6 +82,7 @@ pub struct StageServer {
     provider: Arc<dyn AttestationProvider>,
     policy: Policy,
     local_measurement: Measurement,
+    clock: Arc<crate::clock::ClockGuard>,
     replay: std::sync::Mutex<ReplayGuards>,
     limits: ChannelLimits,
     /// The compute thread's input, gated by configuration epoch (bumped
@@ -126,6 +130,7 @@ impl StageServer {
             provider: setup.provider,
             policy: setup.policy,
             local_measurement: setup.local_measurement,
+            clock: setup.clock,
             replay: std::sync::Mutex::new(ReplayGuards {
                 client: ReplayGuard::new(REPLAY_WINDOW, REPLAY_CAPACITY),
                 host: ReplayGuard::new(
@@ -370,7 +375,13 @@ impl StageServer {
                     feedback,
                     key_ids,
                 } => {
-                    let configured = match self.claim_ownership(session) {
+                    // A clock beyond the sealed-request window: no pipeline
+                    // forms (the gateway's /readyz names the skew).
+                    let configured = match self.clock.refusal() {
+                        Some(why) => Err(why),
+                        None => self.claim_ownership(session),
+                    };
+                    let configured = match configured {
                         Ok(()) => self.configure(next, feedback, &tx).await,
                         Err(e) => Err(e),
                     };
@@ -397,6 +408,7 @@ impl StageServer {
                                     .hpke
                                     .as_ref()
                                     .map(|k| serde_bytes::ByteBuf::from(k.signed())),
+                                clock: Some(self.clock.describe()),
                             })
                         }
                         Err(e) => {

@@ -180,6 +180,17 @@ impl StageServer {
             retry_after_secs: None,
             sealed_body: None,
         };
+        // The sealing time below is judged by this stage's clock: refused
+        // while that clock is off beyond the window (crate::clock).
+        if let Some(why) = self.clock.refusal() {
+            return Err(PipelineError {
+                kind: ErrorKind::Internal,
+                status: 503,
+                message: why,
+                retry_after_secs: Some(crate::clock::RECHECK.as_secs() as u32),
+                sealed_body: None,
+            });
+        }
         let key = self
             .keys
             .hpke

@@ -173,6 +173,9 @@ fn start() -> Option<Rig> {
                 provider: selected.provider,
                 policy: Policy::from_toml(STAGE_POLICY).expect("stage policy"),
                 local_measurement: selected.measurement,
+                clock: std::sync::Arc::new(enclave_stage::clock::ClockGuard::new(
+                    enclave_stage::clock::PTP_DEVICE,
+                )),
             },
             work_tx,
             out_tx,
@@ -252,6 +255,7 @@ impl Host {
                     Ok(Ok(Some(StageReply::Configured {
                         boot_evidence,
                         key_set,
+                        ..
                     }))) => break (Some(boot_evidence), key_set),
                     Ok(Ok(Some(StageReply::ConfigureFailed(_)))) => break (None, None),
                     Ok(Ok(Some(_))) => continue,

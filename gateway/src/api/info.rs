@@ -62,6 +62,7 @@ pub(super) async fn get_model(State(s): State<AppState>, Path(id): Path<String>)
 pub(super) async fn readyz(State(s): State<AppState>) -> Response {
     let mut pipelines = Vec::new();
     let mut mock = false;
+    let mut debug = false;
     for r in s.service.pipelines() {
         // Ready while at least one replica is; every replica is listed,
         // an unready one with its reason.
@@ -71,6 +72,7 @@ pub(super) async fn readyz(State(s): State<AppState>) -> Response {
             match p.status() {
                 Ok(stages) => {
                     mock |= stages.iter().any(|st| st.evidence == "mock");
+                    debug |= stages.iter().any(|st| st.debug);
                     first_ready.get_or_insert_with(|| stages.clone());
                     replicas.push(json!({"replica": p.replica, "ready": true, "stages": stages}));
                 }
@@ -98,10 +100,23 @@ pub(super) async fn readyz(State(s): State<AppState>) -> Response {
         "stages": pipelines[0]["stages"],
         "pipelines": pipelines,
     });
-    if mock {
-        body["warning"] = json!(proto::attestation::MOCK_WARNING);
+    if let Some(w) = warning(mock, debug) {
+        body["warning"] = json!(w);
     }
     Json(body).into_response()
+}
+
+/// What `/readyz` and `/v1/attestation` warn of: mock evidence, Nitro
+/// enclaves in debug mode, or both.
+fn warning(mock: bool, debug: bool) -> Option<String> {
+    let parts: Vec<&str> = [
+        (mock, proto::attestation::MOCK_WARNING),
+        (debug, proto::attestation::DEBUG_WARNING),
+    ]
+    .into_iter()
+    .filter_map(|(on, w)| on.then_some(w))
+    .collect();
+    (!parts.is_empty()).then(|| parts.join("; "))
 }
 
 /// `GET /v1/receipts/{id}`: the receipt, and the salt of its digests where
@@ -319,11 +334,16 @@ pub(super) async fn attestation(
 /// CBOR form (base64) that `gateway verify evidence` reads.
 pub(super) fn bundle_json(b: &EvidenceBundle) -> serde_json::Value {
     let b64 = |v: &[u8]| base64::engine::general_purpose::STANDARD.encode(v);
+    let docs: Vec<_> = b
+        .stages
+        .iter()
+        .map(|s| proto::attestation::verify_any(&s.evidence).ok())
+        .collect();
     let stages: Vec<_> = b
         .stages
         .iter()
-        .map(|s| {
-            let doc = proto::attestation::verify_any(&s.evidence).ok();
+        .zip(&docs)
+        .map(|(s, doc)| {
             json!({
                 "index": s.index,
                 "layers": [s.claims.layer_start, s.claims.layer_end],
@@ -342,6 +362,9 @@ pub(super) fn bundle_json(b: &EvidenceBundle) -> serde_json::Value {
         .stages
         .iter()
         .any(|s| s.evidence.format == proto::attestation::EvidenceFormat::Mock);
+    let debug = docs.iter().flatten().any(
+        |d| matches!(&d.measurement, proto::attestation::Measurement::Nitro(p) if p.is_debug()),
+    );
     let mut out = json!({
         "nonce": hex::encode(&b.nonce),
         "manifest_sha256": proto::digest::Sha256Digest::of(&b.manifest).hex(),
@@ -349,8 +372,26 @@ pub(super) fn bundle_json(b: &EvidenceBundle) -> serde_json::Value {
         "stages": stages,
         "bundle_cbor": b64(&proto::cbor::to_vec(b)),
     });
-    if mock {
-        out["warning"] = json!(proto::attestation::MOCK_WARNING);
+    if let Some(w) = warning(mock, debug) {
+        out["warning"] = json!(w);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::warning;
+    use proto::attestation::{DEBUG_WARNING, MOCK_WARNING};
+
+    #[test]
+    fn mock_and_debug_stages_are_each_labelled() {
+        assert_eq!(warning(false, false), None);
+        assert_eq!(warning(true, false).as_deref(), Some(MOCK_WARNING));
+        assert_eq!(warning(false, true).as_deref(), Some(DEBUG_WARNING));
+        let both = warning(true, true).unwrap();
+        assert!(
+            both.contains(MOCK_WARNING) && both.contains(DEBUG_WARNING),
+            "{both}"
+        );
+    }
 }

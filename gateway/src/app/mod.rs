@@ -338,10 +338,11 @@ fn check_config_summary(path: &std::path::Path) -> Result<(String, String)> {
             Launch::Remote => "remote",
         },
         cfg.pipeline.policy.display(),
-        if policy.allow_mock {
-            " (MOCK attestation allowed)"
-        } else {
-            ""
+        match (policy.allow_mock, policy.allow_debug) {
+            (true, true) => " (MOCK attestation allowed) (Nitro DEBUG-mode enclaves allowed)",
+            (true, false) => " (MOCK attestation allowed)",
+            (false, true) => " (Nitro DEBUG-mode enclaves allowed)",
+            (false, false) => "",
         },
     );
     Ok((summary, cfg.effective_toml()))

@@ -129,6 +129,13 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
             cfg.pipeline.policy.display()
         );
     }
+    if policy.allow_debug {
+        tracing::warn!(
+            "NITRO DEBUG-MODE ENCLAVES ALLOWED by policy {} (allow_debug = true, build-eif.sh --debug-policy): \
+             their memory is readable by this parent; for a first bring-up only",
+            cfg.pipeline.policy.display()
+        );
+    }
     // The receipt store first: a database that cannot be reached stops the
     // start before any stage is launched.
     let receipt_store =

@@ -64,15 +64,16 @@ impl Pipeline {
             })
             .await
             .map_err(|e| ConnectError::unreachable(format!("stage {i}: {e}")))?;
-            let boot = match rx.recv_msg::<StageReply>().await {
+            let (boot, clock) = match rx.recv_msg::<StageReply>().await {
                 Ok(Some(StageReply::Configured {
                     boot_evidence,
                     key_set,
+                    clock,
                 })) => {
                     if i == 0 {
                         entry_key_set = key_set.map(serde_bytes::ByteBuf::into_vec);
                     }
-                    boot_evidence
+                    (boot_evidence, clock)
                 }
                 Ok(Some(StageReply::ConfigureFailed(why))) => {
                     return Err(ConnectError {
@@ -106,6 +107,8 @@ impl Pipeline {
                     EvidenceFormat::Nitro => "nitro",
                 },
                 measurement: doc.measurement.pinned_form(),
+                debug: matches!(&doc.measurement, Measurement::Nitro(p) if p.is_debug()),
+                clock,
                 endpoint: t.endpoint.to_string(),
                 claims,
                 boot_evidence: boot,

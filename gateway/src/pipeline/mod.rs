@@ -137,6 +137,14 @@ pub struct StageStatus {
     pub evidence: &'static str,
     /// Pinned form of its measurement.
     pub measurement: String,
+    /// A Nitro enclave in debug mode (PCRs zero, its memory readable by the
+    /// parent): accepted only by a policy with `allow_debug`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub debug: bool,
+    /// The stage's own report of its clock check (unverified: for the
+    /// operator).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clock: Option<String>,
     /// Endpoint.
     pub endpoint: String,
     /// Its claims (keys, layers, manifest), bound in its evidence.

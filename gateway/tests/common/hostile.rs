@@ -174,6 +174,7 @@ impl Host {
                 Next::Reply(StageReply::Configured {
                     boot_evidence,
                     key_set,
+                    ..
                 }) => {
                     return Ok(Configured {
                         boot: boot_evidence,
