@@ -64,6 +64,19 @@
 #   --policy-from FILE   only step 4: read nitro-cli's output from FILE and
 #                        write the policy (to --policy-out, default OUT/policy.toml)
 #   --policy-out FILE    where step 4 writes the policy
+#   --debug-policy       a FIRST BRING-UP image (docs/deploy-nitro.md): the
+#                        in-enclave policy and the gateway's accept Nitro
+#                        debug-mode enclaves (allow_debug = true; PCRs zero,
+#                        the parent can read their memory), so that the
+#                        stages started with run-nitro.sh --debug-mode (the
+#                        only mode with a console) form a pipeline. The
+#                        gateway's policy pins the all-zero PCRs beside the
+#                        EIF's own. An enclave not in debug mode ignores
+#                        allow_debug (it never trusts a debug neighbour).
+#                        Default --name: the model's name + "-debug"; the
+#                        record says debug_policy. Every production policy
+#                        refuses debug enclaves (allow_debug = false) and
+#                        this image's PCRs (its in-enclave policy differs).
 # Writes OUT/eif.env (EIF, POLICY, MODEL_DIR, LAYERS, CID_BASE, PORT,
 # NITRO_CLI_VERSION) for scripts/run-nitro.sh. Needs docker and nitro-cli (AWS
 # Nitro Enclaves CLI) unless --dry-run, --image-only (docker only),
@@ -90,6 +103,7 @@ PREFIX=confidential-inference
 DRY_RUN=0
 POLICY_FROM=""
 POLICY_OUT=""
+DEBUG_POLICY=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) MODEL_DIR="$2"; shift 2 ;;
@@ -110,13 +124,14 @@ while [[ $# -gt 0 ]]; do
     --dry-run) DRY_RUN=1; shift ;;
     --policy-from) POLICY_FROM="$2"; shift 2 ;;
     --policy-out) POLICY_OUT="$2"; shift 2 ;;
-    -h|--help) sed -n '2,70p' "$0"; exit 0 ;;
+    --debug-policy) DEBUG_POLICY=1; shift ;;
+    -h|--help) sed -n '2,84p' "$0"; exit 0 ;;
     *) echo "build-eif: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 MODEL_DIR="${MODEL_DIR%/}"
 model="$(basename "$MODEL_DIR")"
-NAME="${NAME:-$model}"
+if [[ $DEBUG_POLICY == 1 ]]; then NAME="${NAME:-$model-debug}"; else NAME="${NAME:-$model}"; fi
 [[ "$NAME" =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$ ]] || { echo "build-eif: bad --name: $NAME" >&2; exit 2; }
 [[ "$LAYERS" =~ ^[0-9]+\.\.[0-9]+(,[0-9]+\.\.[0-9]+)*$ ]] || { echo "build-eif: bad --layers: $LAYERS" >&2; exit 2; }
 [[ "$CID_BASE" =~ ^[0-9]+$ && "$CID_BASE" -ge 4 ]] || { echo "build-eif: --cid-base must be a number >= 4 (0-3 are reserved)" >&2; exit 2; }
@@ -142,12 +157,34 @@ stage_entries() {
   done
 }
 
+# The banner at the top of every --debug-policy policy.
+DEBUG_BANNER='# DEBUG POLICY (scripts/build-eif.sh --debug-policy), FOR A FIRST BRING-UP
+# ONLY: it accepts Nitro enclaves in debug mode, whose PCRs read zero and
+# whose memory the parent instance can read. Never serve clients with it;
+# every production policy (allow_debug = false) refuses these enclaves.'
+
 # Step 4: nitro-cli's output (text with one JSON object) -> policy file.
 write_policy() {
-  local from="$1" out="$2" pcrs version=""
+  local from="$1" out="$2" pcrs version="" zero
   [[ -f "$(dirname "$from")/nitro-cli.version" ]] && version="$(head -n1 "$(dirname "$from")/nitro-cli.version")"
   pcrs="$(python3 scripts/build_record.py pcrs "$from")" || exit 1
   mkdir -p "$(dirname "$out")"
+  if [[ $DEBUG_POLICY == 1 ]]; then
+    zero="$(printf '%096d' 0)"
+    {
+      printf '%s\n' "$DEBUG_BANNER"
+      cat <<EOT
+# Written from nitro-cli build-enclave's output ($from${version:+, $version}).
+# Every stage may run the EIF in debug mode (all PCRs zero) or not (its PCRs).
+allow_mock = false
+allow_debug = true
+manifest_sha256 = "$MANIFEST_SHA256"
+EOT
+      stage_entries "$(printf '\n[[stages.nitro]]\npcr0 = "%s"\npcr1 = "%s"\npcr2 = "%s"\n\n[[stages.nitro]]\n%s\n' "$zero" "$zero" "$zero" "$pcrs")"
+    } >"$out"
+    echo "build-eif: wrote $out (DEBUG POLICY: accepts debug-mode enclaves)"
+    return
+  fi
   {
     cat <<EOT
 # Written by scripts/build-eif.sh from nitro-cli build-enclave's output
@@ -199,12 +236,13 @@ EIF="$OUT/stage.eif"
 # The in-enclave policy: neighbours are accepted when they run this same
 # image (trust_same_image) and claim the layers below.
 stage_policy() {
+  [[ $DEBUG_POLICY == 0 ]] || printf '%s\n# A debug-mode stage accepts debug-mode neighbours (their PCRs, like its\n# own, read zero); a stage not in debug mode ignores allow_debug.\n' "$DEBUG_BANNER"
   cat <<EOT
 # Inside the enclave (written by scripts/build-eif.sh): a neighbour must be a
 # Nitro enclave running this same image (its PCRs cannot be pinned in the
 # image itself) and claim the layers below.
 allow_mock = false
-allow_debug = false
+allow_debug = $([[ $DEBUG_POLICY == 1 ]] && echo true || echo false)
 trust_same_image = true
 manifest_sha256 = "$MANIFEST_SHA256"
 EOT
@@ -263,6 +301,8 @@ export CC_x86_64_unknown_linux_musl="${CC_x86_64_unknown_linux_musl:-musl-gcc}"
 RUSTFLAGS_RECORD='--remap-path-prefix=$CARGO_HOME=/cargo --remap-path-prefix=$(rustc --print sysroot)=/rustup-toolchain --remap-path-prefix=$CARGO_TARGET_DIR=/target'
 CFLAGS_RECORD='-ffile-prefix-map=$CARGO_HOME=/cargo -ffile-prefix-map=$CARGO_TARGET_DIR=/target'
 CARGO_ARGS=(build --release --locked --target "$TARGET" -p enclave-stage --features nitro)
+DEBUG_FLAG=()
+[[ $DEBUG_POLICY == 0 ]] || DEBUG_FLAG=(--debug-policy)
 
 # OUT/build-record.json for the binary $1 and the in-enclave policy $2, with
 # scripts/build_record.py's further options (image, nitro-cli output).
@@ -273,7 +313,8 @@ write_record() {
     --model-dir "$MODEL_DIR" --stage-policy "$pol" --layers "$LAYERS" --cmd "$(cmd_json)" \
     --commit "$COMMIT" --dirty "$DIRTY" --source-date-epoch "$SOURCE_DATE_EPOCH" \
     --command "cargo ${CARGO_ARGS[*]}" --target "$TARGET" --features nitro \
-    --rustflags "$RUSTFLAGS_RECORD" --cflags "$CFLAGS_RECORD" --cc "$CC_x86_64_unknown_linux_musl" "$@"
+    --rustflags "$RUSTFLAGS_RECORD" --cflags "$CFLAGS_RECORD" --cc "$CC_x86_64_unknown_linux_musl" \
+    ${DEBUG_FLAG[@]+"${DEBUG_FLAG[@]}"} "$@"
 }
 
 # docker COPY keeps a file's mtime and mode (the owner is root:root): both
@@ -311,6 +352,9 @@ if [[ $DRY_RUN == 0 ]]; then
   printf 'FROM %s\nENTRYPOINT []\nCMD %s\n' "$BASE_IMAGE" "$(cmd_json)" >"$OUT/enclave.Dockerfile"
 else
   echo "+ (copy $BIN, $MODEL_DIR, the in-enclave policy into $OUT/stage)"
+  echo "+ (the in-enclave policy, /config/policy.toml:"
+  stage_policy | sed 's/^/+   /'
+  echo "+ )"
   echo "+ (write $OUT/enclave.Dockerfile: FROM $BASE_IMAGE; ENTRYPOINT []; CMD $(cmd_json))"
 fi
 run docker build -q ${NO_CACHE[@]+"${NO_CACHE[@]}"} -f docker/enclave-stage.Dockerfile --build-arg "MODEL=$model" -t "$BASE_IMAGE" "$OUT/stage"
@@ -344,6 +388,11 @@ MODEL_DIR=$MODEL_DIR
 LAYERS=$LAYERS
 CID_BASE=$CID_BASE
 PORT=$PORT
+DEBUG_POLICY=$DEBUG_POLICY
 NITRO_CLI_VERSION="$(head -n1 "$OUT/nitro-cli.version")"
 EOT
-echo "build-eif: $EIF; PCRs in $POLICY_OUT; run it with scripts/run-nitro.sh --build $OUT"
+if [[ $DEBUG_POLICY == 1 ]]; then
+  echo "build-eif: $EIF is a DEBUG-POLICY image (first bring-up only); run it with scripts/run-nitro.sh --build $OUT --debug-mode"
+else
+  echo "build-eif: $EIF; PCRs in $POLICY_OUT; run it with scripts/run-nitro.sh --build $OUT"
+fi

@@ -13,7 +13,8 @@ the musl C compiler, the target, the features, RUSTFLAGS with the machine's
 paths replaced by their names); the source commit and SOURCE_DATE_EPOCH; the
 pipeline the image runs (layers, CMD); where an image was built, its layers'
 digests (`RootFS.Layers`, the uncompressed layer tars); where nitro-cli ran,
-its version and PCR0/1/2 (PCR8 when signed). Paths on the build machine are
+its version and PCR0/1/2 (PCR8 when signed); for a `build-eif.sh
+--debug-policy` image (first bring-up only), stage_policy.debug_policy. Paths on the build machine are
 left out, so two builds of one commit in different folders write the same
 record. `gateway policy from-build` writes a client policy from it.
 The JSON has sorted keys and no time of writing.
@@ -132,6 +133,10 @@ def write(a):
         },
         "pipeline": {"layers": layer_ranges(a.layers), "cmd": json.loads(a.cmd) if a.cmd else None},
     }
+    if a.debug_policy:
+        # build-eif.sh --debug-policy: the in-enclave policy accepts
+        # debug-mode neighbours (a first bring-up image, never production).
+        record["stage_policy"]["debug_policy"] = True
     if a.image:
         record["image"] = {"layers": image_layers(a.image)}
     if a.nitro_output:
@@ -163,6 +168,8 @@ def main():
     w.add_argument("--image", default="", help="a docker image whose layers to record")
     w.add_argument("--nitro-output", default="", help="nitro-cli build-enclave's output")
     w.add_argument("--nitro-cli-version", default="")
+    w.add_argument("--debug-policy", action="store_true",
+                   help="build-eif.sh --debug-policy: the image accepts debug-mode enclaves")
     r = sub.add_parser("pcrs", help="print a policy's pcrN lines from nitro-cli's output")
     r.add_argument("file")
     a = p.parse_args()

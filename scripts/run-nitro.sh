@@ -8,20 +8,36 @@
 # proxy is restarted) by the one enclave runner that the Kubernetes overlay
 # uses too, docker/k8s/overlays/nitro/run-enclaves.sh; the gateway starts
 # once every enclave runs, and stopping this script stops them all.
+# One gateway per parent: a second run (a second pipeline) starts its
+# enclaves and host proxy with --no-gateway, and the first run's gateway
+# serves both (docs/deploy-nitro.md, two pipelines); a second run without it
+# is refused while the first one's gateway holds GATEWAY_LOCK. The runners
+# of one parent take turns to start enclaves (START_LOCK).
 #
 # Usage: scripts/run-nitro.sh [--build DIR] [options] [--dry-run]
 #   --build DIR            target/eif/NAME from build-eif.sh (reads its eif.env;
 #                          default target/eif/all-minilm-l6-v2)
 #   --eif FILE --policy FILE --model DIR --layers LIST --cid-base N --port N
 #                          instead of / over eif.env
-#   --proxy-port-base N    host-proxy vsock ports: N+i reaches stage i (default 8000)
+#   --proxy-port-base N    host-proxy vsock ports: N+i reaches stage i (default 8000;
+#                          the range must not hold 9000, nitro-cli's boot
+#                          heartbeat port on the parent)
 #   --kv-cache-tokens N    generation KV budget per stage (default 16384)
-#   --debug-mode           nitro-cli --debug-mode (console readable, PCRs zero:
-#                          the shipped policy refuses it)
+#   --debug-mode           nitro-cli --debug-mode (console readable, PCRs zero):
+#                          only with a policy from build-eif.sh --debug-policy
+#                          (refused otherwise: the pipeline could never form);
+#                          the consoles are kept in LOG_DIR. First bring-up only.
+#   --no-gateway           start the enclaves and host proxy only (a second
+#                          pipeline on a parent whose gateway already runs)
 #   --config FILE          gateway config (default config/gateway-nitro.toml)
 #   --dry-run              print the sizing and every command, start nothing
 # Environment: WEIGHTS (q4_1 | q8_0 | f32: the stages' --weights, for the
-# memory sizing), MEMORY_MIB, CPU_COUNT, KV_BYTES_PER_TOKEN_LAYER (below).
+# memory sizing), MEMORY_MIB, CPU_COUNT, KV_BYTES_PER_TOKEN_LAYER (below);
+# START_WAIT_SECS (how long to wait for the enclaves, default sized to the
+# EIF, below); GATEWAY_LOCK (default /tmp/nitro-gateway.lock: held while this
+# run's gateway lives); START_LOCK, LOG_DIR, BACKOFF_MIN_SECS,
+# BACKOFF_MAX_SECS (passed to the enclave runner: see its header);
+# GATEWAY_BIN (default target/release/gateway).
 #
 # Sizing, per stage, in MiB (printed; every term rounded up):
 #   memory = max(roundup_256(eif + weights + kv + activations + 512),
@@ -56,7 +72,13 @@
 # sum over the stages, printed as the file to write; it keeps CPU 0 and its
 # sibling for the parent, so the instance needs that many vCPUs plus 2, and
 # the memory plus 4 GiB for the parent (gateway, host proxy, page cache); the
-# smallest m6i size that fits is printed.
+# smallest m6i size that fits is printed. The Kubernetes runner container's
+# memory limit: eif + 256 (nitro-cli run-enclave holds the EIF in memory
+# while it loads it; the runner refuses to start below it).
+# The wait for the enclaves: per stage (they start one at a time) nitro-cli's
+# own boot timeout, 60 s per started 6 GiB of EIF, + 30 s + 1 s per 100 MiB
+# of EIF to load it, plus 10 s for the runner's rounds; START_WAIT_SECS
+# overrides (another runner of the parent starting first adds its time).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -65,6 +87,7 @@ EIF="" POLICY="" MODEL_DIR="" LAYERS="" CID_BASE="" PORT=""
 PROXY_BASE=8000
 KV_TOKENS=16384
 DEBUG_MODE=0
+NO_GATEWAY=0
 CONFIG=config/gateway-nitro.toml
 DRY_RUN=0
 declare -A SET=()
@@ -80,9 +103,10 @@ while [[ $# -gt 0 ]]; do
     --proxy-port-base) PROXY_BASE="$2"; shift 2 ;;
     --kv-cache-tokens) KV_TOKENS="$2"; shift 2 ;;
     --debug-mode) DEBUG_MODE=1; shift ;;
+    --no-gateway) NO_GATEWAY=1; shift ;;
     --config) CONFIG="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,59p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,81p' "$0"; exit 0 ;;
     *) echo "run-nitro: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -102,6 +126,18 @@ ARCH="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["archite
 TASK="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["task"])' "$MODEL_DIR/manifest.json")"
 IFS=',' read -ra RANGES <<<"$LAYERS"
 N=${#RANGES[@]}
+# The host proxy listens on the parent's vsock ports PROXY_BASE..+N-1.
+# Port 9000 there is nitro-cli's: a booting enclave reports to CID 3 port
+# 9000, where run-enclave waits for it.
+[[ "$PROXY_BASE" =~ ^[0-9]+$ ]] || { echo "run-nitro: --proxy-port-base takes a port number, not $PROXY_BASE" >&2; exit 2; }
+if (( PROXY_BASE <= 9000 && 9000 <= PROXY_BASE + N - 1 )); then
+  echo "run-nitro: --proxy-port-base $PROXY_BASE gives the host proxy vsock ports $PROXY_BASE..$(( PROXY_BASE + N - 1 )), which hold 9000: nitro-cli's boot heartbeat port on the parent (every enclave reports to CID 3 port 9000 when it boots); choose a base whose $N ports avoid it (default 8000)" >&2
+  exit 2
+fi
+if (( PROXY_BASE + N - 1 > 4294967294 )); then
+  echo "run-nitro: --proxy-port-base $PROXY_BASE: the ports pass the largest vsock port" >&2
+  exit 2
+fi
 
 mib_up() { echo $(( ($1 + 1048575) / 1048576 )); }
 # Bits per weight of a GGUF file, from its name.
@@ -143,7 +179,8 @@ run() {
   if [[ $DRY_RUN == 1 ]]; then printf '+'; printf ' %q' "$@"; printf '\n'; else "$@"; fi
 }
 RUNNER=docker/k8s/overlays/nitro/run-enclaves.sh
-GATEWAY=target/release/gateway
+GATEWAY="${GATEWAY_BIN:-target/release/gateway}"
+GATEWAY_LOCK="${GATEWAY_LOCK:-/tmp/nitro-gateway.lock}"
 if [[ $DRY_RUN == 0 ]]; then
   command -v nitro-cli >/dev/null || {
     echo "run-nitro: nitro-cli is not installed: run this on an AWS Nitro Enclaves parent instance (docs/deploy-nitro.md); --dry-run prints the commands" >&2
@@ -151,6 +188,32 @@ if [[ $DRY_RUN == 0 ]]; then
   }
   [[ -f "$EIF" ]] || { echo "run-nitro: no EIF at $EIF (scripts/build-eif.sh)" >&2; exit 1; }
   [[ -f "$POLICY" ]] || { echo "run-nitro: no policy at $POLICY (scripts/build-eif.sh)" >&2; exit 1; }
+fi
+# Debug mode zeroes the PCRs: only a policy that allows debug enclaves (from
+# build-eif.sh --debug-policy) lets the gateway attest them.
+if [[ -f "$POLICY" ]] && grep -q '^allow_debug = true' "$POLICY"; then
+  policy_debug=1
+else
+  policy_debug=0
+fi
+if [[ $DEBUG_MODE == 1 && $policy_debug == 0 ]]; then
+  echo "run-nitro: --debug-mode zeroes the enclaves' PCRs, and the policy $POLICY refuses debug enclaves (no allow_debug = true): the pipeline could never form. Build the image with scripts/build-eif.sh --debug-policy and run that build (--build target/eif/NAME-debug)" >&2
+  exit 2
+fi
+if [[ $DEBUG_MODE == 1 || $policy_debug == 1 || "${DEBUG_POLICY:-0}" == 1 ]]; then
+  how="the policy $POLICY accepts debug-mode enclaves"
+  [[ $DEBUG_MODE == 0 ]] || how="enclaves in debug mode (PCRs zero, memory readable by this parent, consoles kept), $how"
+  echo "run-nitro: DEBUG BRING-UP: $how; refused by every production policy, never for clients' data" >&2
+fi
+# One gateway per parent: this run's gateway holds GATEWAY_LOCK while it
+# lives (taken before any enclave starts, so a refused run starts nothing).
+if [[ $DRY_RUN == 0 && $NO_GATEWAY == 0 ]]; then
+  exec 9>>"$GATEWAY_LOCK" || { echo "run-nitro: cannot open $GATEWAY_LOCK (GATEWAY_LOCK)" >&2; exit 1; }
+  if ! flock -n 9; then
+    echo "run-nitro: a gateway already runs on this parent ($(cat "$GATEWAY_LOCK" 2>/dev/null || echo "$GATEWAY_LOCK is held")): one gateway serves every pipeline of a parent. Start this pipeline with --no-gateway (its enclaves and host proxy only) and give that gateway this pipeline's section (docs/deploy-nitro.md, two pipelines)" >&2
+    exit 1
+  fi
+  echo "run-nitro.sh pid $$, gateway $CONFIG, stages at CIDs $CID_BASE..$(( CID_BASE + N - 1 ))" >"$GATEWAY_LOCK"
 fi
 
 # A GGUF's stages are costed by `gateway plan` for this split: each stage's
@@ -225,6 +288,11 @@ for size in large:2 xlarge:4 2xlarge:8 4xlarge:16 8xlarge:32 12xlarge:48 16xlarg
   v=${size##*:}
   if (( v >= need_vcpus && v * 4096 >= need_mib )); then instance="m6i.${size%%:*} ($v vCPUs, $(( v * 4 )) GiB)"; break; fi
 done
+start_wait=$(( N * (60 * ((eif_mib + 6143) / 6144) + 30 + (eif_mib + 99) / 100) + 10 ))
+START_WAIT_SECS="${START_WAIT_SECS:-$start_wait}"
+[[ "$START_WAIT_SECS" =~ ^[1-9][0-9]*$ ]] || { echo "run-nitro: START_WAIT_SECS must be a number of seconds" >&2; exit 2; }
+echo "start wait: $START_WAIT_SECS s ($N stages one after another, each 60 s per started 6 GiB of EIF (nitro-cli's boot timeout) + 30 s + 1 s per 100 MiB; + 10 s)"
+echo "kubernetes runner memory limit: at least $(( eif_mib + 256 ))Mi (the EIF, which nitro-cli holds while it loads it, + 256 MiB)"
 echo "== parent: /etc/nitro_enclaves/allocator.yaml for this pipeline (add the other pipeline's, if any):"
 echo "memory_mib: $total_mem"
 echo "cpu_count: $total_cpus"
@@ -237,21 +305,32 @@ fi
 runner_env=(EIF="$EIF" CID_BASE="$CID_BASE" STAGES="$N" ENCLAVE_CPUS="$cpus"
   ENCLAVE_MEMORY_MIB="$(IFS=,; echo "${mems[*]}")" ROUTES="${routes[*]}" DEBUG_MODE="$DEBUG_MODE"
   GATEWAY="$GATEWAY")
+for v in START_LOCK LOG_DIR BACKOFF_MIN_SECS BACKOFF_MAX_SECS; do
+  [[ -z "${!v+set}" ]] || runner_env+=("$v=${!v}")
+done
 echo "== enclaves and host proxy ($RUNNER)"
 if [[ $DRY_RUN == 1 ]]; then
   env "${runner_env[@]}" DRY_RUN=1 sh "$RUNNER"
 else
   state="$(mktemp -d)"
-  env "${runner_env[@]}" READY_FILE="$state/ready" HEARTBEAT_FILE="$state/heartbeat" sh "$RUNNER" &
+  # The runner and the enclave processes nitro-cli leaves must not hold the
+  # gateway's lock (fd 9): only this script and its gateway do.
+  env "${runner_env[@]}" READY_FILE="$state/ready" HEARTBEAT_FILE="$state/heartbeat" sh "$RUNNER" 9>&- &
   runner=$!
   # TERM makes the runner terminate its enclaves and the proxy.
   trap 'kill -TERM $runner 2>/dev/null; wait $runner 2>/dev/null; rm -rf "$state"' EXIT
-  for _ in $(seq 1 120); do
+  logs="${LOG_DIR:-/tmp/enclave-runner}"
+  for _ in $(seq 1 "$START_WAIT_SECS"); do
     [[ -f "$state/ready" ]] && break
-    kill -0 $runner 2>/dev/null || { echo "run-nitro: the enclave runner stopped (see its log above)" >&2; exit 1; }
+    kill -0 $runner 2>/dev/null || { echo "run-nitro: the enclave runner stopped (see its log above, and $logs/stage-*.last-error)" >&2; exit 1; }
     sleep 1
   done
-  [[ -f "$state/ready" ]] || { echo "run-nitro: the enclaves were not all RUNNING after 120 s" >&2; exit 1; }
+  [[ -f "$state/ready" ]] || { echo "run-nitro: the enclaves were not all RUNNING after $START_WAIT_SECS s (START_WAIT_SECS; see $logs and nitro-cli describe-enclaves)" >&2; exit 1; }
+fi
+if [[ $NO_GATEWAY == 1 ]]; then
+  echo "== no gateway (--no-gateway): this pipeline's enclaves and host proxy run; the parent's gateway serves them"
+  [[ $DRY_RUN == 1 ]] || wait $runner
+  exit 0
 fi
 echo "== gateway ($CONFIG)"
 run env "${env_over[@]}" "$GATEWAY" serve --config "$CONFIG"

@@ -5,9 +5,15 @@
 # record and `gateway policy from-build` on it, the policy loading in the
 # gateway's config check, the refusal without nitro-cli, the enclave image's
 # command as nitro-cli takes it (CMD alone), run-nitro.sh's sizing rules
-# (4 x the EIF, whole cores, the parent's core, the allocator and instance)
-# and commands in a dry run, and the enclave runner both deployments use
-# (scripts/test-enclave-runner.sh). Needs target/release/gateway and the
+# (4 x the EIF, whole cores, the parent's core, the allocator and instance,
+# the start wait sized to the EIF) and commands in a dry run, and the enclave
+# runner both deployments use (scripts/test-enclave-runner.sh). For a first
+# bring-up (issue 48): build-eif.sh --debug-policy's policies (gateway and
+# in-enclave accept debug-mode enclaves, labelled, the record says so);
+# run-nitro.sh refusing --debug-mode with a production policy, a
+# --proxy-port-base whose ports hold 9000, and a second gateway on one
+# parent (run against the stub nitro-cli and a stub gateway), and starting
+# a second pipeline with --no-gateway. Needs target/release/gateway and the
 # models from scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -127,6 +133,111 @@ for weights in q4_1 f32; do
 done
 if WEIGHTS=int3 scripts/run-nitro.sh --dry-run --build "$tmp/none" >/dev/null 2>&1; then fail "WEIGHTS=int3 accepted"; fi
 grep -q "GATEWAY_COMPLETIONS__STAGES__0__PEER_ADDRESS=vsock://3:8000" "$tmp/run2.out" || fail "feedback route"
+
+echo "== build-eif.sh --debug-policy: policies that accept debug-mode enclaves, loudly"
+scripts/build-eif.sh --debug-policy --policy-from "$SAMPLE" --policy-out "$tmp/debug-policy.toml" >"$tmp/debug.out"
+grep -q "DEBUG POLICY: accepts debug-mode enclaves" "$tmp/debug.out" || fail "debug policy: not announced"
+grep -q '^# DEBUG POLICY (scripts/build-eif.sh --debug-policy), FOR A FIRST BRING-UP' "$tmp/debug-policy.toml" || fail "debug policy: no banner"
+grep -q '^allow_debug = true' "$tmp/debug-policy.toml" || fail "debug policy: allow_debug"
+grep -q '^allow_mock = false' "$tmp/debug-policy.toml" || fail "debug policy allows mock"
+zero=$(printf '%096d' 0)
+[[ $(grep -c "^pcr0 = \"$zero\"" "$tmp/debug-policy.toml") == 2 ]] || fail "debug policy: zero PCRs not pinned for both stages"
+[[ $(grep -c "^pcr0 = \"$PCR0\"" "$tmp/debug-policy.toml") == 2 ]] || fail "debug policy: the EIF's own PCRs not pinned beside them"
+GATEWAY_PIPELINE__POLICY="$tmp/debug-policy.toml" target/release/gateway check-config \
+  --config config/gateway-nitro.toml >"$tmp/check-debug.out" || { cat "$tmp/check-debug.out"; fail "check-config with the debug policy"; }
+grep -q "Nitro DEBUG-mode enclaves allowed" "$tmp/check-debug.out" || { cat "$tmp/check-debug.out"; fail "check-config does not label the debug policy"; }
+grep -q "DEBUG" "$tmp/check.out" && fail "check-config labels the production policy as debug"
+# The in-enclave policy of a --debug-policy image, and of a production one.
+scripts/build-eif.sh --dry-run --debug-policy >"$tmp/dry-debug.out"
+grep -q "^+   allow_debug = true" "$tmp/dry-debug.out" || fail "the debug image's in-enclave policy does not allow debug"
+grep -q "^+   trust_same_image = true" "$tmp/dry-debug.out" || fail "the debug image's in-enclave policy: trust_same_image"
+grep -q "enclave-stage-nitro:all-minilm-l6-v2-debug" "$tmp/dry-debug.out" || fail "the debug image is not named -debug"
+scripts/build-eif.sh --dry-run >"$tmp/dry-prod.out"
+grep -q "^+   allow_debug = false" "$tmp/dry-prod.out" || fail "the production image's in-enclave policy allows debug"
+python3 scripts/build_record.py write --out "$tmp/debug-record.json" --binary "$SAMPLE" \
+  --model-dir models/all-minilm-l6-v2 --stage-policy "$tmp/stage-policy.toml" --layers 0..3,3..6 \
+  --source-date-epoch 0 --command "cargo build" --target x86_64-unknown-linux-musl --debug-policy
+python3 -c 'import json,sys; r = json.load(open(sys.argv[1])); assert r["stage_policy"]["debug_policy"] is True, r' \
+  "$tmp/debug-record.json" || fail "the record of a --debug-policy build does not say so"
+python3 -c 'import json,sys; r = json.load(open(sys.argv[1])); assert "debug_policy" not in r["stage_policy"], r' \
+  "$tmp/record.json" || fail "a production record says debug_policy"
+
+echo "== run-nitro.sh: debug mode needs a debug policy; port 9000; the start wait"
+if scripts/run-nitro.sh --dry-run --build "$tmp/none" --policy "$tmp/policy.toml" --debug-mode >/dev/null 2>"$tmp/err"; then
+  fail "--debug-mode with a production policy accepted"
+fi
+grep -q "refuses debug enclaves .*build-eif.sh --debug-policy" "$tmp/err" || { cat "$tmp/err"; fail "--debug-mode refusal message"; }
+scripts/run-nitro.sh --dry-run --build "$tmp/none" --policy "$tmp/debug-policy.toml" --debug-mode >"$tmp/run-debug.out" 2>"$tmp/err" \
+  || { cat "$tmp/err"; fail "--debug-mode with the debug policy"; }
+grep -q "DEBUG BRING-UP: enclaves in debug mode" "$tmp/err" || fail "run-nitro.sh does not announce debug mode"
+[[ $(grep -c -- "--enclave-cid 1[67] --debug-mode" "$tmp/run-debug.out") == 2 ]] || fail "--debug-mode not passed to run-enclave"
+for base in 8999 9000; do
+  if scripts/run-nitro.sh --dry-run --build "$tmp/none" --proxy-port-base $base >/dev/null 2>"$tmp/err"; then
+    fail "--proxy-port-base $base (ports $base, $((base + 1)) hold 9000) accepted"
+  fi
+  grep -q "nitro-cli's boot heartbeat port" "$tmp/err" || { cat "$tmp/err"; fail "port 9000 message"; }
+done
+scripts/run-nitro.sh --dry-run --build "$tmp/none" --proxy-port-base 7999 >"$tmp/run-7999.out" || fail "--proxy-port-base 7999"
+grep -q -- "--route vsock://any:7999=vsock://16:9000 --route vsock://any:8000=vsock://17:9000" "$tmp/run-7999.out" || fail "routes from 7999"
+# The wait: per stage 60 s per started 6 GiB + 30 s + 1 s per 100 MiB, + 10 s;
+# and the Kubernetes runner's memory, EIF + 256 MiB.
+mini_eif=$(( $(up "$mini_files") + 64 ))
+grep -q "^start wait: $(( 2 * (60 + 30 + (mini_eif + 99) / 100) + 10 )) s" "$tmp/run.out" || fail "start wait for MiniLM"
+grep -q "^kubernetes runner memory limit: at least $(( mini_eif + 256 ))Mi" "$tmp/run.out" || fail "the runner's memory for MiniLM"
+mkdir -p "$tmp/huge"
+truncate -s 7G "$tmp/huge/stage.eif"
+scripts/run-nitro.sh --dry-run --build "$tmp/huge" >"$tmp/huge.out"
+grep -q "^start wait: $(( 2 * (120 + 30 + 72) + 10 )) s" "$tmp/huge.out" || { grep "start wait" "$tmp/huge.out"; fail "start wait for a 7 GiB EIF"; }
+grep -q "^kubernetes runner memory limit: at least $(( 7168 + 256 ))Mi" "$tmp/huge.out" || fail "the runner's memory for a 7 GiB EIF"
+
+echo "== run-nitro.sh on a parent (stub nitro-cli and gateway): one gateway, a second pipeline with --no-gateway"
+mkdir -p "$tmp/parent/bin" "$tmp/parent/stub"
+cp scripts/testdata/nitro-cli-stub.sh "$tmp/parent/bin/nitro-cli"
+cp scripts/testdata/gateway-stub.sh "$tmp/parent/bin/gateway"
+head -c 1048576 /dev/zero >"$tmp/parent/stage.eif"
+parent_env=(PATH="$tmp/parent/bin:$PATH" NITRO_STUB_DIR="$tmp/parent/stub" GATEWAY_BIN="$tmp/parent/bin/gateway"
+  GATEWAY_LOCK="$tmp/parent/gateway.lock" START_LOCK="$tmp/parent/start.lock" LOG_DIR="$tmp/parent/logs" MEMORY_LIMIT_FILE=/nonexistent)
+stop_parent() {
+  local p
+  for p in ${first:-} ${second:-}; do kill -TERM "$p" 2>/dev/null || true; done
+  if [[ -f "$tmp/parent/stub/proxy.pids" ]]; then
+    while read -r p; do kill "$p" 2>/dev/null || true; done <"$tmp/parent/stub/proxy.pids"
+  fi
+}
+trap 'stop_parent; rm -rf "$tmp"' EXIT
+env "${parent_env[@]}" scripts/run-nitro.sh --eif "$tmp/parent/stage.eif" --policy "$tmp/policy.toml" \
+  >"$tmp/parent/first.out" 2>&1 &
+first=$!
+serving() { [[ -s "$tmp/parent/stub/serve-calls" ]]; }
+for ((i = 0; i < 200; i++)); do serving && break; kill -0 $first 2>/dev/null || break; sleep 0.1; done
+serving || { cat "$tmp/parent/first.out"; fail "the first run-nitro.sh did not start its gateway"; }
+grep -q "serve --config config/gateway-nitro.toml" "$tmp/parent/stub/serve-calls" || fail "the gateway command"
+# A second pipeline's run without --no-gateway: refused before any enclave starts.
+# (timeout: a second gateway, if one started, would serve until killed.)
+if timeout 30 env "${parent_env[@]}" scripts/run-nitro.sh --eif "$tmp/parent/stage.eif" --policy "$tmp/policy.toml" \
+  --cid-base 20 --proxy-port-base 8100 >"$tmp/parent/second.out" 2>&1; then
+  fail "a second run-nitro.sh started a second gateway on the parent"
+fi
+grep -q "a gateway already runs on this parent (run-nitro.sh pid $first" "$tmp/parent/second.out" \
+  || { cat "$tmp/parent/second.out"; fail "the second gateway's refusal message"; }
+grep -q -- "--enclave-cid 2[01]" "$tmp/parent/stub/calls" && fail "the refused run started enclaves"
+# With --no-gateway it starts its enclaves and proxy, and no gateway.
+env "${parent_env[@]}" scripts/run-nitro.sh --eif "$tmp/parent/stage.eif" --policy "$tmp/policy.toml" \
+  --cid-base 20 --proxy-port-base 8100 --no-gateway >"$tmp/parent/second.out" 2>&1 &
+second=$!
+for ((i = 0; i < 200; i++)); do grep -q "no gateway (--no-gateway)" "$tmp/parent/second.out" && break; sleep 0.1; done
+grep -q "no gateway (--no-gateway)" "$tmp/parent/second.out" || { cat "$tmp/parent/second.out"; fail "--no-gateway did not get its enclaves running"; }
+[[ -e "$tmp/parent/stub/enclave-20" && -e "$tmp/parent/stub/enclave-21" ]] || fail "--no-gateway: enclaves 20, 21"
+[[ $(wc -l <"$tmp/parent/stub/serve-calls") == 1 ]] || fail "--no-gateway started a gateway"
+grep -q "vsock://any:8101=vsock://21:9000" "$tmp/parent/stub/proxy-calls" || fail "--no-gateway: its host proxy"
+kill -TERM $second; wait $second 2>/dev/null || true; second=""
+[[ ! -e "$tmp/parent/stub/enclave-20" && ! -e "$tmp/parent/stub/enclave-21" ]] || fail "--no-gateway: enclaves left after TERM"
+[[ -e "$tmp/parent/stub/enclave-16" ]] || fail "stopping the second pipeline stopped the first's enclaves"
+# The first run ends with its gateway; its enclaves go, and the lock is free again.
+kill "$(cat "$tmp/parent/stub/serve.pid")"
+wait $first 2>/dev/null || true; first=""
+[[ ! -e "$tmp/parent/stub/enclave-16" ]] || fail "the first pipeline's enclaves left after its gateway ended"
+flock -n "$tmp/parent/gateway.lock" true || fail "GATEWAY_LOCK still held after the gateway ended"
 echo "== the enclave runner (docker/k8s/overlays/nitro/run-enclaves.sh)"
 scripts/test-enclave-runner.sh
 echo "nitro scripts: OK"
