@@ -15,10 +15,12 @@ Checked:
   text, and a number written `0.576…` for a number within 0.01 of it;
 - each Python block of the README runs (address replaced), and each
   `print(...)  # TEXT` line prints TEXT;
-- the sealed path of "Use it" as written (`gateway policy pin`, then
-  `gateway proxy` on the policies it wrote, in a scratch folder, the proxy
-  on a free port): the quickstart's chat request through the proxy gets the
-  same answer, with `receipt-verified: true`.
+- the sealed path of "Use it" as written (`gateway log vkey`, `gateway
+  policy pin --log-key`, which must write log-backed policies without trust
+  on first use, then `gateway proxy` on them; in a scratch folder whose
+  `data` is the repository's, the proxy on a free port): the quickstart's
+  chat request through the proxy gets the same answer, with
+  `receipt-verified: true`.
 """
 import argparse
 import json
@@ -75,6 +77,9 @@ def check_sealed_path(readme, readme_url, base_url, quick_commands, check):
     body = json.loads(shlex.split(chat[0])[-1])
     gateway = os.path.join(ROOT, "target/release/gateway")
     scratch = tempfile.mkdtemp(prefix="quickstart-sealed-")
+    # The block reads the log's folder as `data/transparency`, relative to
+    # the repository root, where this check's gateway keeps it.
+    os.symlink(os.path.join(ROOT, "data"), os.path.join(scratch, "data"))
     proxy = None
     try:
         for cmd in sealed[0].replace("\\\n", " ").splitlines():
@@ -93,9 +98,21 @@ def check_sealed_path(readme, readme_url, base_url, quick_commands, check):
                     return
                 proxy_url = line.split()[-1]
             else:
-                run = subprocess.run(argv, cwd=scratch, capture_output=True, text=True, timeout=120)
-                check(run.returncode == 0 and "TRUST ON FIRST USE" in run.stderr,
-                      f"`gateway {' '.join(argv[1:3])}` succeeds, saying TRUST ON FIRST USE")
+                # As a shell runs it (the block uses `$(cat log.vkey)`), with
+                # the built gateway for `./target/release/gateway`.
+                line = cmd.replace(readme_url, base_url).replace("./target/release/gateway", shlex.quote(gateway))
+                run = subprocess.run(["bash", "-c", line], cwd=scratch, capture_output=True, text=True, timeout=120)
+                what = f"`gateway {' '.join(argv[1:3])}`"
+                if argv[1:3] == ["policy", "pin"]:
+                    logged = all("[transparency]" in open(os.path.join(scratch, "policies", f)).read()
+                                 for f in os.listdir(os.path.join(scratch, "policies"))) \
+                        if run.returncode == 0 else False
+                    check(run.returncode == 0 and "TRUST ON FIRST USE" not in run.stderr and logged,
+                          f"{what} succeeds from the transparency log and writes log-backed policies")
+                else:
+                    check(run.returncode == 0, f"{what} succeeds")
+                if run.returncode != 0:
+                    print(f"     stderr: {run.stderr.strip()[-800:]}")
         if proxy is None:
             check(False, "the sealed block starts `gateway proxy`")
             return

@@ -25,10 +25,7 @@ pub struct LogView {
 
 /// The log's name in a verifier key (`<name>+<id>+<key>`).
 pub fn origin_of(vkey: &str) -> Result<&str> {
-    vkey.split('+')
-        .next()
-        .filter(|n| !n.is_empty())
-        .ok_or_else(|| anyhow!("--log-key is not a signed-note verifier key (<name>+<id>+<key>)"))
+    proto::transparency::log_origin(vkey).map_err(|e| anyhow!("--log-key: {e}"))
 }
 
 impl LogView {

@@ -227,6 +227,7 @@ impl BuildRecord {
             allow_mock: mock,
             trust_local_build: false,
             allow_debug: false,
+            transparency: None,
             trust_same_image: false,
             manifest_sha256: Some(self.manifest.hex()),
             stages,

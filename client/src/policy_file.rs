@@ -14,6 +14,9 @@ fn policy_toml(policy: &Policy, header: &str) -> String {
     if let Some(m) = &policy.manifest_sha256 {
         t += &format!("manifest_sha256 = {}\n", q(m));
     }
+    if let Some(log) = &policy.transparency {
+        t += &format!("\n[transparency]\nlog_key = {}\n", q(&log.log_key));
+    }
     for s in &policy.stages {
         let ms: Vec<String> = s.measurements.iter().map(|m| q(m)).collect();
         t += &format!(

@@ -23,7 +23,7 @@ use clap::{Args, Subcommand};
 use proto::attestation::{AnyVerifier, Measurement};
 use proto::bundle::{EvidenceBundle, LegacyEvidence};
 use proto::evidence::EvidenceVerifier;
-use proto::policy::{NitroPcrPolicy, Policy, StagePolicy};
+use proto::policy::{LogPolicy, NitroPcrPolicy, Policy, StagePolicy};
 use proto::report::CheckStatus;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -137,7 +137,7 @@ fn run_pin(a: PinArgs) -> Result<i32> {
     for model in &models {
         let nonce = random_nonce(32);
         let bundle = rt.block_on(fetch_bundle(&client, &base, &nonce, Some(model)))?;
-        let policy = pinned_policy(&bundle).with_context(|| format!("model {model}"))?;
+        let mut policy = pinned_policy(&bundle).with_context(|| format!("model {model}"))?;
         let logged = match &log {
             Some(view) => match logged_entries(&bundle, view) {
                 Ok(at) => Some(at),
@@ -148,6 +148,11 @@ fn run_pin(a: PinArgs) -> Result<i32> {
             },
             None => None,
         };
+        if logged.is_some() {
+            // Each use then requires the bundle's proofs under this key
+            // (checked just below on this very bundle).
+            policy.transparency = a.log_key.clone().map(|log_key| LogPolicy { log_key });
+        }
         let out = verify_evidence(&bundle, &policy, Some(&nonce), None, LegacyEvidence::Refuse);
         if !out.ok() {
             for l in out.lines.iter().filter(|l| l.status == CheckStatus::Fail) {
@@ -269,6 +274,7 @@ pub fn pinned_policy(bundle: &EvidenceBundle) -> Result<Policy> {
         allow_mock: mock,
         trust_local_build: false,
         allow_debug: false,
+        transparency: None,
         trust_same_image: false,
         manifest_sha256: manifest,
         stages,

@@ -9,8 +9,9 @@
 
 mod common;
 
-use common::{cli, evidence_bundle, http_get, p, temp_dir, Gateway, Options};
+use common::{cli, evidence_bundle, http_get, p, start_proxy, temp_dir, Gateway, Options};
 use proto::policy::Policy;
+use proto::report::CheckStatus;
 use proto::transparency::{split_bundle, verify_checkpoint, Entry, Measurement};
 use std::path::Path;
 use std::process::Command;
@@ -42,20 +43,34 @@ async fn checkpoint(url: &str, vkey: &str) -> (Vec<u8>, proto::transparency::Che
     (note, cp)
 }
 
-/// `gateway policy pin --log-key` for MODEL into `out`: (exit code, stdout, stderr).
-fn pin_from_log(url: &str, vkey: &str, out: &Path) -> (i32, String, String) {
-    cli(&[
+/// `gateway policy pin --gateway URL --model MODEL --out OUT EXTRA…`:
+/// (exit code, stdout, stderr).
+fn pin(url: &str, out: &Path, extra: &[&str]) -> (i32, String, String) {
+    let head = [
         "policy",
         "pin",
         "--gateway",
         url,
         "--model",
         MODEL,
-        "--log-key",
-        vkey,
         "--out",
         p(out),
-    ])
+    ];
+    cli(&[&head[..], extra].concat())
+}
+
+/// `gateway policy pin --log-key VKEY` for MODEL into `out`.
+fn pin_from_log(url: &str, vkey: &str, out: &Path) -> (i32, String, String) {
+    pin(url, out, &["--log-key", vkey])
+}
+
+/// The `transparency log` check line of a bundle's verification.
+fn log_line(lines: &[proto::report::Check]) -> (CheckStatus, String) {
+    lines
+        .iter()
+        .find(|l| l.name == "transparency log")
+        .map(|l| (l.status, l.detail.clone()))
+        .expect("a transparency log line")
 }
 
 /// `scripts/tlog_verify.py` when Python has what it needs (scripts/test.sh's
@@ -195,10 +210,50 @@ async fn releases_are_logged_served_pinned_and_kept() {
     assert!(text.contains("release entry [0, 1]"), "{text}");
     assert!(text.contains(ORIGIN), "{text}");
     assert_eq!(text.matches("measurements = [\"mock:").count(), 2, "{text}");
+    assert!(
+        text.contains(&format!("[transparency]\nlog_key = {vkey:?}")),
+        "{text}"
+    );
     let policy = Policy::load(&out).unwrap();
     let nonce = b"fresh nonce";
-    let (lines, verified) = evidence_bundle(&gw.url, nonce).await.verify(&policy, nonce);
+    let bundle = evidence_bundle(&gw.url, nonce).await;
+    let (lines, verified) = bundle.verify(&policy, nonce);
     assert!(verified.is_some(), "{lines:#?}");
+    assert_eq!(log_line(&lines).0, CheckStatus::Pass, "{lines:#?}");
+    assert!(log_line(&lines).1.contains("entries [0, 1]"), "{lines:#?}");
+
+    // At each use the policy needs the bundle's proofs: a host that drops
+    // them, tampers with one, or serves another log's checkpoint is refused.
+    let mut stripped = bundle.clone();
+    stripped.transparency = None;
+    let (lines, verified) = stripped.verify(&policy, nonce);
+    assert!(verified.is_none());
+    assert!(
+        log_line(&lines).1.contains("carries no proofs"),
+        "{lines:#?}"
+    );
+    let mut tampered = bundle.clone();
+    tampered.transparency.as_mut().unwrap().stages[1].proof[0][0] ^= 1;
+    let (lines, verified) = tampered.verify(&policy, nonce);
+    assert!(verified.is_none());
+    assert!(
+        log_line(&lines)
+            .1
+            .contains("stage 1: entry 1 is not proven included"),
+        "{lines:#?}"
+    );
+    let mut swapped = bundle.clone();
+    swapped.transparency.as_mut().unwrap().stages.swap(0, 1);
+    let (lines, _) = swapped.verify(&policy, nonce);
+    assert!(
+        log_line(&lines).1.contains("the proof is for stage 1"),
+        "{lines:#?}"
+    );
+
+    // The proxy attests the gateway with the log-backed policy.
+    let proxy = start_proxy(&gw.url, &[&out], &[], &dir)
+        .unwrap_or_else(|(code, log)| panic!("proxy on the log-backed policy ({code}):\n{log}"));
+    drop(proxy);
 
     // Another key under the same name: the checkpoint is refused, nothing written.
     let other = dir.join("other-log");
@@ -209,6 +264,15 @@ async fn releases_are_logged_served_pinned_and_kept() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("checkpoint signature"), "{err}");
     assert!(!refused.exists());
+    // And a policy naming that key refuses the gateway's proofs.
+    let mut other_policy = policy.clone();
+    other_policy.transparency.as_mut().unwrap().log_key = other_vkey.trim().to_string();
+    let (lines, verified) = bundle.verify(&other_policy, nonce);
+    assert!(verified.is_none());
+    assert!(
+        log_line(&lines).1.contains("the log's checkpoint"),
+        "{lines:#?}"
+    );
 
     // The independent verifier reads the same log, and keeps its checkpoint.
     let state = dir.join("verifier-state");
@@ -295,17 +359,23 @@ async fn a_measurement_the_log_does_not_hold_is_not_pinned() {
         "{err}"
     );
     assert!(!out.exists(), "nothing written");
+    // A log-backed policy for these very measurements (written by hand):
+    // the bundle carries no proofs, since the log holds no release.
+    let (code, _, err) = pin(&gw.url, &out, &["--trust-on-first-use"]);
+    assert_eq!(code, 0, "{err}");
+    let mut policy = Policy::load(&out).unwrap();
+    policy.transparency = Some(proto::policy::LogPolicy {
+        log_key: vkey.clone(),
+    });
+    let nonce = b"n";
+    let (lines, verified) = evidence_bundle(&gw.url, nonce).await.verify(&policy, nonce);
+    assert!(verified.is_none());
+    assert!(
+        log_line(&lines).1.contains("carries no proofs"),
+        "{lines:#?}"
+    );
     // Neither a TOFU nor a log key: refused, naming both.
-    let (code, _, err) = cli(&[
-        "policy",
-        "pin",
-        "--gateway",
-        &gw.url,
-        "--model",
-        MODEL,
-        "--out",
-        p(&out),
-    ]);
+    let (code, _, err) = pin(&gw.url, &out, &[]);
     assert_eq!(code, 2);
     assert!(
         err.contains("--log-key") && err.contains("--trust-on-first-use"),

@@ -45,6 +45,11 @@ pub struct EvidenceBundle {
     pub manifest: Vec<u8>,
     /// Every stage, entry stage first.
     pub stages: Vec<StageEvidence>,
+    /// Proofs that the stages' measurements are logged releases, from a
+    /// gateway with a transparency log (required by a policy that names
+    /// one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transparency: Option<crate::transparency::ReleaseProofs>,
 }
 
 /// What a verified bundle establishes.
@@ -200,6 +205,29 @@ impl EvidenceBundle {
                     check(&mut lines, name("evidence"), Err(e));
                 }
             }
+        }
+        if let Some(log) = &policy.transparency {
+            let stages: Vec<_> = self
+                .stages
+                .iter()
+                .zip(&measurements)
+                .map(|(s, m)| crate::transparency::VerifiedStage {
+                    index: s.index,
+                    measurement: m,
+                    layers: [s.claims.layer_start, s.claims.layer_end],
+                })
+                .collect();
+            let logged = match &self.transparency {
+                _ if !all || stages.len() != self.stages.len() => {
+                    Err("not checked: a stage's evidence failed".into())
+                }
+                None => Err(format!(
+                    "the policy requires each stage to be a release of log {}, and the bundle carries no proofs (a gateway without a transparency log, or a host that dropped them)",
+                    crate::transparency::log_origin(&log.log_key).unwrap_or("?")
+                )),
+                Some(p) => p.check(&log.log_key, &stages, &manifest_digest),
+            };
+            all &= check(&mut lines, "transparency log".into(), logged);
         }
         let entry_keys = match self.stages.first() {
             None => Err("the bundle has no stages".to_string()),
@@ -391,6 +419,7 @@ mod tests {
         let b = EvidenceBundle {
             nonce: b"nonce".to_vec(),
             manifest: MANIFEST.to_vec(),
+            transparency: None,
             stages: vec![StageEvidence {
                 index: 0,
                 evidence: make(&p, &c, b"nonce"),

@@ -125,8 +125,21 @@ pub struct Policy {
     /// Model manifest digest every stage must claim (hex), if pinned.
     #[serde(default)]
     pub manifest_sha256: Option<String>,
+    /// A transparency log every stage's measurement must be a release of
+    /// (`[transparency]`): the evidence bundle must carry the proofs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transparency: Option<LogPolicy>,
     /// Per-stage entries.
     pub stages: Vec<StagePolicy>,
+}
+
+/// `[transparency]` of a policy: the log whose release entries the stages'
+/// measurements must be, proven by the evidence bundle.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct LogPolicy {
+    /// The log's verifier key, in signed-note form (`gateway log vkey`).
+    pub log_key: String,
 }
 
 /// Why a policy check failed.

@@ -239,6 +239,7 @@ fn mock_bundle(nonce: &[u8], legacy: bool) -> (EvidenceBundle, Policy) {
     let bundle = EvidenceBundle {
         nonce: nonce.to_vec(),
         manifest,
+        transparency: None,
         stages: vec![StageEvidence {
             index: 0,
             evidence: make(EvidencePurpose::Attestation, nonce),

@@ -287,6 +287,7 @@ impl Host {
             let bundle = EvidenceBundle {
                 nonce: nonce.clone(),
                 manifest: LoadedManifest::load(&rig.model_dir).ok()?.bytes,
+                transparency: None,
                 stages: vec![StageEvidence {
                     index: 0,
                     claims: peer.claims.clone()?,

@@ -276,6 +276,7 @@ fn evidence_seeds() -> Vec<(u8, Vec<u8>)> {
     let bundle = EvidenceBundle {
         nonce: evidence::NONCE.to_vec(),
         manifest: b"manifest".to_vec(),
+        transparency: None,
         stages: vec![StageEvidence {
             index: 0,
             claims: claims.clone(),

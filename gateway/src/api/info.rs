@@ -274,10 +274,15 @@ pub(super) async fn attestation(
         }
     }
     let wait = s.limits.routes.for_route(crate::timeouts::ATTESTATION);
+    let log = s.transparency.clone();
     let made = slot
         .get_or_try_init(|| async {
             let stages = pipeline.attest(&nonce, wait).await?;
             let key_set = pipeline.key_set().map(serde_bytes::ByteBuf::from);
+            let transparency = match log {
+                Some(log) => release_proofs(log, &stages, pipeline.manifest.digest).await,
+                None => None,
+            };
             Ok::<_, Failure>(Arc::new(EvidenceBundle {
                 nonce: nonce.clone(),
                 manifest: pipeline.manifest_bytes.clone(),
@@ -291,6 +296,7 @@ pub(super) async fn attestation(
                         evidence,
                     })
                     .collect(),
+                transparency,
             }))
         })
         .await;
@@ -376,6 +382,39 @@ pub(super) fn bundle_json(b: &EvidenceBundle) -> serde_json::Value {
         out["warning"] = json!(w);
     }
     out
+}
+
+/// The log's proofs that `stages` are logged releases, or `None` (no such
+/// releases, or the log cannot be read: logged, and the bundle goes
+/// without them; a client whose policy needs them says so).
+async fn release_proofs(
+    log: Arc<std::sync::Mutex<crate::transparency::Log>>,
+    stages: &[(crate::pipeline::StageStatus, proto::attestation::Evidence)],
+    manifest: proto::digest::Sha256Digest,
+) -> Option<proto::transparency::ReleaseProofs> {
+    let wanted: Vec<(u32, String, [u32; 2])> = stages
+        .iter()
+        .map(|(s, _)| (s.index, s.measurement.clone(), s.layers))
+        .collect();
+    let made = tokio::task::spawn_blocking(move || {
+        let stages: Vec<(u32, &str, [u32; 2])> = wanted
+            .iter()
+            .map(|(i, m, l)| (*i, m.as_str(), *l))
+            .collect();
+        log.lock().unwrap().release_proofs(&stages, &manifest)
+    })
+    .await;
+    match made {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => {
+            tracing::error!(error = %format!("{e:#}"), "transparency log: no release proofs");
+            None
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "transparency log: no release proofs");
+            None
+        }
+    }
 }
 
 #[cfg(test)]

@@ -19,7 +19,8 @@
 
 use anyhow::{bail, Context, Result};
 use proto::transparency::{
-    join_bundle, sign_checkpoint, verifier_key, verify_checkpoint, HashStore, Tile, TILE_HEIGHT,
+    join_bundle, sign_checkpoint, verifier_key, verify_checkpoint, Entry, HashStore, ReleaseProofs,
+    StageReleaseProof, Tile, TILE_HEIGHT,
 };
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -282,6 +283,48 @@ impl Log {
     /// The stored checkpoint (what `GET /v1/transparency/checkpoint` serves).
     pub fn stored_checkpoint(&self) -> Result<Vec<u8>> {
         Ok(fs::read(self.dir.join("checkpoint"))?)
+    }
+
+    /// Proofs that each of `stages` (index, measurement in pinned form,
+    /// layers), serving the model of manifest `manifest`, is a release
+    /// entry of this log, against the stored checkpoint; `None` when one
+    /// is not logged (the bundle then carries no proofs).
+    pub fn release_proofs(
+        &mut self,
+        stages: &[(u32, &str, [u32; 2])],
+        manifest: &proto::digest::Sha256Digest,
+    ) -> Result<Option<ReleaseProofs>> {
+        let note = self.stored_checkpoint()?;
+        self.refresh()?;
+        let size = verify_checkpoint(&note, &self.vkey(), &self.origin)?.size();
+        let mut out = Vec::new();
+        for &(stage, measurement, layers) in stages {
+            let found = self.entries[..size as usize].iter().position(|e| {
+                matches!(Entry::from_bytes(e), Ok(Entry::Release(r))
+                    if r.measurement.pinned_form() == measurement
+                        && r.manifest_digest == *manifest
+                        && r.layers == (layers[0], layers[1]))
+            });
+            let Some(index) = found else {
+                return Ok(None);
+            };
+            let index = index as u64;
+            out.push(StageReleaseProof {
+                stage,
+                index,
+                entry: self.entries[index as usize].clone(),
+                proof: self
+                    .hashes
+                    .prove_inclusion(size, index)?
+                    .into_iter()
+                    .map(|h| serde_bytes::ByteBuf::from(h.0.to_vec()))
+                    .collect(),
+            });
+        }
+        Ok(Some(ReleaseProofs {
+            checkpoint: note,
+            stages: out,
+        }))
     }
 
     /// A hash tile at `level`, index `n`, `width` hashes (256 when full),

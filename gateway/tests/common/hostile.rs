@@ -360,6 +360,7 @@ impl Rig {
         let bundle = EvidenceBundle {
             nonce: nonce.clone(),
             manifest: manifest.bytes,
+            transparency: None,
             stages,
         };
         let attested = Attested::verify(bundle, &self.policy, &nonce)

@@ -9,6 +9,7 @@ mod checkpoint;
 mod entry;
 mod paths;
 mod proof;
+mod release_proof;
 #[cfg(test)]
 mod tests;
 
@@ -21,4 +22,5 @@ pub use proof::{
     check_consistency, check_inclusion, prove_consistency_from_tiles, prove_inclusion_from_tiles,
     HashStore, TILE_HEIGHT,
 };
+pub use release_proof::{log_origin, ReleaseProofs, StageReleaseProof, VerifiedStage};
 pub use tlog_tiles::{Checkpoint, Hash, RecordProof, Tile, TileReader, TreeProof};

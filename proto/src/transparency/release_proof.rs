@@ -1,0 +1,139 @@
+//! Proofs, carried in an evidence bundle, that each stage's measurement is
+//! a release entry of a transparency log: the log's signed checkpoint and,
+//! per stage, the entry and its inclusion proof. A policy that names a log
+//! key ([`crate::policy::LogPolicy`]) requires them, so `gateway verify`,
+//! `gateway proxy` and the Python package check them offline and at each use.
+
+use super::{check_inclusion, verify_checkpoint, Entry, Hash};
+use crate::digest::Sha256Digest;
+use serde::{Deserialize, Serialize};
+
+/// The log's checkpoint and one proof per stage.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleaseProofs {
+    /// The checkpoint the proofs are against, as a signed note.
+    #[serde(with = "serde_bytes")]
+    pub checkpoint: Vec<u8>,
+    /// One per stage, in stage order.
+    pub stages: Vec<StageReleaseProof>,
+}
+
+/// One stage's release entry and its inclusion proof.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageReleaseProof {
+    /// The stage's index.
+    pub stage: u32,
+    /// The entry's index in the log.
+    pub index: u64,
+    /// The entry's bytes (its leaf).
+    #[serde(with = "serde_bytes")]
+    pub entry: Vec<u8>,
+    /// The inclusion proof: the RFC 6962 path hashes, 32 bytes each.
+    pub proof: Vec<serde_bytes::ByteBuf>,
+}
+
+/// What one stage's evidence showed, to be matched with its release.
+pub struct VerifiedStage<'a> {
+    /// The stage's index.
+    pub index: u32,
+    /// Its measurement in pinned form (`mock:…`, `nitro:pcr0=…`).
+    pub measurement: &'a str,
+    /// Its layer range.
+    pub layers: [u32; 2],
+}
+
+/// The log's name in a signed-note verifier key (`<name>+<id>+<key>`).
+pub fn log_origin(vkey: &str) -> Result<&str, String> {
+    // The key's base64 may hold '+' itself: name, id, then the rest.
+    match vkey.splitn(3, '+').collect::<Vec<_>>()[..] {
+        [name, id, key] if !name.is_empty() && !id.is_empty() && !key.is_empty() => Ok(name),
+        _ => Err("the log key is not a signed-note verifier key (<name>+<id>+<key>)".into()),
+    }
+}
+
+impl ReleaseProofs {
+    /// Checks that every stage in `stages` is a release entry of the log
+    /// whose key is `vkey`, for `manifest`, proven included in a checkpoint
+    /// signed by that key; a summary, or why not.
+    pub fn check(
+        &self,
+        vkey: &str,
+        stages: &[VerifiedStage],
+        manifest: &Sha256Digest,
+    ) -> Result<String, String> {
+        let origin = log_origin(vkey)?;
+        let cp = verify_checkpoint(&self.checkpoint, vkey, origin)
+            .map_err(|e| format!("the log's checkpoint: {e}"))?;
+        if self.stages.len() != stages.len() {
+            return Err(format!(
+                "{} release proofs for {} stages",
+                self.stages.len(),
+                stages.len()
+            ));
+        }
+        let mut at = Vec::new();
+        for (p, s) in self.stages.iter().zip(stages) {
+            let fail = |why: String| format!("stage {}: {why}", s.index);
+            if p.stage != s.index {
+                return Err(fail(format!("the proof is for stage {}", p.stage)));
+            }
+            let Ok(Entry::Release(r)) = Entry::from_bytes(&p.entry) else {
+                return Err(fail("the proven entry is not a release entry".into()));
+            };
+            if r.measurement.pinned_form() != s.measurement
+                || r.manifest_digest != *manifest
+                || r.layers != (s.layers[0], s.layers[1])
+            {
+                return Err(fail(format!(
+                    "entry {} is the release of {} (layers [{}, {}), manifest {}), not of this stage's {} (layers [{}, {}))",
+                    p.index,
+                    r.measurement.pinned_form(),
+                    r.layers.0,
+                    r.layers.1,
+                    r.manifest_digest.hex(),
+                    s.measurement,
+                    s.layers[0],
+                    s.layers[1]
+                )));
+            }
+            let path = p
+                .proof
+                .iter()
+                .map(|h| <[u8; 32]>::try_from(&h[..]).map(Hash))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| fail("a proof hash is not 32 bytes".into()))?;
+            check_inclusion(&path, cp.size(), *cp.hash(), p.index, &p.entry).map_err(|_| {
+                fail(format!(
+                    "entry {} is not proven included in {origin} at size {}",
+                    p.index,
+                    cp.size()
+                ))
+            })?;
+            at.push(p.index);
+        }
+        Ok(format!(
+            "every stage is a release of log {origin} (entries {at:?}), proven included at size {} under the policy's key",
+            cp.size()
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_origin;
+
+    #[test]
+    fn a_log_origin_is_read_from_keys_whose_base64_holds_plus_signs() {
+        assert_eq!(
+            log_origin("example.com/log+1a2b3c4d+AQ+b/c+d=="),
+            Ok("example.com/log")
+        );
+        assert_eq!(
+            log_origin("example.com/log+1a2b3c4d+AQID"),
+            Ok("example.com/log")
+        );
+        for bad in ["", "name", "name+id", "+id+key", "name++key", "name+id+"] {
+            assert!(log_origin(bad).is_err(), "{bad}");
+        }
+    }
+}
