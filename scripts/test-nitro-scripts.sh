@@ -2,7 +2,8 @@
 # Checks the Nitro deployment scripts without Nitro hardware (scripts/test.sh
 # runs it; a few seconds): build-eif.sh's PCR parsing and policy writing on
 # a sample of nitro-cli build-enclave's output, the same output in a build
-# record and `gateway policy from-build` on it, the policy loading in the
+# record, `gateway policy from-build` and `gateway log add-release` on it
+# (a transparency log's release entries with its PCRs), the policy loading in the
 # gateway's config check, the refusal without nitro-cli, the enclave image's
 # command as nitro-cli takes it (CMD alone), run-nitro.sh's sizing rules
 # (4 x the EIF, whole cores, the parent's core, the allocator and instance,
@@ -52,6 +53,16 @@ for p in (a, b):
     p.setdefault("allow_debug", False)
 assert a == b, (a, b)
 PY
+# The same record logged as a release (gateway log add-release): one entry
+# per stage with the record's PCRs, the second time nothing new.
+target/release/gateway log init --dir "$tmp/log" --origin test.example/releases >/dev/null || fail "log init"
+target/release/gateway log add-release --dir "$tmp/log" "$tmp/record.json" 2>"$tmp/err" && fail "add-release without a commit or --version"
+grep -q "pass --version" "$tmp/err" || { cat "$tmp/err"; fail "add-release refusal message"; }
+target/release/gateway log add-release --dir "$tmp/log" "$tmp/record.json" --version "the sample" >"$tmp/add.out" || fail "log add-release"
+grep -q "2 stage entries at \[0, 1\], 2 new; log size 2" "$tmp/add.out" || { cat "$tmp/add.out"; fail "add-release output"; }
+target/release/gateway log add-release --dir "$tmp/log" "$tmp/record.json" --version "the sample" | grep -q "0 new; log size 2" || fail "add-release twice"
+target/release/gateway log entries --dir "$tmp/log" >"$tmp/entries.jsonl" || fail "log entries"
+[[ $(grep -c "\"measurement\":\"nitro:pcr0=$PCR0," "$tmp/entries.jsonl") == 2 ]] || { cat "$tmp/entries.jsonl"; fail "the logged releases pin PCR0"; }
 # Broken output is refused, naming what is wrong.
 sed 's/"PCR1": "235c/"PCR1": "zz5c/' "$SAMPLE" >"$tmp/bad.txt"
 if scripts/build-eif.sh --policy-from "$tmp/bad.txt" --policy-out "$tmp/bad.toml" 2>"$tmp/err"; then

@@ -59,6 +59,9 @@ pub struct BuildRecord {
     pub layers: Vec<[u32; 2]>,
     /// The EIF's PCRs, where nitro-cli built one.
     pub pcrs: Option<NitroPcrPolicy>,
+    /// A `build-eif.sh --debug-policy` image (first bring-up): its
+    /// enclaves run in Nitro debug mode, whose PCRs read zero.
+    pub debug_policy: bool,
     /// The source commit, when the build ran in a git checkout.
     pub commit: Option<String>,
     /// Whether tracked files differed from that commit.
@@ -150,6 +153,10 @@ impl BuildRecord {
                 .and_then(Value::as_str)
                 .map(str::to_string),
             dirty: v.pointer("/source/dirty").and_then(Value::as_bool) == Some(true),
+            debug_policy: v
+                .pointer("/stage_policy/debug_policy")
+                .and_then(Value::as_bool)
+                == Some(true),
         })
     }
 
@@ -162,6 +169,7 @@ impl BuildRecord {
         mock: bool,
         stage_policy: Option<&Sha256Digest>,
     ) -> Result<proto::evidence::Measurement> {
+        self.refuse_debug(mock)?;
         if mock {
             return Ok(mock_measurement(
                 &self.binary,
@@ -188,10 +196,25 @@ impl BuildRecord {
         )))
     }
 
+    /// A `--debug-policy` build's enclaves report zero PCRs in debug mode,
+    /// not the record's: nothing a client pins or a log holds comes from it
+    /// (its mock measurement, for tests, excepted).
+    fn refuse_debug(&self, mock: bool) -> Result<()> {
+        if self.debug_policy && !mock {
+            bail!(
+                "the record is of a build-eif.sh --debug-policy image (a first bring-up): its \
+                 enclaves run in Nitro debug mode, whose PCRs read zero, not the record's; \
+                 rebuild without --debug-policy for a policy or a release"
+            );
+        }
+        Ok(())
+    }
+
     /// The policy for this build: its PCRs (Nitro evidence only), or with
     /// `mock` the mock measurement of its binary, manifest and the stage
     /// policy digest `stage_policy` (the record's own when `None`).
     pub fn policy(&self, mock: bool, stage_policy: Option<&Sha256Digest>) -> Result<Policy> {
+        self.refuse_debug(mock)?;
         let measurement = mock.then(|| {
             mock_measurement(
                 &self.binary,
@@ -335,6 +358,30 @@ mod tests {
         assert_eq!(p.stages[0].measurements, vec![want.clone()]);
         let other = r.policy(true, Some(&d(0x44))).unwrap();
         assert_ne!(other.stages[0].measurements, vec![want]);
+    }
+
+    #[test]
+    fn a_debug_policy_record_gives_no_nitro_policy_or_release() {
+        let text = record(&format!(
+            r#", "nitro": {{"pcr0": "{a}", "pcr1": "{a}", "pcr2": "{a}"}}"#,
+            a = "aa".repeat(48)
+        ))
+        .replace(
+            r#""stage_policy": {"sha256""#,
+            r#""stage_policy": {"debug_policy": true, "sha256""#,
+        );
+        let r = BuildRecord::parse(&text).unwrap();
+        assert!(r.debug_policy);
+        for err in [
+            r.policy(false, None).unwrap_err(),
+            r.measurement(false, None).unwrap_err(),
+        ] {
+            assert!(err.to_string().contains("--debug-policy"), "{err}");
+        }
+        assert!(
+            r.policy(true, None).is_ok(),
+            "its mock measurement, for tests"
+        );
     }
 
     #[test]
