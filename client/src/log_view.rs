@@ -87,15 +87,12 @@ impl LogView {
         manifest: &proto::digest::Sha256Digest,
         layers: [u32; 2],
     ) -> Option<(u64, ReleaseEntry)> {
+        let measurement = measurement.pinned_form();
         self.entries
             .iter()
             .enumerate()
             .find_map(|(i, e)| match Entry::from_bytes(e) {
-                Ok(Entry::Release(r))
-                    if r.measurement == *measurement
-                        && r.manifest_digest == *manifest
-                        && r.layers == (layers[0], layers[1]) =>
-                {
+                Ok(Entry::Release(r)) if r.is_release_of(&measurement, manifest, layers) => {
                     Some((i as u64, r))
                 }
                 _ => None,

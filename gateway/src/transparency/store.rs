@@ -301,9 +301,7 @@ impl Log {
         for &(stage, measurement, layers) in stages {
             let found = self.entries[..size as usize].iter().position(|e| {
                 matches!(Entry::from_bytes(e), Ok(Entry::Release(r))
-                    if r.measurement.pinned_form() == measurement
-                        && r.manifest_digest == *manifest
-                        && r.layers == (layers[0], layers[1]))
+                    if r.is_release_of(measurement, manifest, layers))
             });
             let Some(index) = found else {
                 return Ok(None);

@@ -124,6 +124,23 @@ impl Measurement {
     }
 }
 
+impl ReleaseEntry {
+    /// Whether this is the release of a stage measuring `measurement`
+    /// (pinned form, as evidence checks print it) that serves the model of
+    /// manifest `manifest` at `layers`: what the gateway looks up, a client
+    /// pins from and a bundle's proof must name.
+    pub fn is_release_of(
+        &self,
+        measurement: &str,
+        manifest: &Sha256Digest,
+        layers: [u32; 2],
+    ) -> bool {
+        self.measurement.pinned_form() == measurement
+            && self.manifest_digest == *manifest
+            && self.layers == (layers[0], layers[1])
+    }
+}
+
 impl Measurement {
     /// The form policies pin and print: `mock:<hex>`, or
     /// `nitro:pcr0=…,pcr1=…,pcr2=…` with `,pcr8=…` when PCR8 is not zero.

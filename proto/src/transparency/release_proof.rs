@@ -80,10 +80,7 @@ impl ReleaseProofs {
             let Ok(Entry::Release(r)) = Entry::from_bytes(&p.entry) else {
                 return Err(fail("the proven entry is not a release entry".into()));
             };
-            if r.measurement.pinned_form() != s.measurement
-                || r.manifest_digest != *manifest
-                || r.layers != (s.layers[0], s.layers[1])
-            {
+            if !r.is_release_of(s.measurement, manifest, s.layers) {
                 return Err(fail(format!(
                     "entry {} is the release of {} (layers [{}, {}), manifest {}), not of this stage's {} (layers [{}, {}))",
                     p.index,
