@@ -64,6 +64,13 @@
 #   --policy-from FILE   only step 4: read nitro-cli's output from FILE and
 #                        write the policy (to --policy-out, default OUT/policy.toml)
 #   --policy-out FILE    where step 4 writes the policy
+#   --log DIR            log the build's release in the transparency log in
+#                        DIR (`gateway log add-release`, docs/transparency.md):
+#                        the EIF's PCRs, or for --binary-only / --image-only
+#                        builds the binary's mock measurement under the
+#                        image's own in-enclave policy. A --debug-policy
+#                        image is not a release and is not logged. Runs
+#                        $GATEWAY (default target/release/gateway).
 #   --debug-policy       a FIRST BRING-UP image (docs/deploy-nitro.md): the
 #                        in-enclave policy and the gateway's accept Nitro
 #                        debug-mode enclaves (allow_debug = true; PCRs zero,
@@ -104,6 +111,7 @@ DRY_RUN=0
 POLICY_FROM=""
 POLICY_OUT=""
 DEBUG_POLICY=0
+LOG_DIR=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) MODEL_DIR="$2"; shift 2 ;;
@@ -125,7 +133,8 @@ while [[ $# -gt 0 ]]; do
     --policy-from) POLICY_FROM="$2"; shift 2 ;;
     --policy-out) POLICY_OUT="$2"; shift 2 ;;
     --debug-policy) DEBUG_POLICY=1; shift ;;
-    -h|--help) sed -n '2,84p' "$0"; exit 0 ;;
+    --log) LOG_DIR="$2"; shift 2 ;;
+    -h|--help) sed -n '2,91p' "$0"; exit 0 ;;
     *) echo "build-eif: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -317,6 +326,25 @@ write_record() {
     ${DEBUG_FLAG[@]+"${DEBUG_FLAG[@]}"} "$@"
 }
 
+# With --log: the release in OUT/build-record.json appended to the log
+# (add-release's further options: --mock for builds without PCRs).
+log_release() {
+  [[ -n "$LOG_DIR" ]] || return 0
+  if [[ $DEBUG_POLICY == 1 ]]; then
+    echo "build-eif: --log: a --debug-policy image is not a release: not logged" >&2
+    return 0
+  fi
+  local gw="${GATEWAY:-target/release/gateway}" version=()
+  [[ -x "$gw" ]] || { echo "build-eif: --log needs the gateway binary ($gw; cargo build --release, or set GATEWAY)" >&2; exit 1; }
+  # Not a git checkout: the record names no commit, so say what it was built from.
+  [[ -n "$COMMIT" ]] || version=(--version "source without git, SOURCE_DATE_EPOCH $SOURCE_DATE_EPOCH")
+  if [[ $DRY_RUN == 1 ]]; then
+    echo "+ $gw log add-release --dir $LOG_DIR $OUT/build-record.json $* ${version[*]}"
+    return 0
+  fi
+  "$gw" log add-release --dir "$LOG_DIR" "$OUT/build-record.json" "$@" ${version[@]+"${version[@]}"}
+}
+
 # docker COPY keeps a file's mtime and mode (the owner is root:root): both
 # fixed here, so that the same inputs give the same layer (one `COPY . /`:
 # the folders it creates come from here too, not from the time of the build).
@@ -333,12 +361,14 @@ run cargo "${CARGO_ARGS[@]}" --target-dir "$STATIC_DIR"
 if [[ $BINARY_ONLY == 1 ]]; then
   if [[ $DRY_RUN == 1 ]]; then
     echo "+ (copy $BIN to $OUT/enclave-stage; write $OUT/stage-policy.toml and $OUT/build-record.json)"
+    log_release --mock
     exit 0
   fi
   mkdir -p "$OUT"
   cp "$BIN" "$OUT/enclave-stage"
   stage_policy >"$OUT/stage-policy.toml"
   write_record "$OUT/enclave-stage" "$OUT/stage-policy.toml"
+  log_release --mock
   echo "build-eif: $OUT/enclave-stage sha256 $(sha256sum "$OUT/enclave-stage" | cut -d' ' -f1); record $OUT/build-record.json"
   exit 0
 fi
@@ -361,6 +391,7 @@ run docker build -q ${NO_CACHE[@]+"${NO_CACHE[@]}"} -f docker/enclave-stage.Dock
 run docker build -q ${NO_CACHE[@]+"${NO_CACHE[@]}"} -f "$OUT/enclave.Dockerfile" -t "$EIF_IMAGE" "$OUT"
 if [[ $IMAGE_ONLY == 1 ]]; then
   [[ $DRY_RUN == 1 ]] || write_record "$OUT/stage/enclave-stage" "$OUT/stage/config/policy.toml" --image "$EIF_IMAGE"
+  log_release --mock
   echo "build-eif: enclave image $EIF_IMAGE (no EIF: --image-only); record $OUT/build-record.json"
   exit 0
 fi
@@ -377,6 +408,7 @@ nitro-cli build-enclave --docker-uri "$EIF_IMAGE" --output-file "$EIF" ${SIGN[@]
 write_policy "$OUT/build-enclave.json" "$POLICY_OUT"
 write_record "$OUT/stage/enclave-stage" "$OUT/stage/config/policy.toml" --image "$EIF_IMAGE" \
   --nitro-output "$OUT/build-enclave.json" --nitro-cli-version "$(head -n1 "$OUT/nitro-cli.version")"
+log_release
 if [[ -n "$SIGN_CERT" ]] && ! grep -q '^pcr8 = ' "$POLICY_OUT"; then
   echo "build-eif: the EIF was signed but nitro-cli reported no PCR8" >&2
   exit 1

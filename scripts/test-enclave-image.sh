@@ -22,7 +22,9 @@
 #   4. a gateway (target/release/gateway) attests both stages against a
 #      policy pinning the mock measurement of the image's binary, manifest
 #      and that policy, written from the build's record by `gateway policy
-#      from-build --mock --stage-policy`, and serves embeddings through them.
+#      from-build --mock --stage-policy`, and serves embeddings through them;
+#      build-eif.sh --log logs the image's release (`gateway log add-release
+#      --mock`) in a fresh log: its entries pin that same measurement.
 # Needs Docker; installs Debian's musl-tools and the musl Rust target (rustup)
 # when missing; without a Docker engine it says SKIPPED and exits 0.
 # Env: ENCLAVE_IMAGE_E2E=0 skips it.
@@ -60,9 +62,17 @@ cleanup() {
 trap cleanup EXIT
 
 echo "== 1. the enclave image (scripts/build-eif.sh --image-only)"
+target/release/gateway log init --dir "$tmp/log" --origin test.example/image >/dev/null
 scripts/build-eif.sh --image-only --name "$NAME" --prefix "$PREFIX" --model "$MODEL" \
-  --layers "$LAYERS" --cid-base "$CID_BASE" >"$tmp/build.log" 2>&1 \
+  --layers "$LAYERS" --cid-base "$CID_BASE" --log "$tmp/log" >"$tmp/build.log" 2>&1 \
   || { tail -30 "$tmp/build.log"; fail "build-eif.sh --image-only"; }
+# --log put the image's release in that transparency log: one entry per
+# stage, the mock measurement of the image's own binary, model and policy.
+own="$(target/release/gateway measure --stage-binary "$OUT/stage/enclave-stage" \
+  --model-dir "$OUT/stage/models/$(basename "$MODEL")" --stage-policy "$OUT/stage/config/policy.toml")"
+target/release/gateway log entries --dir "$tmp/log" >"$tmp/entries.jsonl"
+[[ "$(grep -c "\"$own\"" "$tmp/entries.jsonl")" == 2 ]] \
+  || { cat "$tmp/entries.jsonl"; echo "want $own"; fail "build-eif.sh --log: the image's two releases"; }
 
 echo "== 2. the command nitro-cli takes from $IMAGE"
 docker image inspect "$IMAGE" >"$tmp/inspect.json"

@@ -16,6 +16,13 @@ fn policy_toml(policy: &Policy, header: &str) -> String {
     }
     if let Some(log) = &policy.transparency {
         t += &format!("\n[transparency]\nlog_key = {}\n", q(&log.log_key));
+        if !log.witnesses.is_empty() {
+            let ws: Vec<String> = log.witnesses.iter().map(|w| q(w)).collect();
+            t += &format!("witnesses = [{}]\n", ws.join(", "));
+        }
+        if let Some(n) = log.witness_quorum {
+            t += &format!("witness_quorum = {n}\n");
+        }
     }
     for s in &policy.stages {
         let ms: Vec<String> = s.measurements.iter().map(|m| q(m)).collect();

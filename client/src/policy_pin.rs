@@ -25,6 +25,7 @@ use proto::bundle::{EvidenceBundle, LegacyEvidence};
 use proto::evidence::EvidenceVerifier;
 use proto::policy::{LogPolicy, NitroPcrPolicy, Policy, StagePolicy};
 use proto::report::CheckStatus;
+use proto::transparency::{check_quorum, CosignatureVerifier};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -68,6 +69,15 @@ pub struct PinArgs {
     /// `<gateway>/v1/transparency`.
     #[arg(long, requires = "log_key", value_name = "URL")]
     pub log: Option<String>,
+    /// With --log-key: a witness's verifier key (`gateway witness vkey`);
+    /// repeat for each witness. The log's checkpoint must then carry their
+    /// cosignatures (C2SP tlog-cosignature) at each use.
+    #[arg(long = "witness", requires = "log_key", value_name = "VKEY")]
+    pub witnesses: Vec<String>,
+    /// With --witness: how many distinct witnesses must cosign (default:
+    /// all of them).
+    #[arg(long, requires = "witnesses", value_name = "N")]
+    pub witness_quorum: Option<u32>,
     /// The policy file to write (with --all: the folder).
     #[arg(long)]
     pub out: PathBuf,
@@ -98,6 +108,23 @@ fn run_pin(a: PinArgs) -> Result<i32> {
              --trust-on-first-use to say you accept that (development only)"
         );
     }
+    for w in &a.witnesses {
+        CosignatureVerifier::new(w).map_err(|e| anyhow!("--witness: {e}"))?;
+    }
+    let log_policy = a.log_key.clone().map(|log_key| LogPolicy {
+        witnesses: a.witnesses.clone(),
+        witness_quorum: a.witness_quorum,
+        ..LogPolicy::new(log_key)
+    });
+    if let Some(lp) = &log_policy {
+        if lp.quorum() > lp.witnesses.len() {
+            bail!(
+                "--witness-quorum {} with {} --witness keys",
+                lp.quorum(),
+                lp.witnesses.len()
+            );
+        }
+    }
     let base = base_url(&a.gateway, &a.transport)?;
     let client = http_client(Duration::from_secs(60), &a.transport)?;
     let rt = runtime()?;
@@ -110,8 +137,15 @@ fn run_pin(a: PinArgs) -> Result<i32> {
             let view = rt
                 .block_on(LogView::fetch(&client, &url, vkey))
                 .context("reading the transparency log")?;
+            let witnessed = match check_quorum(&view.note, log_policy.as_ref().expect("log key")) {
+                Ok(w) => w,
+                Err(e) => {
+                    eprintln!("the log at {url}: {e}: nothing written");
+                    return Ok(EXIT_FAILED);
+                }
+            };
             eprintln!(
-                "transparency log {}: {} entries, checkpoint verified with the given key",
+                "transparency log {}: {} entries, checkpoint verified with the given key{witnessed}",
                 view.checkpoint.origin(),
                 view.checkpoint.size()
             );
@@ -151,7 +185,7 @@ fn run_pin(a: PinArgs) -> Result<i32> {
         if logged.is_some() {
             // Each use then requires the bundle's proofs under this key
             // (checked just below on this very bundle).
-            policy.transparency = a.log_key.clone().map(|log_key| LogPolicy { log_key });
+            policy.transparency = log_policy.clone();
         }
         let out = verify_evidence(&bundle, &policy, Some(&nonce), None, LegacyEvidence::Refuse);
         if !out.ok() {

@@ -364,9 +364,7 @@ async fn a_measurement_the_log_does_not_hold_is_not_pinned() {
     let (code, _, err) = pin(&gw.url, &out, &["--trust-on-first-use"]);
     assert_eq!(code, 0, "{err}");
     let mut policy = Policy::load(&out).unwrap();
-    policy.transparency = Some(proto::policy::LogPolicy {
-        log_key: vkey.clone(),
-    });
+    policy.transparency = Some(proto::policy::LogPolicy::new(vkey.clone()));
     let nonce = b"n";
     let (lines, verified) = evidence_bundle(&gw.url, nonce).await.verify(&policy, nonce);
     assert!(verified.is_none());

@@ -225,7 +225,7 @@ impl EvidenceBundle {
                     "the policy requires each stage to be a release of log {}, and the bundle carries no proofs (a gateway without a transparency log, or a host that dropped them)",
                     crate::transparency::log_origin(&log.log_key).unwrap_or("?")
                 )),
-                Some(p) => p.check(&log.log_key, &stages, &manifest_digest),
+                Some(p) => p.check(log, &stages, &manifest_digest),
             };
             all &= check(&mut lines, "transparency log".into(), logged);
         }

@@ -140,6 +140,32 @@ pub struct Policy {
 pub struct LogPolicy {
     /// The log's verifier key, in signed-note form (`gateway log vkey`).
     pub log_key: String,
+    /// Witnesses' verifier keys (C2SP tlog-cosignature, `gateway witness
+    /// vkey`): the log's checkpoint must carry cosignatures from
+    /// [`LogPolicy::quorum`] of them, so that the log cannot show this
+    /// client a view it hides from the witnesses.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub witnesses: Vec<String>,
+    /// How many distinct witnesses must cosign (default: all listed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub witness_quorum: Option<u32>,
+}
+
+impl LogPolicy {
+    /// A policy for the log `log_key` without witnesses.
+    pub fn new(log_key: String) -> Self {
+        Self {
+            log_key,
+            witnesses: Vec::new(),
+            witness_quorum: None,
+        }
+    }
+
+    /// How many of the witnesses must cosign a checkpoint.
+    pub fn quorum(&self) -> usize {
+        self.witness_quorum
+            .map_or(self.witnesses.len(), |q| q as usize)
+    }
 }
 
 /// Why a policy check failed.

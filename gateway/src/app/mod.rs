@@ -49,6 +49,10 @@ enum Command {
     /// image's release from its build record, print its checkpoint or entries.
     #[command(subcommand)]
     Log(crate::transparency::cli::LogCommand),
+    /// A transparency-log witness (C2SP tlog-witness): cosigns a log's
+    /// checkpoints only when they extend what it saw before.
+    #[command(subcommand)]
+    Witness(crate::transparency::witness::WitnessCommand),
     #[command(flatten)]
     Client(client::ClientCommand),
 }
@@ -173,6 +177,7 @@ pub fn run() -> Result<()> {
         Some(Command::Plan(a)) => return print_plan(&a),
         Some(Command::HostProxy(a)) => return host_proxy::main(a),
         Some(Command::Log(c)) => return crate::transparency::cli::run(c),
+        Some(Command::Witness(c)) => std::process::exit(crate::transparency::witness::run(c)?),
         None => ServeArgs {
             config: "config/gateway.toml".into(),
             ..ServeArgs::default()

@@ -229,6 +229,20 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
             crate::transparency::releases::log_local_builds(log, &pipelines)
                 .context("logging the local build's releases")?;
         }
+        if !t.witnesses.is_empty() {
+            // Cosigned before the first bundle is served; then kept so.
+            let w = std::sync::Arc::new(crate::transparency::witnessing::Witnessing::new(
+                log.clone(),
+                &t.witnesses,
+            )?);
+            let n = w.round().await;
+            tracing::info!(
+                cosigned = n,
+                witnesses = t.witnesses.len(),
+                "transparency log witnessed"
+            );
+            tokio::spawn(w.run(Duration::from_secs(t.witness_interval_secs)));
+        }
     }
     let pipeline = models[0].clone();
     let completions = models.get(1).cloned();

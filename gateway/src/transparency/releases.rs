@@ -34,6 +34,29 @@ pub struct TransparencyConfig {
     /// policy trusts the locally built stage binary (development).
     #[serde(default = "yes")]
     pub log_local_build: bool,
+    /// Witnesses asked to cosign each new checkpoint (C2SP tlog-witness);
+    /// their cosignatures are served with it.
+    #[serde(default)]
+    pub witnesses: Vec<WitnessConfig>,
+    /// How often the current checkpoint is offered to witnesses that have
+    /// not cosigned it (seconds).
+    #[serde(default = "default_witness_interval")]
+    pub witness_interval_secs: u64,
+}
+
+/// `[[transparency.witnesses]]`: one witness.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct WitnessConfig {
+    /// Its submission prefix (`<url>/add-checkpoint` is posted to). Plain
+    /// HTTP suffices: the answer is a signature checked against `vkey`.
+    pub url: String,
+    /// Its verifier key (`gateway witness vkey`).
+    pub vkey: String,
+}
+
+fn default_witness_interval() -> u64 {
+    60
 }
 
 fn default_origin() -> String {
@@ -47,7 +70,20 @@ fn yes() -> bool {
 impl TransparencyConfig {
     /// Refuses an origin that cannot name a signed-note key.
     pub fn check(&self, key: &dyn Fn(&str) -> String) -> Result<()> {
-        check_origin(&self.origin).with_context(|| key("transparency.origin"))
+        check_origin(&self.origin).with_context(|| key("transparency.origin"))?;
+        for (i, w) in self.witnesses.iter().enumerate() {
+            proto::transparency::CosignatureVerifier::new(&w.vkey)
+                .with_context(|| key(&format!("transparency.witnesses[{i}].vkey")))?;
+            reqwest::Url::parse(&w.url)
+                .with_context(|| key(&format!("transparency.witnesses[{i}].url")))?;
+        }
+        if self.witness_interval_secs == 0 {
+            anyhow::bail!(
+                "{}: must be at least 1",
+                key("transparency.witness_interval_secs")
+            );
+        }
+        Ok(())
     }
 
     /// Opens the log, making it first when the folder holds none.

@@ -19,8 +19,8 @@
 
 use anyhow::{bail, Context, Result};
 use proto::transparency::{
-    join_bundle, sign_checkpoint, verifier_key, verify_checkpoint, Entry, HashStore, ReleaseProofs,
-    StageReleaseProof, Tile, TILE_HEIGHT,
+    add_cosignatures, join_bundle, note_text, sign_checkpoint, verifier_key, verify_checkpoint,
+    Entry, Hash, HashStore, ReleaseProofs, StageReleaseProof, Tile, TILE_HEIGHT,
 };
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -272,12 +272,38 @@ impl Log {
     }
 
     fn write_checkpoint(&self) -> Result<()> {
+        self.write_note(&self.checkpoint()?)
+    }
+
+    fn write_note(&self, note: &[u8]) -> Result<()> {
         let tmp = self.dir.join("checkpoint.tmp");
         let mut f = File::create(&tmp)?;
-        f.write_all(&self.checkpoint()?)?;
+        f.write_all(note)?;
         f.sync_all()?;
         fs::rename(&tmp, self.dir.join("checkpoint"))?;
         sync_dir(&self.dir)
+    }
+
+    /// The RFC 6962 consistency proof from the tree of `old` entries to
+    /// that of `size` (empty from 0 or to itself), for a witness.
+    pub fn consistency_proof(&self, size: u64, old: u64) -> Result<Vec<Hash>> {
+        if old == 0 || old == size {
+            return Ok(Vec::new());
+        }
+        Ok(self.hashes.prove_consistency(size, old)?)
+    }
+
+    /// Adds witnesses' cosignature lines to the stored checkpoint if it
+    /// still signs what `note` signs (another writer may have moved it on:
+    /// then nothing is written and the answer is false).
+    pub fn add_cosignatures(&self, note: &[u8], lines: &[String]) -> Result<bool> {
+        let _lock = WriteLock::take(&self.dir)?;
+        let stored = self.stored_checkpoint()?;
+        if note_text(&stored).is_none() || note_text(&stored) != note_text(note) {
+            return Ok(false);
+        }
+        self.write_note(&add_cosignatures(&stored, lines)?)?;
+        Ok(true)
     }
 
     /// The stored checkpoint (what `GET /v1/transparency/checkpoint` serves).

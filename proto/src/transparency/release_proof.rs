@@ -4,8 +4,9 @@
 //! key ([`crate::policy::LogPolicy`]) requires them, so `gateway verify`,
 //! `gateway proxy` and the Python package check them offline and at each use.
 
-use super::{check_inclusion, verify_checkpoint, Entry, Hash};
+use super::{check_inclusion, verify_checkpoint, verify_cosignatures, Entry, Hash};
 use crate::digest::Sha256Digest;
+use crate::policy::LogPolicy;
 use serde::{Deserialize, Serialize};
 
 /// The log's checkpoint and one proof per stage.
@@ -52,18 +53,20 @@ pub fn log_origin(vkey: &str) -> Result<&str, String> {
 }
 
 impl ReleaseProofs {
-    /// Checks that every stage in `stages` is a release entry of the log
-    /// whose key is `vkey`, for `manifest`, proven included in a checkpoint
-    /// signed by that key; a summary, or why not.
+    /// Checks that every stage in `stages` is a release entry of the
+    /// policy's log, for `manifest`, proven included in a checkpoint signed
+    /// by the log's key and cosigned by the policy's quorum of witnesses; a
+    /// summary, or why not.
     pub fn check(
         &self,
-        vkey: &str,
+        log: &LogPolicy,
         stages: &[VerifiedStage],
         manifest: &Sha256Digest,
     ) -> Result<String, String> {
-        let origin = log_origin(vkey)?;
-        let cp = verify_checkpoint(&self.checkpoint, vkey, origin)
+        let origin = log_origin(&log.log_key)?;
+        let cp = verify_checkpoint(&self.checkpoint, &log.log_key, origin)
             .map_err(|e| format!("the log's checkpoint: {e}"))?;
+        let witnessed = check_quorum(&self.checkpoint, log)?;
         if self.stages.len() != stages.len() {
             return Err(format!(
                 "{} release proofs for {} stages",
@@ -109,10 +112,38 @@ impl ReleaseProofs {
             at.push(p.index);
         }
         Ok(format!(
-            "every stage is a release of log {origin} (entries {at:?}), proven included at size {} under the policy's key",
+            "every stage is a release of log {origin} (entries {at:?}), proven included at size {} under the policy's key{witnessed}",
             cp.size()
         ))
     }
+}
+
+/// Checks that `note` carries cosignatures from the policy's quorum of
+/// witnesses; a phrase for the summary, or why not.
+pub fn check_quorum(note: &[u8], log: &LogPolicy) -> Result<String, String> {
+    let need = log.quorum();
+    if need == 0 {
+        return Ok(String::new());
+    }
+    if need > log.witnesses.len() {
+        return Err(format!(
+            "the policy requires {need} witness cosignatures and names {} witnesses",
+            log.witnesses.len()
+        ));
+    }
+    let got = verify_cosignatures(note, &log.witnesses)
+        .map_err(|e| format!("the log's checkpoint: {e}"))?;
+    let names: Vec<_> = got.iter().map(|c| c.witness.as_str()).collect();
+    if got.len() < need {
+        return Err(format!(
+            "the log's checkpoint carries {} valid cosignature(s) from the policy's witnesses ({names:?}), the policy requires {need}: a checkpoint the witnesses did not see (a split view), or witnesses not reached",
+            got.len()
+        ));
+    }
+    Ok(format!(
+        ", cosigned by {} of the policy's witnesses {names:?}",
+        got.len()
+    ))
 }
 
 #[cfg(test)]
