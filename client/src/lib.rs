@@ -25,6 +25,7 @@
 pub mod bundle;
 pub mod client_key;
 pub mod io;
+pub mod log_state;
 pub mod log_view;
 pub mod policy_build;
 pub mod policy_file;

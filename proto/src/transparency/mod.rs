@@ -35,7 +35,9 @@ pub use proof::{
 pub use release_proof::{
     check_quorum, log_origin, ReleaseProofs, StageReleaseProof, VerifiedStage,
 };
-pub use tlog_tiles::{Checkpoint, Hash, RecordProof, Tile, TileReader, TreeProof};
+pub use tlog_tiles::{
+    Checkpoint, Error as TlogError, Hash, RecordProof, Tile, TileReader, TreeProof,
+};
 pub use witness_wire::{
     parse_decimal, AddCheckpoint, ADD_CHECKPOINT_PATH, MAX_PROOF_LINES, SIZE_CONTENT_TYPE,
 };
