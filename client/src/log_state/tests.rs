@@ -285,3 +285,63 @@ fn the_state_file_survives_a_reload_and_a_damaged_one_is_an_error() {
     assert!(LogState::load(&dir).is_err());
     std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
 }
+
+/// Serves `tree`'s hash tiles over HTTP as the gateway lays them out
+/// (`/v1/transparency/tile/<L>/<N>[.p/<W>]`); returns the log's URL.
+async fn serve_tiles(tree: HashStore) -> String {
+    use axum::extract::Path as UrlPath;
+    use axum::http::StatusCode;
+    let app = axum::Router::new().route(
+        "/v1/transparency/tile/{*path}",
+        axum::routing::get(move |UrlPath(path): UrlPath<String>| async move {
+            let tile = TileName::parse(&path).and_then(|n| {
+                let t = Tile::new(TILE_HEIGHT, n.level?, n.index, n.width, false);
+                t.read_data(&tree).ok()
+            });
+            tile.ok_or(StatusCode::NOT_FOUND)
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}/v1/transparency")
+}
+
+#[test]
+fn http_tiles_prove_growth_and_refuse_a_fork() {
+    let (a, b) = (tree(300, 300, "a"), tree(100, 300, "b"));
+    let rt = crate::transport::runtime().unwrap();
+    rt.block_on(async {
+        let http = |url: String| HttpTiles {
+            client: reqwest::Client::new(),
+            url,
+        };
+        let (url_a, url_b) = (serve_tiles(a.clone()).await, serve_tiles(b.clone()).await);
+        let mut state = LogState::in_memory();
+        let v = vkey();
+        state
+            .observe(&v, &note(&a, 120, 1), &http(url_a.clone()))
+            .await
+            .unwrap();
+        let got = state
+            .observe(&v, &note(&a, 300, 1), &http(url_a.clone()))
+            .await;
+        assert_eq!(got.unwrap(), Observed::Grew { from: 120, to: 300 });
+        let got = state.observe(&v, &note(&a, 257, 1), &http(url_a)).await;
+        assert_eq!(
+            got.unwrap(),
+            Observed::Older {
+                size: 257,
+                kept: 300
+            }
+        );
+        let e = state
+            .observe(&v, &note(&b, 200, 1), &http(url_b))
+            .await
+            .unwrap_err();
+        assert!(format!("{e:#}").contains("split view"), "{e:#}");
+        // A log that serves no tiles: the proof cannot be made, refused.
+        let none = http("http://127.0.0.1:9/v1/transparency".into());
+        assert!(state.observe(&v, &note(&a, 299, 1), &none).await.is_err());
+    });
+}

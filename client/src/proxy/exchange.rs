@@ -35,7 +35,15 @@ impl Proxy {
         if cur.epoch != seen_epoch {
             return Ok(cur);
         }
-        match attest(&self.client, &self.upstream, &route.model, &route.policy).await {
+        let attested = attest(
+            &self.client,
+            &self.upstream,
+            &route.model,
+            &route.policy,
+            &self.log,
+        )
+        .await;
+        match attested {
             Ok(att) => {
                 log_verified(&route.model, &att.verified, "re-attested upstream");
                 let t = Arc::new(Trusted {

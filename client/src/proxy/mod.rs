@@ -49,8 +49,16 @@
 //! a key the proxy does not know triggers one re-attestation before it is
 //! rejected. New evidence must verify against the same policy; if it does
 //! not, the request fails with 502 `evidence_not_verified`.
+//!
+//! Under a log-backed policy (`[transparency] log_key`) the log checkpoint
+//! each verified bundle carries must also be consistent with the latest one
+//! the proxy saw ([`crate::log_state`]: a consistency proof read from the
+//! log's tiles at `--log`, default `<upstream>/v1/transparency`); a split
+//! view fails the attestation like a policy failure. The latest checkpoint
+//! is kept in memory, and across restarts with `--log-state FILE`.
 
 use crate::bundle::fetch_bundle;
+use crate::log_state::{HttpTiles, LogState};
 use crate::seal_open::AeadArg;
 use crate::sealed::{Attested, Sealed};
 use crate::transport::{base_url, http_client, random_nonce};
@@ -63,6 +71,7 @@ use axum::response::{IntoResponse, Response};
 use clap::Args;
 use proto::bundle::VerifiedBundle;
 use proto::policy::Policy;
+use proto::report::CheckStatus;
 use proto::sealing::Aead;
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -122,6 +131,15 @@ pub struct ProxyArgs {
     /// holds plaintext: keep it in the client's trust domain.
     #[arg(long)]
     pub archive: Option<PathBuf>,
+    /// With log-backed policies: keep the latest transparency-log
+    /// checkpoint seen in FILE (JSON), so that consistency is required
+    /// across restarts too (without it, it is kept in memory only).
+    #[arg(long, value_name = "FILE")]
+    pub log_state: Option<PathBuf>,
+    /// The transparency log whose tiles prove consistency between the
+    /// checkpoints seen (its prefix; default `<upstream>/v1/transparency`).
+    #[arg(long, value_name = "URL")]
+    pub log: Option<String>,
     /// How to reach the upstream gateway.
     #[command(flatten)]
     pub transport: crate::Transport,
@@ -160,6 +178,43 @@ pub struct Proxy {
     routes: Vec<Route>,
     receipts: Mutex<VecDeque<([u8; 16], Vec<u8>)>>,
     archive: Option<PathBuf>,
+    log: LogCheck,
+}
+
+/// The latest log checkpoint seen, and where the log's tiles are.
+struct LogCheck {
+    state: tokio::sync::Mutex<LogState>,
+    tiles: HttpTiles,
+}
+
+impl LogCheck {
+    /// Requires the checkpoint of `att`'s bundle to be consistent with the
+    /// latest seen, when `policy` is log-backed.
+    async fn check(&self, model: &str, policy: &Policy, att: &Attested) -> Result<(), AttestError> {
+        let Some(log) = &policy.transparency else {
+            return Ok(());
+        };
+        let fail = |detail: String| {
+            AttestError::Rejected(vec![crate::verify::Line::new(
+                CheckStatus::Fail,
+                "log consistency",
+                detail,
+            )
+            .to_string()])
+        };
+        let note = match &att.bundle.transparency {
+            Some(p) => &p.checkpoint,
+            None => return Err(fail("the bundle carries no log checkpoint".into())),
+        };
+        let mut state = self.state.lock().await;
+        match state.observe(&log.log_key, note, &self.tiles).await {
+            Ok(seen) => {
+                tracing::info!(model, "log consistency: {seen}");
+                Ok(())
+            }
+            Err(e) => Err(fail(format!("{e:#}"))),
+        }
+    }
 }
 
 /// Why attestation failed.
@@ -211,18 +266,22 @@ fn bad_gateway(code: &'static str, msg: impl Into<String>) -> ApiError {
     error(StatusCode::BAD_GATEWAY, "server_error", code, msg.into())
 }
 
-/// Fetches one model's evidence with a fresh nonce and checks it.
+/// Fetches one model's evidence with a fresh nonce and checks it (and,
+/// under a log-backed policy, its log checkpoint against the latest seen).
 async fn attest(
     client: &reqwest::Client,
     upstream: &str,
     model: &str,
     policy: &Policy,
+    log: &LogCheck,
 ) -> Result<Attested, AttestError> {
     let nonce = random_nonce(32);
     let bundle = fetch_bundle(client, upstream, &nonce, Some(model))
         .await
         .map_err(|e| AttestError::Unreachable(format!("{e:#}")))?;
-    Attested::verify(bundle, policy, &nonce).map_err(AttestError::Rejected)
+    let att = Attested::verify(bundle, policy, &nonce).map_err(AttestError::Rejected)?;
+    log.check(model, policy, &att).await?;
+    Ok(att)
 }
 
 impl Route {
@@ -283,6 +342,7 @@ async fn attest_all(
     client: &reqwest::Client,
     upstream: &str,
     policies: Vec<(PathBuf, Policy)>,
+    log: &LogCheck,
 ) -> Result<Vec<Route>, Vec<String>> {
     let models = upstream_models(client, upstream)
         .await
@@ -297,7 +357,7 @@ async fn attest_all(
             .cloned()
             .collect();
         for model in &free {
-            match attest(client, upstream, model, &policy).await {
+            match attest(client, upstream, model, &policy, log).await {
                 Ok(att) => {
                     log_verified(model, &att.verified, "attested upstream");
                     routes.push(Route {
@@ -336,6 +396,24 @@ pub fn run(a: ProxyArgs) -> Result<i32> {
         .collect::<Result<Vec<_>>>()?;
     let upstream = base_url(&a.upstream, &a.transport)?;
     let client = http_client(Duration::from_secs(a.timeout_secs), &a.transport)?;
+    if a.log_state.is_some() && !policies.iter().any(|(_, p)| p.transparency.is_some()) {
+        anyhow::bail!(
+            "--log-state: no --policy is log-backed ([transparency] log_key): there is no log checkpoint to keep"
+        );
+    }
+    let log = LogCheck {
+        state: tokio::sync::Mutex::new(match &a.log_state {
+            Some(path) => LogState::load(path)?,
+            None => LogState::in_memory(),
+        }),
+        tiles: HttpTiles {
+            client: client.clone(),
+            url: match &a.log {
+                Some(url) => base_url(url, &a.transport).context("--log")?,
+                None => format!("{upstream}/v1/transparency"),
+            },
+        },
+    };
     if let Some(dir) = &a.archive {
         crate::io::create_private_dir(dir)?;
     }
@@ -344,7 +422,7 @@ pub fn run(a: ProxyArgs) -> Result<i32> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let routes = match attest_all(&client, &upstream, policies).await {
+        let routes = match attest_all(&client, &upstream, policies, &log).await {
             Ok(r) => r,
             Err(lines) => {
                 for l in &lines {
@@ -363,6 +441,7 @@ pub fn run(a: ProxyArgs) -> Result<i32> {
             routes,
             receipts: Mutex::new(VecDeque::new()),
             archive: a.archive,
+            log,
         });
         let listener = tokio::net::TcpListener::bind(&a.listen)
             .await
