@@ -8,19 +8,19 @@ use super::*;
 use proto::transparency::{sign_checkpoint, verifier_key, HashStore};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-const ORIGIN: &str = "example.com/consistency-test";
+pub(crate) const ORIGIN: &str = "example.com/consistency-test";
 
-fn key(seed: u8) -> ed25519_dalek::SigningKey {
+pub(crate) fn key(seed: u8) -> ed25519_dalek::SigningKey {
     ed25519_dalek::SigningKey::from_bytes(&[seed; 32])
 }
 
-fn vkey() -> String {
+pub(crate) fn vkey() -> String {
     verifier_key(ORIGIN, &key(1).verifying_key())
 }
 
 /// A tree of `len` records whose first `shared` are common to every tag and
 /// the rest name `tag` (two tags: two logs forked after `shared`).
-fn tree(shared: u64, len: u64, tag: &str) -> HashStore {
+pub(crate) fn tree(shared: u64, len: u64, tag: &str) -> HashStore {
     let mut s = HashStore::new();
     for i in 0..len {
         let leaf = if i < shared {
@@ -34,7 +34,7 @@ fn tree(shared: u64, len: u64, tag: &str) -> HashStore {
 }
 
 /// The checkpoint of `t`'s first `size` records, signed by key `seed`.
-fn note(t: &HashStore, size: u64, seed: u8) -> Vec<u8> {
+pub(crate) fn note(t: &HashStore, size: u64, seed: u8) -> Vec<u8> {
     sign_checkpoint(&key(seed), ORIGIN, size, t.root(size).unwrap()).unwrap()
 }
 
@@ -77,7 +77,7 @@ fn observe<T: TileSource>(state: &mut LogState, note: &[u8], tiles: &T) -> Resul
         .block_on(state.observe(&vkey(), note, tiles))
 }
 
-fn temp_path(name: &str) -> PathBuf {
+pub(crate) fn temp_path(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("gw-log-state-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -288,7 +288,7 @@ fn the_state_file_survives_a_reload_and_a_damaged_one_is_an_error() {
 
 /// Serves `tree`'s hash tiles over HTTP as the gateway lays them out
 /// (`/v1/transparency/tile/<L>/<N>[.p/<W>]`); returns the log's URL.
-async fn serve_tiles(tree: HashStore) -> String {
+pub(crate) async fn serve_tiles(tree: HashStore) -> String {
     use axum::extract::Path as UrlPath;
     use axum::http::StatusCode;
     let app = axum::Router::new().route(

@@ -8,6 +8,7 @@
 
 use crate::bundle::load_bundle;
 use crate::io::{parse_hex, read_input};
+use crate::log_state::LogState;
 use crate::{EXIT_FAILED, EXIT_OK};
 use anyhow::{anyhow, bail, Result};
 use clap::{Args, Subcommand};
@@ -87,6 +88,19 @@ pub struct EvidenceArgs {
     /// Machine-readable output (one JSON document).
     #[arg(long)]
     pub json: bool,
+    /// With a log-backed policy: the latest transparency-log checkpoint
+    /// seen, kept in FILE (JSON; made if missing). The bundle's checkpoint
+    /// must be consistent with it (no split view); the larger is saved.
+    #[arg(long, value_name = "FILE")]
+    pub log_state: Option<PathBuf>,
+    /// The log whose tiles prove consistency (its prefix, e.g.
+    /// https://gw/v1/transparency), read only when the bundle's checkpoint
+    /// and the saved one differ in size.
+    #[arg(long, value_name = "URL", requires = "log_state")]
+    pub log: Option<String>,
+    /// How to reach --log.
+    #[command(flatten)]
+    pub transport: crate::Transport,
     /// The bundle: the CBOR from `/v1/attestation` with `Accept:
     /// application/cbor`, or its JSON form; `-` for standard input.
     pub bundle: PathBuf,
@@ -473,8 +487,49 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
     Ok(if ok { EXIT_OK } else { EXIT_FAILED })
 }
 
+/// `--log-state`: the `log consistency` line for a bundle that verified
+/// (the state file read, the bundle's checkpoint observed, the file saved).
+fn log_consistency(a: &EvidenceArgs, policy: &Policy, bundle: &EvidenceBundle) -> Result<Line> {
+    use crate::log_state::{HttpTiles, NoTiles};
+    let path = a.log_state.as_deref().expect("--log-state given");
+    let Some(log) = &policy.transparency else {
+        bail!("--log-state needs a log-backed policy ([transparency] log_key)");
+    };
+    let mut state = LogState::load(path)?;
+    let note = match &bundle.transparency {
+        Some(p) => &p.checkpoint,
+        None => bail!("the bundle carries no log checkpoint"),
+    };
+    let observed = crate::transport::runtime()?.block_on(async {
+        match &a.log {
+            Some(url) => {
+                let tiles = HttpTiles {
+                    client: crate::transport::http_client(
+                        std::time::Duration::from_secs(60),
+                        &a.transport,
+                    )?,
+                    url: crate::transport::base_url(url, &a.transport)?,
+                };
+                state.observe(&log.log_key, note, &tiles).await
+            }
+            None => state.observe(&log.log_key, note, &NoTiles).await,
+        }
+    });
+    Ok(match observed {
+        Ok(seen) => Line::new(
+            CheckStatus::Pass,
+            "log consistency",
+            format!("{seen} ({})", path.display()),
+        ),
+        Err(e) => Line::new(CheckStatus::Fail, "log consistency", format!("{e:#}")),
+    })
+}
+
 fn run_evidence(a: EvidenceArgs) -> Result<i32> {
     let policy = load_policy(&a.policy)?;
+    if a.log_state.is_some() && policy.transparency.is_none() {
+        bail!("--log-state needs a log-backed policy ([transparency] log_key)");
+    }
     let bundle = load_bundle(&a.bundle)?;
     let nonce = a
         .nonce
@@ -483,13 +538,24 @@ fn run_evidence(a: EvidenceArgs) -> Result<i32> {
         .transpose()?;
     // Offline: a bundle archived before documents carried a purpose label
     // still verifies, reported as LEGACY.
-    let out = verify_evidence(
+    let mut out = verify_evidence(
         &bundle,
         &policy,
         nonce.as_deref(),
         a.at,
         LegacyEvidence::Accept,
     );
+    if a.log_state.is_some() {
+        out.lines.push(if out.ok() {
+            log_consistency(&a, &policy, &bundle)?
+        } else {
+            Line::new(
+                CheckStatus::Skipped,
+                "log consistency",
+                "not checked: the evidence does not verify",
+            )
+        });
+    }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&out.to_json())?);
     } else {
