@@ -209,6 +209,39 @@ async fn witnesses_cosign_the_log_and_policies_need_their_quorum() {
     let (ok, _, detail) = check(&both, &evidence_bundle(&gw.url, b"w2").await);
     assert!(ok, "{detail}");
 
+    // A client keeps the checkpoint it saw (`verify evidence --log-state`).
+    let state = dir.join("log-state.json");
+    let log_url = format!("{}/v1/transparency", gw.url);
+    let both_path = dir.join("both.toml");
+    std::fs::write(&both_path, toml::to_string(&both).unwrap()).unwrap();
+    let verify_saved = |nonce: &'static [u8]| {
+        let url = gw.url.clone();
+        let (state, log_url, both_path) = (state.clone(), log_url.clone(), both_path.clone());
+        let dir = dir.clone();
+        async move {
+            let bytes = common::attestation_cbor(&url, nonce).await.2;
+            let path = dir.join(format!("bundle-{}.cbor", hex::encode(nonce)));
+            std::fs::write(&path, bytes).unwrap();
+            cli(&[
+                "verify",
+                "evidence",
+                "--policy",
+                p(&both_path),
+                "--nonce",
+                &hex::encode(nonce),
+                "--log-state",
+                p(&state),
+                "--log",
+                &log_url,
+                "--insecure-plain-http",
+                p(&path),
+            ])
+        }
+    };
+    let (code, out, err) = verify_saved(b"v1").await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("PASS log consistency"), "{out}");
+
     // The log grows (another process appends): both witnesses cosign the
     // new size, from a consistency proof.
     let record = dir.join("record.json");
@@ -241,6 +274,35 @@ async fn witnesses_cosign_the_log_and_policies_need_their_quorum() {
     })
     .await;
     assert!(String::from_utf8_lossy(&note).contains("\n3\n"));
+    // The client proves the growth from the log's tiles and keeps size 3.
+    let (code, out, err) = verify_saved(b"v2").await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("proven consistent with the checkpoint kept at size 2"),
+        "{out}"
+    );
+    let kept: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    assert_eq!(kept["logs"][0]["size"], 3, "{kept}");
+    // A forked history at the kept size, signed with the log's own key and
+    // cosigned by nobody, planted in the state (as if shown to this client
+    // before): the gateway's checkpoint is then refused as a split view.
+    let seed: [u8; 32] = std::fs::read(log_dir.join("key"))
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let key = ed25519_dalek::SigningKey::from_bytes(&seed);
+    let fork_root = proto::transparency::Hash([7; 32]);
+    let forged = sign_checkpoint(&key, ORIGIN, 3, fork_root).unwrap();
+    let mut planted = kept.clone();
+    planted["logs"][0]["root"] = hex::encode(fork_root.0).into();
+    planted["logs"][0]["checkpoint"] = String::from_utf8(forged).unwrap().into();
+    std::fs::write(&state, planted.to_string()).unwrap();
+    let (code, out, err) = verify_saved(b"v3").await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("FAIL log consistency") && out.contains("split view"),
+        "{out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
