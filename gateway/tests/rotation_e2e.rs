@@ -85,13 +85,24 @@ fn by_id(keys: &[KeyConfig], id: u8) -> KeyConfig {
 
 #[tokio::test]
 async fn keys_rotate_overlap_then_retire_and_the_proxy_follows() {
+    let dir = temp_dir("rotation");
+    let log_dir = dir.join("log");
     let gw = Gateway::start(Options {
-        extra: "[keys]\nrotate_secs = 4\noverlap_secs = 3\n".into(),
+        extra: format!(
+            "[keys]\nrotate_secs = 4\noverlap_secs = 3\n[transparency]\ndir = {log_dir:?}\n"
+        ),
         ..Options::default()
     });
-    let policy_text = client_policy_text(&gw.url).await;
+    // A log-backed client policy: every key set the client takes keys
+    // from must be a logged key-set entry.
+    let (code, vkey, err) = common::cli(&["log", "vkey", "--dir", common::p(&log_dir)]);
+    assert_eq!(code, 0, "{err}");
+    let policy_text = format!(
+        "{}\n[transparency]\nlog_key = {:?}\n",
+        client_policy_text(&gw.url).await,
+        vkey.trim()
+    );
     let policy = Policy::from_toml(&policy_text).unwrap();
-    let dir = temp_dir("rotation");
     let policy_path = dir.join("client-policy.toml");
     std::fs::write(&policy_path, &policy_text).unwrap();
 
@@ -164,6 +175,25 @@ async fn keys_rotate_overlap_then_retire_and_the_proxy_follows() {
     let (lines, verified) = bundle.verify(&policy, b"after the first rotation");
     let verified = verified.unwrap_or_else(|| panic!("{lines:#?}"));
     assert_eq!(verified.entry_keys[0].key_id, second, "{lines:#?}");
+    // The rotated set was logged before the bundle offered it.
+    let (code, entries, _) = common::cli(&["log", "entries", "--dir", common::p(&log_dir)]);
+    assert_eq!(code, 0);
+    let logged: Vec<serde_json::Value> = entries
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|e| e["kind"] == "key_set")
+        .collect();
+    assert!(
+        logged
+            .iter()
+            .any(|e| e["key_ids"] == json!([second, first])),
+        "{entries}"
+    );
+    let line = lines.iter().find(|l| l.name == "logged key set").unwrap();
+    assert!(
+        line.detail.contains(&format!("keys [{second}, {first}]")),
+        "{line}"
+    );
     assert!(
         lines.iter().any(|l| l.detail.contains("signed at")),
         "{lines:#?}"

@@ -185,7 +185,7 @@ async fn releases_are_logged_served_pinned_and_kept() {
         "level 0 holds the entries' RFC 6962 leaf hashes"
     );
     for missing in [
-        "tile/0/000.p/3",
+        "tile/0/000.p/4",
         "tile/0/000",
         "tile/entries/001",
         "tile/0/0",
@@ -250,6 +250,53 @@ async fn releases_are_logged_served_pinned_and_kept() {
         "{lines:#?}"
     );
 
+    // The keys a client seals to are logged too (the first attestation
+    // logged them): a bundle without that proof, or whose key set is not
+    // the logged one, is refused.
+    let (code, listed, _) = cli(&["log", "entries", "--dir", p(&log_dir)]);
+    assert_eq!(code, 0);
+    let keys: serde_json::Value = serde_json::from_str(listed.lines().nth(2).unwrap()).unwrap();
+    assert_eq!(keys["kind"], "key_set", "{listed}");
+    let key_line = |lines: &[proto::report::Check]| {
+        let l = lines
+            .iter()
+            .find(|l| l.name == "logged key set")
+            .expect("a key-set line");
+        (l.status, l.detail.clone())
+    };
+    let (lines, _) = bundle.verify(&policy, nonce);
+    assert_eq!(key_line(&lines).0, CheckStatus::Pass, "{lines:#?}");
+    assert!(key_line(&lines).1.contains("key-set entry 2"), "{lines:#?}");
+    let mut unlogged = bundle.clone();
+    unlogged.transparency.as_mut().unwrap().key_set = None;
+    let (lines, verified) = unlogged.verify(&policy, nonce);
+    assert!(verified.is_none());
+    assert!(
+        key_line(&lines).1.contains("proves no key-set entry"),
+        "{lines:#?}"
+    );
+    let mut other_keys = bundle.clone();
+    let proven = other_keys
+        .transparency
+        .as_mut()
+        .unwrap()
+        .key_set
+        .as_mut()
+        .unwrap();
+    let Ok(Entry::KeySet(mut k)) = Entry::from_bytes(&proven.entry) else {
+        panic!("a key-set entry");
+    };
+    k.key_set_digest = proto::digest::Sha256Digest([9; 32]);
+    proven.entry = Entry::KeySet(k).to_bytes();
+    let (lines, verified) = other_keys.verify(&policy, nonce);
+    assert!(verified.is_none());
+    assert!(
+        key_line(&lines)
+            .1
+            .contains("not the one the entry stage publishes"),
+        "{lines:#?}"
+    );
+
     // The proxy attests the gateway with the log-backed policy.
     let proxy = start_proxy(&gw.url, &[&out], &[], &dir)
         .unwrap_or_else(|(code, log)| panic!("proxy on the log-backed policy ({code}):\n{log}"));
@@ -279,7 +326,7 @@ async fn releases_are_logged_served_pinned_and_kept() {
     if let Some((ok, report)) = python_verifier(&gw.url, &vkey, &state) {
         assert!(ok, "{report}");
         let v: serde_json::Value = serde_json::from_str(report.lines().next().unwrap()).unwrap();
-        assert_eq!(v["size"], 2, "{report}");
+        assert_eq!(v["size"], 3, "two releases and the key set");
         assert_eq!(
             v["entries"][1]["bytes"],
             hex::encode(&leaves[1]),
@@ -303,17 +350,17 @@ async fn releases_are_logged_served_pinned_and_kept() {
     let (code, stdout, err) = add();
     assert_eq!(code, 0, "{err}");
     assert!(
-        stdout.contains("2 stage entries at [2, 3], 2 new; log size 4"),
+        stdout.contains("2 stage entries at [3, 4], 2 new; log size 5"),
         "{stdout}"
     );
     let (code, stdout, _) = add();
     assert_eq!(code, 0);
-    assert!(stdout.contains("0 new; log size 4"), "{stdout}");
+    assert!(stdout.contains("0 new; log size 5"), "{stdout}");
     let (note4, cp4) = checkpoint(&gw.url, &vkey).await;
-    assert_eq!(cp4.size(), 4);
+    assert_eq!(cp4.size(), 5);
     let (code, listed, _) = cli(&["log", "entries", "--dir", p(&log_dir)]);
     assert_eq!(code, 0);
-    let last: serde_json::Value = serde_json::from_str(listed.lines().nth(3).unwrap()).unwrap();
+    let last: serde_json::Value = serde_json::from_str(listed.lines().nth(4).unwrap()).unwrap();
     assert_eq!(last["version"], "commit 0123abc", "{listed}");
     assert_eq!(last["layers"], serde_json::json!([3, 6]));
     if let Some((ok, report)) = python_verifier(&gw.url, &vkey, &state) {

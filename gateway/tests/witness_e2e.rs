@@ -268,21 +268,21 @@ async fn witnesses_cosign_the_log_and_policies_need_their_quorum() {
     ]);
     assert_eq!(code, 0, "{err}");
     let note = checkpoint_when(&gw.url, |n| {
-        verify_checkpoint(n, &vkey, ORIGIN).unwrap().size() == 3
+        verify_checkpoint(n, &vkey, ORIGIN).unwrap().size() == 4
             && cosigners(n, &w1) == 1
             && cosigners(n, &w2) == 1
     })
     .await;
-    assert!(String::from_utf8_lossy(&note).contains("\n3\n"));
+    assert!(String::from_utf8_lossy(&note).contains("\n4\n"));
     // The client proves the growth from the log's tiles and keeps size 3.
     let (code, out, err) = verify_saved(b"v2").await;
     assert_eq!(code, 0, "{out}{err}");
     assert!(
-        out.contains("proven consistent with the checkpoint kept at size 2"),
+        out.contains("proven consistent with the checkpoint kept at size 3"),
         "{out}"
     );
     let kept: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
-    assert_eq!(kept["logs"][0]["size"], 3, "{kept}");
+    assert_eq!(kept["logs"][0]["size"], 4, "{kept}");
     // A forked history at the kept size, signed with the log's own key and
     // cosigned by nobody, planted in the state (as if shown to this client
     // before): the gateway's checkpoint is then refused as a split view.
@@ -292,7 +292,7 @@ async fn witnesses_cosign_the_log_and_policies_need_their_quorum() {
         .unwrap();
     let key = ed25519_dalek::SigningKey::from_bytes(&seed);
     let fork_root = proto::transparency::Hash([7; 32]);
-    let forged = sign_checkpoint(&key, ORIGIN, 3, fork_root).unwrap();
+    let forged = sign_checkpoint(&key, ORIGIN, 4, fork_root).unwrap();
     let mut planted = kept.clone();
     planted["logs"][0]["root"] = hex::encode(fork_root.0).into();
     planted["logs"][0]["checkpoint"] = String::from_utf8(forged).unwrap().into();

@@ -241,6 +241,20 @@ impl EvidenceBundle {
                 .map(|(_, detail)| detail.clone())
                 .map_err(|e| e.clone()),
         );
+        if let (Some(log), Some(first)) = (&policy.transparency, self.stages.first()) {
+            // The keys a client is about to seal to must be logged too, so
+            // that every key set ever published is in the log.
+            let logged = match (&entry_keys, &self.transparency) {
+                (Err(_), _) => Err("not checked: the entry keys did not verify".to_string()),
+                (_, None) => Err("the bundle carries no log proofs".to_string()),
+                (Ok((keys, _)), Some(p)) => {
+                    let published = first.key_set.as_deref().unwrap_or(&first.claims.hpke_keys);
+                    let ids: Vec<u8> = keys.iter().map(|k| k.key_id).collect();
+                    p.check_key_set(log, published, &ids)
+                }
+            };
+            all &= check(&mut lines, "logged key set".into(), logged);
+        }
         let verified = (all).then(|| VerifiedBundle {
             stage_keys: keys,
             entry_keys: entry_keys.map(|(k, _)| k).unwrap_or_default(),

@@ -58,6 +58,7 @@ fn log_state_lines() {
         transparency: Some(ReleaseProofs {
             checkpoint,
             stages: vec![],
+            key_set: None,
         }),
         stages: vec![],
     };

@@ -280,7 +280,11 @@ pub(super) async fn attestation(
             let stages = pipeline.attest(&nonce, wait).await?;
             let key_set = pipeline.key_set().map(serde_bytes::ByteBuf::from);
             let transparency = match log {
-                Some(log) => release_proofs(log, &stages, pipeline.manifest.digest).await,
+                Some(log) => {
+                    let w = s.witnessing.clone();
+                    let key_set = key_set_entry(&stages, key_set.as_deref().map(|k| &k[..]));
+                    release_proofs(log, w, &stages, pipeline.manifest.digest, key_set).await
+                }
                 None => None,
             };
             Ok::<_, Failure>(Arc::new(EvidenceBundle {
@@ -387,21 +391,68 @@ pub(super) fn bundle_json(b: &EvidenceBundle) -> serde_json::Value {
 /// The log's proofs that `stages` are logged releases, or `None` (no such
 /// releases, or the log cannot be read: logged, and the bundle goes
 /// without them; a client whose policy needs them says so).
+/// The key-set entry of the keys the entry stage publishes (its signed
+/// set, or the list its evidence binds), as a client will check it.
+fn key_set_entry(
+    stages: &[(crate::pipeline::StageStatus, proto::attestation::Evidence)],
+    signed: Option<&[u8]>,
+) -> Option<Vec<u8>> {
+    let claims = &stages.first()?.0.claims;
+    let (keys, _) = proto::bundle::entry_keys(claims, signed).ok()?;
+    Some(
+        proto::transparency::Entry::KeySet(proto::transparency::KeySetEntry {
+            key_set_digest: proto::digest::Sha256Digest::of(signed.unwrap_or(&claims.hpke_keys)),
+            key_ids: keys.iter().map(|k| k.key_id).collect(),
+        })
+        .to_bytes(),
+    )
+}
+
+/// The bundle's log proofs. A key set the log does not hold yet is logged
+/// first (every key set ever published is in the log before a client can
+/// seal to it), and the witnesses are asked to cosign the new checkpoint
+/// before the proofs are cut from it.
 async fn release_proofs(
     log: Arc<std::sync::Mutex<crate::transparency::Log>>,
+    witnessing: Option<Arc<crate::transparency::witnessing::Witnessing>>,
     stages: &[(crate::pipeline::StageStatus, proto::attestation::Evidence)],
     manifest: proto::digest::Sha256Digest,
+    key_set: Option<Vec<u8>>,
 ) -> Option<proto::transparency::ReleaseProofs> {
     let wanted: Vec<(u32, String, [u32; 2])> = stages
         .iter()
         .map(|(s, _)| (s.index, s.measurement.clone(), s.layers))
         .collect();
+    if let Some(k) = key_set.clone() {
+        let l = log.clone();
+        let grown = tokio::task::spawn_blocking(move || {
+            let mut l = l.lock().unwrap();
+            let before = l.size();
+            l.append_missing(&[k]).map(|_| l.size() > before)
+        })
+        .await;
+        match grown {
+            Ok(Ok(true)) => {
+                tracing::info!("transparency log: the entry stage's key set logged");
+                if let Some(w) = witnessing {
+                    w.round().await;
+                }
+            }
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => {
+                tracing::error!(error = %format!("{e:#}"), "transparency log: the key set not logged")
+            }
+            Err(e) => tracing::error!(error = %e, "transparency log: the key set not logged"),
+        }
+    }
     let made = tokio::task::spawn_blocking(move || {
         let stages: Vec<(u32, &str, [u32; 2])> = wanted
             .iter()
             .map(|(i, m, l)| (*i, m.as_str(), *l))
             .collect();
-        log.lock().unwrap().release_proofs(&stages, &manifest)
+        log.lock()
+            .unwrap()
+            .release_proofs(&stages, &manifest, key_set.as_deref())
     })
     .await;
     match made {

@@ -69,6 +69,9 @@ pub struct AppState {
     pub in_flight: Arc<crate::in_flight::InFlightCap>,
     /// The transparency log served under `/v1/transparency/`, if any.
     pub transparency: Option<Arc<std::sync::Mutex<crate::transparency::Log>>>,
+    /// The log's witnesses, asked to cosign at once when an attestation
+    /// logs a new key set.
+    pub witnessing: Option<Arc<crate::transparency::witnessing::Witnessing>>,
 }
 
 /// Builds the router.

@@ -224,6 +224,7 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
             ));
         }
     }
+    let mut witnessing = None;
     if let (Some(log), Some(t)) = (&transparency, &cfg.transparency) {
         if t.log_local_build {
             crate::transparency::releases::log_local_builds(log, &pipelines)
@@ -241,7 +242,8 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
                 witnesses = t.witnesses.len(),
                 "transparency log witnessed"
             );
-            tokio::spawn(w.run(Duration::from_secs(t.witness_interval_secs)));
+            tokio::spawn(w.clone().run(Duration::from_secs(t.witness_interval_secs)));
+            witnessing = Some(w);
         }
     }
     let pipeline = models[0].clone();
@@ -278,6 +280,7 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
         )),
         in_flight: crate::in_flight::InFlightCap::new(cfg.server.max_in_flight, longest_route),
         transparency,
+        witnessing,
     };
     let listener = serve::bind(&cfg.server.listen, cfg.server.send_buffer_bytes)
         .await

@@ -20,7 +20,7 @@
 use anyhow::{bail, Context, Result};
 use proto::transparency::{
     add_cosignatures, join_bundle, note_text, sign_checkpoint, verifier_key, verify_checkpoint,
-    Entry, Hash, HashStore, ReleaseProofs, StageReleaseProof, Tile, TILE_HEIGHT,
+    Entry, EntryProof, Hash, HashStore, ReleaseProofs, StageReleaseProof, Tile, TILE_HEIGHT,
 };
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -313,12 +313,15 @@ impl Log {
 
     /// Proofs that each of `stages` (index, measurement in pinned form,
     /// layers), serving the model of manifest `manifest`, is a release
-    /// entry of this log, against the stored checkpoint; `None` when one
-    /// is not logged (the bundle then carries no proofs).
+    /// entry of this log, and that `key_set` (an entry's bytes) is one,
+    /// against the stored checkpoint; `None` when a stage is not logged
+    /// (the bundle then carries no proofs), no key-set proof when the key
+    /// set is not.
     pub fn release_proofs(
         &mut self,
         stages: &[(u32, &str, [u32; 2])],
         manifest: &proto::digest::Sha256Digest,
+        key_set: Option<&[u8]>,
     ) -> Result<Option<ReleaseProofs>> {
         let note = self.stored_checkpoint()?;
         self.refresh()?;
@@ -337,18 +340,33 @@ impl Log {
                 stage,
                 index,
                 entry: self.entries[index as usize].clone(),
-                proof: self
-                    .hashes
-                    .prove_inclusion(size, index)?
-                    .into_iter()
-                    .map(|h| serde_bytes::ByteBuf::from(h.0.to_vec()))
-                    .collect(),
+                proof: self.path(size, index)?,
             });
         }
+        let key_set =
+            match key_set.and_then(|k| self.entries[..size as usize].iter().position(|e| e == k)) {
+                Some(index) => Some(EntryProof {
+                    index: index as u64,
+                    entry: self.entries[index].clone(),
+                    proof: self.path(size, index as u64)?,
+                }),
+                None => None,
+            };
         Ok(Some(ReleaseProofs {
             checkpoint: note,
             stages: out,
+            key_set,
         }))
+    }
+
+    /// Entry `index`'s inclusion proof in the tree of `size`, as carried.
+    fn path(&self, size: u64, index: u64) -> Result<Vec<serde_bytes::ByteBuf>> {
+        Ok(self
+            .hashes
+            .prove_inclusion(size, index)?
+            .into_iter()
+            .map(|h| serde_bytes::ByteBuf::from(h.0.to_vec()))
+            .collect())
     }
 
     /// A hash tile at `level`, index `n`, `width` hashes (256 when full),

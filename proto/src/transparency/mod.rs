@@ -33,7 +33,7 @@ pub use proof::{
     HashStore, TILE_HEIGHT,
 };
 pub use release_proof::{
-    check_quorum, log_origin, ReleaseProofs, StageReleaseProof, VerifiedStage,
+    check_quorum, log_origin, EntryProof, ReleaseProofs, StageReleaseProof, VerifiedStage,
 };
 pub use tlog_tiles::{
     Checkpoint, Error as TlogError, Hash, RecordProof, Tile, TileReader, TreeProof,

@@ -17,6 +17,43 @@ pub struct ReleaseProofs {
     pub checkpoint: Vec<u8>,
     /// One per stage, in stage order.
     pub stages: Vec<StageReleaseProof>,
+    /// The entry stage's published HPKE key set as a key-set entry, with
+    /// its inclusion proof (gateways before key-set logging send none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_set: Option<EntryProof>,
+}
+
+/// An entry and its inclusion proof against the bundle's checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntryProof {
+    /// The entry's index in the log.
+    pub index: u64,
+    /// The entry's bytes (its leaf).
+    #[serde(with = "serde_bytes")]
+    pub entry: Vec<u8>,
+    /// The inclusion proof: the RFC 6962 path hashes, 32 bytes each.
+    pub proof: Vec<serde_bytes::ByteBuf>,
+}
+
+/// Checks that `entry` is record `index` of the tree `cp` by `proof`.
+fn check_included(
+    cp: &super::Checkpoint,
+    index: u64,
+    entry: &[u8],
+    proof: &[serde_bytes::ByteBuf],
+) -> Result<(), String> {
+    let path = proof
+        .iter()
+        .map(|h| <[u8; 32]>::try_from(&h[..]).map(Hash))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| "a proof hash is not 32 bytes".to_string())?;
+    check_inclusion(&path, cp.size(), *cp.hash(), index, entry).map_err(|_| {
+        format!(
+            "entry {index} is not proven included in {} at size {}",
+            cp.origin(),
+            cp.size()
+        )
+    })
 }
 
 /// One stage's release entry and its inclusion proof.
@@ -96,23 +133,51 @@ impl ReleaseProofs {
                     s.layers[1]
                 )));
             }
-            let path = p
-                .proof
-                .iter()
-                .map(|h| <[u8; 32]>::try_from(&h[..]).map(Hash))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|_| fail("a proof hash is not 32 bytes".into()))?;
-            check_inclusion(&path, cp.size(), *cp.hash(), p.index, &p.entry).map_err(|_| {
-                fail(format!(
-                    "entry {} is not proven included in {origin} at size {}",
-                    p.index,
-                    cp.size()
-                ))
-            })?;
+            check_included(&cp, p.index, &p.entry, &p.proof).map_err(fail)?;
             at.push(p.index);
         }
         Ok(format!(
             "every stage is a release of log {origin} (entries {at:?}), proven included at size {} under the policy's key{witnessed}",
+            cp.size()
+        ))
+    }
+
+    /// Checks that the entry stage's published key set (`published`: the
+    /// signed key-set bytes, or the key list its evidence binds) with the
+    /// key ids `key_ids` is a key-set entry of the policy's log, proven
+    /// included in the bundle's checkpoint (whose signature and witnesses
+    /// [`Self::check`] judges); a summary, or why not.
+    pub fn check_key_set(
+        &self,
+        log: &LogPolicy,
+        published: &[u8],
+        key_ids: &[u8],
+    ) -> Result<String, String> {
+        let origin = log_origin(&log.log_key)?;
+        let cp = verify_checkpoint(&self.checkpoint, &log.log_key, origin)
+            .map_err(|e| format!("the log's checkpoint: {e}"))?;
+        let Some(p) = &self.key_set else {
+            return Err(format!(
+                "the bundle proves no key-set entry: keys {key_ids:?} are not shown logged in {origin}"
+            ));
+        };
+        let Ok(Entry::KeySet(k)) = Entry::from_bytes(&p.entry) else {
+            return Err("the proven entry is not a key-set entry".into());
+        };
+        let digest = Sha256Digest::of(published);
+        if k.key_set_digest != digest || k.key_ids != key_ids {
+            return Err(format!(
+                "entry {} logs the key set {} (keys {:?}), not the one the entry stage publishes, {} (keys {key_ids:?})",
+                p.index,
+                k.key_set_digest.hex(),
+                k.key_ids,
+                digest.hex()
+            ));
+        }
+        check_included(&cp, p.index, &p.entry, &p.proof)?;
+        Ok(format!(
+            "keys {key_ids:?} are key-set entry {} of log {origin}, proven included at size {}",
+            p.index,
             cp.size()
         ))
     }
