@@ -119,16 +119,16 @@ fn warning(mock: bool, debug: bool) -> Option<String> {
     (!parts.is_empty()).then(|| parts.join("; "))
 }
 
-/// `GET /v1/receipts/{id}`: the receipt, and the salt of its digests where
-/// the gateway holds it, to whoever [`Stored::readable_by`] allows; anyone
-/// else gets the same 404 as for an id that was never issued.
-pub(super) async fn get_receipt(
-    State(s): State<AppState>,
+/// The kept receipt `id` if `caller` may read it ([`Stored::readable_by`]);
+/// else the response: the same 404 as for an id never issued, or 503 when
+/// the store cannot be read.
+async fn readable_receipt(
+    s: &AppState,
     caller: Option<Extension<Caller>>,
-    Path(id): Path<String>,
-) -> Response {
+    id: &str,
+) -> Result<Stored, Response> {
     let caller = owner_of(caller);
-    let wanted = hex::decode(&id)
+    let wanted = hex::decode(id)
         .ok()
         .and_then(|b| <[u8; 16]>::try_from(b).ok());
     let found = match wanted {
@@ -137,29 +137,82 @@ pub(super) async fn get_receipt(
             Ok(found) => found,
             Err(e) => {
                 tracing::warn!(error = %format!("{e:#}"), "the receipt store cannot be read");
-                return crate::openai_error::ApiError::receipt_store_unavailable().into_response();
+                return Err(
+                    crate::openai_error::ApiError::receipt_store_unavailable().into_response(),
+                );
             }
         },
     };
-    match found.filter(|kept| kept.readable_by(caller.as_deref())) {
-        Some(Stored {
-            trailer: mut kept, ..
-        }) => {
-            let receipt = std::mem::take(&mut kept.receipt);
-            let mut r = ([(header::CONTENT_TYPE, "application/cose")], receipt).into_response();
-            if let Some(v) = kept
-                .digest_salt
-                .and_then(|salt| HeaderValue::from_str(&hex::encode(salt)).ok())
-            {
-                r.headers_mut().insert(HEADER_RECEIPT_DIGEST_SALT, v);
+    found
+        .filter(|kept| kept.readable_by(caller.as_deref()))
+        .ok_or_else(|| {
+            ApiError {
+                code: Some("receipt_not_found"),
+                ..ApiError::from_stage(404, format!("No receipt {id} is retained here."))
             }
-            r
+            .into_response()
+        })
+}
+
+/// `GET /v1/receipts/{id}`: the receipt, and the salt of its digests where
+/// the gateway holds it, to whoever [`Stored::readable_by`] allows; anyone
+/// else gets the same 404 as for an id that was never issued.
+pub(super) async fn get_receipt(
+    State(s): State<AppState>,
+    caller: Option<Extension<Caller>>,
+    Path(id): Path<String>,
+) -> Response {
+    let mut kept = match readable_receipt(&s, caller, &id).await {
+        Ok(Stored { trailer, .. }) => trailer,
+        Err(r) => return r,
+    };
+    let receipt = std::mem::take(&mut kept.receipt);
+    let mut r = ([(header::CONTENT_TYPE, "application/cose")], receipt).into_response();
+    if let Some(v) = kept
+        .digest_salt
+        .and_then(|salt| HeaderValue::from_str(&hex::encode(salt)).ok())
+    {
+        r.headers_mut().insert(HEADER_RECEIPT_DIGEST_SALT, v);
+    }
+    r
+}
+
+/// `GET /v1/receipts/{id}/inclusion`: an RFC 9942 COSE receipt that the
+/// receipt's digest is in the transparency log, against its latest
+/// checkpoint; 404 `receipt_not_logged` (with `Retry-After`) until its
+/// batch is appended, or when receipts are not logged.
+pub(super) async fn receipt_inclusion(
+    State(s): State<AppState>,
+    caller: Option<Extension<Caller>>,
+    Path(id): Path<String>,
+) -> Response {
+    let kept = match readable_receipt(&s, caller, &id).await {
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    let not_logged = |why: &str| {
+        let mut r = ApiError {
+            code: Some("receipt_not_logged"),
+            ..ApiError::from_stage(404, format!("Receipt {id} {why}."))
         }
-        None => ApiError {
-            code: Some("receipt_not_found"),
-            ..ApiError::from_stage(404, format!("No receipt {id} is retained here."))
+        .into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        r
+    };
+    let (Some(log), Some(_)) = (s.transparency.clone(), &s.service.receipt_log) else {
+        return not_logged("is not logged: this gateway does not log receipts");
+    };
+    let leaf = crate::transparency::receipts::receipt_entry(&kept.trailer.receipt);
+    match tokio::task::spawn_blocking(move || log.lock().unwrap().inclusion_receipt(&leaf)).await
+    {
+        Ok(Ok(Some(cose))) => ([(header::CONTENT_TYPE, "application/cose")], cose).into_response(),
+        Ok(Ok(None)) => not_logged("is not in the log's latest checkpoint yet"),
+        Ok(Err(e)) => {
+            tracing::error!(error = %format!("{e:#}"), "transparency log read failed");
+            ApiError::internal("the transparency log could not be read").into_response()
         }
-        .into_response(),
+        Err(e) => ApiError::internal(&e.to_string()).into_response(),
     }
 }
 

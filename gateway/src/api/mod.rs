@@ -20,7 +20,10 @@ use std::sync::Arc;
 mod info;
 mod models;
 
-use info::{attestation, get_model, get_receipt, hpke_keys, list_models, metrics_handler, readyz};
+use info::{
+    attestation, get_model, get_receipt, hpke_keys, list_models, metrics_handler, readyz,
+    receipt_inclusion,
+};
 use models::{embeddings_handler, model_route, owner_of};
 
 /// Response header carrying the receipt id (hex).
@@ -97,6 +100,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/v1/receipts/{id}", get(get_receipt))
+        .route("/v1/receipts/{id}/inclusion", get(receipt_inclusion))
         // Inside the key check (the later route_layer runs first): a
         // request without a valid key never takes an in-flight permit.
         .route_layer(axum::middleware::from_fn_with_state(

@@ -256,7 +256,17 @@ pub(super) async fn serve(args: ServeArgs) -> Result<()> {
         .for_route(timeouts::COMPLETIONS)
         .max(routes.for_route(timeouts::EMBEDDINGS));
     let routes = std::sync::Arc::new(routes);
+    let receipt_log = match (&transparency, &cfg.transparency) {
+        (Some(log), Some(t)) if t.log_receipts => {
+            Some(crate::transparency::receipts::ReceiptLogger::spawn(
+                log.clone(),
+                Duration::from_millis(t.receipt_batch_ms),
+            ))
+        }
+        _ => None,
+    };
     let service = std::sync::Arc::new(service::Service {
+        receipt_log,
         embeddings: pipeline.clone(),
         completions,
         gateway_key,

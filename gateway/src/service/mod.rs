@@ -44,6 +44,9 @@ pub struct Service {
     pub gateway_key: Arc<GatewayKey>,
     /// Recent receipts.
     pub receipts: Arc<ReceiptStore>,
+    /// Where kept receipts' digests are logged (`[transparency]
+    /// log_receipts`).
+    pub receipt_log: Option<crate::transparency::receipts::ReceiptLogger>,
     /// Prometheus metrics.
     pub metrics: Arc<Metrics>,
     /// Every route's deadline; a request's deadline in the pipeline, and a
@@ -201,7 +204,15 @@ impl Service {
     /// answer's headers carry the receipt too.)
     async fn keep(&self, owner: &Owner, w: &WholeAnswer) {
         if let Some((id, trailer)) = &w.receipt {
-            keep_receipt(&self.receipts, &self.metrics, *id, trailer.clone(), owner).await;
+            keep_receipt(
+                &self.receipts,
+                self.receipt_log.as_ref(),
+                &self.metrics,
+                *id,
+                trailer.clone(),
+                owner,
+            )
+            .await;
         }
     }
 }
@@ -210,11 +221,15 @@ impl Service {
 /// request: the client has the receipt in the answer.
 async fn keep_receipt(
     receipts: &ReceiptStore,
+    log: Option<&crate::transparency::receipts::ReceiptLogger>,
     metrics: &Metrics,
     id: [u8; 16],
     trailer: ReceiptTrailer,
     owner: &Owner,
 ) {
+    if let Some(log) = log {
+        log.log(&trailer.receipt);
+    }
     let stored = Stored {
         trailer,
         owner: owner.as_deref().map(str::to_string),

@@ -48,6 +48,7 @@ impl Service {
         let idle = self.routes.for_route(crate::timeouts::COMPLETIONS);
         let kept_for = Kept {
             receipts: self.receipts.clone(),
+            log: self.receipt_log.clone(),
             id: receipt_id,
             owner: owner.clone(),
         };
@@ -63,6 +64,7 @@ impl Service {
 /// Where a stream's receipt is kept, under which id, and whose it is.
 struct Kept {
     receipts: Arc<ReceiptStore>,
+    log: Option<crate::transparency::receipts::ReceiptLogger>,
     id: [u8; 16],
     owner: Owner,
 }
@@ -137,6 +139,7 @@ async fn pump(
             };
             keep_receipt(
                 &kept_for.receipts,
+                kept_for.log.as_ref(),
                 &metrics,
                 kept_for.id,
                 trailer,

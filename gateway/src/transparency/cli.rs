@@ -51,6 +51,28 @@ pub enum LogCommand {
         #[arg(long)]
         dir: PathBuf,
     },
+    /// Print, as JSON, the size of an RFC 9942 receipt and of a checkpoint
+    /// for a tree of N entries (scripts/bench_transparency.sh).
+    #[command(hide = true)]
+    ReceiptSize {
+        /// The tree's size.
+        #[arg(long)]
+        entries: u64,
+    },
+}
+
+/// The length of the inclusion path of record `index` in a tree of `size`
+/// (RFC 9162 §2.1.3).
+fn path_len(size: u64, index: u64) -> usize {
+    if size <= 1 {
+        return 0;
+    }
+    let k = 1u64 << (63 - (size - 1).leading_zeros());
+    if index < k {
+        1 + path_len(k, index)
+    } else {
+        1 + path_len(size - k, index - k)
+    }
 }
 
 /// `gateway log add-release`
@@ -93,6 +115,22 @@ pub fn run(cmd: LogCommand) -> Result<()> {
                 let bytes = log.entry(i).expect("below the size");
                 println!("{}", describe(i, bytes));
             }
+        }
+        LogCommand::ReceiptSize { entries } => {
+            anyhow::ensure!(entries > 0, "--entries must be at least 1");
+            let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
+            let origin = "bench.example/log";
+            let hashes = path_len(entries, 0);
+            let path = vec![proto::transparency::Hash([0xab; 32]); hashes];
+            let root = proto::transparency::Hash([0xcd; 32]);
+            let receipt =
+                proto::transparency::sign_inclusion_receipt(&key, origin, entries, 0, &path, root);
+            let note = proto::transparency::sign_checkpoint(&key, origin, entries, root)?;
+            println!(
+                "{}",
+                json!({"entries": entries, "path_hashes": hashes,
+                       "receipt_bytes": receipt.len(), "checkpoint_bytes": note.len()})
+            );
         }
     }
     Ok(())
@@ -175,5 +213,19 @@ pub fn describe(index: u64, bytes: &[u8]) -> serde_json::Value {
         Err(e) => {
             json!({"index": index, "kind": "unreadable", "error": e, "bytes": hex::encode(bytes)})
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn inclusion_path_lengths_are_rfc9162s() {
+        use super::path_len;
+        assert_eq!(
+            [1, 2, 3, 4, 5, 8, 9].map(|n| path_len(n, 0)),
+            [0, 1, 2, 2, 3, 3, 4]
+        );
+        assert_eq!(path_len(5, 4), 1);
+        assert_eq!(path_len(10_000_000, 0), 24);
     }
 }

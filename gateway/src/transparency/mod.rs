@@ -7,6 +7,7 @@
 
 pub mod cli;
 pub mod http;
+pub mod receipts;
 pub mod releases;
 pub mod store;
 pub mod witness;

@@ -42,6 +42,19 @@ pub struct TransparencyConfig {
     /// not cosigned it (seconds).
     #[serde(default = "default_witness_interval")]
     pub witness_interval_secs: u64,
+    /// Log the digest of every receipt the gateway keeps (never its
+    /// content); `GET /v1/receipts/{id}/inclusion` then serves an RFC 9942
+    /// COSE receipt of its inclusion.
+    #[serde(default)]
+    pub log_receipts: bool,
+    /// With `log_receipts`: receipts are appended in batches, one every
+    /// this many milliseconds at most (one fsync and checkpoint each).
+    #[serde(default = "default_receipt_batch")]
+    pub receipt_batch_ms: u64,
+}
+
+fn default_receipt_batch() -> u64 {
+    100
 }
 
 /// `[[transparency.witnesses]]`: one witness.

@@ -19,9 +19,11 @@
 
 use anyhow::{bail, Context, Result};
 use proto::transparency::{
-    add_cosignatures, join_bundle, note_text, sign_checkpoint, verifier_key, verify_checkpoint,
+    add_cosignatures, join_bundle, note_text, sign_checkpoint, sign_inclusion_receipt, verifier_key, verify_checkpoint,
     Entry, EntryProof, Hash, HashStore, ReleaseProofs, StageReleaseProof, Tile, TILE_HEIGHT,
 };
+use proto::digest::Sha256Digest;
+use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -33,6 +35,10 @@ pub struct Log {
     origin: String,
     key: ed25519_dalek::SigningKey,
     entries: Vec<Vec<u8>>,
+    /// The first index of each entry's bytes (by digest).
+    index: HashMap<[u8; 32], u64>,
+    /// The indexes of the release entries, in order.
+    releases: Vec<u64>,
     /// Bytes of `entries` read so far (whole records only).
     read_bytes: u64,
     hashes: HashStore,
@@ -97,6 +103,8 @@ impl Log {
             origin: origin.to_string(),
             key,
             entries: Vec::new(),
+            index: HashMap::new(),
+            releases: Vec::new(),
             read_bytes: 0,
             hashes: HashStore::new(),
         };
@@ -124,6 +132,8 @@ impl Log {
             origin,
             key: ed25519_dalek::SigningKey::from_bytes(&seed),
             entries: Vec::new(),
+            index: HashMap::new(),
+            releases: Vec::new(),
             read_bytes: 0,
             hashes: HashStore::new(),
         };
@@ -171,9 +181,7 @@ impl Log {
             if at + 2 + n > raw.len() {
                 break;
             }
-            let leaf = raw[at + 2..at + 2 + n].to_vec();
-            self.hashes.append(&leaf)?;
-            self.entries.push(leaf);
+            self.push_entry(raw[at + 2..at + 2 + n].to_vec())?;
             at += 2 + n;
         }
         self.read_bytes += at as u64;
@@ -228,11 +236,27 @@ impl Log {
         let first = self.size();
         self.read_bytes += buf.len() as u64;
         for leaf in leaves {
-            self.hashes.append(leaf)?;
-            self.entries.push(leaf.clone());
+            self.push_entry(leaf.clone())?;
         }
         self.write_checkpoint()?;
         Ok(first)
+    }
+
+    /// Takes a read or appended entry into the tree and the indexes.
+    fn push_entry(&mut self, leaf: Vec<u8>) -> Result<()> {
+        self.hashes.append(&leaf)?;
+        let at = self.entries.len() as u64;
+        self.index.entry(Sha256Digest::of(&leaf).0).or_insert(at);
+        if matches!(Entry::from_bytes(&leaf), Ok(Entry::Release(_))) {
+            self.releases.push(at);
+        }
+        self.entries.push(leaf);
+        Ok(())
+    }
+
+    /// The index of the first entry with exactly these bytes.
+    pub fn index_of(&self, leaf: &[u8]) -> Option<u64> {
+        self.index.get(&Sha256Digest::of(leaf).0).copied()
     }
 
     /// Appends the entries of `leaves` that the log does not hold yet (the
@@ -242,8 +266,8 @@ impl Log {
         let mut out = Vec::with_capacity(leaves.len());
         let mut new = Vec::new();
         for leaf in leaves {
-            match self.entries.iter().position(|e| e == leaf) {
-                Some(i) => out.push(i as u64),
+            match self.index_of(leaf) {
+                Some(i) => out.push(i),
                 None => {
                     out.push(u64::MAX);
                     new.push(leaf.clone());
@@ -254,11 +278,7 @@ impl Log {
             self.append(&new)?;
             for (slot, leaf) in out.iter_mut().zip(leaves) {
                 if *slot == u64::MAX {
-                    *slot = self
-                        .entries
-                        .iter()
-                        .position(|e| e == leaf)
-                        .expect("appended") as u64;
+                    *slot = self.index_of(leaf).expect("appended");
                 }
             }
         }
@@ -328,10 +348,15 @@ impl Log {
         let size = verify_checkpoint(&note, &self.vkey(), &self.origin)?.size();
         let mut out = Vec::new();
         for &(stage, measurement, layers) in stages {
-            let found = self.entries[..size as usize].iter().position(|e| {
-                matches!(Entry::from_bytes(e), Ok(Entry::Release(r))
-                    if r.is_release_of(measurement, manifest, layers))
-            });
+            let found = self
+                .releases
+                .iter()
+                .map(|&i| i as usize)
+                .take_while(|&i| i < size as usize)
+                .find(|&i| {
+                    matches!(Entry::from_bytes(&self.entries[i]), Ok(Entry::Release(r))
+                        if r.is_release_of(measurement, manifest, layers))
+                });
             let Some(index) = found else {
                 return Ok(None);
             };
@@ -343,20 +368,40 @@ impl Log {
                 proof: self.path(size, index)?,
             });
         }
-        let key_set =
-            match key_set.and_then(|k| self.entries[..size as usize].iter().position(|e| e == k)) {
-                Some(index) => Some(EntryProof {
-                    index: index as u64,
-                    entry: self.entries[index].clone(),
-                    proof: self.path(size, index as u64)?,
-                }),
-                None => None,
-            };
+        let key_set = match key_set.and_then(|k| self.index_of(k)).filter(|&i| i < size) {
+            Some(index) => Some(EntryProof {
+                index,
+                entry: self.entries[index as usize].clone(),
+                proof: self.path(size, index)?,
+            }),
+            None => None,
+        };
         Ok(Some(ReleaseProofs {
             checkpoint: note,
             stages: out,
             key_set,
         }))
+    }
+
+    /// An RFC 9942 COSE receipt of the inclusion of the entry `leaf` in
+    /// the tree of the stored checkpoint; `None` while it is not in that
+    /// tree.
+    pub fn inclusion_receipt(&mut self, leaf: &[u8]) -> Result<Option<Vec<u8>>> {
+        let note = self.stored_checkpoint()?;
+        self.refresh()?;
+        let cp = verify_checkpoint(&note, &self.vkey(), &self.origin)?;
+        let Some(index) = self.index_of(leaf).filter(|&i| i < cp.size()) else {
+            return Ok(None);
+        };
+        let path = self.hashes.prove_inclusion(cp.size(), index)?;
+        Ok(Some(sign_inclusion_receipt(
+            &self.key,
+            &self.origin,
+            cp.size(),
+            index,
+            &path,
+            *cp.hash(),
+        )))
     }
 
     /// Entry `index`'s inclusion proof in the tree of `size`, as carried.

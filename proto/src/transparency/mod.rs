@@ -8,6 +8,7 @@
 //! crates; this module only fixes what goes in a leaf and thin wrappers.
 
 mod checkpoint;
+mod cose_receipt;
 mod cosignature;
 mod entry;
 mod paths;
@@ -21,6 +22,9 @@ mod witness_wire;
 
 pub use checkpoint::{
     sign_checkpoint, signer_key, verifier_key, verify_checkpoint, CheckpointError,
+};
+pub use cose_receipt::{
+    root_from_inclusion, sign_inclusion_receipt, verify_inclusion_receipt, ProvenInclusion,
 };
 pub use cosignature::{
     add_cosignatures, cosigner_key, note_text, parse_cosigner_key, verify_cosignatures,
