@@ -28,7 +28,14 @@ fn scitt_cose(receipt: &std::path::Path, entry: &[u8], vkey: &str) -> Option<ser
     }
     let out = Command::new("python3")
         .arg(common::root().join("scripts/verify_cose_receipt.py"))
-        .args(["--receipt", p(receipt), "--entry-hex", &hex::encode(entry), "--vkey", vkey])
+        .args([
+            "--receipt",
+            p(receipt),
+            "--entry-hex",
+            &hex::encode(entry),
+            "--vkey",
+            vkey,
+        ])
         .output()
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)
@@ -122,7 +129,10 @@ async fn receipts_are_logged_by_digest_and_proven_with_rfc9942_receipts() {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .filter(|e| e["kind"] == "receipt")
         .collect();
-    assert!(receipts.len() >= ids.len(), "{listed}\n(before: {entries_before})");
+    assert!(
+        receipts.len() >= ids.len(),
+        "{listed}\n(before: {entries_before})"
+    );
     for e in &receipts {
         let keys: Vec<&str> = e.as_object().unwrap().keys().map(String::as_str).collect();
         assert_eq!(keys, ["index", "kind", "receipt_sha256"], "{e}");
@@ -134,7 +144,12 @@ async fn receipts_are_logged_by_digest_and_proven_with_rfc9942_receipts() {
     let leaf = gateway::transparency::receipts::receipt_entry(b"x");
     assert!(matches!(Entry::from_bytes(&leaf), Ok(Entry::Receipt(_))));
     // An id never issued: the receipt store's 404, not the log's.
-    let r = http_get(&format!("{}/v1/receipts/{}/inclusion", gw.url, "00".repeat(16))).await;
+    let r = http_get(&format!(
+        "{}/v1/receipts/{}/inclusion",
+        gw.url,
+        "00".repeat(16)
+    ))
+    .await;
     assert_eq!(r.status(), 404);
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["error"]["code"], "receipt_not_found", "{body}");

@@ -138,7 +138,7 @@ async fn readable_receipt(
             Err(e) => {
                 tracing::warn!(error = %format!("{e:#}"), "the receipt store cannot be read");
                 return Err(
-                    crate::openai_error::ApiError::receipt_store_unavailable().into_response(),
+                    crate::openai_error::ApiError::receipt_store_unavailable().into_response()
                 );
             }
         },
@@ -204,15 +204,14 @@ pub(super) async fn receipt_inclusion(
         return not_logged("is not logged: this gateway does not log receipts");
     };
     let leaf = crate::transparency::receipts::receipt_entry(&kept.trailer.receipt);
-    match tokio::task::spawn_blocking(move || log.lock().unwrap().inclusion_receipt(&leaf)).await
-    {
+    match tokio::task::spawn_blocking(move || log.lock().unwrap().inclusion_receipt(&leaf)).await {
         Ok(Ok(Some(cose))) => ([(header::CONTENT_TYPE, "application/cose")], cose).into_response(),
         Ok(Ok(None)) => not_logged("is not in the log's latest checkpoint yet"),
         Ok(Err(e)) => {
             tracing::error!(error = %format!("{e:#}"), "transparency log read failed");
             ApiError::internal("the transparency log could not be read").into_response()
         }
-        Err(e) => ApiError::internal(&e.to_string()).into_response(),
+        Err(e) => ApiError::internal(e.to_string()).into_response(),
     }
 }
 

@@ -57,7 +57,9 @@ async fn run(log: Arc<Mutex<Log>>, mut rx: mpsc::UnboundedReceiver<Vec<u8>>, bat
         let log = log.clone();
         match tokio::task::spawn_blocking(move || log.lock().unwrap().append(&leaves)).await {
             Ok(Ok(size)) => tracing::debug!(entries = n, size, "receipts logged"),
-            Ok(Err(e)) => tracing::error!(entries = n, error = %format!("{e:#}"), "receipts not logged"),
+            Ok(Err(e)) => {
+                tracing::error!(entries = n, error = %format!("{e:#}"), "receipts not logged")
+            }
             Err(e) => tracing::error!(entries = n, error = %e, "receipts not logged"),
         }
     }

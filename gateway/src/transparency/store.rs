@@ -18,11 +18,12 @@
 //! [`Log::refresh`] reads what other processes appended since.
 
 use anyhow::{bail, Context, Result};
-use proto::transparency::{
-    add_cosignatures, join_bundle, note_text, sign_checkpoint, sign_inclusion_receipt, verifier_key, verify_checkpoint,
-    Entry, EntryProof, Hash, HashStore, ReleaseProofs, StageReleaseProof, Tile, TILE_HEIGHT,
-};
 use proto::digest::Sha256Digest;
+use proto::transparency::{
+    add_cosignatures, join_bundle, note_text, sign_checkpoint, sign_inclusion_receipt,
+    verifier_key, verify_checkpoint, Entry, EntryProof, Hash, HashStore, ReleaseProofs,
+    StageReleaseProof, Tile, TILE_HEIGHT,
+};
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};

@@ -12,7 +12,7 @@
 use super::{log_origin, Hash};
 use base64::Engine as _;
 use ciborium::Value;
-use coset::{iana, CborSerializable, CoseSign1, CoseSign1Builder, HeaderBuilder, Label};
+use coset::{iana, CoseSign1, CoseSign1Builder, HeaderBuilder, Label, TaggedCborSerializable};
 use ed25519_dalek::{Signer as _, SigningKey, VerifyingKey};
 use sha2::{Digest as _, Sha256};
 
@@ -70,7 +70,7 @@ pub fn root_from_inclusion(size: u64, index: u64, leaf: &[u8], path: &[Hash]) ->
 
 /// The log's key id as its signed-note verifier key states it (4 bytes).
 fn key_id(vkey: &str) -> Option<[u8; 4]> {
-    let id = vkey.splitn(3, '+').nth(1)?;
+    let id = vkey.split('+').nth(1)?;
     let raw = hex::decode(id).ok()?;
     raw.try_into().ok()
 }
@@ -134,7 +134,7 @@ pub struct ProvenInclusion {
     pub root: Hash,
 }
 
-fn header<'a>(rest: &'a [(Label, Value)], label: i64) -> Option<&'a Value> {
+fn header(rest: &[(Label, Value)], label: i64) -> Option<&Value> {
     rest.iter()
         .find(|(l, _)| *l == Label::Int(label))
         .map(|(_, v)| v)
@@ -158,7 +158,11 @@ pub fn verify_inclusion_receipt(
         .ok_or("the log key is not an Ed25519 signed-note key")?;
     let s = CoseSign1::from_tagged_slice(receipt).map_err(|e| format!("not a COSE_Sign1: {e}"))?;
     let p = &s.protected.header;
-    if p.alg != Some(coset::RegisteredLabelWithPrivate::Assigned(iana::Algorithm::EdDSA)) {
+    if p.alg
+        != Some(coset::RegisteredLabelWithPrivate::Assigned(
+            iana::Algorithm::EdDSA,
+        ))
+    {
         return Err("the receipt is not signed with EdDSA".into());
     }
     if header(&p.rest, HDR_VDS) != Some(&Value::Integer(VDS_RFC9162_SHA256.into())) {

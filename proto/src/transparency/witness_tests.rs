@@ -221,3 +221,20 @@ fn add_checkpoint_bodies_round_trip_and_malformed_ones_are_refused() {
         assert_eq!(parse_decimal(bad), None, "{bad:?}");
     }
 }
+
+#[test]
+fn the_python_verifiers_fixed_vector_is_ours() {
+    // scripts/tlog_verify_selftest.py, written from the C2SP texts alone,
+    // fixes this witness key and cosignature (seed 32 x 0x02).
+    let w = witness("w.example/1", 2, 1_679_315_147);
+    assert_eq!(
+        w.vkey(),
+        "w.example/1+c9fde0ca+BIE5dw6ofRdfVqNUZsNMfszLjYqRtO43ol32D1uPybOU"
+    );
+    let note = "example.com/behind-the-sofa\n20852163\nCsUYapGGPo4dkMgIAUqom/Xajj7h2fB2MPA3j2jxq2I=\n\n\
+                — example.com/behind-the-sofa Az3grlgtzPICa5OS8npVmf1Myq/5IZniMp+ZJurmRDeOoRDe4URYN7u5/Zhcyv2q1gGzGku9nTo+zyWE+xeMcTOAYQ8=\n";
+    assert_eq!(
+        w.cosign(note.as_bytes()).unwrap(),
+        "— w.example/1 yf3gygAAAABkGFDLUwBLV8e4tjvb6qEHiNTQjDZIX+7tvd038taw9A7W/cQ7ZhSah0uJMOI6CTPez5qwHtE49MrkWhU349mtYmi3Dw==\n"
+    );
+}
