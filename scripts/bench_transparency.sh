@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What logging every receipt costs (issue 49): embeddings throughput at
 # C = 1, 8, 64 through the real gateway (2 stages, the configured setup) with
-# [transparency] on and `log_receipts` off, then on, interleaved (off, on,
-# off, on ...) so that drift on a shared machine hits both alike; the same
+# [transparency] on and `log_receipts` off and on, interleaved (off, on,
+# then on, off ...) so that drift on a shared machine hits both alike; the same
 # binaries, each run with a fresh log. Also the size of an RFC 9942 COSE
 # receipt for trees of 10^3 ... 10^7 entries (`gateway log receipt-size`:
 # a real receipt signed over a proof of that tree's length). Writes
@@ -21,7 +21,11 @@ cargo build --release --bin gateway --bin enclave-stage
 cargo build --release -p gateway --example bench_embeddings
 EMB=(--threads-per-stage 2 --token-budget 4096 --weights bf16 --rounds 3 --baseline-threads 2 --baseline-secs 3)
 for pass in $(seq 1 "$PASSES"); do
-  for mode in off on; do
+  # Odd passes run off first, even passes on first: drift within a pass
+  # hits both sides alike.
+  order=(off on)
+  (( pass % 2 == 1 )) || order=(on off)
+  for mode in "${order[@]}"; do
     run="$mode-$pass"
     python3 - config/gateway.toml "$OUT/$run.toml" "$mode" "$PWD/$OUT/log-$run" <<'PY'
 import re, sys

@@ -70,7 +70,8 @@ def main():
         "# Transparency log: what logging every receipt costs",
         "",
         f"Machine: {result['machine']}; {result['when']}; commit `{a.commit}`.",
-        f"{len(passes)} passes, each `log_receipts = false` then `true` (the same binaries, "
+        f"{len(passes)} passes, `log_receipts = false` and `true` in turn (odd passes off first, even "
+        "passes on first; the same binaries, "
         "`[transparency]` on in both, a fresh log per run; embeddings: 2 stages, 2 threads per "
         "stage, token budget 4096, bf16, best of 3 rounds, one sentence per request).",
         "",
@@ -83,7 +84,12 @@ def main():
             f"{', '.join(f'{v:.1f}' for v in r['on'])} | {r['off_median']:.1f} | "
             f"{r['on_median']:.1f} | {r['on_over_off']:.3f} |"
         )
-    verdict = "met" if c64["on_over_off"] >= 0.95 else "missed"
+    spread64 = (max(c64["off"]) - min(c64["off"])) / c64["off_median"]
+    if abs(1 - c64["on_over_off"]) <= spread64:
+        verdict = (f"inside this run's noise at C = 64 ({spread64 * 100:.1f} % spread of the off "
+                   "passes), so neither met nor missed: rerun on an idle machine with more passes")
+    else:
+        verdict = "met" if c64["on_over_off"] >= 0.95 else "missed"
     lines += [
         "",
         f"Goal (issue 49): logging every receipt costs at most 5 % of embeddings throughput at "
