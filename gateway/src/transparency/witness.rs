@@ -94,16 +94,21 @@ pub fn run(cmd: WitnessCommand) -> Result<i32> {
     Ok(0)
 }
 
-fn load_key(path: &Path, time: u64) -> Result<Cosigner> {
+fn read_key(path: &Path) -> Result<(String, ed25519_dalek::SigningKey)> {
     let text = fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let (name, key) = parse_cosigner_key(&text).with_context(|| path.display().to_string())?;
+    parse_cosigner_key(&text).with_context(|| path.display().to_string())
+}
+
+fn load_key(path: &Path, time: u64) -> Result<Cosigner> {
+    let (name, key) = read_key(path)?;
     Ok(Cosigner::new(&name, key, time)?)
 }
 
 /// What the witness holds: its key file, the logs it watches and their
 /// latest cosigned checkpoints (one lock: check and persist are atomic).
 struct Witness {
-    key: PathBuf,
+    /// The witness's name and key, read once at start.
+    key: (String, ed25519_dalek::SigningKey),
     logs: HashMap<String, String>,
     dir: PathBuf,
     latest: Mutex<HashMap<String, Checkpoint>>,
@@ -116,7 +121,7 @@ fn state_file(dir: &Path, origin: &str) -> PathBuf {
 
 impl Witness {
     fn open(a: &ServeArgs) -> Result<Self> {
-        load_key(&a.key, 0)?;
+        let key = read_key(&a.key)?;
         fs::create_dir_all(&a.state)?;
         let lock = OpenOptions::new()
             .create(true)
@@ -139,7 +144,7 @@ impl Witness {
             logs.insert(origin, vkey.clone());
         }
         Ok(Self {
-            key: a.key.clone(),
+            key,
             logs,
             dir: a.state.clone(),
             latest: Mutex::new(latest),
@@ -206,8 +211,9 @@ impl Witness {
             tracing::error!(error = %format!("{e:#}"), "witness state not written");
             (StatusCode::INTERNAL_SERVER_ERROR, "internal error\n".into())
         };
-        let line = load_key(&self.key, now)
-            .and_then(|k| Ok(k.cosign(&req.checkpoint)?))
+        let line = Cosigner::new(&self.key.0, self.key.1.clone(), now)
+            .and_then(|k| k.cosign(&req.checkpoint))
+            .map_err(anyhow::Error::from)
             .map_err(internal)?;
         persist(&state_file(&self.dir, origin), &req.checkpoint).map_err(internal)?;
         tracing::info!(log = origin, size = cp.size(), "cosigned");

@@ -14,7 +14,7 @@ use base64::Engine as _;
 use ciborium::Value;
 use coset::{iana, CoseSign1, CoseSign1Builder, HeaderBuilder, Label, TaggedCborSerializable};
 use ed25519_dalek::{Signer as _, SigningKey, VerifyingKey};
-use sha2::{Digest as _, Sha256};
+use tlog_tiles::{node_hash, record_hash};
 
 /// Protected header label: verifiable data structure.
 pub const HDR_VDS: i64 = 395;
@@ -27,40 +27,25 @@ const VDP_INCLUSION: i64 = -1;
 /// Protected header label: CWT claims (RFC 9597).
 const HDR_CWT_CLAIMS: i64 = 15;
 
-fn leaf_hash(entry: &[u8]) -> Hash {
-    let mut h = Sha256::new();
-    h.update([0u8]);
-    h.update(entry);
-    Hash(h.finalize().into())
-}
-
-fn node_hash(left: &Hash, right: &Hash) -> Hash {
-    let mut h = Sha256::new();
-    h.update([1u8]);
-    h.update(left.0);
-    h.update(right.0);
-    Hash(h.finalize().into())
-}
-
 /// The root an RFC 9162 inclusion proof gives for the entry `leaf` at
 /// `index` of a tree of `size` (§2.1.3.2); `None` for a malformed proof.
 pub fn root_from_inclusion(size: u64, index: u64, leaf: &[u8], path: &[Hash]) -> Option<Hash> {
     if index >= size {
         return None;
     }
-    let (mut f, mut s, mut r) = (index, size - 1, leaf_hash(leaf));
+    let (mut f, mut s, mut r) = (index, size - 1, record_hash(leaf));
     for p in path {
         if s == 0 {
             return None;
         }
         if f & 1 == 1 || f == s {
-            r = node_hash(p, &r);
+            r = node_hash(*p, r);
             while f & 1 == 0 && f != 0 {
                 f >>= 1;
                 s >>= 1;
             }
         } else {
-            r = node_hash(&r, p);
+            r = node_hash(r, *p);
         }
         f >>= 1;
         s >>= 1;
