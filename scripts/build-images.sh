@@ -16,25 +16,33 @@
 # container reports; it does not trust the local build. The stage image's
 # own policy accepts neighbours of its own measurement.
 #
-# Usage: scripts/build-images.sh [--tag TAG] [--prefix PREFIX]
+# Usage: scripts/build-images.sh [--tag TAG] [--prefix PREFIX] [--log DIR]
 #   TAG     image tag (default: latest)
 #   PREFIX  image name prefix (default: confidential-inference)
+#   DIR     a transparency log's folder: the stage image's release (its mock
+#           measurement, layers and manifest) is appended to it with `gateway
+#           log add-release --mock`, from target/images/$TAG/build-record.json
+#           (scripts/build_record.py), so that a client can pin the images
+#           with `gateway policy pin --log-key` (docs/transparency.md)
 # Environment: MODEL_DIR (default models/all-minilm-l6-v2, from scripts/setup.sh).
 #
 # Writes target/images/$TAG/: policy.toml (the gateway's policy; the stage's
 # is stage/config/policy.toml), measurement
 # (mock:<hex>), images.env (IMAGE_PREFIX, IMAGE_TAG, STAGE_IMAGE,
-# GATEWAY_IMAGE, MEASUREMENT) and the two build contexts.
+# GATEWAY_IMAGE, MEASUREMENT), build-record.json (what the stage image was
+# built from) and the two build contexts.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 TAG=latest
 PREFIX=confidential-inference
+LOG_DIR=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --tag) TAG="$2"; shift 2 ;;
     --prefix) PREFIX="$2"; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    --log) LOG_DIR="$2"; shift 2 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -127,6 +135,28 @@ $(stage_tables "\"$MEASUREMENT\"")
 EOF
 cp "$OUT/policy.toml" "$OUT/gateway/policy.toml"
 echo "$MEASUREMENT" >"$OUT/measurement"
+
+# The stage image's build record: what it was built from, for a rebuild to
+# compare and for the log's release entry.
+COMMIT="$(git rev-parse HEAD 2>/dev/null || true)"
+DIRTY=""
+[[ -z "$COMMIT" ]] || { [[ -z "$(git status --porcelain 2>/dev/null)" ]] && DIRTY=no || DIRTY=yes; }
+python3 scripts/build_record.py write --out "$OUT/build-record.json" --binary "$OUT/stage/enclave-stage" \
+  --model-dir "$OUT/stage/models/$model" --stage-policy "$OUT/stage/config/policy.toml" \
+  --layers 0..3,3..6 --commit "$COMMIT" --dirty "$DIRTY" \
+  --source-date-epoch "${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || echo 0)}" \
+  --command "cargo build --release --locked --target $TARGET -p enclave-stage -p gateway" \
+  --target "$TARGET"
+if [[ -n "$LOG_DIR" ]]; then
+  version=()
+  [[ -n "$COMMIT" ]] || version=(--version "source without git")
+  "$BIN/gateway" log add-release --dir "$LOG_DIR" "$OUT/build-record.json" --mock ${version[@]+"${version[@]}"}
+  # The entries logged are this very measurement's (computed from the files above).
+  "$BIN/gateway" log entries --dir "$LOG_DIR" | grep -q "${MEASUREMENT#mock:}" || {
+    echo "build-images: the log holds no release entry with measurement $MEASUREMENT" >&2
+    exit 1
+  }
+fi
 
 STAGE_IMAGE="$PREFIX/enclave-stage:$TAG"
 GATEWAY_IMAGE="$PREFIX/gateway:$TAG"

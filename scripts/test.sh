@@ -159,7 +159,8 @@ target/py-client-venv/bin/pip install -q --disable-pip-version-check \
   target/wheels/confidential_gateway-*.whl openai==3.54.0
 # (The script's folder holds no package source: the installed wheel is what runs.)
 target/py-client-venv/bin/python client/python/tests/test_client.py \
-  --base-url "$url" --policy "${POLICIES[0]}" --policy "${POLICIES[1]}"
+  --base-url "$url" --policy "${POLICIES[0]}" --policy "${POLICIES[1]}" \
+  --log-key "$(./target/release/gateway log vkey --dir data/transparency)"
 
 if [[ "${CONTAINERS_E2E:-}" == 1 ]]; then
   echo "== containers e2e: ran in cargo test (CONTAINERS_E2E=1; it says SKIPPED above if no Docker engine)"

@@ -15,13 +15,23 @@ fn policy_toml(policy: &Policy, header: &str) -> String {
         t += &format!("manifest_sha256 = {}\n", q(m));
     }
     if let Some(log) = &policy.transparency {
-        t += &format!("\n[transparency]\nlog_key = {}\n", q(&log.log_key));
-        if !log.witnesses.is_empty() {
-            let ws: Vec<String> = log.witnesses.iter().map(|w| q(w)).collect();
+        // Every field, by name: a field added to the policy must be written here.
+        let proto::policy::LogPolicy {
+            log_key,
+            witnesses,
+            witness_quorum,
+            receipts_logged,
+        } = log;
+        t += &format!("\n[transparency]\nlog_key = {}\n", q(log_key));
+        if !witnesses.is_empty() {
+            let ws: Vec<String> = witnesses.iter().map(|w| q(w)).collect();
             t += &format!("witnesses = [{}]\n", ws.join(", "));
         }
-        if let Some(n) = log.witness_quorum {
+        if let Some(n) = witness_quorum {
             t += &format!("witness_quorum = {n}\n");
+        }
+        if *receipts_logged {
+            t += "receipts_logged = true\n";
         }
     }
     for s in &policy.stages {

@@ -78,6 +78,11 @@ pub struct PinArgs {
     /// all of them).
     #[arg(long, requires = "witnesses", value_name = "N")]
     pub witness_quorum: Option<u32>,
+    /// With --log-key: require every receipt to be proven logged (an RFC
+    /// 9942 inclusion receipt from `GET /v1/receipts/{id}/inclusion`; the
+    /// gateway must run with `[transparency] log_receipts = true`).
+    #[arg(long, requires = "log_key")]
+    pub receipts_logged: bool,
     /// The policy file to write (with --all: the folder).
     #[arg(long)]
     pub out: PathBuf,
@@ -114,6 +119,7 @@ fn run_pin(a: PinArgs) -> Result<i32> {
     let log_policy = a.log_key.clone().map(|log_key| LogPolicy {
         witnesses: a.witnesses.clone(),
         witness_quorum: a.witness_quorum,
+        receipts_logged: a.receipts_logged,
         ..LogPolicy::new(log_key)
     });
     if let Some(lp) = &log_policy {

@@ -361,9 +361,13 @@ async fn compose_pipeline_serves_and_survives_a_stage_restart() {
     let p = Project::new();
 
     // Images: static build, measurement computed here, policy baked in.
+    // The stage image's release goes into a transparency log as it is built.
+    let log_dir = common::temp_dir("images-log").join("log");
     let mut build = Command::new(root().join("scripts/build-images.sh"));
     build
         .args(["--tag", &p.tag, "--prefix", PREFIX])
+        .arg("--log")
+        .arg(&log_dir)
         .current_dir(root())
         .stdin(Stdio::null());
     // Not the variables cargo sets for this test: build scripts (ring's)
@@ -393,6 +397,18 @@ async fn compose_pipeline_serves_and_survives_a_stage_restart() {
         .unwrap()
         .trim()
         .to_string();
+    // One release entry per stage, with the measurement computed here.
+    let (code, entries, err) = common::cli(&["log", "entries", "--dir", common::p(&log_dir)]);
+    assert_eq!(code, 0, "{err}");
+    let releases: Vec<serde_json::Value> = entries
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|e| e["kind"] == "release")
+        .collect();
+    assert_eq!(releases.len(), 2, "{entries}");
+    for r in &releases {
+        assert_eq!(r["measurement"], measurement.as_str(), "{r}");
+    }
     let policy_text = std::fs::read_to_string(p.out_dir.join("policy.toml")).unwrap();
     let policy = Policy::from_toml(&policy_text).unwrap();
     assert!(!policy.trust_local_build);

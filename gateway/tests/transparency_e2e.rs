@@ -46,17 +46,7 @@ async fn checkpoint(url: &str, vkey: &str) -> (Vec<u8>, proto::transparency::Che
 /// `gateway policy pin --gateway URL --model MODEL --out OUT EXTRA…`:
 /// (exit code, stdout, stderr).
 fn pin(url: &str, out: &Path, extra: &[&str]) -> (i32, String, String) {
-    let head = [
-        "policy",
-        "pin",
-        "--gateway",
-        url,
-        "--model",
-        MODEL,
-        "--out",
-        p(out),
-    ];
-    cli(&[&head[..], extra].concat())
+    common::policy_pin(url, MODEL, out, extra)
 }
 
 /// `gateway policy pin --log-key VKEY` for MODEL into `out`.

@@ -10,7 +10,9 @@
 
 mod common;
 
-use common::{cli, evidence_bundle, gateway_bin, http_get, p, temp_dir, Gateway, Options};
+use common::{
+    cli, evidence_bundle, gateway_bin, http_get, p, policy_pin, temp_dir, Gateway, Options,
+};
 use proto::policy::Policy;
 use proto::report::CheckStatus;
 use proto::transparency::{
@@ -141,19 +143,12 @@ async fn witnesses_cosign_the_log_and_policies_need_their_quorum() {
     // A policy needing the first witness: pinned, and each bundle checks it.
     let out = dir.join("policy.toml");
     let pin = |extra: &[&str]| {
-        let head = [
-            "policy",
-            "pin",
-            "--gateway",
+        policy_pin(
             &gw.url,
-            "--model",
             MODEL,
-            "--out",
-            p(&out),
-            "--log-key",
-            &vkey,
-        ];
-        cli(&[&head[..], extra].concat())
+            &out,
+            &[&["--log-key", &vkey], extra].concat(),
+        )
     };
     let (code, _, err) = pin(&["--witness", &w1]);
     assert_eq!(code, 0, "{err}");

@@ -149,6 +149,12 @@ pub struct LogPolicy {
     /// How many distinct witnesses must cosign (default: all listed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub witness_quorum: Option<u32>,
+    /// Every receipt must be proven logged: its receipt entry included in
+    /// the log (an RFC 9942 inclusion receipt, `GET
+    /// /v1/receipts/{id}/inclusion`, from a gateway with `[transparency]
+    /// log_receipts = true`) before its answer is accepted.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub receipts_logged: bool,
 }
 
 impl LogPolicy {
@@ -158,6 +164,7 @@ impl LogPolicy {
             log_key,
             witnesses: Vec::new(),
             witness_quorum: None,
+            receipts_logged: false,
         }
     }
 

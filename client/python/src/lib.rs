@@ -7,12 +7,15 @@
 //! Every refusal is raised as one of the exceptions of
 //! `confidential_gateway.errors`, with the proxy's machine-readable code.
 
+use client::log_state::sans_io::{step, Step, TileCache};
+use client::log_state::{check_root, LogState as KeptCheckpoints};
 use client::sealed::{self, Attested, Refused, StreamEnd, StreamOpen};
 use proto::receipt::{ReceiptBody, ReceiptTrailer, VerifyReport};
 use proto::sealing::Aead;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -20,7 +23,7 @@ use std::sync::{Arc, Mutex};
 /// carrying the code, the message and (receipts) the failed check's reason.
 fn raise(py: Python<'_>, code: &str, message: String, reason: Option<&str>) -> PyErr {
     let class = match code {
-        "receipt_verification_failed" => "ReceiptError",
+        "receipt_verification_failed" | "receipt_not_logged" => "ReceiptError",
         "response_unopenable" | "response_not_sealed" | "upstream_status_mismatch" => {
             "ResponseError"
         }
@@ -166,6 +169,107 @@ impl Evidence {
             .collect()
     }
 
+    /// Whether the policy requires every receipt to be proven logged in
+    /// its transparency log (`receipts_logged`).
+    #[getter]
+    fn receipts_logged(&self) -> bool {
+        self.att.receipts_logged()
+    }
+
+    /// Under a log-backed policy: requires the bundle's log checkpoint to
+    /// be consistent with the latest one `state` kept (no split view), and
+    /// keeps the larger. A step: returns `(None, paths)` when tiles (paths
+    /// under the log's `/v1/transparency/`) are needed first: fetch them and
+    /// call again with them added to `tiles`; else `(what it found, [])`
+    /// (`""` without a log). Raises `EvidenceError` on a split view.
+    fn observe_log(
+        &self,
+        py: Python<'_>,
+        state: &LogState,
+        tiles: HashMap<String, Vec<u8>>,
+    ) -> PyResult<(Option<String>, Vec<String>)> {
+        let Some(log) = &self.att.log else {
+            return Ok((Some(String::new()), Vec::new()));
+        };
+        let fail = |e: anyhow::Error| {
+            raise(
+                py,
+                "evidence_not_verified",
+                format!("log consistency: {e:#}"),
+                None,
+            )
+        };
+        let Some(proofs) = &self.att.bundle.transparency else {
+            return Err(fail(anyhow::anyhow!(
+                "the bundle carries no log checkpoint"
+            )));
+        };
+        let cache = TileCache::new(tiles);
+        let mut kept = state.inner.lock().expect("lock");
+        match step(
+            &cache,
+            kept.observe(&log.log_key, &proofs.checkpoint, &cache),
+        )
+        .map_err(fail)?
+        {
+            Step::Done(seen) => Ok((Some(seen.to_string()), Vec::new())),
+            Step::Need(paths) => Ok((None, paths)),
+        }
+    }
+
+    /// Checks `inclusion`, the RFC 9942 inclusion receipt of `receipt` (its
+    /// COSE bytes), against the policy's log key, and the tree it proves
+    /// against the latest checkpoint `state` kept (no split view). A step,
+    /// as `observe_log`. Raises `ReceiptError` (`receipt_not_logged`).
+    fn check_inclusion(
+        &self,
+        py: Python<'_>,
+        state: &LogState,
+        receipt: &[u8],
+        inclusion: &[u8],
+        tiles: HashMap<String, Vec<u8>>,
+    ) -> PyResult<(Option<String>, Vec<String>)> {
+        let proven = self
+            .att
+            .check_inclusion(receipt, inclusion)
+            .map_err(|r| refused(py, r))?;
+        let log = self
+            .att
+            .log
+            .as_ref()
+            .expect("a proven inclusion names a log");
+        let not_logged = |e: anyhow::Error| {
+            raise(
+                py,
+                client::sealed::inclusion::NOT_LOGGED,
+                format!("the receipt's log entry: {e:#}; the response was withheld"),
+                None,
+            )
+        };
+        let kept = state
+            .inner
+            .lock()
+            .expect("lock")
+            .verified_latest(&log.log_key)
+            .map_err(not_logged)?;
+        let cache = TileCache::new(tiles);
+        let seen = step(
+            &cache,
+            check_root(kept.as_ref(), proven.size, proven.root, &cache),
+        )
+        .map_err(not_logged)?;
+        match seen {
+            Step::Done(seen) => Ok((
+                Some(format!(
+                    "entry {} of the log's tree of size {}: {seen}",
+                    proven.index, proven.size
+                )),
+                Vec::new(),
+            )),
+            Step::Need(paths) => Ok((None, paths)),
+        }
+    }
+
     /// Seals `body` for `endpoint` to the attested entry key.
     #[pyo3(signature = (endpoint, body, nonce, aead = "aes128gcm"))]
     fn seal(
@@ -190,6 +294,30 @@ impl Evidence {
         Ok(Sealed {
             inner: Arc::new(inner),
             att: self.att.clone(),
+        })
+    }
+}
+
+/// The latest transparency-log checkpoint seen of each log, kept in
+/// memory or in a JSON file (as `gateway proxy --log-state`).
+#[pyclass(frozen, module = "confidential_gateway._native")]
+struct LogState {
+    inner: Mutex<KeptCheckpoints>,
+}
+
+#[pymethods]
+impl LogState {
+    /// The state kept in `path` (made when first written), or in memory.
+    #[new]
+    #[pyo3(signature = (path = None))]
+    fn new(path: Option<PathBuf>) -> PyResult<Self> {
+        let inner = match path {
+            Some(p) => KeptCheckpoints::load(&p)
+                .map_err(|e| PyValueError::new_err(format!("log state: {e:#}")))?,
+            None => KeptCheckpoints::in_memory(),
+        };
+        Ok(Self {
+            inner: Mutex::new(inner),
         })
     }
 }
@@ -330,13 +458,16 @@ impl Sealed {
     }
 
     /// Writes the verified exchange to `dir/<receipt id>/` (owner-only),
-    /// as `gateway proxy --archive` does.
+    /// with the receipt's inclusion receipt where one was checked, as
+    /// `gateway proxy --archive` does.
+    #[pyo3(signature = (dir, receipt, response, inclusion = None))]
     fn archive(
         &self,
+        py: Python<'_>,
         dir: PathBuf,
         receipt: &Receipt,
         response: &[u8],
-        py: Python<'_>,
+        inclusion: Option<&[u8]>,
     ) -> PyResult<()> {
         let mut id = [0u8; 16];
         hex::decode_to_slice(&receipt.id, &mut id)
@@ -359,6 +490,7 @@ impl Sealed {
             &self.inner.record(),
             &self.att,
             &trailer,
+            inclusion,
             response,
         )
         .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("{e:#}")))
@@ -454,9 +586,30 @@ fn policy_main(argv: Vec<String>) -> i32 {
     )
 }
 
+/// The message of an answer refused because its inclusion receipt never
+/// came (`why`: what the gateway answered last).
+#[pyfunction]
+fn never_logged(why: &str) -> String {
+    client::sealed::inclusion::never_logged(why).message
+}
+
 /// The module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    use client::sealed::inclusion as inc;
+    // How long to wait for a receipt's inclusion receipt, the first pause
+    // and the longest (seconds), as `gateway proxy` does.
+    m.add(
+        "INCLUSION_WAIT",
+        (
+            inc::INCLUSION_WAIT.as_secs_f64(),
+            inc::INCLUSION_POLL_FIRST.as_secs_f64(),
+            inc::INCLUSION_POLL_MAX.as_secs_f64(),
+        ),
+    )?;
+    // How many rounds of tile fetching a log check may take.
+    m.add("LOG_STEPS", client::log_state::sans_io::MAX_STEPS)?;
+    m.add_function(wrap_pyfunction!(never_logged, m)?)?;
     m.add_function(wrap_pyfunction!(endpoints, m)?)?;
     m.add_function(wrap_pyfunction!(base_url, m)?)?;
     m.add_function(wrap_pyfunction!(main, m)?)?;
@@ -465,5 +618,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Sealed>()?;
     m.add_class::<StreamOpener>()?;
     m.add_class::<Receipt>()?;
+    m.add_class::<LogState>()?;
     Ok(())
 }

@@ -7,6 +7,7 @@ Run in a clean virtualenv holding only the built wheel and `openai`
 (scripts/test.sh does this). Checks: embeddings (float and base64),
 completions, chat, streams (sync and async), a structured output and a
 streamed tool call, each receipt verified; the archive re-verifies with `python -m confidential_gateway verify-receipt`; a
+log-backed policy that requires logged receipts (with --log-key); a
 policy that does not match, a POST to another path; and a tampering relay
 between client and gateway (a flipped byte in a sealed answer, a streamed
 chunk or the receipt trailer, an unsealed answer, an altered status, a cut
@@ -47,8 +48,10 @@ def test(fn):
 
 
 class Env:
-    def __init__(self, base: str, policies: list, relay: str, archive: Path) -> None:
+    def __init__(self, base: str, policies: list, relay: str, archive: Path,
+                 log_key: str = None) -> None:
         self.base, self.policies, self.relay, self.archive = base, policies, relay, archive
+        self.log_key = log_key
         self.http = cg.http_client(policies, archive=archive)
         self.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
                                     http_client=self.http)
@@ -284,6 +287,74 @@ def from_build_writes_a_nitro_policy(env: Env):
     return "a Nitro policy with the record's PCRs for both stages; mock stages refused"
 
 
+@test
+def log_backed_policy_requires_logged_receipts(env: Env):
+    """A policy pinned from the log with --receipts-logged: each answer comes
+    with its checked RFC 9942 inclusion receipt (archived too), the log
+    checkpoint kept in a state file grows only by proven consistency, and a
+    relay that tampers with the inclusion receipt, hides it, or alters the
+    log's tiles is refused."""
+    if env.log_key is None:
+        return "SKIPPED: no --log-key (the gateway's transparency log key)"
+    tmp = env.archive.parent
+    policy = tmp / "log-backed.toml"
+    pin = subprocess.run([sys.executable, "-m", "confidential_gateway", "pin", "--gateway", env.base,
+                          "--model", EMBED, "--log-key", env.log_key, "--receipts-logged",
+                          "--out", str(policy)], capture_output=True, text=True)
+    assert pin.returncode == 0, pin.stdout + pin.stderr
+    assert "receipts_logged = true" in policy.read_text()
+    state, archive = tmp / "log-state.json", tmp / "log-archive"
+
+    def client(relay_mode=None, **options):
+        base = f"{env.relay}/{relay_mode}" if relay_mode else env.base
+        return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                             http_client=cg.http_client([str(policy)], log_state=state, **options))
+    raw = client(archive=archive).embeddings.with_raw_response.create(model=EMBED, input="logged")
+    r = check_receipt(cg.receipt_of(raw), "/v1/embeddings", EMBED)
+    inclusion = cg.inclusion_of(raw)
+    assert inclusion is not None, "no inclusion receipt"
+    assert (archive / r.id / "inclusion.cose").read_bytes() == inclusion
+    kept = json.loads(state.read_text())
+    sizes = [log["size"] for log in kept["logs"]]
+    assert len(sizes) == 1, kept
+    # Offline: the archive re-verifies with its inclusion receipt, not without.
+    d = archive / r.id
+    text = lambda f: (d / f).read_text().strip()  # noqa: E731
+    args = ["--receipt", str(d / "receipt.cbor"), "--evidence", str(d / "evidence.cbor"),
+            "--policy", str(policy), "--evidence-nonce", text("evidence-nonce.hex"),
+            "--request", str(d / "request.json"), "--response", str(d / "response"),
+            "--nonce", text("nonce.hex"), "--digest-salt", text("digest-salt.hex")]
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "confidential_gateway",  # noqa: E731
+                                         "verify-receipt", *args, *extra], capture_output=True, text=True)
+    ok = run("--inclusion", str(d / "inclusion.cose"))
+    assert ok.returncode == 0 and "PASS log inclusion" in ok.stdout, ok.stdout + ok.stderr
+    missing = run()
+    assert missing.returncode == 1 and "FAIL log inclusion" in missing.stdout, missing.stdout
+    # The answers above grew the log: a new client on the same state file
+    # proves the larger checkpoint consistent from tiles (fetched by the
+    # package's own flow) and keeps it.
+    client().embeddings.create(model=EMBED, input="grow the log")
+    fresh = client()
+    fresh.embeddings.create(model=EMBED, input="after growth")
+    grown = [log["size"] for log in json.loads(state.read_text())["logs"]]
+    assert grown[0] > sizes[0], (sizes, grown)
+    # A relay that flips every byte of the tiles: the next larger checkpoint
+    # cannot be proven consistent with the kept one.
+    client().embeddings.create(model=EMBED, input="grow it again")
+    try:
+        client("tile-flip").embeddings.create(model=EMBED, input="secret")
+    except cg.EvidenceError as e:
+        assert e.code == "evidence_not_verified" and "split view" in e.message, e.message
+    else:
+        raise AssertionError("altered tiles went unnoticed")
+    # A relay that tampers with the inclusion receipt, or says receipts are
+    # not logged: the answer is withheld.
+    for mode in ("inclusion-flip", "inclusion-off"):
+        raises(lambda: client(mode).embeddings.create(model=EMBED, input="secret"),
+               cg.ReceiptError, "receipt_not_logged")
+    return f"log size {sizes[0]} -> {grown[0]} proven; tampered tile, inclusion flipped or hidden: refused"
+
+
 def raises(call, error, code):
     """Runs `call`; it must raise `error` with `code` and return nothing.
     The openai SDK (3.x) passes the package's exceptions through as they
@@ -381,6 +452,15 @@ class Relay(BaseHTTPRequestHandler):
         status, out = r.status, bytearray(r.read())
         hdrs = {k: v for k, v in r.getheaders()
                 if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+        if method == "GET" and out:
+            if mode == "inclusion-flip" and rest.endswith("/inclusion") and status == 200:
+                out[-1] ^= 0x01
+            elif mode == "inclusion-off" and rest.endswith("/inclusion"):
+                status, hdrs = 404, {"content-type": "application/json"}
+                out = bytearray(b'{"error":{"message":"not logged","type":"invalid_request_error",'
+                                b'"code":"receipt_not_logged"}}')
+            elif mode == "tile-flip" and "/v1/transparency/tile/" in "/" + rest and status == 200:
+                out = bytearray(b ^ 0x01 for b in out)
         if method == "POST" and out:
             if mode == "flip-middle":
                 out[len(out) // 2] ^= 0x01
@@ -416,6 +496,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", required=True, help="the gateway, e.g. http://127.0.0.1:8080")
     ap.add_argument("--policy", action="append", required=True)
+    ap.add_argument("--log-key", help="the gateway's transparency log key (`gateway log vkey`)")
     a = ap.parse_args()
     Relay.upstream = a.base_url
     relay = ThreadingHTTPServer(("127.0.0.1", 0), Relay)
@@ -423,7 +504,7 @@ def main() -> int:
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         env = Env(a.base_url.rstrip("/"), a.policy, f"http://127.0.0.1:{relay.server_port}",
-                  Path(tmp) / "archive")
+                  Path(tmp) / "archive", a.log_key)
         for t in TESTS:
             try:
                 detail = t(env)

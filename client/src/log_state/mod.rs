@@ -27,6 +27,7 @@ use std::future::Future;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
+pub mod sans_io;
 #[cfg(test)]
 pub(crate) mod tests;
 
@@ -96,6 +97,44 @@ impl std::fmt::Display for Observed {
     }
 }
 
+/// What [`check_root`] found for a root signed outside a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RootSeen {
+    /// No checkpoint of this log is kept yet: nothing to compare with.
+    NothingKept,
+    /// The tree is the kept checkpoint's, or proven a prefix of it.
+    Covered {
+        /// The tree's size.
+        size: u64,
+        /// The kept checkpoint's size.
+        kept: u64,
+    },
+    /// A larger tree, proven to extend the kept checkpoint (whose
+    /// cosignatures therefore do not cover it yet).
+    Ahead {
+        /// The tree's size.
+        size: u64,
+        /// The kept checkpoint's size.
+        kept: u64,
+    },
+}
+
+impl std::fmt::Display for RootSeen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RootSeen::NothingKept => write!(f, "no checkpoint of this log kept yet to compare with"),
+            RootSeen::Covered { size, kept } => write!(
+                f,
+                "the tree of size {size} is proven a prefix of the checkpoint kept at size {kept}"
+            ),
+            RootSeen::Ahead { size, kept } => write!(
+                f,
+                "the tree of size {size} is proven to extend the checkpoint kept at size {kept} (newer than it: not covered by that checkpoint's cosignatures yet)"
+            ),
+        }
+    }
+}
+
 /// Where the log's hash tiles come from (HTTP in use, memory in tests).
 pub trait TileSource {
     /// The bytes of each tile, in order: `width` hashes of 32 bytes each.
@@ -129,6 +168,31 @@ pub struct NoTiles;
 impl TileSource for NoTiles {
     async fn fetch(&self, _: &[TileName]) -> Result<Vec<Vec<u8>>> {
         bail!("a consistency proof needs the log's tiles, and no log URL was given (--log URL)")
+    }
+}
+
+impl<T: TileSource + Sync> TileSource for Option<T> {
+    async fn fetch(&self, tiles: &[TileName]) -> Result<Vec<Vec<u8>>> {
+        match self {
+            Some(t) => t.fetch(tiles).await,
+            None => NoTiles.fetch(tiles).await,
+        }
+    }
+}
+
+impl HttpTiles {
+    /// The tiles under `--log URL` where one was given.
+    pub fn from_arg(url: Option<&str>, transport: &crate::Transport) -> Result<Option<Self>> {
+        url.map(|url| {
+            Ok(Self {
+                client: crate::transport::http_client(
+                    std::time::Duration::from_secs(60),
+                    transport,
+                )?,
+                url: crate::transport::base_url(url, transport)?,
+            })
+        })
+        .transpose()
     }
 }
 
@@ -191,60 +255,16 @@ impl LogState {
             root: *cp.hash(),
             note: note.to_vec(),
         };
-        let Some(old) = self.logs.get(origin) else {
+        let Some(old) = self.verified_kept(vkey, origin)? else {
             let size = new.size;
             self.keep(new)?;
             return Ok(Observed::First { size });
         };
-        // The kept checkpoint is re-verified: a state file is not trusted
-        // beyond what the log signed.
-        let kept = verify_checkpoint(&old.note, vkey, origin).with_context(|| {
-            format!("the checkpoint kept for {origin} is not signed by this log key (another key under the same name?)")
-        })?;
-        if (kept.size(), *kept.hash()) != (old.size, old.root) {
-            bail!("the state kept for {origin} does not match its own signed checkpoint");
-        }
-        let split = |why: String| {
-            anyhow!(
-                "split view: log {origin} showed this client a tree of size {} with root {} and now one of size {} with root {}: {why} (a forked log)",
-                old.size,
-                hex::encode(old.root.0),
-                new.size,
-                hex::encode(new.root.0)
-            )
-        };
-        let (small, large) = match new.size.cmp(&old.size) {
+        match new.size.cmp(&old.size) {
             std::cmp::Ordering::Equal if new.root == old.root => {
                 return Ok(Observed::Same { size: new.size })
             }
-            std::cmp::Ordering::Equal => return Err(split("same size, different roots".into())),
-            std::cmp::Ordering::Less => (&new, old),
-            std::cmp::Ordering::Greater => (old, &new),
-        };
-        if small.size > 0 {
-            let proof = match prove_from_tiles(tiles, large.size, large.root, small.size).await {
-                Ok(p) => p,
-                Err(ProofError::Fetch(e)) => {
-                    return Err(e.context(format!(
-                        "cannot check that log {origin} at size {} is consistent with the checkpoint kept at size {}: fetching its tiles",
-                        new.size, old.size
-                    )))
-                }
-                Err(ProofError::Tiles(why)) => {
-                    return Err(split(format!(
-                        "the log's tiles at size {} yield no consistency proof from size {} ({why})",
-                        large.size, small.size
-                    )))
-                }
-            };
-            check_consistency(&proof, large.size, large.root, small.size, small.root).map_err(
-                |_| {
-                    split(format!(
-                        "the tree of size {} is not a prefix of the tree of size {}",
-                        small.size, large.size
-                    ))
-                },
-            )?;
+            _ => consistent(origin, (old.size, old.root), (new.size, new.root), tiles).await?,
         }
         if new.size < old.size {
             return Ok(Observed::Older {
@@ -258,6 +278,29 @@ impl LogState {
         Ok(Observed::Grew { from, to })
     }
 
+    /// The checkpoint kept for the log whose verifier key is `vkey`,
+    /// re-verified against it (a copy, to check roots against with
+    /// [`check_root`] without holding the state).
+    pub fn verified_latest(&self, vkey: &str) -> Result<Option<SeenCheckpoint>> {
+        let origin = log_origin(vkey).map_err(|e| anyhow!(e))?;
+        Ok(self.verified_kept(vkey, origin)?.cloned())
+    }
+
+    /// The checkpoint kept for `origin`, re-verified against `vkey`: a
+    /// state file is not trusted beyond what the log signed.
+    fn verified_kept(&self, vkey: &str, origin: &str) -> Result<Option<&SeenCheckpoint>> {
+        let Some(old) = self.logs.get(origin) else {
+            return Ok(None);
+        };
+        let kept = verify_checkpoint(&old.note, vkey, origin).with_context(|| {
+            format!("the checkpoint kept for {origin} is not signed by this log key (another key under the same name?)")
+        })?;
+        if (kept.size(), *kept.hash()) != (old.size, old.root) {
+            bail!("the state kept for {origin} does not match its own signed checkpoint");
+        }
+        Ok(Some(old))
+    }
+
     /// Keeps `seen` as its log's latest and saves (the state in memory
     /// changes only once the file is written).
     fn keep(&mut self, seen: SeenCheckpoint) -> Result<()> {
@@ -269,6 +312,87 @@ impl LogState {
         self.logs = logs;
         Ok(())
     }
+}
+
+/// Checks a tree of `size` with `root` that a log signed outside a
+/// checkpoint (an RFC 9942 inclusion receipt's) against `kept`, the
+/// checkpoint a client kept of that log ([`LogState::verified_latest`]):
+/// the two must be consistent (a proof from `tiles`), else it is a split
+/// view. Nothing is kept: a bare root carries no checkpoint (nor
+/// cosignatures).
+pub async fn check_root<T: TileSource>(
+    kept: Option<&SeenCheckpoint>,
+    size: u64,
+    root: Hash,
+    tiles: &T,
+) -> Result<RootSeen> {
+    let Some(old) = kept else {
+        return Ok(RootSeen::NothingKept);
+    };
+    consistent(&old.origin, (old.size, old.root), (size, root), tiles).await?;
+    Ok(if size <= old.size {
+        RootSeen::Covered {
+            size,
+            kept: old.size,
+        }
+    } else {
+        RootSeen::Ahead {
+            size,
+            kept: old.size,
+        }
+    })
+}
+
+/// Requires the log `origin`'s tree `new` (size, root) to be consistent
+/// with the tree `old` it showed before: equal when the sizes are, else the
+/// smaller a prefix of the larger by an RFC 6962 proof read from the larger
+/// tree's tiles. A failed proof is a split view (a forked log); tiles that
+/// cannot be fetched are a plain error.
+async fn consistent<T: TileSource>(
+    origin: &str,
+    old: (u64, Hash),
+    new: (u64, Hash),
+    tiles: &T,
+) -> Result<()> {
+    let split = |why: String| {
+        anyhow!(
+            "split view: log {origin} showed this client a tree of size {} with root {} and now one of size {} with root {}: {why} (a forked log)",
+            old.0,
+            hex::encode(old.1 .0),
+            new.0,
+            hex::encode(new.1 .0)
+        )
+    };
+    let (small, large) = match new.0.cmp(&old.0) {
+        std::cmp::Ordering::Equal if new.1 == old.1 => return Ok(()),
+        std::cmp::Ordering::Equal => return Err(split("same size, different roots".into())),
+        std::cmp::Ordering::Less => (new, old),
+        std::cmp::Ordering::Greater => (old, new),
+    };
+    if small.0 == 0 {
+        return Ok(());
+    }
+    let proof = match prove_from_tiles(tiles, large.0, large.1, small.0).await {
+        Ok(p) => p,
+        Err(ProofError::Fetch(e)) => {
+            return Err(e.context(format!(
+                "cannot check that log {origin} at size {} is consistent with the tree of size {} seen before: fetching its tiles",
+                new.0, old.0
+            )))
+        }
+        Err(ProofError::Tiles(why)) => {
+            return Err(split(format!(
+                "the log's tiles at size {} yield no consistency proof from size {} ({why})",
+                large.0, small.0
+            )))
+        }
+    };
+    check_consistency(&proof, large.0, large.1, small.0, small.1).map_err(|_| {
+        split(format!(
+            "the tree of size {} is not a prefix of the tree of size {}",
+            small.0, large.0
+        ))
+    })
 }
 
 /// Reads a consistency proof from `old_size` to `size` out of the tiles of

@@ -345,3 +345,94 @@ fn http_tiles_prove_growth_and_refuse_a_fork() {
         assert!(state.observe(&v, &note(&a, 299, 1), &none).await.is_err());
     });
 }
+
+#[test]
+fn a_bare_root_is_checked_against_the_kept_checkpoint_and_not_kept() {
+    let t = tree(300, 300, "");
+    let fork = tree(260, 300, "fork");
+    let src = tiles(&t);
+    let mut state = LogState::in_memory();
+    let root = |state: &LogState, t: &HashStore, size| {
+        let kept = state.verified_latest(&vkey()).unwrap();
+        crate::transport::runtime().unwrap().block_on(check_root(
+            kept.as_ref(),
+            size,
+            t.root(size).unwrap(),
+            &src,
+        ))
+    };
+    assert_eq!(root(&state, &t, 100).unwrap(), RootSeen::NothingKept);
+    observe(&mut state, &note(&t, 270, 1), &src).unwrap();
+    for size in [1, 255, 256, 270] {
+        assert_eq!(
+            root(&state, &t, size).unwrap(),
+            RootSeen::Covered { size, kept: 270 }
+        );
+    }
+    // A larger tree proven from the log's tiles (those of that tree).
+    assert_eq!(
+        root(&state, &t, 300).unwrap(),
+        RootSeen::Ahead {
+            size: 300,
+            kept: 270
+        }
+    );
+    assert_eq!(
+        state.latest(ORIGIN).unwrap().size,
+        270,
+        "a root is not kept"
+    );
+    // Another branch's root: a split view, whichever side is larger.
+    for size in [265, 270, 290] {
+        let err = root(&state, &fork, size).unwrap_err().to_string();
+        assert!(err.contains("split view"), "{size}: {err}");
+    }
+}
+
+#[test]
+fn a_step_names_the_tiles_it_lacks_then_finishes_with_them() {
+    use super::sans_io::{step, Step, TileCache};
+    let t = tree(600, 600, "");
+    let mut state = LogState::in_memory();
+    let mem = tiles(&t);
+    observe(&mut state, &note(&t, 5, 1), &mem).unwrap();
+    let grown = note(&t, 600, 1);
+    let mut have = std::collections::HashMap::new();
+    let mut rounds = 0;
+    let seen = loop {
+        rounds += 1;
+        assert!(rounds <= super::sans_io::MAX_STEPS, "too many rounds");
+        let cache = TileCache::new(have.clone());
+        match step(&cache, state.observe(&vkey(), &grown, &cache)).unwrap() {
+            Step::Done(seen) => break seen,
+            Step::Need(paths) => {
+                assert!(!paths.is_empty());
+                for path in paths {
+                    let name =
+                        TileName::parse(path.strip_prefix("tile/").unwrap()).expect("a tile path");
+                    let t = Tile::new(
+                        TILE_HEIGHT,
+                        name.level.unwrap(),
+                        name.index,
+                        name.width,
+                        false,
+                    );
+                    have.insert(path, t.read_data(&mem.tree).unwrap());
+                }
+            }
+        }
+    };
+    assert_eq!(seen, Observed::Grew { from: 5, to: 600 });
+    assert!(rounds >= 2, "the first step had no tiles");
+    // A step with every tile altered: a split view, not a request for more.
+    let mut fresh = LogState::in_memory();
+    observe(&mut fresh, &note(&t, 5, 1), &mem).unwrap();
+    let mut bad = have.clone();
+    for v in bad.values_mut() {
+        v.iter_mut().for_each(|b| *b ^= 1);
+    }
+    let cache = TileCache::new(bad);
+    let err = step(&cache, fresh.observe(&vkey(), &grown, &cache)).unwrap_err();
+    assert!(err.to_string().contains("split view"), "{err:#}");
+    assert_eq!(fresh.latest(ORIGIN).unwrap().size, 5);
+}

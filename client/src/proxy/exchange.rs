@@ -9,7 +9,12 @@ use super::{
     HEADER_RECEIPT_SEALING, HEADER_RECEIPT_VERIFIED, MAX_RECEIPT_HEADER, RECEIPTS_KEPT,
     SUSPECT_REATTEST_INTERVAL,
 };
-use crate::sealed::{archive, not_sealed, unknown_signer, Sealed};
+use crate::log_state::check_root;
+use crate::sealed::inclusion::{
+    inclusion_path, never_logged, INCLUSION_POLL_FIRST, INCLUSION_POLL_MAX, INCLUSION_WAIT,
+    NOT_LOGGED,
+};
+use crate::sealed::{archive, not_sealed, unknown_signer, Attested, Sealed};
 use axum::body::Bytes;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -261,6 +266,14 @@ impl Proxy {
             return Err(refused.into());
         }
         let body = report.receipt.expect("a verified receipt has a body");
+        let inclusion = if trusted.att.receipts_logged() {
+            Some(
+                self.prove_logged(x, &trusted.att, &receipt.receipt, &body.receipt_id)
+                    .await?,
+            )
+        } else {
+            None
+        };
         self.keep(body.receipt_id, &receipt.receipt);
         if let Some(dir) = &self.archive {
             let written = archive(
@@ -269,6 +282,7 @@ impl Proxy {
                 &sealed.record(),
                 &trusted.att,
                 receipt,
+                inclusion.as_deref(),
                 response,
             );
             if let Err(e) = written {
@@ -278,6 +292,75 @@ impl Proxy {
             }
         }
         Ok(body)
+    }
+
+    /// Under a policy with `receipts_logged`: fetches the inclusion receipt
+    /// of receipt `id` (asking again, with growing pauses, while the
+    /// gateway has not appended it, up to [`INCLUSION_WAIT`]), checks it,
+    /// and checks its tree against the latest checkpoint kept (no split
+    /// view). Returns its bytes; the error withholds the answer.
+    async fn prove_logged(
+        &self,
+        x: &Exchange,
+        att: &Attested,
+        receipt: &[u8],
+        id: &[u8; 16],
+    ) -> Result<Vec<u8>, ApiError> {
+        let url = format!("{}{}", self.upstream, inclusion_path(id));
+        let deadline = Instant::now() + INCLUSION_WAIT;
+        let mut pause = INCLUSION_POLL_FIRST;
+        let bytes = loop {
+            let mut rb = self.client.get(&url);
+            if let Some(a) = &x.auth {
+                rb = rb.header(header::AUTHORIZATION, a.clone());
+            }
+            let (last, again) = match rb.send().await {
+                Ok(r) if r.status().is_success() => match r.bytes().await {
+                    Ok(b) => break b.to_vec(),
+                    Err(e) => (format!("GET {url}: {e}"), true),
+                },
+                // A 404 without Retry-After is final: a gateway that does
+                // not log receipts (or no longer holds this one).
+                Ok(r) => (
+                    format!("GET {url}: {}", r.status()),
+                    r.headers().contains_key(header::RETRY_AFTER)
+                        || r.status() != reqwest::StatusCode::NOT_FOUND,
+                ),
+                Err(e) => (format!("GET {url}: {e}"), true),
+            };
+            if !again || Instant::now() + pause > deadline {
+                tracing::error!(reason = %last, "receipt not proven logged: answer withheld");
+                return Err(never_logged(&last).into());
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(INCLUSION_POLL_MAX);
+        };
+        let proven = att.check_inclusion(receipt, &bytes).inspect_err(|r| {
+            tracing::error!(reason = %r.message, "receipt not proven logged: answer withheld");
+        })?;
+        let log = att.log.as_ref().expect("receipts_logged names a log");
+        let kept = self
+            .log
+            .state
+            .lock()
+            .await
+            .verified_latest(&log.log_key)
+            .map_err(|e| bad_gateway(NOT_LOGGED, format!("{e:#}")))?;
+        match check_root(kept.as_ref(), proven.size, proven.root, &self.log.tiles).await {
+            Ok(seen) => {
+                tracing::debug!(
+                    index = proven.index,
+                    size = proven.size,
+                    "receipt logged: {seen}"
+                );
+                Ok(bytes)
+            }
+            Err(e) => {
+                let msg = format!("the receipt's log entry: {e:#}; the response was withheld");
+                tracing::error!(reason = %msg, "receipt's log tree not consistent: answer withheld");
+                Err(bad_gateway(NOT_LOGGED, msg))
+            }
+        }
     }
 
     pub(super) fn keep(&self, id: [u8; 16], receipt: &[u8]) {

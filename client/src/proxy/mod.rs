@@ -55,7 +55,12 @@
 //! the proxy saw ([`crate::log_state`]: a consistency proof read from the
 //! log's tiles at `--log`, default `<upstream>/v1/transparency`); a split
 //! view fails the attestation like a policy failure. The latest checkpoint
-//! is kept in memory, and across restarts with `--log-state FILE`.
+//! is kept in memory, and across restarts with `--log-state FILE`. Under one
+//! with `receipts_logged`, an answer whose receipt verified is also held
+//! until its receipt is proven logged ([`crate::sealed::inclusion`]: the
+//! RFC 9942 inclusion receipt from `GET /v1/receipts/{id}/inclusion`,
+//! checked against the log key and its tree against that checkpoint), and
+//! archived with it (`inclusion.cose`); otherwise 502 `receipt_not_logged`.
 
 use crate::bundle::fetch_bundle;
 use crate::log_state::{HttpTiles, LogState};

@@ -10,13 +10,16 @@ use std::path::Path;
 /// Writes one verified exchange to `dir/<receipt id>/` (via a temporary
 /// folder renamed into place, so that a folder is never half-written):
 /// request, response, receipt, digest salt, nonce, and the evidence with its
-/// nonce — what `gateway verify receipt` needs to check it again.
+/// nonce, and the receipt's RFC 9942 inclusion receipt where the policy
+/// required one (`inclusion.cose`) — what `gateway verify receipt` needs to
+/// check it again.
 pub fn archive(
     dir: &Path,
     id: &[u8; 16],
     req: &RequestRecord<'_>,
     attested: &Attested,
     receipt: &ReceiptTrailer,
+    inclusion: Option<&[u8]>,
     response: &[u8],
 ) -> Result<()> {
     let name = hex::encode(id);
@@ -38,7 +41,8 @@ pub fn archive(
         ("evidence.cbor", &evidence),
         ("evidence-nonce.hex", evidence_nonce.as_bytes()),
     ];
-    for (f, bytes) in files {
+    let inclusion = inclusion.map(|b| ("inclusion.cose", b));
+    for (f, bytes) in files.into_iter().chain(inclusion) {
         crate::io::write_private(&tmp.join(f), bytes)?;
     }
     std::fs::rename(&tmp, dir.join(&name)).with_context(|| format!("renaming {}", tmp.display()))

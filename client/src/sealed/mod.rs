@@ -25,6 +25,7 @@ use proto::sealing::{
 };
 
 mod archive;
+pub mod inclusion;
 pub mod sse;
 mod stream;
 
@@ -70,6 +71,8 @@ pub struct Attested {
     pub nonce: Vec<u8>,
     /// The policy's `allow_mock` (receipts from mock stages are accepted).
     pub allow_mock: bool,
+    /// The policy's transparency log, if it is log-backed.
+    pub log: Option<proto::policy::LogPolicy>,
 }
 
 impl Attested {
@@ -96,6 +99,7 @@ impl Attested {
                 bundle,
                 nonce: nonce.to_vec(),
                 allow_mock: policy.allow_mock,
+                log: policy.transparency.clone(),
             }),
             None => Err(out
                 .lines

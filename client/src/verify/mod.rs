@@ -21,6 +21,7 @@ use serde_json::json;
 use std::path::{Path, PathBuf};
 
 mod receipt;
+mod receipt_log;
 #[cfg(test)]
 mod tests;
 
@@ -34,7 +35,7 @@ pub enum VerifyCommand {
     Evidence(EvidenceArgs),
     /// Verify a receipt against an evidence bundle (verified first) and the
     /// request/response bytes the client kept.
-    Receipt(ReceiptArgs),
+    Receipt(Box<ReceiptArgs>),
     /// Verify one raw AWS Nitro attestation document (CBOR or base64):
     /// COSE signature, certificate chain to the pinned AWS root at `--at`,
     /// optionally PCRs against a policy and the bound nonce / key / data.
@@ -109,6 +110,23 @@ pub struct EvidenceArgs {
 /// One line of output: the report line every verifier uses, with a
 /// stable reason code when a receipt check failed.
 pub(crate) type Line = proto::report::Check;
+
+/// A PASS line, or a FAIL line with the reason code `reason`.
+pub(crate) fn pass_or_fail(ok: bool, name: &str, detail: String, reason: &'static str) -> Line {
+    let mut l = Line::new(
+        if ok {
+            CheckStatus::Pass
+        } else {
+            CheckStatus::Fail
+        },
+        name,
+        detail,
+    );
+    if !ok {
+        l.error = Some(reason);
+    }
+    l
+}
 
 /// What a failed check under a `trust_local_build` policy adds.
 pub const TRUST_LOCAL_BUILD_HINT: &str =
@@ -255,7 +273,7 @@ fn result_line(ok: bool, what: &str, lines: &[Line]) {
 pub fn run(cmd: VerifyCommand) -> Result<i32> {
     match cmd {
         VerifyCommand::Evidence(a) => run_evidence(a),
-        VerifyCommand::Receipt(a) => run_receipt(a),
+        VerifyCommand::Receipt(a) => run_receipt(*a),
         VerifyCommand::Attestation(a) => run_attestation(a),
     }
 }
@@ -490,7 +508,6 @@ fn run_attestation(a: AttestationArgs) -> Result<i32> {
 /// `--log-state`: the `log consistency` line for a bundle that verified
 /// (the state file read, the bundle's checkpoint observed, the file saved).
 fn log_consistency(a: &EvidenceArgs, policy: &Policy, bundle: &EvidenceBundle) -> Result<Line> {
-    use crate::log_state::{HttpTiles, NoTiles};
     let path = a.log_state.as_deref().expect("--log-state given");
     let Some(log) = &policy.transparency else {
         bail!("--log-state needs a log-backed policy ([transparency] log_key)");
@@ -500,21 +517,8 @@ fn log_consistency(a: &EvidenceArgs, policy: &Policy, bundle: &EvidenceBundle) -
         Some(p) => &p.checkpoint,
         None => bail!("the bundle carries no log checkpoint"),
     };
-    let observed = crate::transport::runtime()?.block_on(async {
-        match &a.log {
-            Some(url) => {
-                let tiles = HttpTiles {
-                    client: crate::transport::http_client(
-                        std::time::Duration::from_secs(60),
-                        &a.transport,
-                    )?,
-                    url: crate::transport::base_url(url, &a.transport)?,
-                };
-                state.observe(&log.log_key, note, &tiles).await
-            }
-            None => state.observe(&log.log_key, note, &NoTiles).await,
-        }
-    });
+    let tiles = crate::log_state::HttpTiles::from_arg(a.log.as_deref(), &a.transport)?;
+    let observed = crate::transport::runtime()?.block_on(state.observe(&log.log_key, note, &tiles));
     Ok(match observed {
         Ok(seen) => Line::new(
             CheckStatus::Pass,

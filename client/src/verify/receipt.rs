@@ -84,6 +84,23 @@ pub struct ReceiptArgs {
     /// instead of now: e.g. when the receipt was issued.
     #[arg(long)]
     pub at: Option<u64>,
+    /// The receipt's RFC 9942 inclusion receipt in the policy's
+    /// transparency log (`GET /v1/receipts/{id}/inclusion`, or an archive's
+    /// `inclusion.cose`): required when the policy says `receipts_logged`.
+    #[arg(long, value_name = "FILE")]
+    pub inclusion: Option<PathBuf>,
+    /// With --inclusion: the latest log checkpoint seen, kept in FILE
+    /// (`gateway verify evidence --log-state`, read only here): the tree the
+    /// inclusion receipt proves must be consistent with it (no split view).
+    #[arg(long, value_name = "FILE", requires = "inclusion")]
+    pub log_state: Option<PathBuf>,
+    /// The log whose tiles prove that consistency (its prefix, e.g.
+    /// https://gw/v1/transparency), read only when the sizes differ.
+    #[arg(long, value_name = "URL", requires = "log_state")]
+    pub log: Option<String>,
+    /// How to reach --log.
+    #[command(flatten)]
+    pub transport: crate::Transport,
     /// Machine-readable output (one JSON document).
     #[arg(long)]
     pub json: bool,
@@ -273,7 +290,7 @@ pub(super) fn run_receipt(a: ReceiptArgs) -> Result<i32> {
     inputs.allow_mock = policy.allow_mock;
     inputs.sealed_to = client_key.as_ref().map(ClientKeyFile::sealed_to);
     let report = verify_receipt(&inputs);
-    let extra = cli_checks(
+    let mut extra = cli_checks(
         &a,
         &report,
         &Given {
@@ -281,8 +298,20 @@ pub(super) fn run_receipt(a: ReceiptArgs) -> Result<i32> {
             response: response.is_some(),
             nonce: nonce.is_some(),
             evidence_nonce: evidence_nonce.is_some(),
+            inclusion: a.inclusion.is_some()
+                || !policy
+                    .transparency
+                    .as_ref()
+                    .is_some_and(|l| l.receipts_logged),
         },
     );
+    let log = super::receipt_log::LogArgs {
+        inclusion: a.inclusion.as_ref(),
+        log_state: a.log_state.as_ref(),
+        log: a.log.as_deref(),
+        transport: &a.transport,
+    };
+    extra.extend(super::receipt_log::log_lines(&log, &policy, &receipt)?);
     let ok = report.ok() && !extra.iter().any(|l| l.status == CheckStatus::Fail);
 
     if a.json {
@@ -341,6 +370,8 @@ pub(super) struct Given {
     response: bool,
     nonce: bool,
     evidence_nonce: bool,
+    /// An inclusion receipt was given, or the policy needs none.
+    inclusion: bool,
 }
 
 /// The checks of the command line itself: inputs not given fail unless
@@ -368,6 +399,11 @@ pub(super) fn cli_checks(a: &ReceiptArgs, report: &VerifyReport, g: &Given) -> V
             g.evidence_nonce,
             "evidence.freshness",
             "--evidence-nonce (the nonce the evidence was fetched with)",
+        ),
+        (
+            g.inclusion,
+            "log inclusion",
+            "--inclusion (the receipt's inclusion receipt; the policy says receipts_logged)",
         ),
     ];
     for (given, name, what) in missing {
@@ -397,19 +433,12 @@ pub(super) fn cli_checks(a: &ReceiptArgs, report: &VerifyReport, g: &Given) -> V
         return out;
     };
     let mut check = |name: &str, ok: bool, pass: String, fail: String, reason: &'static str| {
-        let mut l = Line::new(
-            if ok {
-                CheckStatus::Pass
-            } else {
-                CheckStatus::Fail
-            },
+        out.push(super::pass_or_fail(
+            ok,
             name,
             if ok { pass } else { fail },
-        );
-        if !ok {
-            l.error = Some(reason);
-        }
-        out.push(l);
+            reason,
+        ));
     };
     if a.no_nonce {
         check(

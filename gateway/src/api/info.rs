@@ -179,8 +179,8 @@ pub(super) async fn get_receipt(
 
 /// `GET /v1/receipts/{id}/inclusion`: an RFC 9942 COSE receipt that the
 /// receipt's digest is in the transparency log, against its latest
-/// checkpoint; 404 `receipt_not_logged` (with `Retry-After`) until its
-/// batch is appended, or when receipts are not logged.
+/// checkpoint; 404 `receipt_not_logged`, with `Retry-After` until its
+/// batch is appended, without when receipts are not logged.
 pub(super) async fn receipt_inclusion(
     State(s): State<AppState>,
     caller: Option<Extension<Caller>>,
@@ -190,23 +190,26 @@ pub(super) async fn receipt_inclusion(
         Ok(k) => k,
         Err(r) => return r,
     };
-    let not_logged = |why: &str| {
+    // Retry-After only where asking again can help (a batch not appended yet).
+    let not_logged = |why: &str, retry: bool| {
         let mut r = ApiError {
             code: Some("receipt_not_logged"),
             ..ApiError::from_stage(404, format!("Receipt {id} {why}."))
         }
         .into_response();
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        if retry {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
         r
     };
     let (Some(log), Some(_)) = (s.transparency.clone(), &s.service.receipt_log) else {
-        return not_logged("is not logged: this gateway does not log receipts");
+        return not_logged("is not logged: this gateway does not log receipts", false);
     };
-    let leaf = crate::transparency::receipts::receipt_entry(&kept.trailer.receipt);
+    let leaf = proto::transparency::ReceiptEntry::leaf_of(&kept.trailer.receipt);
     match tokio::task::spawn_blocking(move || log.lock().unwrap().inclusion_receipt(&leaf)).await {
         Ok(Ok(Some(cose))) => ([(header::CONTENT_TYPE, "application/cose")], cose).into_response(),
-        Ok(Ok(None)) => not_logged("is not in the log's latest checkpoint yet"),
+        Ok(Ok(None)) => not_logged("is not in the log's latest checkpoint yet", true),
         Ok(Err(e)) => {
             tracing::error!(error = %format!("{e:#}"), "transparency log read failed");
             ApiError::internal("the transparency log could not be read").into_response()

@@ -6,22 +6,13 @@
 //! serves an RFC 9942 COSE receipt of the entry's inclusion.
 
 use super::store::Log;
-use proto::digest::Sha256Digest;
-use proto::transparency::{Entry, ReceiptEntry};
+use proto::transparency::ReceiptEntry;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// The most entries appended at once.
 const MAX_BATCH: usize = 4096;
-
-/// The log entry of a receipt: its digest only.
-pub fn receipt_entry(receipt: &[u8]) -> Vec<u8> {
-    Entry::Receipt(ReceiptEntry {
-        receipt_digest: Sha256Digest::of(receipt),
-    })
-    .to_bytes()
-}
 
 /// Hands receipts to the batching task.
 #[derive(Clone, Debug)]
@@ -39,7 +30,7 @@ impl ReceiptLogger {
 
     /// Queues `receipt`'s entry (a closed task is logged by the task).
     pub fn log(&self, receipt: &[u8]) {
-        let _ = self.tx.send(receipt_entry(receipt));
+        let _ = self.tx.send(ReceiptEntry::leaf_of(receipt));
     }
 }
 

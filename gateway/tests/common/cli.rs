@@ -30,6 +30,22 @@ pub fn cli(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// `gateway policy pin --gateway URL --model MODEL --out OUT EXTRA…`:
+/// (exit code, stdout, stderr).
+pub fn policy_pin(url: &str, model: &str, out: &Path, extra: &[&str]) -> (i32, String, String) {
+    let head = [
+        "policy",
+        "pin",
+        "--gateway",
+        url,
+        "--model",
+        model,
+        "--out",
+        p(out),
+    ];
+    cli(&[&head[..], extra].concat())
+}
+
 /// A running `gateway proxy`.
 pub struct ProxyProc {
     pub child: Child,

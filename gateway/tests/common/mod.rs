@@ -8,7 +8,8 @@ mod http;
 mod relays;
 #[allow(unused_imports)]
 pub use cli::{
-    cli, gateway_bin, p, python_openai_available, run_python_json, seal_cli, start_proxy, ProxyProc,
+    cli, gateway_bin, p, policy_pin, python_openai_available, run_python_json, seal_cli,
+    start_proxy, ProxyProc,
 };
 #[allow(unused_imports)]
 pub use http::{

@@ -32,7 +32,7 @@ pub enum CheckpointError {
 pub fn signer_key(origin: &str, key: &ed25519_dalek::SigningKey) -> String {
     let vkey = verifier_key(origin, &key.verifying_key());
     let id = vkey.split('+').nth(1).expect("vkey has an id");
-    let mut raw = vec![1u8]; // signed-note algorithm byte: Ed25519
+    let mut raw = vec![super::note_key::ALG_ED25519];
     raw.extend_from_slice(&key.to_bytes());
     let b64 = base64::engine::general_purpose::STANDARD.encode(&raw);
     raw.iter_mut().for_each(|b| *b = 0);

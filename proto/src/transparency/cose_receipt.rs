@@ -9,11 +9,11 @@
 //! The same tree as the log's C2SP checkpoints, so a receipt's root and
 //! size can be compared with a (witnessed) checkpoint.
 
-use super::{log_origin, Hash};
-use base64::Engine as _;
+use super::note_key::{parse_verifier_key, ALG_ED25519};
+use super::Hash;
 use ciborium::Value;
 use coset::{iana, CoseSign1, CoseSign1Builder, HeaderBuilder, Label, TaggedCborSerializable};
-use ed25519_dalek::{Signer as _, SigningKey, VerifyingKey};
+use ed25519_dalek::{Signer as _, SigningKey};
 use tlog_tiles::{node_hash, record_hash};
 
 /// Protected header label: verifiable data structure.
@@ -53,13 +53,6 @@ pub fn root_from_inclusion(size: u64, index: u64, leaf: &[u8], path: &[Hash]) ->
     (s == 0).then_some(r)
 }
 
-/// The log's key id as its signed-note verifier key states it (4 bytes).
-fn key_id(vkey: &str) -> Option<[u8; 4]> {
-    let id = vkey.split('+').nth(1)?;
-    let raw = hex::decode(id).ok()?;
-    raw.try_into().ok()
-}
-
 /// An RFC 9942 receipt that `entry` is record `index` of the tree of
 /// `size` whose root is `root`, by the inclusion proof `path`, signed by
 /// the log `origin`'s key.
@@ -71,7 +64,9 @@ pub fn sign_inclusion_receipt(
     path: &[Hash],
     root: Hash,
 ) -> Vec<u8> {
-    let vkey = super::verifier_key(origin, &key.verifying_key());
+    let mut typed = vec![ALG_ED25519];
+    typed.extend_from_slice(key.verifying_key().as_bytes());
+    let id = signed_note::key_id(origin, &typed);
     let proof = Value::Array(vec![
         Value::Integer(size.into()),
         Value::Integer(index.into()),
@@ -83,7 +78,7 @@ pub fn sign_inclusion_receipt(
         .protected(
             HeaderBuilder::new()
                 .algorithm(iana::Algorithm::EdDSA)
-                .key_id(key_id(&vkey).expect("a vkey has an id").to_vec())
+                .key_id(id.to_be_bytes().to_vec())
                 .value(
                     HDR_CWT_CLAIMS,
                     Value::Map(vec![(Value::Integer(1.into()), Value::Text(origin.into()))]),
@@ -132,15 +127,8 @@ pub fn verify_inclusion_receipt(
     vkey: &str,
     entry: &[u8],
 ) -> Result<ProvenInclusion, String> {
-    let origin = log_origin(vkey)?;
-    let raw = base64::engine::general_purpose::STANDARD
-        .decode(vkey.splitn(3, '+').nth(2).unwrap_or_default())
-        .map_err(|_| "the log key's base64")?;
-    let key = raw
-        .strip_prefix(&[1u8])
-        .and_then(|k| <[u8; 32]>::try_from(k).ok())
-        .and_then(|k| VerifyingKey::from_bytes(&k).ok())
-        .ok_or("the log key is not an Ed25519 signed-note key")?;
+    let (origin, id, key) =
+        parse_verifier_key(vkey, ALG_ED25519).map_err(|why| format!("the log key: {why}"))?;
     let s = CoseSign1::from_tagged_slice(receipt).map_err(|e| format!("not a COSE_Sign1: {e}"))?;
     let p = &s.protected.header;
     if p.alg
@@ -153,7 +141,7 @@ pub fn verify_inclusion_receipt(
     if header(&p.rest, HDR_VDS) != Some(&Value::Integer(VDS_RFC9162_SHA256.into())) {
         return Err("the receipt's structure is not RFC9162_SHA256 (vds 1)".into());
     }
-    if Some(p.key_id.as_slice()) != key_id(vkey).as_ref().map(|k| &k[..]) {
+    if p.key_id.as_slice() != id.to_be_bytes() {
         return Err("the receipt names another key".into());
     }
     if s.payload.is_some() {

@@ -8,6 +8,7 @@
 //! `signed_note` parses and verifies notes; its `Signer`/`Verifier` traits
 //! take our key type here (the crate implements only type 0x01).
 
+use super::note_key::{parse_verifier_key, split_key};
 use super::CheckpointError;
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;
@@ -30,20 +31,6 @@ fn typed_key(key: &VerifyingKey) -> Vec<u8> {
     k
 }
 
-/// Splits `<name>+<hex id>+<base64>` (base64 may hold '+').
-fn split_key(s: &str) -> Option<(&str, u32, Vec<u8>)> {
-    let mut it = s.splitn(3, '+');
-    let (name, id, b64) = (it.next()?, it.next()?, it.next()?);
-    if !signed_note::is_key_name_valid(name) || id.len() != 8 {
-        return None;
-    }
-    Some((
-        name,
-        u32::from_str_radix(id, 16).ok()?,
-        B64.decode(b64).ok()?,
-    ))
-}
-
 /// A witness's public key: checks its cosignatures.
 #[derive(Clone, Debug)]
 pub struct CosignatureVerifier {
@@ -55,16 +42,8 @@ pub struct CosignatureVerifier {
 impl CosignatureVerifier {
     /// Parses a witness verifier key (`<name>+<id>+<base64(0x04 || key)>`).
     pub fn new(vkey: &str) -> Result<Self, CheckpointError> {
-        let bad = |why: &str| CheckpointError::Key(format!("witness key {vkey:?}: {why}"));
-        let (name, id, raw) = split_key(vkey).ok_or_else(|| bad("not <name>+<id>+<key>"))?;
-        if raw.len() != 33 || raw[0] != ALG_COSIGNATURE_V1 {
-            return Err(bad("not an Ed25519 cosignature/v1 key (type 0x04)"));
-        }
-        let key = VerifyingKey::from_bytes(raw[1..].try_into().expect("32 bytes"))
-            .map_err(|_| bad("not an Ed25519 point"))?;
-        if key_id(name, &raw) != id {
-            return Err(bad("its id does not match its name and key"));
-        }
+        let (name, id, key) = parse_verifier_key(vkey, ALG_COSIGNATURE_V1)
+            .map_err(|why| CheckpointError::Key(format!("witness key {vkey:?}: {why}")))?;
         Ok(Self {
             name: name.to_string(),
             id,

@@ -55,6 +55,17 @@ pub struct ReceiptEntry {
     pub receipt_digest: Sha256Digest,
 }
 
+impl ReceiptEntry {
+    /// The log entry (leaf bytes) of the receipt `receipt` (its COSE_Sign1
+    /// bytes): its digest only.
+    pub fn leaf_of(receipt: &[u8]) -> Vec<u8> {
+        Entry::Receipt(Self {
+            receipt_digest: Sha256Digest::of(receipt),
+        })
+        .to_bytes()
+    }
+}
+
 /// One log entry; its leaf is [`Entry::to_bytes`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Entry {

@@ -11,6 +11,7 @@ mod checkpoint;
 mod cose_receipt;
 mod cosignature;
 mod entry;
+mod note_key;
 mod paths;
 mod proof;
 mod release_proof;

@@ -238,3 +238,25 @@ fn the_python_verifiers_fixed_vector_is_ours() {
         "— w.example/1 yf3gygAAAABkGFDLUwBLV8e4tjvb6qEHiNTQjDZIX+7tvd038taw9A7W/cQ7ZhSah0uJMOI6CTPez5qwHtE49MrkWhU349mtYmi3Dw==\n"
     );
 }
+
+#[test]
+fn a_witness_answer_signed_by_another_key_is_refused() {
+    let note = checkpoint(5, 7);
+    let a = witness("a.example", 2, 10);
+    // The witness's own answer: its line, kept.
+    let line = a.cosign(&note).unwrap();
+    assert_eq!(witness_answer(&note, &a.vkey(), &line).unwrap(), vec![line]);
+    // The same name under another key (another id): nothing of it is kept.
+    let imposter = witness("a.example", 9, 10);
+    let err = witness_answer(&note, &a.vkey(), &imposter.cosign(&note).unwrap()).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("holds no cosignature by a.example"),
+        "{err}"
+    );
+    // Its key id, over another checkpoint: refused, not stored.
+    let moved = a.cosign(&checkpoint(6, 8)).unwrap();
+    assert!(witness_answer(&note, &a.vkey(), &moved).is_err());
+    // Nothing at all.
+    assert!(witness_answer(&note, &a.vkey(), "").is_err());
+}

@@ -13,21 +13,31 @@ raises a ``ConfidentialError``. The cryptography is the project's Rust client
 crate, the same code as ``gateway verify`` and ``gateway proxy``.
 """
 
-from ._native import Evidence, Receipt, Sealed, StreamOpener
+from ._native import Evidence, LogState, Receipt, Sealed, StreamOpener
 from .errors import ConfidentialError, EvidenceError, ReceiptError, ResponseError
 from .transport import AsyncSealedTransport, SealedTransport, async_http_client, http_client
 
 __all__ = [
-    "AsyncSealedTransport", "ConfidentialError", "Evidence", "EvidenceError", "Receipt",
-    "ReceiptError", "ResponseError", "Sealed", "SealedTransport", "StreamOpener",
-    "async_http_client", "http_client", "receipt_of",
+    "AsyncSealedTransport", "ConfidentialError", "Evidence", "EvidenceError", "LogState",
+    "Receipt", "ReceiptError", "ResponseError", "Sealed", "SealedTransport", "StreamOpener",
+    "async_http_client", "http_client", "inclusion_of", "receipt_of",
 ]
+
+
+def _extensions(response: object) -> dict:
+    http = getattr(response, "http_response", None) or getattr(response, "response", None) or response
+    return getattr(http, "extensions", None) or {}
 
 
 def receipt_of(response: object) -> "Receipt | None":
     """The verified receipt of an httpx response, an openai raw response
     (``client.….with_raw_response.create(...)``) or an openai stream once it
     has been read to the end; None if there is none (yet)."""
-    http = getattr(response, "http_response", None) or getattr(response, "response", None) or response
-    extensions = getattr(http, "extensions", None) or {}
-    return extensions.get("receipt")
+    return _extensions(response).get("receipt")
+
+
+def inclusion_of(response: object) -> "bytes | None":
+    """Under a policy that requires logged receipts: the checked RFC 9942
+    inclusion receipt of the response's receipt (as ``receipt_of`` finds
+    it); None otherwise."""
+    return _extensions(response).get("receipt_inclusion")

@@ -44,6 +44,9 @@ class Plan:
     stream: bool
     body: bytes
     nonce: bytes
+    #: The caller's ``Authorization`` (a gateway serves a receipt's
+    #: inclusion receipt to the API key that made the request only).
+    auth: Optional[str] = None
 
 
 @dataclass
@@ -73,7 +76,8 @@ class Core:
     """Shared state of a transport: policies, verified evidence, receipts."""
 
     def __init__(self, policies: Iterable[PathLike], aead: str, archive: Optional[PathLike],
-                 insecure_plain_http: bool, receipts_kept: int) -> None:
+                 insecure_plain_http: bool, receipts_kept: int,
+                 log_state: Optional[PathLike] = None) -> None:
         self.policies: List[Tuple[str, str]] = [(str(p), Path(p).read_text()) for p in policies]
         if not self.policies:
             raise ValueError("at least one policy file is required")
@@ -84,6 +88,9 @@ class Core:
         if self.archive is not None:
             self.archive.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.insecure_plain_http = insecure_plain_http
+        # The latest log checkpoint seen (log-backed policies): in memory, or
+        # kept in a file so that consistency holds across restarts too.
+        self.log_state = _native.LogState(str(log_state) if log_state is not None else None)
         self.kept = receipts_kept
         self.lock = threading.Lock()
         self.trusted: Dict[Tuple[str, str], Trusted] = {}
@@ -120,7 +127,8 @@ class Core:
             nonce = b""
         if not 1 <= len(nonce) <= 64:
             raise ConfidentialError("invalid_request", "the receipt-nonce header must be hex, 1 to 64 bytes")
-        return Plan(root, endpoint, model, doc.get("stream") is True, body, nonce)
+        return Plan(root, endpoint, model, doc.get("stream") is True, body, nonce,
+                    request.headers.get("authorization"))
 
     def current(self, plan: Plan) -> Optional[Trusted]:
         """The evidence verified for the plan's gateway and model, if any."""
@@ -134,7 +142,8 @@ class Core:
         return httpx.Request("GET", url, headers={"accept": "application/cbor"}), nonce
 
     def accept(self, plan: Plan, status: int, body: bytes, nonce: bytes) -> Trusted:
-        """Verifies fetched evidence against each policy until one accepts it."""
+        """Verifies fetched evidence against each policy until one accepts it
+        (trusted once ``trust`` is called: after the log checks)."""
         if status != 200:
             raise EvidenceError("evidence_not_verified",
                                 f"GET /v1/attestation for {plan.model}: HTTP {status}: "
@@ -146,13 +155,15 @@ class Core:
             except EvidenceError as e:
                 why.append(f"policy {path}: {e.message}")
                 continue
-            t = Trusted(evidence, time.monotonic())
-            with self.lock:
-                self.trusted[(plan.root, plan.model)] = t
-            return t
+            return Trusted(evidence, time.monotonic())
         raise EvidenceError("evidence_not_verified",
                             f"model {plan.model}: no policy accepts the gateway's evidence: "
                             + "; ".join(why))
+
+    def trust(self, plan: Plan, trusted: Trusted) -> None:
+        """Makes verified evidence the one the plan's gateway and model seal to."""
+        with self.lock:
+            self.trusted[(plan.root, plan.model)] = trusted
 
     def seal(self, plan: Plan, trusted: Trusted, original: httpx.Request
              ) -> Tuple[httpx.Request, "_native.Sealed"]:
@@ -193,10 +204,13 @@ class Core:
     def response(self, upstream: httpx.Response, content: Union[bytes, httpx.SyncByteStream,
                                                                  httpx.AsyncByteStream],
                  content_type: str, receipt: Optional["_native.Receipt"] = None,
-                 sealed: Optional["_native.Sealed"] = None) -> httpx.Response:
+                 sealed: Optional["_native.Sealed"] = None,
+                 inclusion: Optional[bytes] = None) -> httpx.Response:
         """The plaintext response handed to the caller, with the receipt
         headers ``gateway proxy`` sets (``receipt-verified`` is ``true`` only
-        on a whole response whose receipt verified)."""
+        on a whole response whose receipt verified), the ``Receipt`` in
+        ``extensions["receipt"]`` and, where the policy required it, the
+        receipt's checked inclusion receipt in ``extensions["receipt_inclusion"]``."""
         headers = {"content-type": content_type,
                    "receipt-verified": "true" if receipt is not None else "false"}
         for k in _KEEP_FROM_UPSTREAM:
@@ -210,18 +224,22 @@ class Core:
             if receipt.digest_salt:
                 headers["receipt-digest-salt"] = receipt.digest_salt
             extensions["receipt"] = receipt
+        if inclusion is not None:
+            extensions["receipt_inclusion"] = inclusion
         if isinstance(content, bytes):
             return httpx.Response(upstream.status_code, headers=headers, content=content,
                                   extensions=extensions)
         return httpx.Response(upstream.status_code, headers=headers, stream=content,
                               extensions=extensions)
 
-    def keep(self, sealed: "_native.Sealed", receipt: "_native.Receipt", response: bytes) -> None:
-        """Keeps a verified receipt (and archives the exchange if asked)."""
+    def keep(self, sealed: "_native.Sealed", receipt: "_native.Receipt", response: bytes,
+             inclusion: Optional[bytes] = None) -> None:
+        """Keeps a verified receipt (and archives the exchange, with the
+        receipt's inclusion receipt where one was checked, if asked)."""
         with self.lock:
             self.receipts[receipt.id] = receipt
             while len(self.receipts) > self.kept:
                 self.receipts.popitem(last=False)
             self.last_receipt = receipt
         if self.archive is not None:
-            sealed.archive(str(self.archive), receipt, response)
+            sealed.archive(str(self.archive), receipt, response, inclusion)

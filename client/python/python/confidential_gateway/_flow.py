@@ -1,28 +1,85 @@
 """One sealed exchange as a generator that yields its I/O: written once,
 driven by the sync transport (``run_sync``) and the async one
 (``run_async``). It yields ``("send", request)`` for a response whose body
-is not read yet, and ``("read", response)`` for a response's whole body."""
+is not read yet, ``("read", response)`` for a response's whole body, and
+``("sleep", seconds)`` to wait before asking again."""
 
 from __future__ import annotations
 
+import time
 from contextlib import closing
-from typing import Any, Callable, Generator, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
+import anyio
 import httpx
 
 from . import _native
-from ._core import UNKNOWN_SIGNER, Core, Plan, is_sealed
-from .errors import ReceiptError
+from ._core import UNKNOWN_SIGNER, Core, Plan, Trusted, is_sealed
+from .errors import ConfidentialError, EvidenceError, ReceiptError
 
 Flow = Generator[Tuple[str, Any], Any, Any]
 
 
+def with_tiles(plan: Plan, check: Callable[[Dict[str, bytes]], Tuple[Optional[str], List[str]]],
+               fail: Callable[[str], ConfidentialError]) -> Flow:
+    """Runs a log check (``Evidence.observe_log``, ``Evidence.check_inclusion``)
+    step by step, fetching from the gateway's log the tiles it asks for;
+    returns what it found."""
+    tiles: Dict[str, bytes] = {}
+    for _ in range(_native.LOG_STEPS):
+        found, need = check(tiles)
+        if found is not None:
+            return found
+        for path in need:
+            url = f"{plan.root}/v1/transparency/{path}"
+            response = yield ("send", httpx.Request("GET", url))
+            body = yield ("read", response)
+            if response.status_code != 200:
+                raise fail(f"fetching the log's tile {url}: HTTP {response.status_code}")
+            tiles[path] = body
+    raise fail(f"the log's tiles yield no proof after {_native.LOG_STEPS} rounds of fetching")
+
+
 def attest(core: Core, plan: Plan) -> Flow:
-    """Fetches and verifies the plan's evidence; returns the ``Trusted``."""
+    """Fetches and verifies the plan's evidence and, under a log-backed
+    policy, its log checkpoint against the latest seen; returns the ``Trusted``."""
     request, nonce = core.attestation_request(plan)
     response = yield ("send", request)
     body = yield ("read", response)
-    return core.accept(plan, response.status_code, body, nonce)
+    trusted = core.accept(plan, response.status_code, body, nonce)
+    yield from with_tiles(plan, lambda t: trusted.evidence.observe_log(core.log_state, t),
+                          lambda m: EvidenceError("evidence_not_verified", f"log consistency: {m}"))
+    core.trust(plan, trusted)
+    return trusted
+
+
+def prove_logged(core: Core, plan: Plan, trusted: Trusted, receipt: "_native.Receipt") -> Flow:
+    """Under a policy that requires receipts to be logged: fetches the
+    receipt's inclusion receipt (asking again, with growing pauses, while the
+    gateway has not appended it), checks it and the tree it proves against the
+    latest checkpoint seen; returns its bytes (None when not required)."""
+    if not trusted.evidence.receipts_logged:
+        return None
+    wait, pause, longest = _native.INCLUSION_WAIT
+    url = f"{plan.root}/v1/receipts/{receipt.id}/inclusion"
+    headers = {"authorization": plan.auth} if plan.auth else {}
+    deadline = time.monotonic() + wait
+    while True:
+        response = yield ("send", httpx.Request("GET", url, headers=headers))
+        body = yield ("read", response)
+        if response.status_code == 200:
+            break
+        # A 404 without Retry-After is final: the gateway does not log receipts.
+        again = "retry-after" in response.headers or response.status_code != 404
+        if not again or time.monotonic() + pause > deadline:
+            raise ReceiptError("receipt_not_logged",
+                               _native.never_logged(f"GET {url}: HTTP {response.status_code}"))
+        yield ("sleep", pause)
+        pause = min(pause * 2, longest)
+    yield from with_tiles(
+        plan, lambda t: trusted.evidence.check_inclusion(core.log_state, receipt.cose, body, t),
+        lambda m: ReceiptError("receipt_not_logged", f"the receipt's log entry: {m}"))
+    return body
 
 
 def verified(core: Core, plan: Plan, verify: Callable[[Optional["_native.Evidence"]], Any]) -> Flow:
@@ -60,8 +117,9 @@ def exchange(core: Core, request: httpx.Request, body: bytes) -> Flow:
         if not response.is_success or not is_sealed(response):
             return core.not_success(sealed, response, body)
         plain, receipt = yield from verified(core, plan, lambda ev: sealed.open(body, ev))
-        core.keep(sealed, receipt, plain)
-        return core.response(response, plain, "application/json", receipt, sealed)
+        inclusion = yield from prove_logged(core, plan, core.current(plan) or trusted, receipt)
+        core.keep(sealed, receipt, plain, inclusion)
+        return core.response(response, plain, "application/json", receipt, sealed, inclusion)
     raise AssertionError("unreachable")
 
 
@@ -73,8 +131,14 @@ def stream_end(core: Core, plan: Plan, sealed: "_native.Sealed",
     opener.finish()
     receipt, rest = yield from verified(core, plan, opener.verify)
     if receipt is not None:
-        core.keep(sealed, receipt, opener.all)
+        trusted = core.current(plan)
+        if trusted is None:  # attested before the stream was sent: cannot happen
+            raise ReceiptError("receipt_verification_failed", "no verified evidence for this stream")
+        inclusion = yield from prove_logged(core, plan, trusted, receipt)
+        core.keep(sealed, receipt, opener.all, inclusion)
         extensions["receipt"] = receipt
+        if inclusion is not None:
+            extensions["receipt_inclusion"] = inclusion
     return rest
 
 
@@ -92,6 +156,9 @@ def run_sync(flow: Flow, inner: httpx.BaseTransport) -> Any:
     while op != "done":
         if op == "send":
             op, arg = _step(flow, inner.handle_request(arg))
+        elif op == "sleep":
+            time.sleep(arg)
+            op, arg = _step(flow, None)
         else:
             with closing(arg):
                 op, arg = _step(flow, arg.read())
@@ -104,6 +171,9 @@ async def run_async(flow: Flow, inner: httpx.AsyncBaseTransport) -> Any:
     while op != "done":
         if op == "send":
             response = await inner.handle_async_request(arg)
+        elif op == "sleep":
+            await anyio.sleep(arg)
+            response = None
         else:
             try:
                 response = await arg.aread()

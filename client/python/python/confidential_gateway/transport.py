@@ -17,6 +17,13 @@ API path (``/v1/embeddings``, ``/v1/completions``, ``/v1/chat/completions``):
    the receipt over the whole stream verified (then it is in
    ``response.extensions["receipt"]``); otherwise raise instead.
 
+Under a log-backed policy (``gateway policy pin --log-key``) each
+attestation's log checkpoint must be consistent with the latest one seen
+(``log_state``), and under one with ``receipts_logged`` an answer is handed
+out only once its receipt is proven included in the log (the RFC 9942
+inclusion receipt is then in ``response.extensions["receipt_inclusion"]``);
+otherwise ``EvidenceError`` / ``ReceiptError`` (``receipt_not_logged``).
+
 Nothing is ever sent or returned in the clear in place of a sealed exchange:
 other POSTs are refused, an unsealed or altered answer raises.
 """
@@ -36,8 +43,8 @@ from ._flow import exchange, run_async, run_sync, stream_end
 class _Base:
     def __init__(self, policies: Iterable[PathLike], *, aead: str = "aes128gcm",
                  archive: Optional[PathLike] = None, insecure_plain_http: bool = False,
-                 receipts_kept: int = 1024) -> None:
-        self._core = Core(policies, aead, archive, insecure_plain_http, receipts_kept)
+                 receipts_kept: int = 1024, log_state: Optional[PathLike] = None) -> None:
+        self._core = Core(policies, aead, archive, insecure_plain_http, receipts_kept, log_state)
 
     @property
     def receipts(self) -> Dict[str, "_native.Receipt"]:
@@ -75,6 +82,10 @@ class SealedTransport(_Base, httpx.BaseTransport):
             keep it in your own trust domain), as ``gateway proxy --archive``.
         insecure_plain_http: allow ``http://`` to a host that is not loopback.
         receipts_kept: how many verified receipts ``receipts`` keeps.
+        log_state: with log-backed policies, a file (JSON) that keeps the
+            latest transparency-log checkpoint seen, so that every later one
+            must be consistent with it across restarts too (as ``gateway
+            proxy --log-state``); without it, it is kept in memory.
     """
 
     def __init__(self, policies: Iterable[PathLike], *,
