@@ -19,7 +19,7 @@
 # Usage: scripts/build-images.sh [--tag TAG] [--prefix PREFIX] [--log DIR]
 #   TAG     image tag (default: latest)
 #   PREFIX  image name prefix (default: confidential-inference)
-#   DIR     a transparency log's folder: the stage image's release (its mock
+#   DIR     a transparency log's folder (`gateway log init`): the stage image's release (its mock
 #           measurement, layers and manifest) is appended to it with `gateway
 #           log add-release --mock`, from target/images/$TAG/build-record.json
 #           (scripts/build_record.py), so that a client can pin the images
@@ -42,7 +42,7 @@ while [[ $# -gt 0 ]]; do
     --tag) TAG="$2"; shift 2 ;;
     --prefix) PREFIX="$2"; shift 2 ;;
     --log) LOG_DIR="$2"; shift 2 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -363,6 +363,15 @@ async fn compose_pipeline_serves_and_survives_a_stage_restart() {
     // Images: static build, measurement computed here, policy baked in.
     // The stage image's release goes into a transparency log as it is built.
     let log_dir = common::temp_dir("images-log").join("log");
+    let (code, _, err) = common::cli(&[
+        "log",
+        "init",
+        "--dir",
+        common::p(&log_dir),
+        "--origin",
+        "test.example/images",
+    ]);
+    assert_eq!(code, 0, "{err}");
     let mut build = Command::new(root().join("scripts/build-images.sh"));
     build
         .args(["--tag", &p.tag, "--prefix", PREFIX])
