@@ -8,7 +8,7 @@
 //! `confidential_gateway.errors`, with the proxy's machine-readable code.
 
 use client::log_state::sans_io::{step, Step, TileCache};
-use client::log_state::{check_root, LogState as KeptCheckpoints};
+use client::log_state::LogState as KeptCheckpoints;
 use client::sealed::{self, Attested, Refused, StreamEnd, StreamOpen};
 use proto::receipt::{ReceiptBody, ReceiptTrailer, VerifyReport};
 use proto::sealing::Aead;
@@ -246,16 +246,11 @@ impl Evidence {
                 None,
             )
         };
-        let kept = state
-            .inner
-            .lock()
-            .expect("lock")
-            .verified_latest(&log.log_key)
-            .map_err(not_logged)?;
         let cache = TileCache::new(tiles);
+        let mut kept = state.inner.lock().expect("lock");
         let seen = step(
             &cache,
-            check_root(kept.as_ref(), proven.size, proven.root, &cache),
+            kept.check_root(&log.log_key, proven.size, proven.root, &cache),
         )
         .map_err(not_logged)?;
         match seen {

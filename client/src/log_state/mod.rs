@@ -49,6 +49,12 @@ pub struct SeenCheckpoint {
     pub root: Hash,
     /// The signed checkpoint note, as the log served it.
     pub note: Vec<u8>,
+    /// The largest tree beyond this checkpoint that the log signed outside
+    /// a checkpoint (an inclusion receipt's) and this client accepted,
+    /// proven to extend it: every later checkpoint must be consistent with
+    /// it too, so that a tree shown for one receipt and never published is
+    /// caught at the next attestation.
+    pub ahead: Option<(u64, Hash)>,
 }
 
 /// What [`LogState::observe`] concluded about a checkpoint it accepted.
@@ -97,11 +103,9 @@ impl std::fmt::Display for Observed {
     }
 }
 
-/// What [`check_root`] found for a root signed outside a checkpoint.
+/// What [`LogState::check_root`] found for a root signed outside a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RootSeen {
-    /// No checkpoint of this log is kept yet: nothing to compare with.
-    NothingKept,
     /// The tree is the kept checkpoint's, or proven a prefix of it.
     Covered {
         /// The tree's size.
@@ -122,14 +126,13 @@ pub enum RootSeen {
 impl std::fmt::Display for RootSeen {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            RootSeen::NothingKept => write!(f, "no checkpoint of this log kept yet to compare with"),
             RootSeen::Covered { size, kept } => write!(
                 f,
                 "the tree of size {size} is proven a prefix of the checkpoint kept at size {kept}"
             ),
             RootSeen::Ahead { size, kept } => write!(
                 f,
-                "the tree of size {size} is proven to extend the checkpoint kept at size {kept} (newer than it: not covered by that checkpoint's cosignatures yet)"
+                "the tree of size {size} is proven to extend the checkpoint kept at size {kept} (newer than it: not covered by that checkpoint's cosignatures yet; every later checkpoint must include it)"
             ),
         }
     }
@@ -249,11 +252,12 @@ impl LogState {
     ) -> Result<Observed> {
         let origin = log_origin(vkey).map_err(|e| anyhow!(e))?;
         let cp = verify_checkpoint(note, vkey, origin).context("the log's checkpoint")?;
-        let new = SeenCheckpoint {
+        let mut new = SeenCheckpoint {
             origin: origin.to_string(),
             size: cp.size(),
             root: *cp.hash(),
             note: note.to_vec(),
+            ahead: None,
         };
         let Some(old) = self.verified_kept(vkey, origin)? else {
             let size = new.size;
@@ -265,6 +269,14 @@ impl LogState {
                 return Ok(Observed::Same { size: new.size })
             }
             _ => consistent(origin, (old.size, old.root), (new.size, new.root), tiles).await?,
+        }
+        // A tree accepted beyond the kept checkpoint (an inclusion
+        // receipt's) must be in this history too; once covered it is dropped.
+        if let Some((size, root)) = old.ahead {
+            consistent(origin, (size, root), (new.size, new.root), tiles)
+                .await
+                .context("a tree an inclusion receipt showed this client earlier")?;
+            new.ahead = (size > new.size).then_some((size, root));
         }
         if new.size < old.size {
             return Ok(Observed::Older {
@@ -278,12 +290,46 @@ impl LogState {
         Ok(Observed::Grew { from, to })
     }
 
-    /// The checkpoint kept for the log whose verifier key is `vkey`,
-    /// re-verified against it (a copy, to check roots against with
-    /// [`check_root`] without holding the state).
-    pub fn verified_latest(&self, vkey: &str) -> Result<Option<SeenCheckpoint>> {
+    /// Checks a tree of `size` with `root` that the log whose verifier key
+    /// is `vkey` signed outside a checkpoint (an RFC 9942 inclusion
+    /// receipt's) against the checkpoint kept and the largest such tree
+    /// accepted before (a consistency proof from `tiles`), and remembers it
+    /// when it is the largest yet, so that every later checkpoint must
+    /// include it (saved with the state). Hold the state across the call:
+    /// two trees checked at once must also be checked against each other.
+    pub async fn check_root<T: TileSource>(
+        &mut self,
+        vkey: &str,
+        size: u64,
+        root: Hash,
+        tiles: &T,
+    ) -> Result<RootSeen> {
         let origin = log_origin(vkey).map_err(|e| anyhow!(e))?;
-        Ok(self.verified_kept(vkey, origin)?.cloned())
+        let Some(kept) = self.verified_kept(vkey, origin)?.cloned() else {
+            bail!("no checkpoint of log {origin} is kept to check the tree against (attest first)");
+        };
+        consistent(origin, (kept.size, kept.root), (size, root), tiles).await?;
+        if let Some(ahead) = kept.ahead {
+            consistent(origin, ahead, (size, root), tiles)
+                .await
+                .context("a tree an inclusion receipt showed this client earlier")?;
+        }
+        if size <= kept.size {
+            return Ok(RootSeen::Covered {
+                size,
+                kept: kept.size,
+            });
+        }
+        if kept.ahead.is_none_or(|(s, _)| size > s) {
+            self.keep(SeenCheckpoint {
+                ahead: Some((size, root)),
+                ..kept.clone()
+            })?;
+        }
+        Ok(RootSeen::Ahead {
+            size,
+            kept: kept.size,
+        })
     }
 
     /// The checkpoint kept for `origin`, re-verified against `vkey`: a
@@ -312,35 +358,6 @@ impl LogState {
         self.logs = logs;
         Ok(())
     }
-}
-
-/// Checks a tree of `size` with `root` that a log signed outside a
-/// checkpoint (an RFC 9942 inclusion receipt's) against `kept`, the
-/// checkpoint a client kept of that log ([`LogState::verified_latest`]):
-/// the two must be consistent (a proof from `tiles`), else it is a split
-/// view. Nothing is kept: a bare root carries no checkpoint (nor
-/// cosignatures).
-pub async fn check_root<T: TileSource>(
-    kept: Option<&SeenCheckpoint>,
-    size: u64,
-    root: Hash,
-    tiles: &T,
-) -> Result<RootSeen> {
-    let Some(old) = kept else {
-        return Ok(RootSeen::NothingKept);
-    };
-    consistent(&old.origin, (old.size, old.root), (size, root), tiles).await?;
-    Ok(if size <= old.size {
-        RootSeen::Covered {
-            size,
-            kept: old.size,
-        }
-    } else {
-        RootSeen::Ahead {
-            size,
-            kept: old.size,
-        }
-    })
 }
 
 /// Requires the log `origin`'s tree `new` (size, root) to be consistent
@@ -507,6 +524,7 @@ fn state_bytes(logs: &BTreeMap<String, SeenCheckpoint>) -> Result<Vec<u8>> {
                 "size": s.size,
                 "root": hex::encode(s.root.0),
                 "checkpoint": std::str::from_utf8(&s.note).context("a checkpoint note is not UTF-8")?,
+                "ahead": s.ahead.map(|(size, root)| json!({"size": size, "root": hex::encode(root.0)})),
             }))
         })
         .collect::<Result<Vec<_>>>()?;
@@ -545,11 +563,25 @@ fn parse_state(bytes: &[u8]) -> Result<BTreeMap<String, SeenCheckpoint>> {
         let note = field("checkpoint")?
             .as_str()
             .ok_or_else(|| anyhow!("logs[{i}].checkpoint is not text"))?;
+        let ahead = match l.get("ahead") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(a) => {
+                let size = a["size"].as_u64();
+                let root = hex::decode(a["root"].as_str().unwrap_or_default())
+                    .ok()
+                    .and_then(|r| <[u8; 32]>::try_from(r).ok());
+                match (size, root) {
+                    (Some(s), Some(r)) => Some((s, Hash(r))),
+                    _ => bail!("logs[{i}].ahead is not {{size, root}}"),
+                }
+            }
+        };
         let seen = SeenCheckpoint {
             origin: origin.to_string(),
             size,
             root: Hash(root),
             note: note.as_bytes().to_vec(),
+            ahead,
         };
         if logs.insert(origin.to_string(), seen).is_some() {
             bail!("log {origin} appears twice");

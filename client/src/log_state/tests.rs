@@ -347,46 +347,62 @@ fn http_tiles_prove_growth_and_refuse_a_fork() {
 }
 
 #[test]
-fn a_bare_root_is_checked_against_the_kept_checkpoint_and_not_kept() {
-    let t = tree(300, 300, "");
-    let fork = tree(260, 300, "fork");
-    let src = tiles(&t);
-    let mut state = LogState::in_memory();
-    let root = |state: &LogState, t: &HashStore, size| {
-        let kept = state.verified_latest(&vkey()).unwrap();
-        crate::transport::runtime().unwrap().block_on(check_root(
-            kept.as_ref(),
-            size,
-            t.root(size).unwrap(),
-            &src,
-        ))
+fn a_bare_root_is_checked_remembered_and_required_of_later_checkpoints() {
+    // Two branches of one log, shared for 280 records.
+    let (tx, ty) = (tree(280, 300, "x"), tree(280, 300, "y"));
+    let (sx, sy) = (tiles(&tx), tiles(&ty));
+    let path = temp_path("ahead");
+    let mut state = LogState::load(&path).unwrap();
+    let rt = crate::transport::runtime().unwrap();
+    let root = |state: &mut LogState, t: &HashStore, src: &MemTiles, size| {
+        rt.block_on(state.check_root(&vkey(), size, t.root(size).unwrap(), src))
     };
-    assert_eq!(root(&state, &t, 100).unwrap(), RootSeen::NothingKept);
-    observe(&mut state, &note(&t, 270, 1), &src).unwrap();
+    let err = root(&mut state, &tx, &sx, 100).unwrap_err();
+    assert!(format!("{err:#}").contains("no checkpoint"), "{err:#}");
+    observe(&mut state, &note(&tx, 270, 1), &sx).unwrap();
     for size in [1, 255, 256, 270] {
-        assert_eq!(
-            root(&state, &t, size).unwrap(),
-            RootSeen::Covered { size, kept: 270 }
-        );
+        let seen = root(&mut state, &tx, &sx, size).unwrap();
+        assert_eq!(seen, RootSeen::Covered { size, kept: 270 });
     }
-    // A larger tree proven from the log's tiles (those of that tree).
+    // A larger tree, proven from that tree's tiles, is remembered (not kept).
+    let seen = root(&mut state, &tx, &sx, 290).unwrap();
     assert_eq!(
-        root(&state, &t, 300).unwrap(),
+        seen,
         RootSeen::Ahead {
-            size: 300,
+            size: 290,
             kept: 270
         }
     );
+    let kept = state.latest(ORIGIN).unwrap();
     assert_eq!(
-        state.latest(ORIGIN).unwrap().size,
-        270,
-        "a root is not kept"
+        (kept.size, kept.ahead),
+        (270, Some((290, tx.root(290).unwrap())))
     );
-    // Another branch's root: a split view, whichever side is larger.
-    for size in [265, 270, 290] {
-        let err = root(&state, &fork, size).unwrap_err().to_string();
-        assert!(err.contains("split view"), "{size}: {err}");
-    }
+    // A smaller one of the same history passes and does not replace it.
+    assert_eq!(
+        root(&mut state, &tx, &sx, 285).unwrap(),
+        RootSeen::Ahead {
+            size: 285,
+            kept: 270
+        }
+    );
+    assert_eq!(state.latest(ORIGIN).unwrap().ahead.unwrap().0, 290);
+    // The other branch: a split view against the remembered tree, though
+    // it extends the kept checkpoint.
+    let err = root(&mut state, &ty, &sy, 295).unwrap_err();
+    assert!(format!("{err:#}").contains("split view"), "{err:#}");
+    // Remembered across a reload.
+    let mut state = LogState::load(&path).unwrap();
+    assert_eq!(state.latest(ORIGIN).unwrap().ahead.unwrap().0, 290);
+    // The next checkpoint must include it: the other branch is refused...
+    let err = observe(&mut state, &note(&ty, 300, 1), &sy).unwrap_err();
+    assert!(format!("{err:#}").contains("split view"), "{err:#}");
+    assert_eq!(state.latest(ORIGIN).unwrap().size, 270);
+    // ...one below it must be its prefix, and one that covers it forgets it.
+    observe(&mut state, &note(&tx, 280, 1), &sx).unwrap();
+    assert_eq!(state.latest(ORIGIN).unwrap().ahead.unwrap().0, 290);
+    observe(&mut state, &note(&tx, 300, 1), &sx).unwrap();
+    assert_eq!(state.latest(ORIGIN).unwrap().ahead, None);
 }
 
 #[test]

@@ -9,7 +9,6 @@ use super::{
     HEADER_RECEIPT_SEALING, HEADER_RECEIPT_VERIFIED, MAX_RECEIPT_HEADER, RECEIPTS_KEPT,
     SUSPECT_REATTEST_INTERVAL,
 };
-use crate::log_state::check_root;
 use crate::sealed::inclusion::{
     inclusion_path, never_logged, INCLUSION_POLL_FIRST, INCLUSION_POLL_MAX, INCLUSION_WAIT,
     NOT_LOGGED,
@@ -339,14 +338,13 @@ impl Proxy {
             tracing::error!(reason = %r.message, "receipt not proven logged: answer withheld");
         })?;
         let log = att.log.as_ref().expect("receipts_logged names a log");
-        let kept = self
-            .log
-            .state
-            .lock()
+        // Held across the check: trees checked at once are checked against
+        // each other through the one remembered.
+        let mut state = self.log.state.lock().await;
+        match state
+            .check_root(&log.log_key, proven.size, proven.root, &self.log.tiles)
             .await
-            .verified_latest(&log.log_key)
-            .map_err(|e| bad_gateway(NOT_LOGGED, format!("{e:#}")))?;
-        match check_root(kept.as_ref(), proven.size, proven.root, &self.log.tiles).await {
+        {
             Ok(seen) => {
                 tracing::debug!(
                     index = proven.index,

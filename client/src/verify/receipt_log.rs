@@ -6,7 +6,7 @@
 
 use super::{pass_or_fail, Line};
 use crate::io::read_input;
-use crate::log_state::{check_root, HttpTiles, LogState};
+use crate::log_state::{HttpTiles, LogState};
 use anyhow::{bail, Result};
 use proto::policy::Policy;
 use proto::transparency::{log_origin, verify_inclusion_receipt, ReceiptEntry};
@@ -68,10 +68,12 @@ pub(super) fn log_lines(a: &LogArgs<'_>, policy: &Policy, receipt: &[u8]) -> Res
         "receipt_not_logged",
     )];
     if let Some(state_path) = a.log_state {
-        let kept = LogState::load(state_path)?.verified_latest(&log.log_key)?;
+        // Checked against the kept checkpoint and remembered in the file
+        // when newer, as the proxy does.
+        let mut state = LogState::load(state_path)?;
         let tiles = HttpTiles::from_arg(a.log, a.transport)?;
-        let seen = crate::transport::runtime()?.block_on(check_root(
-            kept.as_ref(),
+        let seen = crate::transport::runtime()?.block_on(state.check_root(
+            &log.log_key,
             proven.size,
             proven.root,
             &tiles,

@@ -94,6 +94,11 @@ class Core:
         self.kept = receipts_kept
         self.lock = threading.Lock()
         self.trusted: Dict[Tuple[str, str], Trusted] = {}
+        # The policy that first accepted each gateway and model: a
+        # re-attestation must pass the same one (as the proxy's routes), so
+        # that a host cannot switch a model to a laxer policy by serving
+        # other evidence (e.g. one without log proofs).
+        self.pinned: Dict[Tuple[str, str], str] = {}
         self.receipts: "OrderedDict[str, _native.Receipt]" = OrderedDict()
         self.last_receipt: Optional[_native.Receipt] = None
 
@@ -149,12 +154,18 @@ class Core:
                                 f"GET /v1/attestation for {plan.model}: HTTP {status}: "
                                 f"{body[:300].decode(errors='replace')}")
         why = []
+        with self.lock:
+            pinned = self.pinned.get((plan.root, plan.model))
         for path, text in self.policies:
+            if pinned is not None and path != pinned:
+                continue
             try:
                 evidence = _native.Evidence.verify(body, text, nonce)
             except EvidenceError as e:
                 why.append(f"policy {path}: {e.message}")
                 continue
+            with self.lock:
+                self.pinned.setdefault((plan.root, plan.model), path)
             return Trusted(evidence, time.monotonic())
         raise EvidenceError("evidence_not_verified",
                             f"model {plan.model}: no policy accepts the gateway's evidence: "
