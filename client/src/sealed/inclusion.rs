@@ -7,6 +7,7 @@
 //! checkpoint they kept ([`crate::log_state::LogState::check_root`]).
 
 use super::{Attested, Refused};
+use proto::policy::LogPolicy;
 use proto::transparency::{log_origin, verify_inclusion_receipt, ProvenInclusion, ReceiptEntry};
 use std::time::Duration;
 
@@ -49,16 +50,22 @@ impl Attested {
                 "the policy names no transparency log to check a receipt's inclusion against",
             ));
         };
-        let origin = log_origin(&log.log_key).unwrap_or("?");
-        verify_inclusion_receipt(inclusion, &log.log_key, &ReceiptEntry::leaf_of(receipt)).map_err(
-            |why| {
-                Refused::new(
-                    NOT_LOGGED,
-                    format!("the receipt is not proven logged in {origin}: {why}; the response was withheld"),
-                )
-            },
-        )
+        check_logged(log, receipt, inclusion)
+            .map_err(|why| Refused::new(NOT_LOGGED, format!("{why}; the response was withheld")))
     }
+}
+
+/// Checks `inclusion`, an RFC 9942 receipt, against `log`'s key for the
+/// entry of `receipt` (its COSE_Sign1 bytes): what it proves, or why not
+/// (one message for the proxy, the Python package and `gateway verify`).
+pub fn check_logged(
+    log: &LogPolicy,
+    receipt: &[u8],
+    inclusion: &[u8],
+) -> Result<ProvenInclusion, String> {
+    let origin = log_origin(&log.log_key).unwrap_or("?");
+    verify_inclusion_receipt(inclusion, &log.log_key, &ReceiptEntry::leaf_of(receipt))
+        .map_err(|why| format!("the receipt is not proven logged in {origin}: {why}"))
 }
 
 /// The refusal of an answer whose inclusion receipt never came: `why` says

@@ -7,9 +7,10 @@
 use super::{pass_or_fail, Line};
 use crate::io::read_input;
 use crate::log_state::{HttpTiles, LogState};
+use crate::sealed::inclusion::check_logged;
 use anyhow::{bail, Result};
 use proto::policy::Policy;
-use proto::transparency::{log_origin, verify_inclusion_receipt, ReceiptEntry};
+use proto::transparency::log_origin;
 use std::path::PathBuf;
 
 /// What `gateway verify receipt` was given for the log.
@@ -43,19 +44,17 @@ pub(super) fn log_lines(a: &LogArgs<'_>, policy: &Policy, receipt: &[u8]) -> Res
     };
     let inclusion = read_input(path)?;
     let origin = log_origin(&log.log_key).unwrap_or("?");
-    let proven =
-        match verify_inclusion_receipt(&inclusion, &log.log_key, &ReceiptEntry::leaf_of(receipt)) {
-            Ok(p) => p,
-            Err(why) => {
-                let detail = format!("the receipt is not proven logged in {origin}: {why}");
-                return Ok(vec![pass_or_fail(
-                    false,
-                    "log inclusion",
-                    detail,
-                    "receipt_not_logged",
-                )]);
-            }
-        };
+    let proven = match check_logged(log, receipt, &inclusion) {
+        Ok(p) => p,
+        Err(why) => {
+            return Ok(vec![pass_or_fail(
+                false,
+                "log inclusion",
+                why,
+                "receipt_not_logged",
+            )])
+        }
+    };
     let mut out = vec![pass_or_fail(
         true,
         "log inclusion",
