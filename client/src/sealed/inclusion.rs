@@ -7,8 +7,7 @@
 //! checkpoint they kept ([`crate::log_state::LogState::check_root`]).
 
 use super::{Attested, Refused};
-use proto::policy::LogPolicy;
-use proto::transparency::{log_origin, verify_inclusion_receipt, ProvenInclusion, ReceiptEntry};
+use proto::transparency::{verify_receipt_logged, ProvenInclusion};
 use std::time::Duration;
 
 /// The refusal code of an answer whose receipt is not proven logged.
@@ -50,22 +49,9 @@ impl Attested {
                 "the policy names no transparency log to check a receipt's inclusion against",
             ));
         };
-        check_logged(log, receipt, inclusion)
+        verify_receipt_logged(&log.log_key, receipt, inclusion)
             .map_err(|why| Refused::new(NOT_LOGGED, format!("{why}; the response was withheld")))
     }
-}
-
-/// Checks `inclusion`, an RFC 9942 receipt, against `log`'s key for the
-/// entry of `receipt` (its COSE_Sign1 bytes): what it proves, or why not
-/// (one message for the proxy, the Python package and `gateway verify`).
-pub fn check_logged(
-    log: &LogPolicy,
-    receipt: &[u8],
-    inclusion: &[u8],
-) -> Result<ProvenInclusion, String> {
-    let origin = log_origin(&log.log_key).unwrap_or("?");
-    verify_inclusion_receipt(inclusion, &log.log_key, &ReceiptEntry::leaf_of(receipt))
-        .map_err(|why| format!("the receipt is not proven logged in {origin}: {why}"))
 }
 
 /// The refusal of an answer whose inclusion receipt never came: `why` says

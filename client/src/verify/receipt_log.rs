@@ -7,10 +7,10 @@
 use super::{pass_or_fail, Line};
 use crate::io::read_input;
 use crate::log_state::{HttpTiles, LogState};
-use crate::sealed::inclusion::check_logged;
+
 use anyhow::{bail, Result};
 use proto::policy::Policy;
-use proto::transparency::log_origin;
+use proto::transparency::{log_origin, verify_receipt_logged};
 use std::path::PathBuf;
 
 /// What `gateway verify receipt` was given for the log.
@@ -44,7 +44,7 @@ pub(super) fn log_lines(a: &LogArgs<'_>, policy: &Policy, receipt: &[u8]) -> Res
     };
     let inclusion = read_input(path)?;
     let origin = log_origin(&log.log_key).unwrap_or("?");
-    let proven = match check_logged(log, receipt, &inclusion) {
+    let proven = match verify_receipt_logged(&log.log_key, receipt, &inclusion) {
         Ok(p) => p,
         Err(why) => {
             return Ok(vec![pass_or_fail(

@@ -10,7 +10,7 @@
 //! size can be compared with a (witnessed) checkpoint.
 
 use super::note_key::{parse_verifier_key, ALG_ED25519};
-use super::Hash;
+use super::{log_origin, Hash};
 use ciborium::Value;
 use coset::{iana, CoseSign1, CoseSign1Builder, HeaderBuilder, Label, TaggedCborSerializable};
 use ed25519_dalek::{Signer as _, SigningKey};
@@ -187,6 +187,19 @@ pub fn verify_inclusion_receipt(
     })
     .map_err(|_| format!("the receipt is not signed by log {origin}'s key over the proven root"))?;
     Ok(ProvenInclusion { size, index, root })
+}
+
+/// Checks `inclusion`, an RFC 9942 receipt, against the log whose verifier
+/// key is `vkey` for the receipt entry of `receipt` (its COSE_Sign1 bytes):
+/// what it proves, or why not, in the one message every client gives.
+pub fn verify_receipt_logged(
+    vkey: &str,
+    receipt: &[u8],
+    inclusion: &[u8],
+) -> Result<ProvenInclusion, String> {
+    let origin = log_origin(vkey).unwrap_or("?");
+    verify_inclusion_receipt(inclusion, vkey, &super::ReceiptEntry::leaf_of(receipt))
+        .map_err(|why| format!("the receipt is not proven logged in {origin}: {why}"))
 }
 
 #[cfg(test)]

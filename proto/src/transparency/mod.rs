@@ -25,7 +25,8 @@ pub use checkpoint::{
     sign_checkpoint, signer_key, verifier_key, verify_checkpoint, CheckpointError,
 };
 pub use cose_receipt::{
-    root_from_inclusion, sign_inclusion_receipt, verify_inclusion_receipt, ProvenInclusion,
+    root_from_inclusion, sign_inclusion_receipt, verify_inclusion_receipt, verify_receipt_logged,
+    ProvenInclusion,
 };
 pub use cosignature::{
     add_cosignatures, cosigner_key, note_text, parse_cosigner_key, verify_cosignatures,
